@@ -1,0 +1,307 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Progress of layer-wise KV pushes on the prefill side: pure bookkeeping.
+
+No I/O, no threads, no vLLM imports: every decision of the layer-wise push
+lives here so it can be unit-tested without an engine. The worker glue
+(layerwise_worker.py) calls it under one lock and executes the WriteOps it
+returns with the transfer engine.
+
+Vocabulary
+- slot: one registered KV tensor of the prefill instance (a layer's K or V half
+  on split layouts, a whole layer otherwise). Both instances run the same model,
+  so slot i on P corresponds to slot i on D.
+- ready[slot]: how many of the request's blocks hold final KV in that slot.
+  A block is final once every token of it is computed; the last, partial block
+  is final when the prompt's last chunk is computed.
+- issued[slot] / written[slot]: blocks handed to the writer / confirmed written.
+- destination: D's transfer-engine session, KV base addresses and the block
+  ids D allocated for the request. It may arrive before, during or after P's
+  prefill; whatever is ready by then is issued at once, the rest as computed.
+
+Each transfer ends exactly once: completed (every slot written up to the last
+block) or failed (abort, expiry, a write error, an inconsistent destination).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class TransferState(str, Enum):
+    ACTIVE = "active"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Destination:
+    session: str  # "host:rpc_port" of D's transfer engine
+    base_addrs: list[int]  # D's KV base address per slot
+    block_ids: list[int]  # D's blocks for the request (the prompt's tail if D had a prefix hit)
+
+
+@dataclass(frozen=True)
+class WriteOp:
+    """Write blocks src_blocks[i] of slot `slot` on P to dst_blocks[i] on D."""
+
+    transfer_id: str
+    session: str
+    slot: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    dst_base_addr: int
+    first_block: int  # index (in the request) of src_blocks[0]
+    epoch: int  # bumped when P re-allocates the request's blocks (preemption)
+
+
+@dataclass
+class Transfer:
+    transfer_id: str
+    p_req_id: str
+    prompt_len: int
+    block_size: int
+    num_slots: int
+    block_ids: list[int] = field(default_factory=list)
+    step_target: int = 0  # blocks final once the current step's layers are done
+    ready: list[int] = field(default_factory=list)
+    issued: list[int] = field(default_factory=list)
+    written: list[int] = field(default_factory=list)
+    destination: Destination | None = None
+    state: TransferState = TransferState.ACTIVE
+    error: str | None = None
+    epoch: int = 0
+    request_finished: bool = False  # P's scheduler is done with the request
+
+    def __post_init__(self):
+        self.ready = [0] * self.num_slots
+        self.issued = [0] * self.num_slots
+        self.written = [0] * self.num_slots
+
+    @property
+    def total_blocks(self) -> int:
+        return math.ceil(self.prompt_len / self.block_size)
+
+    @property
+    def skip_blocks(self) -> int:
+        """Leading blocks D already holds (prefix hit on D): never sent."""
+        assert self.destination is not None
+        return self.total_blocks - len(self.destination.block_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.state is not TransferState.ACTIVE
+
+
+class LayerwiseTracker:
+    """All layer-wise transfers of one prefill worker."""
+
+    def __init__(self, num_slots: int, block_size: int):
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self.transfers: dict[str, Transfer] = {}
+        self._step: list[str] = []  # transfers computed by the current forward step
+        self._finished: list[Transfer] = []  # ended, not yet collected
+        # D's addresses that arrived before P's scheduler announced the transfer.
+        self._pending: dict[str, Destination] = {}
+
+    # ---- prefill side events -------------------------------------------------
+    def begin_step(self, steps: list[tuple[str, str, list[int], int, int]]) -> list[WriteOp]:
+        """A forward step starts. steps: (transfer_id, p_req_id, block_ids,
+        computed_after_step, prompt_len) for each layer-wise request it computes.
+
+        block_ids is the request's whole block list as of this step. If it no
+        longer extends the list known so far, P re-allocated the request
+        (preemption): progress restarts; D's blocks are simply rewritten with the
+        same content.
+        """
+        self._step = []
+        ops: list[WriteOp] = []
+        for transfer_id, p_req_id, block_ids, computed, prompt_len in steps:
+            t = self._get_or_create(transfer_id, p_req_id, prompt_len)
+            if t.done:
+                continue
+            if block_ids[: len(t.block_ids)] != t.block_ids:
+                t.epoch += 1
+                t.ready = [0] * self.num_slots
+                t.issued = [0] * self.num_slots
+                t.written = [0] * self.num_slots
+            t.block_ids = list(block_ids)
+            if computed >= t.prompt_len:
+                t.step_target = t.total_blocks
+            else:
+                t.step_target = computed // self.block_size
+            t.step_target = min(t.step_target, len(t.block_ids))
+            self._step.append(transfer_id)
+            ops += self._attach_pending(t)
+        return ops
+
+    def layer_computed(self, slots: list[int]) -> list[WriteOp]:
+        """The current step finished computing the KV of these slots (one layer)."""
+        ops: list[WriteOp] = []
+        for transfer_id in self._step:
+            t = self.transfers.get(transfer_id)
+            if t is None or t.done:
+                continue
+            for s in slots:
+                t.ready[s] = max(t.ready[s], t.step_target)
+            ops += self._issue(t, slots)
+        return ops
+
+    def set_destination(self, transfer_id: str, dest: Destination) -> list[WriteOp]:
+        """D's addresses arrived: issue everything computed so far.
+
+        If P's scheduler has not announced the transfer yet (D was faster), the
+        destination waits until it does.
+        """
+        t = self.transfers.get(transfer_id)
+        if t is None:
+            if transfer_id in self._pending:
+                return []  # a duplicate; the first one stands
+            self._pending[transfer_id] = dest
+            return []
+        if t.done:
+            return []
+        if t.destination is not None:
+            self._fail(t, "a second destination arrived for the same transfer")
+            return []
+        if len(dest.base_addrs) != self.num_slots:
+            self._fail(t, f"destination has {len(dest.base_addrs)} KV tensors, this instance "
+                          f"{self.num_slots}: the two instances must run the same model")
+            return []
+        if len(dest.block_ids) > t.total_blocks:
+            self._fail(t, f"destination expects {len(dest.block_ids)} blocks, the prompt has "
+                          f"{t.total_blocks}")
+            return []
+        t.destination = dest
+        ops = self._issue(t, list(range(self.num_slots)))
+        self._maybe_complete(t)
+        return ops
+
+    def writes_done(self, ops: list[WriteOp], ok: bool, error: str | None = None) -> None:
+        """The writer finished these ops (all or nothing)."""
+        for op in ops:
+            t = self.transfers.get(op.transfer_id)
+            if t is None or t.done or op.epoch != t.epoch:
+                continue
+            if not ok:
+                self._fail(t, error or "transfer engine write failed")
+                continue
+            end = op.first_block + len(op.src_blocks)
+            t.written[op.slot] = max(t.written[op.slot], end)
+            self._maybe_complete(t)
+
+    def request_finished(self, transfer_id: str, p_req_id: str, block_ids: list[int],
+                         prompt_len: int) -> list[WriteOp]:
+        """P's scheduler finished the request normally: its whole prompt is computed.
+
+        Every block is final in every slot. For a transfer that was never pushed
+        layer by layer (a prompt under the layer-wise threshold) this issues the
+        whole KV at once: the post-hoc path.
+        """
+        t = self._get_or_create(transfer_id, p_req_id, prompt_len)
+        t.request_finished = True
+        if t.done:
+            return []
+        if block_ids[: len(t.block_ids)] != t.block_ids:
+            t.epoch += 1
+            t.issued = [0] * self.num_slots
+            t.written = [0] * self.num_slots
+        t.block_ids = list(block_ids)
+        final = min(t.total_blocks, len(t.block_ids))
+        t.ready = [final] * self.num_slots
+        if t.destination is None:
+            return self._attach_pending(t)
+        ops = self._issue(t, list(range(self.num_slots)))
+        self._maybe_complete(t)
+        return ops
+
+    def release(self, transfer_id: str, p_req_id: str, prompt_len: int) -> None:
+        """P's request ended without completing (abort): nothing more to send; its
+        blocks can be released once the transfer has ended (see pop_finished)."""
+        t = self._get_or_create(transfer_id, p_req_id, prompt_len)
+        t.request_finished = True
+        if not t.done:
+            self._fail(t, "the request ended on the prefill instance")
+
+    def fail(self, transfer_id: str, reason: str) -> None:
+        """Abort or expiry: stop issuing; the transfer ends failed (if not ended yet).
+
+        A destination still waiting for the transfer to be announced ends failed
+        too, so whoever serves D answers at once instead of timing out.
+        """
+        pending = self._pending.pop(transfer_id, None)
+        t = self.transfers.get(transfer_id)
+        if t is None and pending is not None:
+            t = self._get_or_create(transfer_id, "", 0)
+            t.destination = pending
+        if t is not None:
+            self._fail(t, reason)
+
+    # ---- results -------------------------------------------------------------
+    def pop_finished(self) -> list[Transfer]:
+        """Transfers that ended since the last call; each is returned exactly once.
+
+        An ended transfer stays known (so late steps of its request cannot
+        restart it) until forget() is called for it.
+        """
+        out, self._finished = self._finished, []
+        return out
+
+    def forget(self, transfer_id: str) -> None:
+        """Drop all state of a transfer (P's request is gone)."""
+        self.transfers.pop(transfer_id, None)
+        self._pending.pop(transfer_id, None)
+        if transfer_id in self._step:
+            self._step.remove(transfer_id)
+
+    def get(self, transfer_id: str) -> Transfer | None:
+        return self.transfers.get(transfer_id)
+
+    # ---- internals -----------------------------------------------------------
+    def _get_or_create(self, transfer_id: str, p_req_id: str, prompt_len: int) -> Transfer:
+        t = self.transfers.get(transfer_id)
+        if t is None:
+            t = Transfer(transfer_id, p_req_id, prompt_len, self.block_size, self.num_slots)
+            self.transfers[transfer_id] = t
+        return t
+
+    def _attach_pending(self, t: Transfer) -> list[WriteOp]:
+        dest = self._pending.pop(t.transfer_id, None)
+        return [] if dest is None else self.set_destination(t.transfer_id, dest)
+
+    def _issue(self, t: Transfer, slots: list[int]) -> list[WriteOp]:
+        if t.destination is None or t.done:
+            return []
+        skip = t.skip_blocks
+        ops = []
+        for s in slots:
+            start = max(t.issued[s], skip)
+            end = t.ready[s]
+            if end <= start:
+                continue
+            src = t.block_ids[start:end]
+            dst = t.destination.block_ids[start - skip:end - skip]
+            ops.append(WriteOp(t.transfer_id, t.destination.session, s, tuple(src), tuple(dst),
+                               t.destination.base_addrs[s], start, t.epoch))
+            t.issued[s] = end
+        # Slots fully skipped (D holds everything) count as written.
+        for s in slots:
+            if t.written[s] < skip:
+                t.written[s] = min(skip, t.total_blocks)
+        return ops
+
+    def _maybe_complete(self, t: Transfer) -> None:
+        if t.done or t.destination is None:
+            return
+        if all(w >= t.total_blocks for w in t.written):
+            t.state = TransferState.COMPLETED
+            self._finished.append(t)
+
+    def _fail(self, t: Transfer, reason: str) -> None:
+        if t.done:
+            return
+        t.state = TransferState.FAILED
+        t.error = reason
+        self._finished.append(t)

@@ -1,0 +1,271 @@
+"""Start vLLM instances with MooncakeConnector and always tear them down.
+
+Used by the integration tests and the microbenchmarks:
+
+    specs = [InstanceSpec("prefill", role="kv_producer", model=m, cores="0"),
+             InstanceSpec("decode", role="kv_consumer", model=m, cores="1")]
+    with Cluster(specs, log_dir=Path("results/logs")) as cluster:
+        p, d = cluster["prefill"], cluster["decode"]
+        ...
+
+Each instance is a `vllm serve` process in its own process group with its log
+in a file. Start-up waits for /health with a timeout; a failure raises an error
+that carries the tail of the failing instance's log. Tear-down (on exit,
+exception, Ctrl-C, SIGTERM or interpreter exit) terminates every process group,
+escalating to SIGKILL, so no instance outlives its owner.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.runtime_env import vllm_env
+
+DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("VMP_STARTUP_TIMEOUT_S", "300"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class InstanceSpec:
+    """One vLLM instance. role: kv_producer, kv_consumer, kv_both, or None (no connector)."""
+
+    name: str
+    model: str
+    role: str | None = None
+    port: int = 0  # 0: pick a free port
+    bootstrap_port: int = 0  # 0: pick a free port (producers and kv_both only)
+    protocol: str = "tcp"
+    kv_cache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
+    cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-1"
+    max_model_len: int = 16384
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    dtype: str = "float32"
+    enable_prefix_caching: bool = True
+    extra_args: list[str] = field(default_factory=list)
+    extra_config: dict = field(default_factory=dict)  # kv_connector_extra_config
+    env: dict[str, str] = field(default_factory=dict)
+
+    def kv_transfer_config(self) -> dict | None:
+        if self.role is None:
+            return None
+        return {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": self.role,
+            "kv_connector_extra_config": {"mooncake_protocol": self.protocol, **self.extra_config},
+        }
+
+
+class InstanceStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class Instance:
+    spec: InstanceSpec
+    port: int
+    bootstrap_port: int | None
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def bootstrap_url(self) -> str:
+        if self.bootstrap_port is None:
+            raise ValueError(f"instance {self.spec.name} has no bootstrap server")
+        return f"http://127.0.0.1:{self.bootstrap_port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def command(self) -> list[str]:
+        s = self.spec
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", s.model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+            "--enforce-eager", "--disable-uvicorn-access-log",
+        ]
+        cmd.append("--enable-prefix-caching" if s.enable_prefix_caching else "--no-enable-prefix-caching")
+        if s.max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+        if s.max_num_seqs:
+            cmd += ["--max-num-seqs", str(s.max_num_seqs)]
+        if (kvc := s.kv_transfer_config()) is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kvc)]
+        return cmd + list(s.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        s = self.spec
+        over = {"VLLM_CPU_KVCACHE_SPACE": str(int(s.kv_cache_gib))}
+        if s.cores is not None:
+            over["VLLM_CPU_OMP_THREADS_BIND"] = s.cores
+        if self.bootstrap_port is not None:
+            over["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
+        over.update(s.env)
+        return vllm_env(**over)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        log.write("# " + " ".join(self.command()) + "\n")
+        log.flush()
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.environment(), start_new_session=True,
+        )
+        log.close()
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise InstanceStartError(
+                    f"vLLM instance '{self.spec.name}' exited with code {self.proc.returncode} "
+                    f"during start-up (log: {self.log_path}). Last lines:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        raise InstanceStartError(
+            f"vLLM instance '{self.spec.name}' not healthy after "
+            f"{DEFAULT_STARTUP_TIMEOUT_S:.0f}s (log: {self.log_path}). Last lines:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # the group may hold children (EngineCore) even after the parent exits
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+_LIVE: set[Cluster] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _stop_all() -> None:
+    with _LIVE_LOCK:
+        clusters = list(_LIVE)
+    for c in clusters:
+        c.stop()
+
+
+atexit.register(_stop_all)
+
+
+def _install_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        prev = signal.getsignal(sig)
+
+        def handler(signum, frame, prev=prev):
+            _stop_all()
+            if callable(prev):
+                prev(signum, frame)
+            else:
+                raise SystemExit(128 + signum)
+
+        if getattr(prev, "_vmp", False):
+            continue
+        handler._vmp = True  # type: ignore[attr-defined]
+        signal.signal(sig, handler)
+
+
+class Cluster:
+    """A set of vLLM instances started together; a context manager."""
+
+    def __init__(self, specs: list[InstanceSpec], log_dir: Path,
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"instance names must be unique: {names}")
+        self.startup_timeout_s = startup_timeout_s
+        self.instances: dict[str, Instance] = {}
+        for s in specs:
+            boot = None
+            if s.role in ("kv_producer", "kv_both"):
+                boot = s.bootstrap_port or free_port()
+            self.instances[s.name] = Instance(
+                spec=s, port=s.port or free_port(), bootstrap_port=boot,
+                log_path=Path(log_dir) / f"{s.name}.log",
+            )
+
+    def __getitem__(self, name: str) -> Instance:
+        return self.instances[name]
+
+    def start(self) -> Cluster:
+        _install_signal_handlers()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        t0 = time.monotonic()
+        try:
+            for inst in self.instances.values():
+                inst.start()
+            deadline = t0 + self.startup_timeout_s
+            for inst in self.instances.values():
+                inst.wait_ready(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        print(f"[launcher] {', '.join(self.instances)} ready in {time.monotonic() - t0:.0f}s",
+              flush=True)
+        return self
+
+    def stop(self) -> None:
+        for inst in self.instances.values():
+            inst.stop()
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

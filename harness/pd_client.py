@@ -1,0 +1,152 @@
+"""A small client for the disaggregated prefill -> decode flow over MooncakeConnector.
+
+The flow is upstream's (examples/online_serving/disaggregated_serving/
+mooncake_connector): the prefill instance P gets the prompt with
+``{"do_remote_decode": true, "transfer_id": X}`` and ``max_tokens=1``; the
+decode instance D gets it with ``{"do_remote_prefill": true,
+"remote_bootstrap_addr": P's bootstrap server, "remote_engine_id": P's engine,
+"transfer_id": X}``; both are sent at once. D pulls the KV from P through the
+bootstrap server, ZMQ and the transfer engine, then decodes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class RequestFailed(RuntimeError):
+    pass
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    try:
+        r = httpx.post(url, json=body, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise RequestFailed(f"POST {url} failed: {e!r}") from e
+    if r.status_code != 200:
+        raise RequestFailed(f"POST {url} returned {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+def model_name(base_url: str, timeout: float = 30.0) -> str:
+    r = httpx.get(base_url + "/v1/models", timeout=timeout)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def engine_id(bootstrap_url: str, timeout: float = 30.0) -> str:
+    """The engine id of the prefill instance, from its Mooncake bootstrap server."""
+    r = httpx.get(bootstrap_url + "/query", timeout=timeout)
+    r.raise_for_status()
+    entries = r.json()
+    if not entries:
+        raise RequestFailed(f"{bootstrap_url}/query: no worker registered yet")
+    return next(iter(entries.values()))["engine_id"]
+
+
+@dataclass
+class Completion:
+    """What one /v1/completions call returned, reduced to what the checks use."""
+
+    token_ids: list[int]
+    logprobs: list[dict[str, float]]  # per generated token: top-k token -> logprob
+    token_logprobs: list[float]
+    prompt_tokens: int
+    cached_tokens: int | None
+    kv_transfer_params: dict | None
+    latency_s: float
+    raw: dict = field(repr=False, default_factory=dict)
+
+
+def complete(
+    base_url: str,
+    prompt: list[int] | str,
+    *,
+    max_tokens: int = 8,
+    logprobs: int | None = 5,
+    kv_transfer_params: dict | None = None,
+    cache_salt: str | None = None,
+    model: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Completion:
+    body: dict[str, Any] = {
+        "model": model or model_name(base_url),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    t0 = time.perf_counter()
+    out = _post(base_url + "/v1/completions", body, timeout)
+    latency = time.perf_counter() - t0
+    choice = out["choices"][0]
+    lp = choice.get("logprobs") or {}
+    usage = out.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return Completion(
+        token_ids=list(choice.get("token_ids") or []),
+        logprobs=list(lp.get("top_logprobs") or []),
+        token_logprobs=list(lp.get("token_logprobs") or []),
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=details.get("cached_tokens"),
+        kv_transfer_params=out.get("kv_transfer_params"),
+        latency_s=latency,
+        raw=out,
+    )
+
+
+@dataclass
+class PDResult:
+    prefill: Completion
+    decode: Completion
+    transfer_id: str
+    total_s: float
+
+
+def pd_generate(
+    p_url: str,
+    p_bootstrap_url: str,
+    d_url: str,
+    prompt: list[int] | str,
+    *,
+    max_tokens: int = 8,
+    logprobs: int | None = 5,
+    transfer_id: str | None = None,
+    extra_decode_params: dict | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> PDResult:
+    """Prefill on P and decode on D, both requests sent at once (as upstream's proxy)."""
+    transfer_id = transfer_id or f"xfer-{uuid.uuid4().hex}"
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    d_params = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_bootstrap_addr": p_bootstrap_url,
+        "remote_engine_id": engine_id(p_bootstrap_url),
+        "transfer_id": transfer_id,
+        **(extra_decode_params or {}),
+    }
+    p_model, d_model = model_name(p_url), model_name(d_url)
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(2) as pool:
+        fp = pool.submit(complete, p_url, prompt, max_tokens=1, logprobs=None,
+                         kv_transfer_params=p_params, model=p_model, timeout=timeout)
+        fd = pool.submit(complete, d_url, prompt, max_tokens=max_tokens, logprobs=logprobs,
+                         kv_transfer_params=d_params, model=d_model, timeout=timeout)
+        prefill, decode = fp.result(), fd.result()
+    return PDResult(prefill, decode, transfer_id, time.perf_counter() - t0)

@@ -1,0 +1,82 @@
+"""Shared pieces of the microbenchmarks: prompts, machine facts, JSON + table output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from harness.model import SPECIAL_TOKENS
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RESULTS_DIR = PROJECT_ROOT / "results"
+
+
+class PromptSource:
+    """Fresh random token-id prompts: every call gives a prompt no cache has seen."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.low = len(SPECIAL_TOKENS)
+        self.high = vocab_size - 1
+        self.rng = random.Random(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        return [self.rng.randint(self.low, self.high) for _ in range(n)]
+
+
+def machine_info() -> dict:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+    }
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() in ("Model name", "Vendor ID"):
+                info[key.strip().lower().replace(" ", "_")] = val.strip()
+            if key.strip() == "Flags":
+                info["avx512"] = "avx512f" in val.split()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return info
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec)."""
+    head = [h for _, h, _ in columns]
+    body = []
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            cells.append("-" if v is None else format(v, fmt) if fmt else str(v))
+        body.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(c) for c in body])
+
+
+def stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")

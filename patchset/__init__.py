@@ -1,0 +1,26 @@
+"""Patch-set manager for the pinned vLLM tree (driven by ``build.py``).
+
+Layout, one concern per module:
+
+- ``gitrepo``: project-agnostic git mechanics (separate git dir, commits,
+  format-patch export). Knows nothing about vLLM or about our policies.
+- ``series``: quilt ``series`` files and mail-style patch files (header + diff).
+- ``headers``: the header policy (Subject, a body saying why, Upstream-Status).
+- ``exactapply``: zero-fuzz, zero-offset hunk validation and application.
+- ``upstream``: the manifest (``patches/upstream.toml``), sdist fetch, sha256
+  verification, unpacking and reading members straight from the tarball.
+- ``overlay``: our own new files placed into the tree and copied back.
+- ``state``: what ``apply`` recorded in the tree's git dir.
+- ``project``: where things are in a project checkout.
+- ``tree``: the managed tree: baseline, apply, analysis of edits, reset.
+- ``export``: the tree's commits back to patch files, overlay copied back.
+- ``status``: what ``build.py status`` reports, as data.
+- ``check``: the CI check (static + in-memory zero-fuzz apply on the tarball).
+- ``commands``: the subcommands behind ``build.py`` (printing, exit codes).
+"""
+
+import os
+
+# Let GitPython import even when git is missing, so commands that do not need
+# git (check) still run and the others can say what is wrong.
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")

@@ -1,0 +1,163 @@
+"""The subcommands behind ``build.py``: run, print, return an exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from . import upstream
+from .check import run_check
+from .errors import EXIT_OK, EXIT_PROBLEMS
+from .export import export
+from .gitrepo import git_version
+from .project import Project
+from .status import compute_status
+from .tree import Tree, load_patches
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def fetch(project: Project) -> int:
+    upstream.fetch(project.manifest, say)
+    return EXIT_OK
+
+
+def apply(project: Project, *, force: bool) -> int:
+    git_version()
+    tree = Tree(project)
+    tree.check_layout()
+    patches = load_patches(project)  # refuse a broken series before touching the tree
+    if not tree.present():
+        tree.create_baseline(upstream.fetch(project.manifest, say), say)
+    tree.apply(patches, force=force, say=say)
+    return EXIT_OK
+
+
+def reset(project: Project, *, force: bool) -> int:
+    git_version()
+    tree = Tree(project)
+    tree.check_layout()
+    if not tree.present():
+        tree.create_baseline(upstream.fetch(project.manifest, say), say)
+        say(f"{project.rel(tree.path)} is the pristine tree")
+        return EXIT_OK
+    tree.reset(force=force, say=say)
+    return EXIT_OK
+
+
+def export_(project: Project, *, force: bool) -> int:
+    git_version()
+    tree = Tree(project)
+    tree.check_layout()
+    if not tree.present():
+        say(
+            f"{project.rel(tree.path)} does not exist; run `python build.py apply` first"
+        )
+        return EXIT_PROBLEMS
+    export(tree, force=force, say=say)
+    return EXIT_OK
+
+
+def status(project: Project, *, as_json: bool) -> int:
+    if (project.tree).is_dir():
+        git_version()
+    data = compute_status(project)
+    code = EXIT_OK if data["in_sync"] else EXIT_PROBLEMS
+    if as_json:
+        print(json.dumps({**data, "exit_code": code}, indent=2))
+    else:
+        print(render_status(data))
+    return code
+
+
+def check(project: Project, *, as_json: bool) -> int:
+    result = run_check(project)
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2))
+        return result.exit_code
+    for problem in result.problems:
+        print(f"problem [{problem.kind}]: {problem.message}")
+    if result.unchecked:
+        print(
+            f"not checked (after the first patch that does not apply): {', '.join(result.unchecked)}"
+        )
+    if result.cannot_run:
+        print(f"error: {result.cannot_run}", file=sys.stderr)
+    elif result.problems:
+        print(f"check: {len(result.problems)} problems")
+    else:
+        print(
+            f"check: ok: {len(result.applied)} patches apply to the pristine "
+            f"{project.manifest.name} {project.manifest.version} with zero fuzz; "
+            "headers, series and overlay are fine"
+        )
+    return result.exit_code
+
+
+_HINTS = {
+    "changed": "patch file changed since it was applied: run apply",
+    "pending": "not applied: run apply",
+    "missing": "listed in the series but the file does not exist",
+    "applied, file missing": "applied, but the file is gone from patches/",
+}
+
+
+def render_status(data: dict) -> str:
+    up, tree = data["upstream"], data["tree"]
+    lines = [
+        f"upstream: {up['name']} {up['version']}, sdist {up['sdist']} ({up['sdist_state']})",
+    ]
+    if not tree["present"]:
+        lines.append(
+            f"tree:     {tree['path']} is not there: run `python build.py apply`"
+        )
+    else:
+        note = (
+            ""
+            if tree.get("built_from_pinned_sdist", True)
+            else " (built from another sdist: run apply)"
+        )
+        lines.append(
+            f"tree:     {tree['path']} (git dir {tree['git_dir']}), HEAD {(tree.get('head') or '')[:12]}{note}"
+        )
+    for problem in data["series_problems"]:
+        lines.append(f"series:   {problem}")
+    rows = data["patches"]
+    applied = sum(1 for r in rows if r["state"] == "applied")
+    lines.append(f"patches:  {applied} of {len(rows)} applied")
+    for r in rows:
+        hint = _HINTS.get(r["state"])
+        lines.append(
+            f"  {r['state']:<8} {r['name']}  {r.get('subject') or ''}"
+            + (f"  ({hint})" if hint else "")
+        )
+    for r in data["removed"]:
+        lines.append(
+            f"  removed  {r['name']}  (applied, no longer in the series: run apply)"
+        )
+    if data["out_of_order"]:
+        lines.append("  the applied order differs from the series: run apply")
+    ov = data["overlay"]
+    if tree["present"]:
+        if not ov["placed"]:
+            lines.append("overlay:  not placed (run apply)")
+        elif ov["in_sync"]:
+            lines.append("overlay:  in sync with the repo folders")
+        else:
+            if ov["repo_changed"]:
+                lines.append(
+                    f"overlay:  changed in the repo, not yet in the tree (run apply): {', '.join(ov['repo_changed'])}"
+                )
+            if ov["tree_edited"]:
+                lines.append(
+                    f"overlay:  edited in the tree, not copied back (run export): {', '.join(ov['tree_edited'])}"
+                )
+    if data["uncaptured"]:
+        lines.append("uncaptured edits (no patch holds them):")
+        lines += [f"  {e['path']}  ({e['why']})" for e in data["uncaptured"]]
+    elif tree["present"]:
+        lines.append("uncaptured edits: none")
+    lines.append("status: in sync" if data["in_sync"] else "status: out of sync")
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""Export (refresh): the tree's commits back to ``patches/`` and the overlay folders.
+
+Each commit between the pristine tag and HEAD (the overlay commit aside)
+becomes ``NNNN-slug.patch`` through ``git format-patch`` with deterministic
+options, normalised by ``series.canonical_patch``. Overlay paths are left
+out of the patches; overlay files are copied back to their repo folders
+instead. Files are only rewritten when their bytes change, so apply followed
+by export is a no-op on a clean series.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import overlay, state
+from .errors import ProblemsFound
+from .series import (
+    canonical_patch,
+    parse_patch,
+    patch_file_name,
+    render_series,
+    sha256_bytes,
+)
+from .tree import Analysis, Say, Tree
+
+
+@dataclass
+class ExportResult:
+    written: list[str] = field(default_factory=list)  # patch files whose bytes changed
+    unchanged: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    series_changed: bool = False
+    overlay_copied: list[str] = field(default_factory=list)
+    overlay_removed: list[str] = field(default_factory=list)
+
+
+def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
+    project = tree.project
+    overlays = project.manifest.overlays
+    analysis = tree.analyse()
+    st = analysis.state
+    if not analysis.on_pristine:
+        raise ProblemsFound(
+            f"refusing to export: HEAD of {project.rel(tree.path)} is not based on the "
+            "pristine tag; check the tree's history with "
+            f"`{project.git_cmd()} log --oneline`"
+        )
+    dirty = [e for e in tree.repo.status() if e.path not in analysis.overlay_paths]
+    if dirty:
+        listing = "\n".join(
+            f"  {e.path}  ({'untracked' if e.untracked else e.code.strip()})"
+            for e in dirty
+        )
+        raise ProblemsFound(
+            f"refusing to export: {project.rel(tree.path)} has uncommitted edits:\n{listing}\n"
+            "export writes patches from commits only. Commit them in the tree first: "
+            f"`{project.git_cmd()} add -A && {project.git_cmd()} commit` (subject, a body "
+            "saying why, an Upstream-Status: line), or amend the commit of the patch they "
+            "belong to; then run `python build.py export` again."
+        )
+    merges = [c for c in analysis.chain if tree.repo.parent_count(c) > 1]
+    if merges:
+        raise ProblemsFound(
+            "refusing to export: merge commits cannot become patches: "
+            + ", ".join(c[:12] for c in merges)
+        )
+
+    old_series = project.series()
+    if not force:
+        stale = _stale_inputs(tree, analysis, old_series.names)
+        if stale:
+            raise ProblemsFound(
+                "refusing to export: patches/ or the overlay folders hold changes the "
+                "tree does not have; export would overwrite or drop them:\n"
+                + "\n".join(f"  {s}" for s in stale)
+                + "\nRun `python build.py apply` first (to build them into the tree), or "
+                "`python build.py export --force` to overwrite them."
+            )
+
+    result = ExportResult()
+    exclude = sorted(analysis.overlay_paths)
+    new_entries: list[state.AppliedPatch] = []
+    contents: dict[str, bytes] = {}
+    for commit in analysis.chain:
+        if commit == st.overlay_commit:
+            continue
+        raw = tree.repo.format_patch(commit, exclude)
+        if not raw.strip():
+            say(
+                f"export: commit {commit[:12]} only touches overlay files; no patch for it"
+            )
+            continue
+        data = canonical_patch(raw)
+        patch = parse_patch("", data)
+        name = patch_file_name(len(new_entries) + 1, patch.header.subject or "patch")
+        contents[name] = data
+        new_entries.append(state.AppliedPatch(name, patch.sha256, commit, patch.title))
+
+    for i, (name, data) in enumerate(contents.items(), 1):
+        path = project.patch_path(name)
+        if path.is_file() and path.read_bytes() == data:
+            result.unchanged.append(name)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            result.written.append(name)
+        say(
+            f"[{i}/{len(contents)}] {'unchanged' if name in result.unchanged else 'wrote'} {name}"
+        )
+    for name in old_series.names:
+        if name not in contents and project.patch_path(name).is_file():
+            project.patch_path(name).unlink()
+            result.removed.append(name)
+    new_names = list(contents)
+    if new_names != old_series.names or not project.series_path.exists():
+        project.series_path.write_text(
+            render_series(new_names, old_series.header), encoding="utf-8"
+        )
+        result.series_changed = True
+
+    if analysis.overlay_placed:
+        for item in analysis.overlay_files:
+            if item.in_sync:
+                continue
+            dest = overlay.repo_path(project.root, overlays, item.path)
+            if item.tree is not None:
+                overlay.copy_file(tree.path / item.path, dest)
+                result.overlay_copied.append(project.rel(dest))
+            elif item.placed is not None and dest.is_file():
+                dest.unlink()
+                result.overlay_removed.append(project.rel(dest))
+    else:
+        say(
+            "export: the overlay is not placed in the tree (apply did not finish); overlay folders left as they are"
+        )
+
+    st.patches = new_entries
+    state.save(tree.git_dir, st)
+    say(
+        f"export: {len(result.written)} patch files written, {len(result.unchanged)} unchanged, "
+        f"{len(result.removed)} removed; series {'updated' if result.series_changed else 'unchanged'}; "
+        f"overlay: {len(result.overlay_copied)} files copied back, {len(result.overlay_removed)} removed"
+    )
+    return result
+
+
+def _stale_inputs(tree: Tree, analysis: Analysis, series_names: list[str]) -> list[str]:
+    """Series patches and overlay files that are newer in the repo than in the tree."""
+    project = tree.project
+    applied = {p.name: p for p in analysis.state.patches if p.commit in analysis.chain}
+    stale = []
+    for name in series_names:
+        path = project.patch_path(name)
+        rec = applied.get(name)
+        if rec is None:
+            stale.append(
+                f"patches/{name}: in the series but not applied (would be dropped)"
+            )
+        elif path.is_file() and sha256_bytes(path.read_bytes()) != rec.sha256:
+            stale.append(f"patches/{name}: changed since it was applied")
+    for path in analysis.overlay_repo_changed if analysis.overlay_placed else []:
+        repo_file = overlay.repo_path(project.root, project.manifest.overlays, path)
+        stale.append(
+            f"{project.rel(repo_file)}: changed in the repo since it was placed"
+        )
+    return stale

@@ -1,0 +1,335 @@
+"""Git mechanics for a work tree whose git dir lives elsewhere.
+
+Everything here should be project agnostic: no knowledge of vLLM, of patch
+headers or of the series. Callers pass in names (tags, paths, messages).
+
+The git dir is kept OUTSIDE the work tree (``git --git-dir=X --work-tree=Y``)
+so the tree itself holds no ``.git``: tools that look for one (setuptools-scm,
+editors) see a plain source tree.
+
+Every git call is hermetic: the user's global and system git config are not
+read (``GIT_CONFIG_GLOBAL=/dev/null``, ``GIT_CONFIG_NOSYSTEM=1``) so settings
+such as ``diff.noprefix`` or ``format.signOff`` cannot change what is
+committed or exported, and the committer identity and all dates are fixed so
+the same inputs always give the same commit ids.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from .errors import PatchsetError
+
+FIXED_DATE = "2000-01-01T00:00:00+00:00"
+DEFAULT_COMMITTER = ("patchset", "patchset@localhost")
+# Arguments per git invocation when passing many paths.
+_PATH_CHUNK = 400
+
+
+class GitError(PatchsetError):
+    """A git command failed; the message shows the command and its stderr."""
+
+
+@dataclass(frozen=True)
+class StatusEntry:
+    """One line of ``git status --porcelain``: code is the two-letter XY."""
+
+    code: str
+    path: str
+
+    @property
+    def untracked(self) -> bool:
+        return self.code == "??"
+
+
+MIN_GIT = (2, 32)  # GIT_CONFIG_GLOBAL (hermetic config), init --initial-branch
+
+
+def git_version() -> tuple[int, ...]:
+    """The installed git version; PatchsetError when git is missing or too old."""
+    try:
+        version = git.Git().version_info
+    except git.exc.GitCommandNotFound as exc:
+        raise PatchsetError(
+            "git is not installed or not on PATH; install git (e.g. "
+            "`apt-get install git`) and run again"
+        ) from exc
+    if version[:2] < MIN_GIT:
+        have = ".".join(map(str, version))
+        need = ".".join(map(str, MIN_GIT))
+        raise PatchsetError(f"git {have} is too old: build.py needs git >= {need}")
+    return version
+
+
+class GitRepo:
+    """A work tree driven through a separate git dir."""
+
+    def __init__(
+        self,
+        git_dir: Path,
+        work_tree: Path,
+        *,
+        committer: tuple[str, str] = DEFAULT_COMMITTER,
+        date: str = FIXED_DATE,
+    ) -> None:
+        self.git_dir = Path(git_dir).absolute()
+        self.work_tree = Path(work_tree).absolute()
+        self._date = date
+        self._git = git.Git(str(self.work_tree) if self.work_tree.is_dir() else None)
+        self._git.update_environment(
+            GIT_CONFIG_GLOBAL=os.devnull,
+            GIT_CONFIG_NOSYSTEM="1",
+            GIT_TERMINAL_PROMPT="0",
+            GIT_COMMITTER_NAME=committer[0],
+            GIT_COMMITTER_EMAIL=committer[1],
+            GIT_COMMITTER_DATE=date,
+            GIT_AUTHOR_DATE=date,
+        )
+
+    # -- low level --------------------------------------------------------
+
+    def _cmd(self, args: list[str]) -> list[str]:
+        return [
+            "git",
+            f"--git-dir={self.git_dir}",
+            f"--work-tree={self.work_tree}",
+            "-c",
+            "core.quotePath=false",
+            *args,
+        ]
+
+    def run(self, *args: str, env: dict[str, str] | None = None) -> str:
+        """Run git and return stdout as text (trailing newline stripped)."""
+        try:
+            return self._git.execute(self._cmd(list(args)), env=env)
+        except git.exc.GitCommandNotFound as exc:
+            raise PatchsetError("git is not installed or not on PATH") from exc
+        except git.exc.GitCommandError as exc:
+            raise GitError(
+                f"git {' '.join(args[:3])} failed in {self.work_tree} "
+                f"(git dir {self.git_dir}):\n{_stderr(exc)}"
+            ) from exc
+
+    def run_bytes(self, *args: str) -> bytes:
+        """Run git and return stdout as exact bytes."""
+        try:
+            return self._git.execute(
+                self._cmd(list(args)),
+                stdout_as_string=False,
+                strip_newline_in_stdout=False,
+            )
+        except git.exc.GitCommandError as exc:
+            raise GitError(
+                f"git {' '.join(args[:3])} failed in {self.work_tree}:\n{_stderr(exc)}"
+            ) from exc
+
+    def _ok(self, *args: str) -> bool:
+        """Run git; True on exit 0, False on a non-zero exit."""
+        try:
+            self._git.execute(self._cmd(list(args)))
+            return True
+        except git.exc.GitCommandError:
+            return False
+
+    # -- setup ------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return (self.git_dir / "HEAD").is_file()
+
+    def init(self, *, branch: str = "main") -> None:
+        """Create the git dir; core.worktree is relative so the pair can move."""
+        self.git_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.run("init", "-q", f"--initial-branch={branch}")
+        rel = os.path.relpath(self.work_tree, self.git_dir)
+        self.run("config", "core.worktree", rel)
+
+    def write_exclude(self, patterns: list[str], comment: str = "") -> None:
+        """Write ignore patterns to ``info/exclude`` (never inside the tree)."""
+        path = self.git_dir / "info" / "exclude"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [f"# {line}".rstrip() for line in comment.splitlines()]
+        path.write_text("\n".join([*lines, *patterns]) + "\n", encoding="utf-8")
+
+    # -- reading ----------------------------------------------------------
+
+    def rev_parse(self, rev: str) -> str | None:
+        """The commit id of rev, or None when it does not resolve."""
+        try:
+            out = self._git.execute(
+                self._cmd(["rev-parse", "--verify", "-q", f"{rev}^{{commit}}"])
+            )
+        except git.exc.GitCommandError:
+            return None
+        return out.strip() or None
+
+    def head(self) -> str | None:
+        return self.rev_parse("HEAD")
+
+    def is_ancestor(self, ancestor: str, descendant: str) -> bool:
+        return self._ok("merge-base", "--is-ancestor", ancestor, descendant)
+
+    def first_parent_commits(self, base: str, head: str = "HEAD") -> list[str]:
+        """Commits in base..head following first parents, oldest first."""
+        out = self.run("rev-list", "--first-parent", "--reverse", f"{base}..{head}")
+        return out.split()
+
+    def parent_count(self, commit: str) -> int:
+        return len(self.run("rev-list", "--parents", "-n", "1", commit).split()) - 1
+
+    def subject(self, commit: str) -> str:
+        return self.run("log", "-1", "--format=%s", commit)
+
+    def changed_files(self, commit: str) -> list[str]:
+        """Paths a commit changes relative to its first parent."""
+        out = self.run(
+            "diff-tree",
+            "--root",
+            "--no-commit-id",
+            "-r",
+            "--name-only",
+            "-z",
+            "--no-renames",
+            commit,
+        )
+        return [p for p in out.split("\0") if p]
+
+    def tracked_files(self, rev: str, under: str | None = None) -> list[str]:
+        args = ["ls-tree", "-r", "-z", "--name-only", "--full-tree", rev]
+        if under:
+            args += ["--", under]
+        return [p for p in self.run(*args).split("\0") if p]
+
+    def file_at(self, rev: str, path: str) -> bytes | None:
+        """Content of path at rev, or None when it does not exist there."""
+        if not self._ok("cat-file", "-e", f"{rev}:{path}"):
+            return None
+        return self.run_bytes("cat-file", "blob", f"{rev}:{path}")
+
+    def status(self) -> list[StatusEntry]:
+        """Uncommitted changes, including untracked (but not ignored) files."""
+        out = self.run(
+            "status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames"
+        )
+        entries = []
+        for item in out.split("\0"):
+            if len(item) > 3:
+                entries.append(StatusEntry(item[:2], item[3:]))
+        return entries
+
+    def ignored_untracked(self) -> list[str]:
+        """Untracked files that ignore rules (any source) keep out of ``add -A``."""
+        out = self.run("ls-files", "-z", "--others", "--ignored", "--exclude-standard")
+        return [p for p in out.split("\0") if p]
+
+    def format_patch(self, commit: str, exclude: list[str] = ()) -> bytes:
+        """One commit as a mail-style patch, deterministic and ``-p1``.
+
+        The paths in ``exclude`` are left out of the diff; a commit that only
+        touches excluded paths gives empty output.
+        """
+        pathspec = [":(top)"] + [f":(top,exclude,literal){p}" for p in exclude]
+        return self.run_bytes(
+            "format-patch",
+            "--stdout",
+            "--keep-subject",
+            "--no-stat",
+            "--no-signature",
+            "--zero-commit",
+            "--full-index",
+            "--no-renames",
+            "--encoding=UTF-8",
+            f"{commit}^..{commit}",
+            "--",
+            *pathspec,
+        )
+
+    # -- writing ----------------------------------------------------------
+
+    def add_all(self) -> None:
+        self.run("add", "-A")
+
+    def add_paths(self, paths: list[str]) -> None:
+        """Stage exactly these paths (added, modified or deleted), even if ignored."""
+        for i in range(0, len(paths), _PATH_CHUNK):
+            chunk = paths[i : i + _PATH_CHUNK]
+            self.run("add", "-A", "-f", "--", *[f":(top,literal){p}" for p in chunk])
+
+    def commit(
+        self,
+        message: str,
+        author: tuple[str, str],
+        *,
+        allow_empty: bool = False,
+    ) -> str:
+        """Commit the index with message kept verbatim; returns the commit id."""
+        msg_file = self.git_dir / "PATCHSET_COMMIT_MSG"
+        msg_file.write_bytes(message.encode("utf-8", "surrogateescape"))
+        args = [
+            "commit",
+            "-q",
+            "--no-verify",
+            "--cleanup=verbatim",
+            "-F",
+            str(msg_file),
+        ]
+        if allow_empty:
+            args.append("--allow-empty")
+        env = {"GIT_AUTHOR_NAME": author[0], "GIT_AUTHOR_EMAIL": author[1]}
+        try:
+            self.run(*args, env=env)
+        finally:
+            msg_file.unlink(missing_ok=True)
+        head = self.head()
+        assert head is not None
+        return head
+
+    def tag(self, name: str, rev: str = "HEAD") -> None:
+        self.run("tag", "-f", name, rev)
+
+    def reset_hard(self, rev: str) -> None:
+        """Reset index and tracked files to rev and remove untracked files.
+
+        Ignored files (``info/exclude``) are kept: they are build artifacts.
+        """
+        self.run("reset", "-q", "--hard", rev)
+        self.run("clean", "-q", "-f", "-d")
+
+
+def paths_matching_ignore_rules(patterns: list[str], paths: list[str]) -> set[str]:
+    """Which of paths the gitignore-style patterns match, by git's own rules.
+
+    Only these patterns count: the check runs against an empty scratch work
+    tree, so no ``.gitignore`` file of any real tree is consulted.
+    """
+    if not paths:
+        return set()
+    with tempfile.TemporaryDirectory(prefix="ignore-check-") as tmp:
+        scratch = GitRepo(Path(tmp) / "scratch.git", Path(tmp) / "empty")
+        scratch.work_tree.mkdir()
+        scratch.init()
+        scratch.write_exclude(patterns)
+        listing = Path(tmp) / "paths"
+        listing.write_bytes("\0".join(paths).encode("utf-8", "surrogateescape") + b"\0")
+        with listing.open("rb") as stdin:
+            try:
+                out = scratch._git.execute(
+                    scratch._cmd(["check-ignore", "-z", "--stdin", "--no-index"]),
+                    istream=stdin,
+                )
+            except git.exc.GitCommandError as exc:
+                if exc.status == 1:  # nothing matched
+                    return set()
+                raise GitError(f"git check-ignore failed:\n{_stderr(exc)}") from exc
+    return {p for p in out.split("\0") if p}
+
+
+def _stderr(exc: git.exc.GitCommandError) -> str:
+    text = (exc.stderr or "").strip()
+    if text.startswith("stderr:"):
+        text = text[len("stderr:") :].strip().strip("'")
+    return text or str(exc)

@@ -1,0 +1,70 @@
+"""Where things are in a project checkout (the repo that holds ``patches/``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from . import overlay, series
+from .upstream import Manifest, load_manifest
+
+MANIFEST = "patches/upstream.toml"
+SERIES = "patches/series"
+
+
+@dataclass
+class Project:
+    root: Path
+
+    @cached_property
+    def manifest(self) -> Manifest:
+        return load_manifest(self.root / MANIFEST)
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    @property
+    def series_path(self) -> Path:
+        return self.root / SERIES
+
+    @property
+    def tree(self) -> Path:
+        return self.root / self.manifest.tree
+
+    @property
+    def git_dir(self) -> Path:
+        """The tree's git dir, next to (never inside) the tree: ``vllm.git``."""
+        tree = self.tree
+        return tree.with_name(tree.name + ".git")
+
+    def rel(self, path: Path) -> str:
+        try:
+            return path.relative_to(self.root).as_posix()
+        except ValueError:
+            return str(path)
+
+    def series(self) -> series.Series:
+        return series.read_series(self.series_path)
+
+    def patch_path(self, name: str) -> Path:
+        return self.patches_dir / name
+
+    def patch_files_on_disk(self) -> list[str]:
+        """Names (relative to patches/) of every *.patch / *.diff file."""
+        found = []
+        for suffix in ("*.patch", "*.diff"):
+            found += [
+                p.relative_to(self.patches_dir).as_posix()
+                for p in self.patches_dir.rglob(suffix)
+            ]
+        return sorted(found)
+
+    def overlay_sources(self) -> dict[str, Path]:
+        return overlay.source_files(self.root, self.manifest.overlays)
+
+    def git_cmd(self) -> str:
+        """How a user drives the tree's git by hand, from the project root."""
+        git_dir = self.git_dir.relative_to(self.tree.parent).as_posix()
+        return f"git -C {self.rel(self.tree)} --git-dir=../{git_dir}"

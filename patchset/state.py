@@ -1,0 +1,69 @@
+"""What ``apply`` recorded, kept as JSON in the tree's git dir.
+
+Commits are matched to patches by commit id, and each patch's sha256 at the
+time it was applied tells ``status`` whether the file changed since. The
+state lives next to the objects it names (in the git dir), so deleting the
+tree's git dir forgets both together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import PatchsetError
+
+STATE_FILE = "patchset-state.json"
+VERSION = 1
+
+
+@dataclass
+class AppliedPatch:
+    name: str
+    sha256: str  # of the patch file when it was applied or exported
+    commit: str
+    subject: str = ""
+
+
+@dataclass
+class State:
+    sdist_sha256: str
+    pristine: str
+    patches: list[AppliedPatch] = field(default_factory=list)
+    overlay_commit: str | None = None
+
+    def commits(self) -> list[str]:
+        """The commit chain this state expects on top of the pristine commit."""
+        chain = [p.commit for p in self.patches]
+        if self.overlay_commit:
+            chain.append(self.overlay_commit)
+        return chain
+
+
+def load(git_dir: Path) -> State | None:
+    path = git_dir / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return State(
+            sdist_sha256=data["sdist_sha256"],
+            pristine=data["pristine"],
+            patches=[AppliedPatch(**p) for p in data.get("patches", [])],
+            overlay_commit=data.get("overlay_commit"),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PatchsetError(
+            f"{path} is unreadable ({exc}); delete the tree and its git dir and run "
+            "`python build.py apply` again"
+        ) from exc
+
+
+def save(git_dir: Path, state: State) -> None:
+    path = git_dir / STATE_FILE
+    data = {"version": VERSION, **asdict(state)}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
