@@ -32,6 +32,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.io_affinity import (
+    move_current_thread_to_io_cpus,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
     LayerwiseMetadata,
 )
@@ -203,6 +206,7 @@ class LayerwisePusher:
             self._queue.put((ops, event))
 
     def _writer_loop(self) -> None:
+        move_current_thread_to_io_cpus()
         while True:
             item = self._queue.get()
             if item is None:

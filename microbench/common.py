@@ -5,28 +5,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import random
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
-from harness.model import SPECIAL_TOKENS
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS_DIR = PROJECT_ROOT / "results"
-
-
-class PromptSource:
-    """Fresh random token-id prompts: every call gives a prompt no cache has seen."""
-
-    def __init__(self, vocab_size: int, seed: int = 0):
-        self.low = len(SPECIAL_TOKENS)
-        self.high = vocab_size - 1
-        self.rng = random.Random(seed)
-
-    def __call__(self, n: int) -> list[int]:
-        return [self.rng.randint(self.low, self.high) for _ in range(n)]
 
 
 def machine_info() -> dict:

@@ -9,7 +9,6 @@ must keep serving.
 
 from __future__ import annotations
 
-import random
 import re
 import time
 
@@ -18,7 +17,8 @@ import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.launcher import Cluster, InstanceSpec
-from harness.model import SPECIAL_TOKENS, ModelShape, ensure_model
+from harness.model import ModelShape, ensure_model
+from harness.prompts import random_prompt as prompt
 from harness.pd_client import engine_id, model_name, pd_generate
 
 pytestmark = pytest.mark.integration
@@ -36,11 +36,6 @@ def cluster(tmp_path_factory):
              InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
     with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
         yield c
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(len(SPECIAL_TOKENS), ModelShape().vocab_size - 1) for _ in range(n)]
 
 
 @pytest.mark.parametrize("n", [100, 700], ids=["below-threshold-posthoc", "layerwise-chunked"])

@@ -9,13 +9,14 @@ max_num_batched_tokens is below the longer prompt, forcing chunked prefill.
 from __future__ import annotations
 
 import os
-import random
+import time
 
 import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.launcher import Cluster, InstanceSpec, InstanceStartError
-from harness.model import ModelShape, SPECIAL_TOKENS, ensure_model
+from harness.model import ModelShape, ensure_model
+from harness.prompts import random_prompt as prompt
 from harness.pd_client import pd_generate
 
 pytestmark = pytest.mark.integration
@@ -44,11 +45,6 @@ def cluster(model_dir, tmp_path_factory):
         yield c
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(len(SPECIAL_TOKENS), ModelShape().vocab_size - 1) for _ in range(n)]
-
-
 @pytest.mark.parametrize("n", [300, 600], ids=["single-chunk", "chunked-prefill"])
 def test_kv_lands_byte_exact(cluster, n):
     p, d = cluster["prefill"], cluster["decode"]
@@ -73,12 +69,61 @@ def test_check_goes_red_when_a_transferred_block_is_zeroed(cluster):
     assert r.decode.cached_tokens == 599
 
 
+def test_block_hash_sync_tracks_the_prefix_cache(cluster):
+    """The worker's hash table (patch 0008) matches what the scheduler cached,
+    hashed with the same cache_salt rules."""
+    import httpx
+
+    from harness.pd_client import complete
+
+    p = cluster["prefill"]
+    ids = prompt(600, seed=11)  # 4 full blocks of 128 tokens
+    complete(p.url, ids, max_tokens=1, logprobs=None, cache_salt="salt-a")
+
+    def match(token_ids, salt=None):
+        r = httpx.post(p.bootstrap_url + "/match_blocks",
+                       json={"token_ids": token_ids, "cache_salt": salt}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["matched_blocks"]
+
+    deadline = time.monotonic() + 30  # stores commit after the computing step
+    while match(ids, "salt-a") < 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert match(ids, "salt-a") == 4
+    assert match(ids, "salt-b") == 0  # never served across cache_salt
+    assert match(ids) == 0
+    assert match(ids[:300] + prompt(300, seed=12), "salt-a") == 2  # shared 2-block prefix
+    dbg = httpx.get(p.bootstrap_url + "/hashsync", timeout=30).json()
+    assert dbg["size"] >= 4 and dbg["hash_algo"]
+    bad = httpx.post(p.bootstrap_url + "/match_blocks", json={"token_ids": []}, timeout=30)
+    assert bad.status_code == 422 and "token_ids" in bad.text
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """Pids of the process group that are still running (zombies count as gone)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
 def test_teardown_leaves_no_processes(cluster):
     pgids = [inst.proc.pid for inst in cluster.instances.values()]
+    assert all(live_processes_in_group(g) for g in pgids)  # API server + EngineCore each
     cluster.stop()
-    for pgid in pgids:
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pgid, 0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(live_processes_in_group(g) for g in pgids):
+        time.sleep(0.5)
+    assert not any(live_processes_in_group(g) for g in pgids)
 
 
 def test_start_failure_reports_log_tail(tmp_path):

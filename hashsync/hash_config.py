@@ -1,0 +1,27 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The scheduler's prefix-cache hash configuration, as shipped to the worker.
+
+Stdlib only, so that the recorder (imported by ``block_pool.py``) stays light.
+"""
+
+from dataclasses import dataclass
+
+
+class HashConfigMismatchError(RuntimeError):
+    """The worker was told two different hash configurations."""
+
+
+@dataclass(frozen=True, slots=True)
+class HashConfig:
+    """What the worker needs to hash like this instance's scheduler."""
+
+    hash_algo: str  # cache_config.prefix_caching_hash_algo
+    none_hash: bytes  # kv_cache_utils.NONE_HASH of the scheduler process
+
+    def check_same(self, other: "HashConfig") -> None:
+        if self != other:
+            raise HashConfigMismatchError(
+                "prefix-cache hash configuration changed: "
+                f"{self.hash_algo}/{self.none_hash.hex()[:16]}.. vs "
+                f"{other.hash_algo}/{other.none_hash.hex()[:16]}.."
+            )

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``POST /push_blocks`` schema and validation.
+
+D asks C's bootstrap server to write C's cached blocks for a prompt prefix into
+D's KV cache. Shape errors are rejected by pydantic (:func:`parse_push_request`
+turns them into :class:`PushRequestError`); consistency with the serving
+instance is checked by :func:`validate`. Either way nothing may be written and
+the handler answers 4xx with ``PushRequestError.detail()``.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+
+PushStatus = Literal["ok", "no_match", "failed"]
+
+
+class PushRequestError(ValueError):
+    """A malformed or inconsistent push request; ``field`` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+    def detail(self) -> dict[str, str]:
+        return {"field": self.field, "message": self.message}
+
+
+class PushBlocksRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[StrictInt]
+    cache_salt: StrictStr | None = None
+    lora_name: StrictStr | None = None
+    block_size: StrictInt
+    dst_session: StrictStr  # D's transfer-engine session, "host:port"
+    dst_kv_base_addrs: list[StrictInt]  # one per registered KV tensor, C's order
+    dst_block_ids: list[StrictInt]  # D's blocks for full blocks 0..n-1 of the prompt
+    request_id: StrictStr | None = None
+
+
+class PushBlocksResponse(BaseModel):
+    status: PushStatus
+    matched_blocks: int = 0
+    matched_tokens: int = 0
+    total_full_blocks: int = 0
+    message: str = ""
+
+
+def parse_push_request(payload: Any) -> PushBlocksRequest:
+    """Build a request from a decoded JSON body; type errors name their field."""
+    try:
+        return PushBlocksRequest.model_validate(payload)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err.get("loc", ())
+        field = str(loc[0]) if loc else "body"
+        raise PushRequestError(field, err.get("msg", "invalid")) from None
+
+
+def _check_session(session: str) -> None:
+    host, sep, port = session.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PushRequestError("dst_session", f"expected 'host:port', got {session!r}")
+
+
+def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int) -> None:
+    """Check ``req`` against the serving instance; raise ``PushRequestError``."""
+    if not req.token_ids:
+        raise PushRequestError("token_ids", "must not be empty")
+    if any(t < 0 for t in req.token_ids):
+        raise PushRequestError("token_ids", "token ids must be non-negative")
+    if req.block_size != block_size:
+        raise PushRequestError(
+            "block_size", f"{req.block_size} != this instance's block size {block_size}"
+        )
+    total_full_blocks = len(req.token_ids) // block_size
+    if total_full_blocks == 0:
+        raise PushRequestError(
+            "token_ids", f"{len(req.token_ids)} tokens hold no full block of {block_size}"
+        )
+    _check_session(req.dst_session)
+    if len(req.dst_kv_base_addrs) != num_kv_tensors:
+        raise PushRequestError(
+            "dst_kv_base_addrs",
+            f"{len(req.dst_kv_base_addrs)} addresses for {num_kv_tensors} KV tensors",
+        )
+    if any(a <= 0 for a in req.dst_kv_base_addrs):
+        raise PushRequestError("dst_kv_base_addrs", "addresses must be positive")
+    n = len(req.dst_block_ids)
+    if n == 0:
+        raise PushRequestError("dst_block_ids", "must not be empty")
+    if n > total_full_blocks:
+        raise PushRequestError(
+            "dst_block_ids",
+            f"{n} destination blocks for {total_full_blocks} full prompt blocks",
+        )
+    if any(b < 0 for b in req.dst_block_ids):
+        raise PushRequestError("dst_block_ids", "block ids must be non-negative")
+    if len(set(req.dst_block_ids)) != n:
+        raise PushRequestError("dst_block_ids", "duplicate block ids")

@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler-process recorder of prefix-cache changes.
+
+``BlockPool`` calls the module-level hooks :func:`record_stored`,
+:func:`record_removed` and :func:`record_cleared`; the connector's scheduler
+side calls :func:`get_recorder` ``.drain()`` once per step and ships the
+:class:`HashDelta` to the workers in its connector metadata. While disabled
+(the default) each hook is one global read and a return.
+
+This module imports nothing heavy so that ``vllm/v1/core/block_pool.py`` can
+import it without an import cycle. Single-threaded by design: the block pool
+and ``build_connector_meta`` both run on the engine core's scheduler thread.
+"""
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from vllm.logger import init_logger
+
+from .hash_config import HashConfig
+
+logger = init_logger(__name__)
+
+# Beyond this many undrained events the recorder drops them and emits one
+# CLEARED event instead: the worker then forgets everything (safe: it only
+# loses matches, it never serves a stale block).
+DEFAULT_MAX_PENDING = 1 << 20
+
+
+class HashEventKind(IntEnum):
+    STORED = 0  # block_id now cached under key
+    REMOVED = 1  # block_id no longer cached under key (evicted / about to be reused)
+    CLEARED = 2  # the whole prefix cache was reset (key b"", block_id -1)
+
+
+# (kind, BlockHashWithGroupId bytes, block id): plain tuples pickle compactly.
+HashEvent = tuple[int, bytes, int]
+
+
+@dataclass
+class HashDelta:
+    """Ordered prefix-cache changes since the previous drain."""
+
+    events: list[HashEvent] = field(default_factory=list)
+    # The scheduler's hash configuration, carried with every delta so a worker
+    # can hash pushes the same way (and fail loudly if it ever changes).
+    hash_config: HashConfig | None = None
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+class HashRecorder:
+    def __init__(self, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+        self.enabled: bool = False
+        self.max_pending = max_pending
+        self.hash_config: HashConfig | None = None
+        self._events: list[HashEvent] = []
+        self._overflowed = False
+
+    def enable(self, hash_config: HashConfig | None = None) -> None:
+        self.enabled = True
+        if hash_config is not None:
+            self.hash_config = hash_config
+
+    def set_hash_config(self, hash_config: HashConfig) -> None:
+        self.hash_config = hash_config
+
+    def disable(self) -> None:
+        self.enabled = False
+        self._events = []
+        self._overflowed = False
+
+    def _append(self, event: HashEvent) -> None:
+        if len(self._events) >= self.max_pending:
+            if not self._overflowed:
+                logger.warning(
+                    "hashsync: %d undrained prefix-cache events; dropping them "
+                    "and clearing the worker-side table",
+                    len(self._events),
+                )
+                self._overflowed = True
+            self._events = [(HashEventKind.CLEARED, b"", -1)]
+        self._events.append(event)
+
+    def record_stored(self, key: bytes, block_id: int) -> None:
+        if self.enabled:
+            self._append((HashEventKind.STORED, key, block_id))
+
+    def record_removed(self, key: bytes, block_id: int) -> None:
+        if self.enabled:
+            self._append((HashEventKind.REMOVED, key, block_id))
+
+    def record_cleared(self) -> None:
+        if self.enabled:
+            # Everything before a reset is moot for the worker.
+            self._events = [(HashEventKind.CLEARED, b"", -1)]
+
+    def drain(self) -> HashDelta:
+        events, self._events = self._events, []
+        self._overflowed = False
+        return HashDelta(events=events, hash_config=self.hash_config)
+
+
+_RECORDER = HashRecorder()
+
+
+def get_recorder() -> HashRecorder:
+    return _RECORDER
+
+
+# One-line hooks for BlockPool (module functions: no attribute chain at the call site).
+def record_stored(key: bytes, block_id: int) -> None:
+    if _RECORDER.enabled:
+        _RECORDER._append((HashEventKind.STORED, key, block_id))
+
+
+def record_removed(key: bytes, block_id: int) -> None:
+    if _RECORDER.enabled:
+        _RECORDER._append((HashEventKind.REMOVED, key, block_id))
+
+
+def record_cleared() -> None:
+    _RECORDER.record_cleared()

@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker-side mirror of the scheduler's prefix cache: hash -> block id.
+
+Fed in order with the :class:`HashDelta` s the scheduler's recorder drains
+each step; read by the bootstrap server's ``/push_blocks`` handler from
+another thread, hence the lock.
+
+Keys are ``BlockHashWithGroupId`` bytes, exactly as in
+``BlockPool.cached_block_hash_to_block``. Like that map, one key may be held
+by several blocks (vLLM does not de-duplicate cached blocks); a block holds at
+most one key.
+
+A block's generation is bumped whenever its cached identity changes (removed,
+re-stored under another key, prefix cache cleared). A push snapshots the
+generations of the blocks it reads (:meth:`match_and_snapshot`) and after its
+write checks :meth:`generations_unchanged`; if not, the bytes it sent may
+belong to other content and the push must be reported as failed.
+
+``defer_stores=True``: vLLM caches a block (``cache_full_blocks``) when it is
+*scheduled*, before the forward pass has written its KV, so the worker receives
+the STORED event before the bytes exist. With deferral, stored entries stay
+invisible until :meth:`commit_pending` is called once the step that computes
+them has finished. Removals always take effect at once.
+"""
+
+import itertools
+import threading
+from collections.abc import Sequence
+
+from vllm.logger import init_logger
+
+from .hash_config import HashConfig
+from .hashing import BlockHash, from_pool_key, to_pool_key
+from .recorder import HashDelta, HashEventKind
+
+logger = init_logger(__name__)
+
+
+class BlockHashTable:
+    def __init__(self, defer_stores: bool = False) -> None:
+        self.defer_stores = defer_stores
+        self.hash_config: HashConfig | None = None
+        self._lock = threading.Lock()
+        # key -> block ids holding it (dict as an insertion-ordered set)
+        self._by_key: dict[bytes, dict[int, None]] = {}
+        self._by_block: dict[int, bytes] = {}  # committed: block id -> key
+        self._pending: dict[int, bytes] = {}  # stored, not yet committed
+        self._gen: dict[int, int] = {}
+
+    # ---- updates (worker thread) -------------------------------------------
+    def apply(self, delta: HashDelta) -> None:
+        """Apply a drained delta in order. Raises ``HashConfigMismatchError``
+        if its hash configuration differs from the one seen before."""
+        with self._lock:
+            if delta.hash_config is not None:
+                if self.hash_config is None:
+                    self.hash_config = delta.hash_config
+                else:
+                    self.hash_config.check_same(delta.hash_config)
+            for kind, key, block_id in delta.events:
+                if kind == HashEventKind.STORED:
+                    self._store(key, block_id)
+                elif kind == HashEventKind.REMOVED:
+                    self._remove(key, block_id)
+                elif kind == HashEventKind.CLEARED:
+                    self._clear()
+                else:
+                    raise ValueError(f"unknown hash event kind {kind!r}")
+
+    def commit_pending(self) -> int:
+        """Make deferred stores visible; returns how many."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            for block_id, key in pending.items():
+                self._insert(key, block_id)
+            return len(pending)
+
+    def _bump(self, block_id: int) -> None:
+        self._gen[block_id] = self._gen.get(block_id, 0) + 1
+
+    def _insert(self, key: bytes, block_id: int) -> None:
+        self._by_block[block_id] = key
+        self._by_key.setdefault(key, {})[block_id] = None
+
+    def _drop(self, block_id: int) -> None:
+        key = self._by_block.pop(block_id)
+        holders = self._by_key[key]
+        del holders[block_id]
+        if not holders:
+            del self._by_key[key]
+
+    def _store(self, key: bytes, block_id: int) -> None:
+        if self._by_block.get(block_id) == key or self._pending.get(block_id) == key:
+            return  # idempotent
+        # Re-stored under another key without a removal: the block was
+        # reused, its old hash must never be served again.
+        if block_id in self._by_block:
+            self._drop(block_id)
+            self._bump(block_id)
+        if self._pending.pop(block_id, None) is not None:
+            self._bump(block_id)
+        if self.defer_stores:
+            self._pending[block_id] = key
+        else:
+            self._insert(key, block_id)
+
+    def _remove(self, key: bytes, block_id: int) -> None:
+        if self._by_block.get(block_id) == key:
+            self._drop(block_id)
+            self._bump(block_id)
+        elif self._pending.get(block_id) == key:
+            del self._pending[block_id]
+            self._bump(block_id)
+        # else: stale removal (block now holds another key, or unknown): ignore
+
+    def _clear(self) -> None:
+        for block_id in itertools.chain(self._by_block, self._pending):
+            self._bump(block_id)
+        self._by_key.clear()
+        self._by_block.clear()
+        self._pending.clear()
+
+    # ---- reads (bootstrap-server thread) -----------------------------------
+    def _match(self, hashes: Sequence[BlockHash], group_id: int) -> list[int]:
+        out: list[int] = []
+        for block_hash in hashes:
+            holders = self._by_key.get(to_pool_key(block_hash, group_id))
+            if not holders:
+                break
+            out.append(next(iter(holders)))
+        return out
+
+    def match_prefix(self, hashes: Sequence[BlockHash], group_id: int = 0) -> list[int]:
+        """Block ids of the longest prefix of ``hashes`` (pure block hashes, as
+        from ``hash_prompt_blocks``) that is cached in KV cache group ``group_id``."""
+        with self._lock:
+            return self._match(hashes, group_id)
+
+    def match_and_snapshot(
+        self, hashes: Sequence[BlockHash], group_id: int = 0
+    ) -> tuple[list[int], list[int]]:
+        """:meth:`match_prefix` plus the matched blocks' generations, atomically."""
+        with self._lock:
+            block_ids = self._match(hashes, group_id)
+            return block_ids, [self._gen.get(b, 0) for b in block_ids]
+
+    def generations(self, block_ids: Sequence[int]) -> list[int]:
+        with self._lock:
+            return [self._gen.get(b, 0) for b in block_ids]
+
+    def generations_unchanged(self, block_ids: Sequence[int], gens: Sequence[int]) -> bool:
+        if len(block_ids) != len(gens):
+            raise ValueError("block_ids and gens differ in length")
+        with self._lock:
+            return all(self._gen.get(b, 0) == g for b, g in zip(block_ids, gens))
+
+    def lookup(self, key: bytes) -> list[int]:
+        """Committed block ids holding a block-pool key (hash + group id)."""
+        with self._lock:
+            return list(self._by_key.get(key, ()))
+
+    def size(self) -> int:
+        """Number of cached (committed) blocks."""
+        with self._lock:
+            return len(self._by_block)
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def sample(self, n: int) -> list[dict[str, int | str]]:
+        """Up to ``n`` committed entries, for a debug endpoint."""
+        with self._lock:
+            items = list(itertools.islice(self._by_block.items(), max(n, 0)))
+        out: list[dict[str, int | str]] = []
+        for block_id, key in items:
+            block_hash, group_id = from_pool_key(key)  # type: ignore[arg-type]
+            out.append(
+                {"block_id": block_id, "group_id": group_id, "block_hash": block_hash.hex()}
+            )
+        return out

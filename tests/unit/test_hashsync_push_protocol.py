@@ -1,0 +1,106 @@
+"""hashsync/push_protocol.py: /push_blocks request validation names the field."""
+
+import pytest
+
+from hashsync.push_protocol import (
+    PushBlocksRequest,
+    PushBlocksResponse,
+    PushRequestError,
+    parse_push_request,
+    validate,
+)
+
+BS = 16
+NT = 4  # KV tensors registered by the serving instance
+
+
+def body(**over):
+    b = {
+        "token_ids": list(range(3 * BS + 5)),  # 3 full blocks
+        "cache_salt": None,
+        "lora_name": None,
+        "block_size": BS,
+        "dst_session": "10.0.0.2:17777",
+        "dst_kv_base_addrs": [0x1000 * (i + 1) for i in range(NT)],
+        "dst_block_ids": [7, 8, 9],
+        "request_id": "req-1",
+    }
+    b.update(over)
+    return b
+
+
+def check(payload):
+    validate(parse_push_request(payload), block_size=BS, num_kv_tensors=NT)
+
+
+def test_valid_request():
+    req = parse_push_request(body())
+    validate(req, block_size=BS, num_kv_tensors=NT)
+    assert req.dst_block_ids == [7, 8, 9]
+    # Fewer destination blocks than full blocks is fine (D may want a shorter prefix).
+    check(body(dst_block_ids=[3]))
+    check(body(dst_session="[::1]:5000", cache_salt="s", lora_name="l"))
+    minimal = {k: v for k, v in body().items() if k not in ("cache_salt", "lora_name", "request_id")}
+    check(minimal)
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"token_ids": []}, "token_ids"),
+        ({"token_ids": [1, -2] * BS}, "token_ids"),
+        ({"token_ids": list(range(BS - 1)), "dst_block_ids": [1]}, "token_ids"),
+        ({"token_ids": "1 2 3"}, "token_ids"),
+        ({"token_ids": [1.5] * BS}, "token_ids"),
+        ({"block_size": 32}, "block_size"),
+        ({"block_size": "16"}, "block_size"),
+        ({"dst_session": "10.0.0.2"}, "dst_session"),
+        ({"dst_session": ":17777"}, "dst_session"),
+        ({"dst_session": "h:0"}, "dst_session"),
+        ({"dst_session": "h:70000"}, "dst_session"),
+        ({"dst_session": "h:abc"}, "dst_session"),
+        ({"dst_kv_base_addrs": [1, 2, 3]}, "dst_kv_base_addrs"),
+        ({"dst_kv_base_addrs": [1, 2, 3, 4, 5]}, "dst_kv_base_addrs"),
+        ({"dst_kv_base_addrs": [1, 2, 0, 4]}, "dst_kv_base_addrs"),
+        ({"dst_block_ids": []}, "dst_block_ids"),
+        ({"dst_block_ids": [1, 2, 3, 4]}, "dst_block_ids"),
+        ({"dst_block_ids": [1, -1]}, "dst_block_ids"),
+        ({"dst_block_ids": [5, 5]}, "dst_block_ids"),
+        ({"dst_block_ids": [True, 2]}, "dst_block_ids"),
+        ({"cache_salt": 5}, "cache_salt"),
+        ({"lora_name": ["x"]}, "lora_name"),
+        ({"request_id": 12}, "request_id"),
+        ({"unexpected": 1}, "unexpected"),
+    ],
+)
+def test_invalid_names_field(over, field):
+    with pytest.raises(PushRequestError) as ei:
+        check(body(**over))
+    assert ei.value.field == field
+    assert ei.value.detail()["field"] == field
+    assert ei.value.message
+
+
+@pytest.mark.parametrize("missing", ["token_ids", "block_size", "dst_session",
+                                     "dst_kv_base_addrs", "dst_block_ids"])
+def test_missing_required_field(missing):
+    b = body()
+    del b[missing]
+    with pytest.raises(PushRequestError) as ei:
+        check(b)
+    assert ei.value.field == missing
+
+
+def test_body_not_an_object():
+    with pytest.raises(PushRequestError):
+        parse_push_request([1, 2, 3])
+
+
+def test_response_model():
+    r = PushBlocksResponse(status="ok", matched_blocks=3, matched_tokens=48,
+                           total_full_blocks=3, message="")
+    assert r.model_dump() == {"status": "ok", "matched_blocks": 3, "matched_tokens": 48,
+                              "total_full_blocks": 3, "message": ""}
+    with pytest.raises(ValueError):
+        PushBlocksResponse(status="maybe")
+    assert PushBlocksRequest.model_json_schema()["required"]

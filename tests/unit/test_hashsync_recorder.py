@@ -1,0 +1,161 @@
+"""hashsync/recorder.py, and recorder + table against a real vLLM BlockPool."""
+
+import pytest
+
+from hashsync import recorder as rec
+from hashsync.hash_config import HashConfig
+from hashsync.hashing import hash_prompt_blocks, to_pool_key
+from hashsync.recorder import HashEventKind, HashRecorder, get_recorder
+from hashsync.table import BlockHashTable
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+S, R, C = HashEventKind.STORED, HashEventKind.REMOVED, HashEventKind.CLEARED
+
+
+@pytest.fixture
+def recorder():
+    r = get_recorder()
+    r.disable()
+    yield r
+    r.disable()
+    r.hash_config = None
+
+
+def test_disabled_is_noop(recorder):
+    rec.record_stored(b"k", 1)
+    rec.record_removed(b"k", 1)
+    rec.record_cleared()
+    assert len(recorder.drain()) == 0
+
+
+def test_drain_in_order_and_resets(recorder):
+    cfg = HashConfig("sha256", b"\x01" * 32)
+    recorder.enable(cfg)
+    rec.record_stored(b"a", 1)
+    rec.record_stored(b"b", 2)
+    rec.record_removed(b"a", 1)
+    d = recorder.drain()
+    assert d.events == [(S, b"a", 1), (S, b"b", 2), (R, b"a", 1)]
+    assert d.hash_config == cfg
+    assert recorder.drain().events == []
+    recorder.disable()
+    rec.record_stored(b"c", 3)
+    assert recorder.drain().events == []
+
+
+def test_cleared_supersedes_earlier_events(recorder):
+    recorder.enable()
+    rec.record_stored(b"a", 1)
+    rec.record_cleared()
+    rec.record_stored(b"b", 2)
+    assert recorder.drain().events == [(C, b"", -1), (S, b"b", 2)]
+
+
+def test_overflow_degrades_to_clear():
+    r = HashRecorder(max_pending=3)
+    r.enable()
+    for i in range(5):
+        r.record_stored(b"x%d" % i, i)
+    events = r.drain().events
+    assert events[0] == (C, b"", -1)
+    assert events[-1] == (S, b"x4", 4)
+    assert len(events) <= 4
+
+
+# ---- against the real BlockPool --------------------------------------------
+BS = 4
+
+
+@pytest.fixture
+def observed(monkeypatch):
+    """The real BlockPool with the recorder installed as its observer (patch 0008)."""
+    from vllm.v1.core import block_pool
+
+    monkeypatch.setattr(block_pool, "block_hash_observer", rec.get_recorder())
+    yield
+
+
+def HookedPool(*args, **kwargs):  # noqa: N802 - the real class, observed through the patch hook
+    from vllm.v1.core import block_pool
+
+    assert block_pool.block_hash_observer is not None, "use the `observed` fixture"
+    return BlockPool(*args, **kwargs)
+
+
+def make_request(rid, tokens, salt=None):
+    sp = SamplingParams(max_tokens=4)
+    sp.update_from_generation_config({}, eos_token_id=100)
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp,
+                   pooling_params=None, cache_salt=salt,
+                   block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256")))
+
+
+def run_request(pool, req):
+    """Allocate fresh blocks, cache the full ones, free them (as a finished request)."""
+    n = len(req.all_token_ids) // BS
+    blocks = pool.get_new_blocks(n)
+    pool.cache_full_blocks(req, blocks, 0, n, BS, 0)
+    pool.free_blocks(reversed(blocks))
+    return [b.block_id for b in blocks]
+
+
+def assert_mirrors(pool, table):
+    pool_map = {}
+    for key, v in pool.cached_block_hash_to_block._cache.items():
+        pool_map[key] = sorted([v.block_id] if hasattr(v, "block_id") else v)
+    assert table.size() == sum(len(v) for v in pool_map.values())
+    for key, ids in pool_map.items():
+        assert sorted(table.lookup(key)) == ids
+
+
+@pytest.fixture
+def none_hash(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.setattr(kv_cache_utils, "NONE_HASH", b"", raising=False)
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    return bytes(kv_cache_utils.NONE_HASH)
+
+
+def test_table_mirrors_block_pool(recorder, none_hash, observed):
+    cfg = HashConfig("sha256", none_hash)
+    recorder.enable(cfg)
+    pool = HookedPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=BS)
+    table = BlockHashTable()
+
+    a_tokens = list(range(1, 1 + 2 * BS))
+    a_ids = run_request(pool, make_request("a", a_tokens))
+    table.apply(recorder.drain())
+    assert_mirrors(pool, table)
+    a_hashes = hash_prompt_blocks(a_tokens, BS, cfg.hash_algo, cfg.none_hash)
+    assert table.match_prefix(a_hashes) == a_ids
+    ids, gens = table.match_and_snapshot(a_hashes)
+
+    # Same tokens, other salt: nothing served.
+    salted = hash_prompt_blocks(a_tokens, BS, cfg.hash_algo, cfg.none_hash, cache_salt="x")
+    assert table.match_prefix(salted) == []
+
+    # A was freed tail-first, so the free queue is [never-used x3, A1, A0]: B's 4
+    # blocks take the 3 unused ones and evict + reuse A's second block.
+    b_tokens = list(range(500, 500 + 4 * BS))
+    b_ids = run_request(pool, make_request("b", b_tokens))
+    assert a_ids[1] in b_ids and a_ids[0] not in b_ids
+    events = recorder.drain()
+    assert (R, to_pool_key(a_hashes[1]), a_ids[1]) in events.events
+    table.apply(events)
+    assert_mirrors(pool, table)
+    assert table.match_prefix(a_hashes) == [a_ids[0]]
+    assert table.lookup(to_pool_key(a_hashes[1])) == []
+    assert not table.generations_unchanged(ids, gens)
+    assert table.generations_unchanged(ids[:1], gens[:1])
+    b_hashes = hash_prompt_blocks(b_tokens, BS, cfg.hash_algo, cfg.none_hash)
+    assert table.match_prefix(b_hashes) == b_ids
+
+    assert pool.reset_prefix_cache()
+    table.apply(recorder.drain())
+    assert table.size() == 0
+    assert_mirrors(pool, table)
