@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict
+
 from vllm.logger import init_logger
 
 from .hashing import hash_prompt_blocks, scheduler_hash_config
@@ -96,17 +99,18 @@ class WorkerHashSync:
         }
 
 
+class MatchRequest(BaseModel):
+    """Body of POST /match_blocks (module level: FastAPI resolves it by name)."""
+
+    model_config = ConfigDict(extra="forbid")
+    token_ids: list[int]
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
 def register_routes(app: Any, get_sync: Any) -> None:
     """Add the hashsync routes to a FastAPI app. get_sync() returns the
     WorkerHashSync, or None while the worker is not ready."""
-    from fastapi import HTTPException
-    from pydantic import BaseModel, ConfigDict
-
-    class MatchRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        token_ids: list[int]
-        cache_salt: str | None = None
-        lora_name: str | None = None
 
     def ready() -> WorkerHashSync:
         sync = get_sync()

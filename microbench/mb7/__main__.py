@@ -228,7 +228,8 @@ TABLE = [
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m microbench.mb7", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: generated default model)")
-    ap.add_argument("--sizes", default="512,1024,2048,4096", help="prompt lengths, comma separated")
+    ap.add_argument("--sizes", default="512,1024,1536,2048",
+                    help="prompt lengths, comma separated (default spans 4x)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma separated of {list(MODES)}")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--protocol", default="tcp", help="Mooncake protocol (tcp here; rdma on RDMA hosts)")
