@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import math
 import sys
 import time
@@ -37,7 +38,7 @@ from pathlib import Path
 from harness.correctness import compare, reference_completion
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
-from harness.pd_client import complete, model_name, pd_generate
+from harness.pd_client import RequestFailed, complete, model_name, pd_generate
 from harness.prompts import PromptSource
 from microbench.load import DecodeLoad
 from microbench.common import (
@@ -54,7 +55,7 @@ MODES = {
     "posthoc": {},
     "layerwise": {"MOONCAKE_LAYERWISE": "1"},
 }
-REQUEST_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = float(os.environ.get("VMP_MB7_REQUEST_TIMEOUT_S", "180"))
 BLOCK_SIZE = 128
 
 
@@ -150,12 +151,25 @@ def run_mode(mode: str, args, facts: dict, log_dir: Path) -> list[dict]:
         complete(p.url, prompts(64), max_tokens=1, logprobs=None, model=pm)
         for load in args.loads:
             if load == 0:
-                rows += [measure_size(mode, 0, n, args, p, d, pm, prompts, facts) for n in args.sizes]
+                rows += [measure_or_fail(mode, 0, n, args, p, d, pm, prompts, facts) for n in args.sizes]
                 continue
             with DecodeLoad(p.url, pm, load, facts["vocab_size"], seed=args.seed + 1), \
                  DecodeLoad(d.url, model_name(d.url), load, facts["vocab_size"], seed=args.seed + 2):
-                rows += [measure_size(mode, load, n, args, p, d, pm, prompts, facts) for n in args.sizes]
+                rows += [measure_or_fail(mode, load, n, args, p, d, pm, prompts, facts)
+                         for n in args.sizes]
     return rows
+
+
+def measure_or_fail(mode: str, load: int, n: int, *rest) -> dict:
+    """A size whose requests fail or time out is recorded as failed; the run goes on."""
+    try:
+        return measure_size(mode, load, n, *rest)
+    except RequestFailed as e:
+        print(f"[mb7] {mode} load={load} n={n}: FAILED: {e}", file=sys.stderr, flush=True)
+        return {"mode": mode, "load": load, "prompt_len": n, "error": str(e), "correct": False,
+                "bytes": kv_bytes(n, rest[-1]), "prefill_only_s": None, "total_s": None,
+                "overhead_s": None, "overhead_over_prefill": None, "prefill_slowdown": None,
+                "tail_s": None}
 
 
 def plot(rows: list[dict], path: Path, facts: dict) -> Path | None:
@@ -167,19 +181,23 @@ def plot(rows: list[dict], path: Path, facts: dict) -> Path | None:
     except ImportError:
         print("[mb7] matplotlib not installed: no plot", file=sys.stderr)
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (mode, load) in sorted({(r["mode"], r["load"]) for r in rows}):
-        sel = sorted((r for r in rows if r["mode"] == mode and r["load"] == load),
-                     key=lambda r: r["bytes"])
-        ax.plot([r["bytes"] / 2**20 for r in sel], [r["overhead_s"] * 1e3 for r in sel],
-                marker="o" if mode == "layerwise" else "s",
-                linestyle="-" if load == 0 else "--",
-                label=f"{mode}, {'idle' if load == 0 else f'{load} decode streams'}")
-    ax.set_xlabel("KV moved per request (MiB)")
-    ax.set_ylabel("critical-path overhead (ms)")
-    ax.set_title(f"mb7: {facts['layers']}-layer model, {facts['kv_bytes_per_token'] // 1024} KiB KV/token")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    rows = [r for r in rows if not r.get("error")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = [("overhead_s", "overhead = total - prefill-only (ms)"),
+              ("tail_s", "tail = total - P's latency, same run (ms)")]
+    for ax, (key, label) in zip(axes, panels):
+        for (mode, load) in sorted({(r["mode"], r["load"]) for r in rows}):
+            sel = sorted((r for r in rows if r["mode"] == mode and r["load"] == load),
+                         key=lambda r: r["bytes"])
+            ax.plot([r["bytes"] / 2**20 for r in sel], [r[key] * 1e3 for r in sel],
+                    marker="o" if mode == "layerwise" else "s",
+                    linestyle="-" if load == 0 else "--",
+                    label=f"{mode}, {'idle' if load == 0 else f'{load} decode streams'}")
+        ax.set_xlabel("KV moved per request (MiB)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"mb7: {facts['layers']}-layer model, {facts['kv_bytes_per_token'] // 1024} KiB KV/token")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -189,6 +207,10 @@ def plot(rows: list[dict], path: Path, facts: dict) -> Path | None:
 def summarize(rows: list[dict]) -> dict:
     """The issue's targets, computed from the rows (reported, never asserted here)."""
     lines, out = [], {}
+    failed = [r for r in rows if r.get("error")]
+    for r in failed:
+        lines.append(f"[mb7] FAILED {r['mode']} load={r['load']} n={r['prompt_len']}: {r['error'][:200]}")
+    rows = [r for r in rows if not r.get("error")]
     loads = sorted({r["load"] for r in rows})
     for load in loads:
         lw = sorted((r for r in rows if r["mode"] == "layerwise" and r["load"] == load),
@@ -208,6 +230,13 @@ def summarize(rows: list[dict]) -> dict:
             lines.append(f"[mb7] {tag}: at {lw[-1]['prompt_len']} tokens baseline/layer-wise "
                          f"overhead = {ratio:.1f}x" if ratio else
                          f"[mb7] {tag}: layer-wise overhead <= 0 at the largest size")
+        if lw and ph and ph[-1]["prompt_len"] == lw[-1]["prompt_len"] and lw[-1]["tail_s"] > 0:
+            tails = [r["tail_s"] for r in lw]
+            out[f"layerwise_tail_flatness_{tag}"] = max(tails) / min(tails)
+            out[f"baseline_over_layerwise_tail_{tag}"] = ph[-1]["tail_s"] / lw[-1]["tail_s"]
+            lines.append(f"[mb7] {tag}: tail (same-run) layer-wise max/min = "
+                         f"{max(tails) / min(tails):.2f}; at {lw[-1]['prompt_len']} tokens "
+                         f"baseline/layer-wise = {ph[-1]['tail_s'] / lw[-1]['tail_s']:.1f}x")
         if lw:
             worst = max(r["prefill_slowdown"] for r in lw)
             out[f"layerwise_prefill_slowdown_max_{tag}"] = worst
@@ -265,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_mode(mode, args, facts, log_dir)
     for r in rows:
         r["mib"] = r["bytes"] / 2**20
+        if r.get("error"):
+            continue
         r["overhead_ms"] = r["overhead_s"] * 1e3
         r["overhead_pct"] = 100 * r["overhead_over_prefill"]
         r["slowdown_pct"] = 100 * r["prefill_slowdown"]
