@@ -160,14 +160,15 @@ def run_mode(mode: str, args, facts: dict, log_dir: Path) -> list[dict]:
     return rows
 
 
-def measure_or_fail(mode: str, load: int, n: int, *rest) -> dict:
+def measure_or_fail(mode: str, load: int, n: int, args, p, d, pm: str, prompts,
+                    facts: dict) -> dict:
     """A size whose requests fail or time out is recorded as failed; the run goes on."""
     try:
-        return measure_size(mode, load, n, *rest)
+        return measure_size(mode, load, n, args, p, d, pm, prompts, facts)
     except RequestFailed as e:
         print(f"[mb7] {mode} load={load} n={n}: FAILED: {e}", file=sys.stderr, flush=True)
         return {"mode": mode, "load": load, "prompt_len": n, "error": str(e), "correct": False,
-                "bytes": kv_bytes(n, rest[-1]), "prefill_only_s": None, "total_s": None,
+                "bytes": kv_bytes(n, facts), "prefill_only_s": None, "total_s": None,
                 "overhead_s": None, "overhead_over_prefill": None, "prefill_slowdown": None,
                 "tail_s": None}
 
