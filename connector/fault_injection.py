@@ -36,3 +36,17 @@ def zero_received_block(
         else:
             cache[block_id].zero_()
     logger.warning("FAULT INJECTION (%s): zeroed received block %d", ENV_ZERO_RECV_BLOCK, block_id)
+
+
+ENV_FAIL_WRITE_PROMPT_LEN = "VMP_FAULT_FAIL_WRITE_PROMPT_LEN"
+
+
+def write_fault(prompt_len: int) -> str | None:
+    """With VMP_FAULT_FAIL_WRITE_PROMPT_LEN=N on the prefill instance, every
+    layer-wise write of a request whose prompt has exactly N tokens fails as if
+    the transfer engine had returned -1 (tests of the write-failure path).
+    Returns the error to report, or None when the fault is not armed for it."""
+    which = os.environ.get(ENV_FAIL_WRITE_PROMPT_LEN)
+    if not which or int(which) != prompt_len:
+        return None
+    return f"FAULT INJECTION ({ENV_FAIL_WRITE_PROMPT_LEN}={which}): write failed"

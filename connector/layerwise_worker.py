@@ -32,6 +32,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.fault_injection import (
+    write_fault,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.io_affinity import (
     move_current_thread_to_io_cpus,
 )
@@ -225,9 +228,12 @@ class LayerwisePusher:
                         src.append(base + s * self.block_len)
                         dst.append(op.dst_base_addr + d * self.block_len)
                         lens.append(n * self.block_len)
+                err = self._injected_fault(sops)
                 try:
-                    rc = self.write_fn(session, src, dst, lens)
-                    err = None if rc == 0 else f"transfer engine returned {rc} writing to {session}"
+                    if err is None:
+                        rc = self.write_fn(session, src, dst, lens)
+                        if rc != 0:
+                            err = f"transfer engine returned {rc} writing to {session}"
                 except Exception as e:  # never let the writer thread die
                     err = f"transfer engine raised {e!r} writing to {session}"
                 with self.lock:
@@ -237,6 +243,14 @@ class LayerwisePusher:
                 if err:
                     logger.error("Layer-wise push: %s", err)
                 self._dispatch()
+
+    def _injected_fault(self, ops: list[WriteOp]) -> str | None:
+        with self.lock:
+            for op in ops:
+                t = self.tracker.transfers.get(op.transfer_id)
+                if t is not None and (err := write_fault(t.prompt_len)):
+                    return err
+        return None
 
     def shutdown(self) -> None:
         self._queue.put(None)

@@ -24,6 +24,7 @@ from harness.pd_client import engine_id, model_name, pd_generate
 pytestmark = pytest.mark.integration
 
 MAX_BATCHED = 256
+FAULTY_PROMPT_LEN = 777
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,9 @@ def cluster(tmp_path_factory):
     model = str(ensure_model(ModelShape()))
     common = dict(model=model, kv_cache_gib=2, max_model_len=4096, max_num_batched_tokens=MAX_BATCHED,
                   extra_args=["--enable-prompt-tokens-details"],
-                  env={"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256"})
+                  env={"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
+                       # only a prompt of exactly this length gets its writes failed
+                       "VMP_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)})
     specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
              InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
     with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
@@ -109,4 +112,34 @@ def test_abort_mid_transfer_frees_blocks_on_both_sides(cluster):
     r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300)
     ref = reference_completion(p.url, ids, max_tokens=3)
     check = compare(r.decode, ref, expected_cached_tokens=399)
+    assert check.ok, check.problems
+
+
+def test_failed_write_fails_one_request_and_both_keep_serving(cluster):
+    """The transfer engine failing a layer-wise write (injected on P) ends the
+    decode request with an error, never a hang; no blocks stay allocated; the
+    API servers survive (upstream's stats logger used to die on such a request,
+    patch 0010) and the next transfer is byte-exact."""
+    from harness.pd_client import RequestFailed
+
+    p, d = cluster["prefill"], cluster["decode"]
+    ids = prompt(FAULTY_PROMPT_LEN, seed=4000)
+    started = time.monotonic()
+    with pytest.raises(RequestFailed):
+        pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120)
+    assert time.monotonic() - started < 120
+    assert "FAULT INJECTION (VMP_FAULT_FAIL_WRITE_PROMPT_LEN" in p.log_path.read_text()
+    deadline = time.monotonic() + 60
+    usage = None
+    while time.monotonic() < deadline:
+        usage = (kv_usage(p.url), kv_usage(d.url))
+        if usage == (0.0, 0.0):
+            break
+        time.sleep(1)
+    assert usage == (0.0, 0.0), f"KV blocks still allocated after a failed write (P, D): {usage}"
+    assert "Counters can only be incremented" not in d.log_path.read_text()
+    ids = prompt(600, seed=4001)
+    r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300)
+    ref = reference_completion(p.url, ids, max_tokens=3)
+    check = compare(r.decode, ref, expected_cached_tokens=599)
     assert check.ok, check.problems

@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Defaults for the Mooncake TCP transport's queue limits and admission timeout.
+
+Mooncake's TCP transport (0.3.13) admits at most ~1024 queued transfers per peer
+and gives a transfer 1 s (``MC_TCP_ADMISSION_TIMEOUT_MS``) to be admitted. A KV
+transfer is one entry per (layer, K/V, run of contiguous blocks): a 2048-token
+prompt of a 48-layer model is ~12k entries, which the transport rejects at once
+(``batch_transfer_sync_write`` returns -1 without a log line), and under CPU
+load a smaller batch waits longer than 1 s for admission and fails the same way.
+Both were seen on this project's CPU machine (issue 4); the raw engine moves the
+same 12k-entry batch in ~0.5 s once the limits are raised.
+
+The defaults below apply only to the ``tcp`` protocol and only where the user
+has not set the variable: an explicit setting always wins. They must be in the
+environment before the TransferEngine is initialized (the transport reads them
+once, at construction). RDMA is untouched (verified only over TCP here).
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+TCP_TRANSPORT_DEFAULTS: dict[str, str] = {
+    # the transport's own maxima
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+    # 60 s: a transfer is failed by admission only when the peer is really gone
+    # (every KV wait above it is bounded by VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT)
+    "MC_TCP_ADMISSION_TIMEOUT_MS": "60000",
+}
+
+
+def apply_transport_env_defaults(protocol: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the TCP transport defaults the user left unset; return what was set."""
+    env = os.environ if environ is None else environ
+    if protocol != "tcp":
+        return {}
+    applied = {k: v for k, v in TCP_TRANSPORT_DEFAULTS.items() if k not in env}
+    env.update(applied)
+    if applied:
+        logger.info("Mooncake TCP transport defaults (unset by the user): %s", applied)
+    return applied

@@ -1,0 +1,72 @@
+"""connector/transport_env.py: the TCP transport defaults, and (with the real
+Mooncake engine over loopback, no vLLM) the failure they exist to prevent."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from connector.transport_env import TCP_TRANSPORT_DEFAULTS, apply_transport_env_defaults
+
+
+def test_tcp_sets_every_default_when_unset():
+    env = {}
+    applied = apply_transport_env_defaults("tcp", env)
+    assert applied == TCP_TRANSPORT_DEFAULTS == env
+
+
+def test_user_setting_wins():
+    env = {"MC_TCP_ADMISSION_TIMEOUT_MS": "1234"}
+    applied = apply_transport_env_defaults("tcp", env)
+    assert env["MC_TCP_ADMISSION_TIMEOUT_MS"] == "1234"
+    assert "MC_TCP_ADMISSION_TIMEOUT_MS" not in applied
+    assert env["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "65535"
+
+
+@pytest.mark.parametrize("protocol", ["rdma", "efa", ""])
+def test_other_protocols_untouched(protocol):
+    env = {}
+    assert apply_transport_env_defaults(protocol, env) == {}
+    assert env == {}
+
+
+# 12288 entries = 48 layers x K/V x 128 non-contiguous blocks: one 2048-token
+# post-hoc transfer of the default model.
+ENGINE_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from mooncake.engine import TransferEngine
+    def engine():
+        e = TransferEngine()
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        return e
+    a, b = engine(), engine()
+    n, size = 12288, 4096
+    src = np.full(n * size, 7, dtype=np.uint8); dst = np.zeros(n * size, dtype=np.uint8)
+    assert a.register_memory(src.ctypes.data, src.nbytes) == 0
+    assert b.register_memory(dst.ctypes.data, dst.nbytes) == 0
+    rc = a.batch_transfer_sync_write(f"127.0.0.1:{b.get_rpc_port()}",
+        [src.ctypes.data + i * size for i in range(n)],
+        [dst.ctypes.data + i * size for i in range(n)], [size] * n)
+    print("RESULT", rc, bool((dst == 7).all()))
+""")
+
+
+def run_engine(env_defaults: bool) -> str:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MC_TCP_")}
+    if env_defaults:
+        apply_transport_env_defaults("tcp", env)
+    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=120)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert lines, f"engine script failed (rc={out.returncode}):\n{out.stderr[-2000:]}"
+    return lines[0]
+
+
+def test_real_engine_rejects_a_large_batch_with_mooncake_defaults_and_moves_it_with_ours():
+    pytest.importorskip("mooncake.engine")
+    assert run_engine(env_defaults=False) == "RESULT -1 False"  # the premise of the defaults
+    assert run_engine(env_defaults=True) == "RESULT 0 True"
