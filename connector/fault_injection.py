@@ -42,9 +42,10 @@ ENV_FAIL_WRITE_PROMPT_LEN = "VMP_FAULT_FAIL_WRITE_PROMPT_LEN"
 
 
 def write_fault(prompt_len: int) -> str | None:
-    """With VMP_FAULT_FAIL_WRITE_PROMPT_LEN=N on the prefill instance, every
-    layer-wise write of a request whose prompt has exactly N tokens fails as if
-    the transfer engine had returned -1 (tests of the write-failure path).
+    """With VMP_FAULT_FAIL_WRITE_PROMPT_LEN=N on the sending instance, every
+    layer-wise write and every /push_blocks write of a prompt of exactly N
+    tokens fails as if the transfer engine had returned -1 (tests of the
+    write-failure paths).
     Returns the error to report, or None when the fault is not armed for it."""
     which = os.environ.get(ENV_FAIL_WRITE_PROMPT_LEN)
     if not which or int(which) != prompt_len:

@@ -29,9 +29,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.block_runs import (
+    contiguous_runs,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.fault_injection import (
     write_fault,
 )
@@ -74,17 +76,6 @@ def slots_by_layer(kv_caches: dict[str, torch.Tensor], split_k_and_v: bool) -> t
             addrs.append(addr)
         layer_slots[name] = slots
     return layer_slots, addrs
-
-
-def contiguous_runs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) runs where both block lists are consecutive."""
-    if not src:
-        return []
-    s, d = np.asarray(src), np.asarray(dst)
-    brk = np.where((np.diff(s) != 1) | (np.diff(d) != 1))[0] + 1
-    starts = np.concatenate(([0], brk))
-    ends = np.concatenate((brk, [len(s)]))
-    return [(int(s[a]), int(d[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 class LayerwisePusher:

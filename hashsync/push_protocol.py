@@ -36,15 +36,22 @@ class PushBlocksRequest(BaseModel):
     block_size: StrictInt
     dst_session: StrictStr  # D's transfer-engine session, "host:port"
     dst_kv_base_addrs: list[StrictInt]  # one per registered KV tensor, C's order
-    dst_block_ids: list[StrictInt]  # D's blocks for full blocks 0..n-1 of the prompt
+    # D's blocks for the prompt's full blocks first_block .. first_block+n-1
+    # (D skips the leading blocks its own prefix cache already holds)
+    dst_block_ids: list[StrictInt]
+    first_block: StrictInt = 0
+    block_len: StrictInt | None = None  # bytes per block per KV tensor; checked if given
     request_id: StrictStr | None = None
 
 
 class PushBlocksResponse(BaseModel):
     status: PushStatus
-    matched_blocks: int = 0
+    matched_blocks: int = 0  # leading full blocks of the prompt C holds
     matched_tokens: int = 0
+    pushed_blocks: int = 0  # written into D: blocks first_block .. first_block+pushed-1
     total_full_blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
     message: str = ""
 
 
@@ -65,7 +72,8 @@ def _check_session(session: str) -> None:
         raise PushRequestError("dst_session", f"expected 'host:port', got {session!r}")
 
 
-def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int) -> None:
+def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
+             block_len: int | None = None) -> None:
     """Check ``req`` against the serving instance; raise ``PushRequestError``."""
     if not req.token_ids:
         raise PushRequestError("token_ids", "must not be empty")
@@ -91,11 +99,18 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int) ->
     n = len(req.dst_block_ids)
     if n == 0:
         raise PushRequestError("dst_block_ids", "must not be empty")
-    if n > total_full_blocks:
+    if req.first_block < 0:
+        raise PushRequestError("first_block", "must be non-negative")
+    if req.first_block + n > total_full_blocks:
         raise PushRequestError(
             "dst_block_ids",
-            f"{n} destination blocks for {total_full_blocks} full prompt blocks",
+            f"{n} destination blocks from block {req.first_block} for "
+            f"{total_full_blocks} full prompt blocks",
         )
+    if block_len is not None and req.block_len is not None and req.block_len != block_len:
+        raise PushRequestError(
+            "block_len", f"{req.block_len} != this instance's {block_len} bytes per block "
+            "(different model, dtype or KV layout)")
     if any(b < 0 for b in req.dst_block_ids):
         raise PushRequestError("dst_block_ids", "block ids must be non-negative")
     if len(set(req.dst_block_ids)) != n:

@@ -17,18 +17,24 @@ Routes on the instance's Mooncake bootstrap server (register_routes):
   GET  /hashsync        table size, hash algorithm and a sample (debugging)
   POST /match_blocks    {"token_ids": [...], "cache_salt": null, "lora_name": null}
                         -> how many leading full blocks are held (no data moves)
+  POST /push_blocks     write the held prefix into a peer's KV cache
+                        (push_protocol.py, push_server.py)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import HTTPException
+import asyncio
+
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from vllm.logger import init_logger
 
 from .hashing import hash_prompt_blocks, scheduler_hash_config
+from .push_server import BlockPusher, WriteFn
 from .recorder import HashDelta, get_recorder
 from .table import BlockHashTable
 
@@ -39,19 +45,23 @@ class SchedulerHashSync:
     """Scheduler side: turns BlockPool's cache/evict events into per-step deltas."""
 
     def __init__(self, hash_algo: str):
+        from vllm.v1.core import block_pool
+
         self.hash_algo = hash_algo
-        self._enabled = False
+        # Record from the start: the first step caches blocks in schedule(),
+        # before build() runs for that step.
+        recorder = get_recorder()
+        recorder.enable()
+        block_pool.block_hash_observer = recorder
+        self._configured = False
 
     def build(self) -> HashDelta:
         recorder = get_recorder()
-        if not self._enabled:
+        if not self._configured:
             # NONE_HASH is drawn when the engine core starts, after the
             # connector is built: read it on the first step, not in __init__.
-            from vllm.v1.core import block_pool
-
-            recorder.enable(scheduler_hash_config(self.hash_algo))
-            block_pool.block_hash_observer = recorder
-            self._enabled = True
+            recorder.set_hash_config(scheduler_hash_config(self.hash_algo))
+            self._configured = True
             logger.info("Mooncake block-hash sync enabled (%s)", self.hash_algo)
         return recorder.drain()
 
@@ -62,6 +72,11 @@ class WorkerHashSync:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.table = BlockHashTable(defer_stores=True)
+        self.pusher: BlockPusher | None = None
+
+    def enable_push(self, write_fn: WriteFn, base_addrs: list[int], block_len: int) -> None:
+        """Serve POST /push_blocks with this worker's transfer engine and KV caches."""
+        self.pusher = BlockPusher(self, write_fn, base_addrs, block_len)
 
     def on_metadata(self, delta: HashDelta | None) -> None:
         """Before the forward pass: apply the step's delta (stores stay pending)."""
@@ -96,6 +111,7 @@ class WorkerHashSync:
             "hash_algo": cfg.hash_algo if cfg else None,
             "block_size": self.block_size,
             "sample": self.table.sample(sample),
+            "push": dict(self.pusher.stats) if self.pusher else None,
         }
 
 
@@ -132,5 +148,18 @@ def register_routes(app: Any, get_sync: Any) -> None:
         return {"matched_blocks": len(block_ids), "matched_tokens": len(block_ids) * sync.block_size,
                 "total_full_blocks": total}
 
+    async def push_blocks(request: Request) -> JSONResponse:
+        sync = ready()
+        if sync.pusher is None:
+            raise HTTPException(status_code=501, detail="this instance does not serve pushes")
+        try:
+            payload = await request.json()
+        except ValueError as e:
+            return JSONResponse({"detail": {"field": "body", "message": f"not JSON: {e}"}}, 422)
+        # the write blocks (GIL released by the engine): keep the event loop free
+        code, body = await asyncio.to_thread(sync.pusher.push, payload)
+        return JSONResponse(body, status_code=code)
+
     app.get("/hashsync")(hashsync_debug)
     app.post("/match_blocks")(match_blocks)
+    app.post("/push_blocks")(push_blocks)

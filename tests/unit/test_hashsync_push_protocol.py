@@ -100,7 +100,26 @@ def test_response_model():
     r = PushBlocksResponse(status="ok", matched_blocks=3, matched_tokens=48,
                            total_full_blocks=3, message="")
     assert r.model_dump() == {"status": "ok", "matched_blocks": 3, "matched_tokens": 48,
-                              "total_full_blocks": 3, "message": ""}
+                              "pushed_blocks": 0, "total_full_blocks": 3, "bytes": 0,
+                              "seconds": 0.0, "message": ""}
     with pytest.raises(ValueError):
         PushBlocksResponse(status="maybe")
     assert PushBlocksRequest.model_json_schema()["required"]
+
+
+def test_first_block_offsets_the_destination_range():
+    check(body(first_block=1, dst_block_ids=[8, 9]))
+    with pytest.raises(PushRequestError) as e:
+        check(body(first_block=2, dst_block_ids=[8, 9]))
+    assert e.value.field == "dst_block_ids"
+    with pytest.raises(PushRequestError) as e:
+        check(body(first_block=-1))
+    assert e.value.field == "first_block"
+
+
+def test_block_len_must_match_when_given():
+    req = parse_push_request(body(block_len=4096))
+    validate(req, block_size=BS, num_kv_tensors=NT, block_len=4096)
+    with pytest.raises(PushRequestError) as e:
+        validate(req, block_size=BS, num_kv_tensors=NT, block_len=8192)
+    assert e.value.field == "block_len"

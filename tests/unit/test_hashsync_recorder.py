@@ -159,3 +159,24 @@ def test_table_mirrors_block_pool(recorder, none_hash, observed):
     table.apply(recorder.drain())
     assert table.size() == 0
     assert_mirrors(pool, table)
+
+
+def test_blocks_cached_before_the_first_build_reach_the_worker(recorder, none_hash, monkeypatch):
+    """The first request's blocks are cached in schedule(), before the first
+    build_connector_meta: SchedulerHashSync must record from construction on
+    (found by tests/integration/test_push.py: C's first prompt matched nothing)."""
+    from vllm.v1.core import block_pool
+
+    from hashsync.sync import SchedulerHashSync
+
+    monkeypatch.setattr(block_pool, "block_hash_observer", None)
+    sync = SchedulerHashSync("sha256")
+    assert block_pool.block_hash_observer is recorder
+    pool = HookedPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=BS)
+    tokens = list(range(1, 1 + 2 * BS))
+    ids = run_request(pool, make_request("first", tokens))
+    delta = sync.build()
+    assert delta.hash_config == HashConfig("sha256", none_hash)
+    table = BlockHashTable()
+    table.apply(delta)
+    assert table.match_prefix(hash_prompt_blocks(tokens, BS, "sha256", none_hash)) == ids

@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's scheduler side of prefix push migration (hashsync's POST /push_blocks).
+
+A request whose ``kv_transfer_params`` hold ``{"push_from": "<C's bootstrap
+URL>"}`` (and no ``do_remote_prefill``) asks C, in a background thread, how
+many leading full blocks of its prompt C's prefix cache holds
+(``/match_blocks``); until the answer is in, ``get_num_new_matched_tokens``
+returns ``None`` (vLLM keeps the request waiting and asks again next step).
+The held blocks beyond D's own prefix hit are counted as external tokens and
+loaded asynchronously: D's worker posts ``/push_blocks`` with the blocks
+vLLM allocated (push_receiver.py) and reports, through the worker metadata,
+how many landed. If fewer landed than promised (C evicted them, the write
+failed, C is unreachable, a timeout), the request's computed tokens are cut
+back to what landed *before* vLLM caches the blocks, so the rest is prefilled
+locally whatever ``kv_load_failure_policy`` says: never lost, never stuck.
+A failed or slow ``/match_blocks`` means no push at all.
+
+A request that finishes while its push is in flight keeps its blocks until
+the worker reports the push ended (C may still be writing into them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+PARAM_PUSH_FROM = "push_from"
+ENV_MATCH_TIMEOUT = "MOONCAKE_PUSH_MATCH_TIMEOUT_S"
+ENV_PUSH_TIMEOUT = "MOONCAKE_PUSH_TIMEOUT_S"
+
+
+def push_source(request: "Request") -> str | None:
+    params = request.kv_transfer_params or {}
+    src = params.get(PARAM_PUSH_FROM)
+    if not src or params.get("do_remote_prefill"):
+        return None
+    return str(src).rstrip("/")
+
+
+def lora_name(request: "Request") -> str | None:
+    lora = getattr(request, "lora_request", None)
+    return lora.lora_name if lora is not None else None
+
+
+@dataclass
+class PushJob:
+    """Scheduler -> worker (connector metadata): post this push."""
+
+    req_id: str
+    source: str
+    token_ids: list[int]
+    cache_salt: str | None
+    lora_name: str | None
+    first_block: int
+    dst_block_ids: list[int]
+
+
+@dataclass
+class PushOutcome(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: blocks that landed per ended push (first ones only)."""
+
+    landed: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        assert isinstance(other, PushOutcome)
+        merged = dict(self.landed)
+        for rid, n in other.landed.items():  # several workers: a block is valid on all or none
+            merged[rid] = min(n, merged.get(rid, n))
+        return PushOutcome(merged)
+
+
+@dataclass
+class _Inflight:
+    request: "Request"
+    source: str
+    first_block: int
+    n_blocks: int
+    started: float = field(default_factory=time.monotonic)
+
+
+class PushScheduler:
+    def __init__(self, block_size: int, match_timeout_s: float | None = None):
+        self.block_size = block_size
+        self.match_timeout_s = float(match_timeout_s if match_timeout_s is not None
+                                     else os.environ.get(ENV_MATCH_TIMEOUT, "5"))
+        self._pool: ThreadPoolExecutor | None = None
+        self._matches: dict[str, Future] = {}  # req id -> matched blocks (or raises)
+        self._planned: dict[str, tuple[str, int, int]] = {}  # req id -> (source, first, n)
+        self._inflight: dict[str, _Inflight] = {}
+        # pushes that ended: vLLM asks again when a request is back to 0 computed
+        # tokens (nothing landed); it must then prefill locally, not push again
+        self._ended: set[str] = set()
+        self._jobs: list[PushJob] = []
+        self.stats = {"requests": 0, "pushed_blocks": 0, "fallback_blocks": 0, "match_failed": 0}
+
+    def handles(self, request: "Request") -> bool:
+        return push_source(request) is not None
+
+    # ---- get_num_new_matched_tokens ----------------------------------------------
+    def _query(self, source: str, request: "Request") -> int:
+        r = httpx.post(f"{source}/match_blocks",
+                       json={"token_ids": list(request.prompt_token_ids or []),
+                             "cache_salt": request.cache_salt, "lora_name": lora_name(request)},
+                       timeout=self.match_timeout_s)
+        if r.status_code != 200:
+            raise RuntimeError(f"{source}/match_blocks answered {r.status_code}: {r.text[:300]}")
+        return int(r.json()["matched_blocks"])
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        rid, source = request.request_id, push_source(request)
+        assert source is not None
+        if rid in self._inflight or rid in self._ended:
+            return 0, False
+        fut = self._matches.get(rid)
+        if fut is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(4, thread_name_prefix="mooncake-push-match")
+            self._matches[rid] = self._pool.submit(self._query, source, request)
+            return None, False  # asked again next step
+        if not fut.done():
+            return None, False  # httpx's timeout bounds the wait
+        try:
+            matched = fut.result()
+        except Exception as e:
+            logger.warning("Prefix push for %s: no match from %s (%s); prefilling locally",
+                           rid, source, e)
+            self.stats["match_failed"] += 1
+            matched = 0
+        first = num_computed_tokens // self.block_size
+        n = matched - first
+        if n <= 0:
+            self._planned.pop(rid, None)
+            return 0, False
+        self._planned[rid] = (source, first, n)
+        return n * self.block_size, True
+
+    # ---- allocation -> job ---------------------------------------------------------
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        rid = request.request_id
+        plan = self._planned.pop(rid, None)
+        self._matches.pop(rid, None)
+        if plan is None or num_external_tokens == 0:
+            return
+        source, first, n = plan
+        assert num_external_tokens == n * self.block_size, (num_external_tokens, n)
+        block_ids = blocks.get_block_ids()[0]
+        dst = list(block_ids[first:first + n])
+        assert len(dst) == n, f"{len(dst)} blocks allocated for {n} pushed blocks"
+        self._inflight[rid] = _Inflight(request, source, first, n)
+        self._jobs.append(PushJob(rid, source, list(request.prompt_token_ids or []),
+                                  request.cache_salt, lora_name(request), first, dst))
+        self.stats["requests"] += 1
+
+    def take_jobs(self) -> list[PushJob]:
+        jobs, self._jobs = self._jobs, []
+        return jobs
+
+    # ---- worker outcome --------------------------------------------------------------
+    def on_worker_meta(self, meta: Any) -> None:
+        """Before vLLM handles finished_recving: cut back what did not land."""
+        if not isinstance(meta, PushOutcome):
+            return
+        for rid, landed in meta.landed.items():
+            inf = self._inflight.pop(rid, None)
+            if inf is None:
+                continue
+            self._ended.add(rid)
+            landed = max(0, min(landed, inf.n_blocks))
+            self.stats["pushed_blocks"] += landed
+            if landed < inf.n_blocks:
+                missing = inf.n_blocks - landed
+                self.stats["fallback_blocks"] += missing
+                req = inf.request
+                req.num_computed_tokens = (inf.first_block + landed) * self.block_size
+                req.num_external_computed_tokens = landed * self.block_size
+                logger.warning("Prefix push for %s from %s: %d of %d blocks landed; "
+                               "prefilling the other %d tokens locally", rid, inf.source,
+                               landed, inf.n_blocks, missing * self.block_size)
+
+    # ---- end of request ----------------------------------------------------------------
+    def request_finished(self, request: "Request") -> bool:
+        """True (delay freeing the blocks) while C may still write into them."""
+        rid = request.request_id
+        self._planned.pop(rid, None)
+        self._ended.discard(rid)
+        fut = self._matches.pop(rid, None)
+        if fut is not None:
+            fut.cancel()
+        return rid in self._inflight

@@ -1,0 +1,151 @@
+"""Prefix push migration (POST /push_blocks) between two real vLLM instances.
+
+C serves a prompt (its prefix cache now holds the prompt's full blocks); D is
+then asked for the same prompt with kv_transfer_params {"push_from": C's
+bootstrap URL}: C's bootstrap server writes the held blocks into D's KV cache
+with the real Mooncake engine (TCP, loopback) and D prefills only the rest.
+D's cached tokens must equal the matched tokens and its result must pass the
+KV-sensitive correctness check against a local run. Prefixes C does not hold
+(other tokens, other cache_salt) match nothing and D still answers; a push
+that fails after the match falls back to local prefill; no blocks stay
+allocated on either side.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from harness.correctness import compare, reference_completion
+from harness.launcher import Cluster, InstanceSpec
+from harness.model import ModelShape, ensure_model
+from harness.pd_client import complete
+from harness.prompts import random_prompt as prompt
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 128  # the CPU backend's block size (the launcher passes --block-size 128)
+FAULTY_PROMPT_LEN = 5 * BLOCK + 11  # C fails every push of a prompt this long
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = str(ensure_model(ModelShape()))
+    common = dict(model=model, kv_cache_gib=2, max_model_len=4096,
+                  extra_args=["--enable-prompt-tokens-details"])
+    specs = [InstanceSpec("c", role="kv_producer", cores="0",
+                          env={"VMP_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)}, **common),
+             InstanceSpec("d", role="kv_consumer", cores="1", **common)]
+    with Cluster(specs, tmp_path_factory.mktemp("logs")) as cl:
+        yield cl
+
+
+def kv_usage(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    assert m, "vllm:kv_cache_usage_perc not in /metrics"
+    return float(m.group(1))
+
+
+def wait_no_blocks_in_use(*urls: str, timeout: float = 60) -> tuple:
+    deadline = time.monotonic() + timeout
+    usage = ()
+    while time.monotonic() < deadline:
+        usage = tuple(kv_usage(u) for u in urls)
+        if all(u == 0.0 for u in usage):
+            break
+        time.sleep(1)
+    return usage
+
+
+def turn_on_c(c, ids, salt=None):
+    complete(c.url, ids, max_tokens=1, logprobs=None, cache_salt=salt, timeout=300)
+    # the blocks become matchable once the step that computed them has ended
+    deadline = time.monotonic() + 30
+    while True:
+        r = httpx.post(c.bootstrap_url + "/match_blocks",
+                       json={"token_ids": ids, "cache_salt": salt}, timeout=30).json()
+        if r["matched_blocks"] == len(ids) // BLOCK or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r["matched_blocks"] == len(ids) // BLOCK, r
+
+
+def push_request(d, c, ids, salt=None, source=None):
+    return complete(d.url, ids, max_tokens=4, logprobs=5, cache_salt=salt, timeout=300,
+                    kv_transfer_params={"push_from": source or c.bootstrap_url})
+
+
+def check_local(got, ids, c):
+    """Nothing came from C: vLLM reports no cached tokens (it omits a zero)."""
+    assert not got.cached_tokens, f"{got.cached_tokens} cached tokens, expected none"
+    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
+                    expected_cached_tokens=None)
+    assert check.ok, check.problems
+
+
+def test_pushed_blocks_land_byte_exact(cluster):
+    c, d = cluster["c"], cluster["d"]
+    ids = prompt(8 * BLOCK + 50, seed=5000)
+    turn_on_c(c, ids)
+    got = push_request(d, c, ids)
+    ref = reference_completion(c.url, ids, max_tokens=4)
+    check = compare(got, ref, expected_cached_tokens=8 * BLOCK)
+    assert check.ok, check.problems
+    assert "push_blocks" in c.log_path.read_text()
+    stats = httpx.get(c.bootstrap_url + "/hashsync", timeout=10).json()["push"]
+    assert stats["ok"] >= 1 and stats["bytes"] > 0, stats
+    assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)
+
+
+def test_whole_prompt_of_full_blocks(cluster):
+    """Every block held: D recomputes only the last token."""
+    c, d = cluster["c"], cluster["d"]
+    ids = prompt(4 * BLOCK, seed=5001)
+    turn_on_c(c, ids)
+    got = push_request(d, c, ids)
+    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
+                    expected_cached_tokens=4 * BLOCK - 1)
+    assert check.ok, check.problems
+
+
+def test_prefix_c_does_not_hold_matches_nothing(cluster):
+    c, d = cluster["c"], cluster["d"]
+    ids = prompt(3 * BLOCK + 5, seed=5002)  # never sent to C
+    got = push_request(d, c, ids)
+    check_local(got, ids, c)
+
+
+def test_other_cache_salt_matches_nothing(cluster):
+    c, d = cluster["c"], cluster["d"]
+    ids = prompt(3 * BLOCK + 5, seed=5003)
+    turn_on_c(c, ids, salt="tenant-a")
+    got = push_request(d, c, ids, salt="tenant-b")
+    check_local(got, ids, c)
+    got = push_request(d, c, ids, salt="tenant-a")  # the right tenant gets the push
+    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
+                    expected_cached_tokens=3 * BLOCK)
+    assert check.ok, check.problems
+
+
+def test_failed_push_falls_back_to_local_prefill(cluster):
+    c, d = cluster["c"], cluster["d"]
+    ids = prompt(FAULTY_PROMPT_LEN, seed=5004)
+    turn_on_c(c, ids)
+    got = push_request(d, c, ids)  # matched 5 blocks, then C's write fails
+    check_local(got, ids, c)
+    assert "FAULT INJECTION (VMP_FAULT_FAIL_WRITE_PROMPT_LEN" in c.log_path.read_text()
+    assert "prefilling the other" in d.log_path.read_text()
+    assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)
+
+
+def test_unreachable_source_falls_back_to_local_prefill(cluster):
+    c, d = cluster["c"], cluster["d"]
+    ids = prompt(2 * BLOCK + 7, seed=5005)
+    t0 = time.monotonic()
+    got = push_request(d, c, ids, source="http://127.0.0.1:9")  # nothing listens there
+    check_local(got, ids, c)
+    assert time.monotonic() - t0 < 60

@@ -1,0 +1,162 @@
+"""hashsync/push_server.py: what POST /push_blocks writes where.
+
+The transfer engine is replaced by a memmove between real buffers, so the
+address arithmetic (KV tensor bases, block_len, first_block, runs of
+contiguous blocks) is checked byte for byte; the real engine and two real
+instances are in tests/integration/test_push.py."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from hashsync.hash_config import HashConfig
+from hashsync.hashing import hash_prompt_blocks, to_pool_key
+from hashsync.recorder import HashDelta, HashEventKind
+from hashsync.sync import WorkerHashSync
+
+BS, SLOTS, NBLK, BLEN = 4, 3, 16, 64
+CFG = HashConfig("sha256", b"\x01" * 32)
+TOKENS = list(range(100, 100 + 3 * BS + 2))  # 3 full blocks + 2 tokens
+C_BLOCKS = [5, 2, 9]
+
+
+class Instance:
+    def __init__(self, fill: bool):
+        self.kv = [np.zeros(NBLK * BLEN, dtype=np.uint8) for _ in range(SLOTS)]
+        if fill:
+            for s, t in enumerate(self.kv):
+                for b in range(NBLK):
+                    t[b * BLEN:(b + 1) * BLEN] = (s * NBLK + b) % 251 + 1
+        self.bases = [t.ctypes.data for t in self.kv]
+
+    def block(self, slot, b):
+        return self.kv[slot][b * BLEN:(b + 1) * BLEN]
+
+
+def memmove_write(log):
+    def write(session, src, dst, lens):
+        log.append((session, list(src), list(dst), list(lens)))
+        for s, d, n in zip(src, dst, lens):
+            ctypes.memmove(d, s, n)
+        return 0
+    return write
+
+
+def make(held=C_BLOCKS, salt=None, write=None, log=None):
+    c, d = Instance(True), Instance(False)
+    sync = WorkerHashSync(BS)
+    hashes = hash_prompt_blocks(TOKENS, BS, CFG.hash_algo, CFG.none_hash, cache_salt=salt)
+    events = [(HashEventKind.STORED, to_pool_key(h), b) for h, b in zip(hashes, held)]
+    sync.on_metadata(HashDelta(events=events, hash_config=CFG))
+    sync.after_step()
+    log = [] if log is None else log
+    sync.enable_push(write or memmove_write(log), c.bases, BLEN)
+    return sync, c, d, log
+
+
+def body(d, **over):
+    b = {"token_ids": TOKENS, "block_size": BS, "dst_session": "127.0.0.1:1234",
+         "dst_kv_base_addrs": d.bases, "dst_block_ids": [0, 1, 2], "block_len": BLEN,
+         "request_id": "r1"}
+    b.update(over)
+    return b
+
+
+def test_full_push_lands_every_slot_byte_exact():
+    sync, c, d, log = make()
+    code, resp = sync.pusher.push(body(d, dst_block_ids=[7, 8, 3]))
+    assert code == 200 and resp["status"] == "ok", resp
+    assert resp["pushed_blocks"] == 3 and resp["matched_blocks"] == 3
+    assert resp["matched_tokens"] == 3 * BS and resp["bytes"] == 3 * SLOTS * BLEN
+    for s in range(SLOTS):
+        for cb, db in zip(C_BLOCKS, [7, 8, 3]):
+            assert (d.block(s, db) == c.block(s, cb)).all()
+    assert {e for e in np.concatenate(d.kv)} - {0}  # something was written
+    assert len(log) == 1  # one batch
+
+
+def test_contiguous_blocks_become_one_entry_per_tensor():
+    sync, c, d, log = make(held=[4, 5, 6])
+    sync.pusher.push(body(d, dst_block_ids=[10, 11, 12]))
+    _, src, dst, lens = log[0]
+    assert lens == [3 * BLEN] * SLOTS
+    assert src == [base + 4 * BLEN for base in c.bases]
+
+
+def test_first_block_skips_what_d_already_holds():
+    sync, c, d, _ = make()
+    code, resp = sync.pusher.push(body(d, first_block=1, dst_block_ids=[8, 9]))
+    assert resp["status"] == "ok" and resp["pushed_blocks"] == 2
+    for s in range(SLOTS):
+        assert (d.block(s, 8) == c.block(s, 2)).all() and (d.block(s, 9) == c.block(s, 9)).all()
+        assert not d.block(s, 0).any()
+
+
+def test_shorter_held_prefix_pushes_what_is_held():
+    sync, c, d, _ = make(held=C_BLOCKS[:2])
+    code, resp = sync.pusher.push(body(d))
+    assert resp["status"] == "ok" and resp["pushed_blocks"] == 2 and resp["matched_blocks"] == 2
+    assert "2 of 3" in resp["message"]
+    for s in range(SLOTS):
+        assert not d.block(s, 2).any()
+
+
+@pytest.mark.parametrize("over", [{"cache_salt": "other-tenant"}, {"token_ids": [1] * 20}])
+def test_no_match_writes_nothing(over):
+    sync, c, d, log = make()
+    code, resp = sync.pusher.push(body(d, **over))
+    assert code == 200 and resp["status"] == "no_match" and resp["pushed_blocks"] == 0
+    assert log == [] and not any(t.any() for t in d.kv)
+
+
+@pytest.mark.parametrize("over,field", [
+    ({"block_len": BLEN * 2}, "block_len"),
+    ({"block_size": BS * 2}, "block_size"),
+    ({"dst_kv_base_addrs": [1, 2]}, "dst_kv_base_addrs"),
+    ({"dst_block_ids": [0, 1, 2, 3]}, "dst_block_ids"),
+    ({"dst_session": "nohost"}, "dst_session"),
+    ({"token_ids": "abc"}, "token_ids"),
+    ({"unknown": 1}, "unknown"),
+])
+def test_bad_request_is_422_naming_the_field_and_writes_nothing(over, field):
+    sync, c, d, log = make()
+    code, resp = sync.pusher.push(body(d, **over))
+    assert code == 422 and resp["detail"]["field"] == field, resp
+    assert log == []
+
+
+def test_engine_failure_reports_failed():
+    sync, c, d, _ = make(write=lambda *a: -1)
+    code, resp = sync.pusher.push(body(d))
+    assert code == 200 and resp["status"] == "failed" and "returned -1" in resp["message"]
+    assert resp["pushed_blocks"] == 0
+
+
+def test_engine_raising_reports_failed():
+    def boom(*a):
+        raise RuntimeError("segment gone")
+    sync, c, d, _ = make(write=boom)
+    assert sync.pusher.push(body(d))[1]["status"] == "failed"
+
+
+def test_block_evicted_during_the_write_reports_failed():
+    holder = {}
+
+    def evict_while_writing(session, src, dst, lens):
+        sync = holder["sync"]
+        key = sync.table._by_block[C_BLOCKS[1]]
+        sync.on_metadata(HashDelta(events=[(HashEventKind.REMOVED, key, C_BLOCKS[1])]))
+        return 0
+
+    sync, c, d, _ = make(write=evict_while_writing)
+    holder["sync"] = sync
+    code, resp = sync.pusher.push(body(d))
+    assert resp["status"] == "failed" and "evicted" in resp["message"]
+
+
+def test_before_the_first_step_is_503():
+    c, d = Instance(True), Instance(False)
+    sync = WorkerHashSync(BS)
+    sync.enable_push(memmove_write([]), c.bases, BLEN)
+    assert sync.pusher.push(body(d))[0] == 503

@@ -1,0 +1,141 @@
+"""connector/push_scheduler.py and push_receiver.py: D's side of a prefix push.
+Pure logic (C's /match_blocks and /push_blocks answers are stubbed); the real
+path runs in tests/integration/test_push.py."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from connector import push_receiver as receiver_mod
+from connector.push_receiver import PushReceiver
+from connector.push_scheduler import PushOutcome, PushScheduler
+
+BS = 16
+SRC = "http://c:9000"
+
+
+def req(rid="r1", n_tokens=5 * BS + 3, params=None, salt=None):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n_tokens)),
+                           kv_transfer_params={"push_from": SRC + "/"} if params is None else params,
+                           cache_salt=salt, lora_request=None, num_computed_tokens=0,
+                           num_external_computed_tokens=0)
+
+
+class Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def matched(sched, r, local_tokens=0, answer=4):
+    sched._query = lambda source, request: answer if not isinstance(answer, Exception) else (_ for _ in ()).throw(answer)
+    assert sched.get_num_new_matched_tokens(r, local_tokens) == (None, False)
+    deadline = time.monotonic() + 5
+    while not sched._matches[r.request_id].done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sched.get_num_new_matched_tokens(r, local_tokens)
+
+
+def test_only_requests_naming_a_source_are_handled():
+    s = PushScheduler(BS, 1)
+    assert s.handles(req())
+    assert not s.handles(req(params={}))
+    assert not s.handles(req(params={"push_from": SRC, "do_remote_prefill": True}))
+
+
+def test_held_blocks_become_async_external_tokens():
+    s = PushScheduler(BS, 1)
+    r = req()
+    assert matched(s, r) == (4 * BS, True)
+    s.update_state_after_alloc(r, Blocks([30, 31, 32, 33, 34]), 4 * BS)
+    (job,) = s.take_jobs()
+    assert job.source == SRC and job.first_block == 0 and job.dst_block_ids == [30, 31, 32, 33]
+    assert s.take_jobs() == []
+
+
+def test_local_prefix_hit_is_not_pushed_again():
+    s = PushScheduler(BS, 1)
+    r = req()
+    assert matched(s, r, local_tokens=2 * BS) == (2 * BS, True)
+    s.update_state_after_alloc(r, Blocks([7, 8, 30, 31]), 2 * BS)
+    (job,) = s.take_jobs()
+    assert job.first_block == 2 and job.dst_block_ids == [30, 31]
+
+
+def test_nothing_beyond_the_local_hit_means_no_push():
+    s = PushScheduler(BS, 1)
+    assert matched(s, req(), local_tokens=4 * BS) == (0, False)
+
+
+def test_unreachable_source_falls_back_to_local_prefill():
+    s = PushScheduler(BS, 1)
+    assert matched(s, req(), answer=ConnectionError("refused")) == (0, False)
+    assert s.stats["match_failed"] == 1
+
+
+def test_blocks_that_did_not_land_are_prefilled_locally():
+    s = PushScheduler(BS, 1)
+    r = req()
+    matched(s, r, local_tokens=BS, answer=5)
+    s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), 4 * BS)
+    s.take_jobs()
+    r.num_computed_tokens = 5 * BS  # as vLLM sets it for an async load
+    r.num_external_computed_tokens = 4 * BS
+    assert s.request_finished(r) is True  # C may still be writing: keep the blocks
+    s.on_worker_meta(PushOutcome({"r1": 1}))
+    assert r.num_computed_tokens == 2 * BS and r.num_external_computed_tokens == BS
+    # vLLM asks again when nothing landed: never a second push (found looping)
+    assert s.get_num_new_matched_tokens(r, BS) == (0, False)
+    assert s.take_jobs() == []
+    assert s.request_finished(r) is False
+    assert s.stats == {"requests": 1, "pushed_blocks": 1, "fallback_blocks": 3, "match_failed": 0}
+
+
+def test_full_landing_changes_nothing():
+    s = PushScheduler(BS, 1)
+    r = req()
+    matched(s, r)
+    s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), 4 * BS)
+    r.num_computed_tokens, r.num_external_computed_tokens = 4 * BS, 4 * BS
+    s.on_worker_meta(PushOutcome({"r1": 4}))
+    assert (r.num_computed_tokens, r.num_external_computed_tokens) == (4 * BS, 4 * BS)
+    s.on_worker_meta(None)  # other connectors' steps carry no outcome
+
+
+def test_outcomes_of_several_workers_keep_the_minimum():
+    agg = PushOutcome({"a": 3, "b": 2}).aggregate(PushOutcome({"a": 1}))
+    assert agg.landed == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize("answer,landed", [
+    ((200, {"status": "ok", "pushed_blocks": 3}), 3),
+    ((200, {"status": "failed", "pushed_blocks": 0, "message": "x"}), 0),
+    ((422, {"detail": {"field": "block_len"}}), 0),
+    (TimeoutError("slow"), 0),
+])
+def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, landed):
+    def post(url, json, timeout):
+        assert url == SRC + "/push_blocks" and json["dst_session"] == "d:1"
+        assert json["first_block"] == 1 and json["dst_block_ids"] == [5, 6, 7]
+        if isinstance(answer, Exception):
+            raise answer
+        code, body = answer
+        return SimpleNamespace(status_code=code, json=lambda: body,
+                               headers={"content-type": "application/json"}, text="")
+
+    monkeypatch.setattr(receiver_mod.httpx, "post", post)
+    rec = PushReceiver("d:1", [100, 200], 64, BS, timeout_s=1)
+    from connector.push_scheduler import PushJob
+    rec.start([PushJob("r1", SRC, list(range(80)), None, None, 1, [5, 6, 7])])
+    deadline = time.monotonic() + 5
+    finished = None
+    while time.monotonic() < deadline and not finished:
+        finished = rec.merge_finished({"other"})
+        finished = finished if finished != {"other"} else None
+        time.sleep(0.01)
+    assert finished == {"other", "r1"}
+    assert rec.take_outcome().landed == {"r1": landed}
+    assert rec.take_outcome() is None and rec.merge_finished(None) is None
