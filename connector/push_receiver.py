@@ -41,6 +41,7 @@ class PushReceiver:
         self.timeout_s = float(timeout_s if timeout_s is not None
                                else os.environ.get(ENV_PUSH_TIMEOUT, "60"))
         self._pool: ThreadPoolExecutor | None = None
+        self._http = httpx.Client(timeout=self.timeout_s)  # keep-alive, one SSL context
         self._lock = threading.Lock()
         self._done: dict[str, int] = {}  # ended, not yet reported
         self._outcome: dict[str, int] = {}  # reported in finished_recving, not yet in meta
@@ -56,7 +57,7 @@ class PushReceiver:
     def _run(self, job: PushJob) -> None:
         landed = 0
         try:
-            r = httpx.post(f"{job.source}/push_blocks", timeout=self.timeout_s, json={
+            r = self._http.post(f"{job.source}/push_blocks", json={
                 "token_ids": job.token_ids, "cache_salt": job.cache_salt,
                 "lora_name": job.lora_name, "block_size": self.block_size,
                 "dst_session": self.session, "dst_kv_base_addrs": self.base_addrs,

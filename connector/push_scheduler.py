@@ -89,7 +89,9 @@ class _Inflight:
     source: str
     first_block: int
     n_blocks: int
-    started: float = field(default_factory=time.monotonic)
+    asked: float  # first get_num_new_matched_tokens
+    matched: float  # /match_blocks answered
+    allocated: float = field(default_factory=time.monotonic)
 
 
 class PushScheduler:
@@ -98,7 +100,11 @@ class PushScheduler:
         self.match_timeout_s = float(match_timeout_s if match_timeout_s is not None
                                      else os.environ.get(ENV_MATCH_TIMEOUT, "5"))
         self._pool: ThreadPoolExecutor | None = None
+        # one client for all queries: keep-alive, and httpx builds an SSL
+        # context per client (tens of ms)
+        self._http: httpx.Client | None = None
         self._matches: dict[str, Future] = {}  # req id -> matched blocks (or raises)
+        self._times: dict[str, tuple[float, float]] = {}  # req id -> (asked, matched)
         self._planned: dict[str, tuple[str, int, int]] = {}  # req id -> (source, first, n)
         self._inflight: dict[str, _Inflight] = {}
         # pushes that ended: vLLM asks again when a request is back to 0 computed
@@ -112,7 +118,9 @@ class PushScheduler:
 
     # ---- get_num_new_matched_tokens ----------------------------------------------
     def _query(self, source: str, request: "Request") -> int:
-        r = httpx.post(f"{source}/match_blocks",
+        if self._http is None:
+            self._http = httpx.Client(timeout=self.match_timeout_s)
+        r = self._http.post(f"{source}/match_blocks",
                        json={"token_ids": list(request.prompt_token_ids or []),
                              "cache_salt": request.cache_salt, "lora_name": lora_name(request)},
                        timeout=self.match_timeout_s)
@@ -131,6 +139,7 @@ class PushScheduler:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(4, thread_name_prefix="mooncake-push-match")
             self._matches[rid] = self._pool.submit(self._query, source, request)
+            self._times[rid] = (time.monotonic(), 0.0)
             return None, False  # asked again next step
         if not fut.done():
             return None, False  # httpx's timeout bounds the wait
@@ -141,10 +150,13 @@ class PushScheduler:
                            rid, source, e)
             self.stats["match_failed"] += 1
             matched = 0
+        asked = self._times.get(rid, (time.monotonic(), 0.0))[0]
+        self._times[rid] = (asked, time.monotonic())
         first = num_computed_tokens // self.block_size
         n = matched - first
         if n <= 0:
             self._planned.pop(rid, None)
+            self._times.pop(rid, None)
             return 0, False
         self._planned[rid] = (source, first, n)
         return n * self.block_size, True
@@ -162,7 +174,8 @@ class PushScheduler:
         block_ids = blocks.get_block_ids()[0]
         dst = list(block_ids[first:first + n])
         assert len(dst) == n, f"{len(dst)} blocks allocated for {n} pushed blocks"
-        self._inflight[rid] = _Inflight(request, source, first, n)
+        asked, matched_at = self._times.pop(rid, (time.monotonic(), time.monotonic()))
+        self._inflight[rid] = _Inflight(request, source, first, n, asked, matched_at)
         self._jobs.append(PushJob(rid, source, list(request.prompt_token_ids or []),
                                   request.cache_salt, lora_name(request), first, dst))
         self.stats["requests"] += 1
@@ -183,6 +196,11 @@ class PushScheduler:
             self._ended.add(rid)
             landed = max(0, min(landed, inf.n_blocks))
             self.stats["pushed_blocks"] += landed
+            now = time.monotonic()
+            logger.info("Prefix push for %s from %s: %d/%d blocks; match %.0f ms, scheduled "
+                        "after %.0f ms, push %.0f ms", rid, inf.source, landed, inf.n_blocks,
+                        1e3 * (inf.matched - inf.asked), 1e3 * (inf.allocated - inf.matched),
+                        1e3 * (now - inf.allocated))
             if landed < inf.n_blocks:
                 missing = inf.n_blocks - landed
                 self.stats["fallback_blocks"] += missing
@@ -198,6 +216,7 @@ class PushScheduler:
         """True (delay freeing the blocks) while C may still write into them."""
         rid = request.request_id
         self._planned.pop(rid, None)
+        self._times.pop(rid, None)
         self._ended.discard(rid)
         fut = self._matches.pop(rid, None)
         if fut is not None:

@@ -66,3 +66,21 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 def stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
+
+
+def model_facts(model_dir: Path) -> dict:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    elem = 4 if dtype == "float32" else 2
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    layers = cfg["num_hidden_layers"]
+    return {
+        "path": str(model_dir),
+        "layers": layers,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype,
+        "vocab_size": cfg["vocab_size"],
+        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * elem,
+    }

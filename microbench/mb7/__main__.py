@@ -28,7 +28,6 @@ draws a PNG of overhead against KV size.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import math
 import sys
@@ -46,6 +45,7 @@ from microbench.common import (
     format_table,
     machine_info,
     median,
+    model_facts,
     stamp,
     write_json,
 )
@@ -57,24 +57,6 @@ MODES = {
 }
 REQUEST_TIMEOUT_S = float(os.environ.get("VMP_MB7_REQUEST_TIMEOUT_S", "180"))
 BLOCK_SIZE = 128
-
-
-def model_facts(model_dir: Path) -> dict:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    elem = 4 if dtype == "float32" else 2
-    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    layers = cfg["num_hidden_layers"]
-    return {
-        "path": str(model_dir),
-        "layers": layers,
-        "num_kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "dtype": dtype,
-        "vocab_size": cfg["vocab_size"],
-        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * elem,
-    }
 
 
 def kv_bytes(prompt_len: int, facts: dict) -> int:

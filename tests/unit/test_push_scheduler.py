@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector import push_receiver as receiver_mod
 from connector.push_receiver import PushReceiver
 from connector.push_scheduler import PushOutcome, PushScheduler
 
@@ -117,7 +116,7 @@ def test_outcomes_of_several_workers_keep_the_minimum():
     (TimeoutError("slow"), 0),
 ])
 def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, landed):
-    def post(url, json, timeout):
+    def post(url, json):
         assert url == SRC + "/push_blocks" and json["dst_session"] == "d:1"
         assert json["first_block"] == 1 and json["dst_block_ids"] == [5, 6, 7]
         if isinstance(answer, Exception):
@@ -126,8 +125,8 @@ def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, 
         return SimpleNamespace(status_code=code, json=lambda: body,
                                headers={"content-type": "application/json"}, text="")
 
-    monkeypatch.setattr(receiver_mod.httpx, "post", post)
     rec = PushReceiver("d:1", [100, 200], 64, BS, timeout_s=1)
+    monkeypatch.setattr(rec._http, "post", post)
     from connector.push_scheduler import PushJob
     rec.start([PushJob("r1", SRC, list(range(80)), None, None, 1, [5, 6, 7])])
     deadline = time.monotonic() + 5
