@@ -72,3 +72,24 @@ def move_current_thread_to_io_cpus() -> None:
     cpus = io_cpus()
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
+
+
+POLLER_NICE = 19
+
+
+def deprioritize_current_poller() -> bool:
+    """Lower this thread's CPU priority (nice 19) when MOONCAKE_IO_CPUS is set.
+
+    The transfer engine's batch_transfer_sync_* calls busy-poll for completion
+    on the calling thread. With the IO CPUs shared by the transport threads that
+    actually move the bytes (and, under load, by a decode instance's compute),
+    a poller at normal priority takes their CPU time: seen in mb7 under load,
+    where transfers then crawled into Mooncake's 30 s timeout. At nice 19 it
+    only polls with what is left. On Linux a thread's nice is per thread
+    (setpriority on its TID). Unset MOONCAKE_IO_CPUS: nothing changes."""
+    if io_cpus() is None or not hasattr(os, "setpriority"):
+        return False
+    import threading
+
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POLLER_NICE)
+    return True

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.fault_injection i
     write_fault,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.io_affinity import (
+    deprioritize_current_poller,
     move_current_thread_to_io_cpus,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
@@ -201,6 +202,7 @@ class LayerwisePusher:
 
     def _writer_loop(self) -> None:
         move_current_thread_to_io_cpus()
+        deprioritize_current_poller()  # the engine's sync write busy-polls here
         while True:
             item = self._queue.get()
             if item is None:

@@ -7,7 +7,9 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -84,3 +86,22 @@ def model_facts(model_dir: Path) -> dict:
         "vocab_size": cfg["vocab_size"],
         "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * elem,
     }
+
+
+def finish(tag: str, out: Path, result: dict, table: list[tuple[str, str, str]],
+           label: Callable[[dict], object], png: Path | None = None) -> int:
+    """Write the JSON, print the table and the summary lines; exit code 1 when a
+    row's correctness check failed."""
+    write_json(out, result)
+    rows = result["rows"]
+    print()
+    print(format_table(rows, table))
+    for line in result["summary"]["lines"]:
+        print(line)
+    print(f"\n[{tag}] wrote {out}" + (f" and {png}" if png else ""))
+    bad = [r for r in rows if not r["correct"]]
+    if bad:
+        print(f"[{tag}] CORRECTNESS FAILED for {[label(r) for r in bad]}: "
+              f"{bad[0].get('problems') or bad[0].get('error')}", file=sys.stderr)
+        return 1
+    return 0

@@ -32,6 +32,7 @@ class ExportResult:
     series_changed: bool = False
     overlay_copied: list[str] = field(default_factory=list)
     overlay_removed: list[str] = field(default_factory=list)
+    overlay_kept: list[str] = field(default_factory=list)  # newer in the repo: not copied back
 
 
 def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
@@ -123,6 +124,10 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
             if item.in_sync:
                 continue
             dest = overlay.repo_path(project.root, overlays, item.path)
+            if not item.tree_edited and not force:
+                # newer in the repo than in the tree: keep it (apply places it)
+                result.overlay_kept.append(project.rel(dest))
+                continue
             if item.tree is not None:
                 overlay.copy_file(tree.path / item.path, dest)
                 result.overlay_copied.append(project.rel(dest))
@@ -140,6 +145,8 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
         f"export: {len(result.written)} patch files written, {len(result.unchanged)} unchanged, "
         f"{len(result.removed)} removed; series {'updated' if result.series_changed else 'unchanged'}; "
         f"overlay: {len(result.overlay_copied)} files copied back, {len(result.overlay_removed)} removed"
+        + (f", {len(result.overlay_kept)} newer in the repo kept (run apply to place them)"
+           if result.overlay_kept else "")
     )
     return result
 
@@ -158,9 +165,13 @@ def _stale_inputs(tree: Tree, analysis: Analysis, series_names: list[str]) -> li
             )
         elif path.is_file() and sha256_bytes(path.read_bytes()) != rec.sha256:
             stale.append(f"patches/{name}: changed since it was applied")
-    for path in analysis.overlay_repo_changed if analysis.overlay_placed else []:
-        repo_file = overlay.repo_path(project.root, project.manifest.overlays, path)
-        stale.append(
-            f"{project.rel(repo_file)}: changed in the repo since it was placed"
-        )
+    # An overlay file changed only in the repo is left alone by export (it is
+    # not copied back); one changed on both sides would lose the repo's edit.
+    for item in analysis.overlay_files if analysis.overlay_placed else []:
+        if item.tree_edited and item.repo is not None and item.repo != item.placed \
+                and not item.in_sync:
+            repo_file = overlay.repo_path(project.root, project.manifest.overlays, item.path)
+            stale.append(
+                f"{project.rel(repo_file)}: changed both in the repo and in the tree"
+            )
     return stale

@@ -18,9 +18,10 @@ the Mooncake transfer engine. For each prompt length and each mode:
 Modes: "posthoc" is upstream's transfer after the whole prefill; "layerwise"
 pushes each layer's KV as it is computed (MOONCAKE_LAYERWISE=1). Each runs idle
 and under background decode load (--load streams on each instance). On the CPU
-backend the connector's transfer threads run on D's core (MOONCAKE_IO_CPUS),
-off P's compute core, as a NIC works beside a GPU. Writes JSON, prints a table and
-draws a PNG of overhead against KV size.
+backend, idle, the connector's transfer threads run on D's core
+(MOONCAKE_IO_CPUS), off P's compute core, as a NIC works beside a GPU; under
+load each instance keeps its own (--io-cpus auto; see cluster_plan). Writes
+JSON, prints a table and draws a PNG of overhead against KV size.
 
     python -m microbench.mb7 [--model DIR] [--sizes ...] [--modes posthoc,layerwise] [--load 8]
 """
@@ -42,12 +43,11 @@ from harness.prompts import PromptSource
 from microbench.load import DecodeLoad
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
-    format_table,
+    finish,
     machine_info,
     median,
     model_facts,
     stamp,
-    write_json,
 )
 
 MODES = {
@@ -109,13 +109,35 @@ def measure_size(mode: str, load: int, n: int, args, p, d, pm: str, prompts, fac
     return row
 
 
+def cluster_plan(loads: list[int], io_cpus: str) -> list[tuple[bool, list[int]]]:
+    """(transfer threads on D's cores?, loads) per cluster to start for a mode.
+
+    "auto": idle on D's cores (the GPU + NIC emulation), under load not: with
+    decode streams on both instances no core is free to stand in for a NIC,
+    and pinning every transfer thread to D's busy core starved them (P's
+    engine then stalled behind its sender loop; mb7 under load, issue 4)."""
+    if io_cpus == "auto":
+        idle, busy = [x for x in loads if x == 0], [x for x in loads if x > 0]
+        return [(True, idle)] * bool(idle) + [(False, busy)] * bool(busy)
+    return [(io_cpus == "on", loads)]
+
+
 def run_mode(mode: str, args, facts: dict, log_dir: Path) -> list[dict]:
+    rows = []
+    for io_on, loads in cluster_plan(args.loads, args.io_cpus):
+        rows += run_cluster(mode, args, facts, log_dir / f"{mode}-{'io' if io_on else 'noio'}",
+                            loads, io_on)
+    return rows
+
+
+def run_cluster(mode: str, args, facts: dict, log_dir: Path, loads: list[int],
+                io_on: bool) -> list[dict]:
     common = dict(model=facts["path"], protocol=args.protocol, kv_cache_gib=args.kv_cache_gib,
                   max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                   dtype=facts["dtype"],
                   extra_args=["--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE)])
     io = {"p": {}, "d": {}}
-    if args.io_cpus:
+    if io_on:
         # All transfer threads (P's sending, D's receiving) on D's cores: P's
         # compute core does nothing but compute, as with a GPU and a NIC.
         io = {"p": {"MOONCAKE_IO_CPUS": args.d_cores}, "d": {"MOONCAKE_IO_CPUS": args.d_cores}}
@@ -125,13 +147,13 @@ def run_mode(mode: str, args, facts: dict, log_dir: Path) -> list[dict]:
                           env={**MODES[mode], **io["d"]}, **common)]
     prompts = PromptSource(facts["vocab_size"], seed=args.seed)
     rows = []
-    with Cluster(specs, log_dir / mode) as cluster:
+    with Cluster(specs, log_dir) as cluster:
         p, d = cluster["prefill"], cluster["decode"]
         pm = model_name(p.url)
         # Warm-up: first requests pay one-time costs (bootstrap query, handshakes).
         pd_generate(p.url, p.bootstrap_url, d.url, prompts(64), max_tokens=1, logprobs=None)
         complete(p.url, prompts(64), max_tokens=1, logprobs=None, model=pm)
-        for load in args.loads:
+        for load in loads:
             if load == 0:
                 rows += [measure_or_fail(mode, 0, n, args, p, d, pm, prompts, facts) for n in args.sizes]
                 continue
@@ -139,6 +161,8 @@ def run_mode(mode: str, args, facts: dict, log_dir: Path) -> list[dict]:
                  DecodeLoad(d.url, model_name(d.url), load, facts["vocab_size"], seed=args.seed + 2):
                 rows += [measure_or_fail(mode, load, n, args, p, d, pm, prompts, facts)
                          for n in args.sizes]
+    for r in rows:
+        r["io_cpus"] = io_on
     return rows
 
 
@@ -201,19 +225,25 @@ def summarize(rows: list[dict]) -> dict:
         ph = sorted((r for r in rows if r["mode"] == "posthoc" and r["load"] == load),
                     key=lambda r: r["prompt_len"])
         tag = "idle" if load == 0 else f"load {load}"
-        if lw:
-            flat = lw[-1]["overhead_s"] / lw[0]["overhead_s"] if lw[0]["overhead_s"] > 0 else None
+        if len(lw) < 2:
+            lines.append(f"[mb7] {tag}: only {len(lw)} layer-wise size(s) completed: "
+                         "flatness not measurable")
+        elif lw[0]["overhead_s"] > 0 and lw[-1]["overhead_s"] > 0:
+            flat = lw[-1]["overhead_s"] / lw[0]["overhead_s"]
             out[f"layerwise_flatness_{tag}"] = flat
             lines.append(f"[mb7] {tag}: layer-wise overhead largest/smallest = "
-                         f"{flat:.2f} (target <= 1.3)" if flat else
-                         f"[mb7] {tag}: layer-wise overhead at the smallest size is <= 0")
+                         f"{flat:.2f} (target <= 1.3)")
+        else:
+            lines.append(f"[mb7] {tag}: layer-wise overhead <= 0 at the smallest or largest "
+                         "size (prefill noise exceeds it): flatness not measurable")
         if lw and ph and ph[-1]["prompt_len"] == lw[-1]["prompt_len"]:
             ratio = ph[-1]["overhead_s"] / lw[-1]["overhead_s"] if lw[-1]["overhead_s"] > 0 else None
             out[f"baseline_over_layerwise_{tag}"] = ratio
             lines.append(f"[mb7] {tag}: at {lw[-1]['prompt_len']} tokens baseline/layer-wise "
                          f"overhead = {ratio:.1f}x" if ratio else
                          f"[mb7] {tag}: layer-wise overhead <= 0 at the largest size")
-        if lw and ph and ph[-1]["prompt_len"] == lw[-1]["prompt_len"] and lw[-1]["tail_s"] > 0:
+        if len(lw) >= 2 and ph and ph[-1]["prompt_len"] == lw[-1]["prompt_len"] \
+                and min(r["tail_s"] for r in lw) > 0:
             tails = [r["tail_s"] for r in lw]
             out[f"layerwise_tail_flatness_{tag}"] = max(tails) / min(tails)
             out[f"baseline_over_layerwise_tail_{tag}"] = ph[-1]["tail_s"] / lw[-1]["tail_s"]
@@ -252,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-cores", default="1", help="VLLM_CPU_OMP_THREADS_BIND of D (CPU only)")
     ap.add_argument("--load", default="0,8",
                     help="background decode streams per instance, comma separated (0 = idle)")
-    ap.add_argument("--no-io-cpus", dest="io_cpus", action="store_false",
-                    help="do not move transfer threads to D's cores (MOONCAKE_IO_CPUS)")
+    ap.add_argument("--io-cpus", choices=["auto", "on", "off"], default="auto",
+                    help="transfer threads on D's cores (MOONCAKE_IO_CPUS): auto = idle only")
+    ap.add_argument("--no-io-cpus", dest="io_cpus", action="store_const", const="off",
+                    help="same as --io-cpus off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/mb7-<time>.json)")
     args = ap.parse_args(argv)
@@ -291,20 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     result["summary"] = summarize(rows)
-    write_json(out, result)
     png = plot(rows, out.with_suffix(".png"), facts)
-    print()
-    print(format_table(rows, TABLE))
-    for line in result["summary"]["lines"]:
-        print(line)
-    print(f"\n[mb7] wrote {out}" + (f" and {png}" if png else ""))
-    bad = [r for r in rows if not r["correct"]]
-    if bad:
-        print(f"[mb7] CORRECTNESS FAILED for {[(r['mode'], r['prompt_len']) for r in bad]}: "
-              f"{bad[0]['problems']}", file=sys.stderr)
-        return 1
-    return 0
-
+    return finish("mb7", out, result, TABLE, lambda r: (r["mode"], r["load"], r["prompt_len"]), png)
 
 if __name__ == "__main__":
     raise SystemExit(main())

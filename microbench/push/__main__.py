@@ -45,12 +45,11 @@ from harness.prompts import PromptSource
 from microbench.bandwidth import engine_write_bandwidth
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
-    format_table,
+    finish,
     machine_info,
     median,
     model_facts,
     stamp,
-    write_json,
 )
 
 BLOCK_SIZE = 128
@@ -228,19 +227,7 @@ def main(argv: list[str] | None = None) -> int:
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "engine_bandwidth": bw, "c_push_stats": push_stats, "rows": rows}
     result["summary"] = summarize(rows, bw)
-    write_json(out, result)
-    print()
-    print(format_table(rows, TABLE))
-    for line in result["summary"]["lines"]:
-        print(line)
-    print(f"\n[push] wrote {out}")
-    bad = [r for r in rows if not r["correct"]]
-    if bad:
-        print(f"[push] CORRECTNESS FAILED for {[r['prefix_len'] for r in bad]}: "
-              f"{bad[0].get('problems') or bad[0].get('error')}", file=sys.stderr)
-        return 1
-    return 0
-
+    return finish("push", out, result, TABLE, lambda r: r["prefix_len"])
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -9,13 +9,13 @@ must keep serving.
 
 from __future__ import annotations
 
-import re
 import time
 
 import httpx
 import pytest
 
 from harness.correctness import compare, reference_completion
+from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.prompts import random_prompt as prompt
@@ -69,13 +69,6 @@ def test_concurrent_layerwise_transfers(cluster):
         assert check.ok, check.problems
 
 
-def kv_usage(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
-    assert m, "vllm:kv_cache_usage_perc not in /metrics"
-    return float(m.group(1))
-
-
 def test_abort_mid_transfer_frees_blocks_on_both_sides(cluster):
     p, d = cluster["prefill"], cluster["decode"]
     ids = prompt(2048, seed=3000)  # 8 chunks of 256 tokens on P: several seconds
@@ -99,13 +92,7 @@ def test_abort_mid_transfer_frees_blocks_on_both_sides(cluster):
     with cf.ThreadPoolExecutor(2) as pool:
         outcomes = list(pool.map(post_and_drop, [p.url, d.url], [p_body, d_body]))
     assert outcomes == ["dropped", "dropped"], outcomes
-    deadline = time.monotonic() + 120
-    usage = None
-    while time.monotonic() < deadline:
-        usage = (kv_usage(p.url), kv_usage(d.url))
-        if usage == (0.0, 0.0):
-            break
-        time.sleep(2)
+    usage = wait_no_blocks_in_use(p.url, d.url, timeout=120)
     assert usage == (0.0, 0.0), f"KV blocks still allocated after abort (P, D usage): {usage}"
     # both keep serving, correctly
     ids = prompt(400, seed=3001)
@@ -129,13 +116,7 @@ def test_failed_write_fails_one_request_and_both_keep_serving(cluster):
         pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120)
     assert time.monotonic() - started < 120
     assert "FAULT INJECTION (VMP_FAULT_FAIL_WRITE_PROMPT_LEN" in p.log_path.read_text()
-    deadline = time.monotonic() + 60
-    usage = None
-    while time.monotonic() < deadline:
-        usage = (kv_usage(p.url), kv_usage(d.url))
-        if usage == (0.0, 0.0):
-            break
-        time.sleep(1)
+    usage = wait_no_blocks_in_use(p.url, d.url)
     assert usage == (0.0, 0.0), f"KV blocks still allocated after a failed write (P, D): {usage}"
     assert "Counters can only be incremented" not in d.log_path.read_text()
     ids = prompt(600, seed=4001)

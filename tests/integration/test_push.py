@@ -13,13 +13,13 @@ allocated on either side.
 
 from __future__ import annotations
 
-import re
 import time
 
 import httpx
 import pytest
 
 from harness.correctness import compare, reference_completion
+from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.pd_client import complete
@@ -41,24 +41,6 @@ def cluster(tmp_path_factory):
              InstanceSpec("d", role="kv_consumer", cores="1", **common)]
     with Cluster(specs, tmp_path_factory.mktemp("logs")) as cl:
         yield cl
-
-
-def kv_usage(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
-    assert m, "vllm:kv_cache_usage_perc not in /metrics"
-    return float(m.group(1))
-
-
-def wait_no_blocks_in_use(*urls: str, timeout: float = 60) -> tuple:
-    deadline = time.monotonic() + timeout
-    usage = ()
-    while time.monotonic() < deadline:
-        usage = tuple(kv_usage(u) for u in urls)
-        if all(u == 0.0 for u in usage):
-            break
-        time.sleep(1)
-    return usage
 
 
 def turn_on_c(c, ids, salt=None):
@@ -149,3 +131,17 @@ def test_unreachable_source_falls_back_to_local_prefill(cluster):
     got = push_request(d, c, ids, source="http://127.0.0.1:9")  # nothing listens there
     check_local(got, ids, c)
     assert time.monotonic() - t0 < 60
+
+
+def test_malformed_push_is_422_naming_the_field(cluster):
+    c = cluster["c"]
+    before = httpx.get(c.bootstrap_url + "/hashsync", timeout=10).json()["push"]
+    ids = prompt(2 * BLOCK, seed=5006)
+    body = {"token_ids": ids, "block_size": BLOCK, "dst_session": "127.0.0.1:1",
+            "dst_kv_base_addrs": [4096], "dst_block_ids": [0, 1]}
+    r = httpx.post(c.bootstrap_url + "/push_blocks", json=body, timeout=30)
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "dst_kv_base_addrs", r.text
+    r = httpx.post(c.bootstrap_url + "/push_blocks", content=b"not json", timeout=30)
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "body", r.text
+    after = httpx.get(c.bootstrap_url + "/hashsync", timeout=10).json()["push"]
+    assert after == before  # rejected before any match or write

@@ -155,3 +155,29 @@ def test_export_normalises_hand_written_patches_once(project) -> None:
     assert project.run("apply").code == 0
     assert project.run("export").code == 0
     assert project.snapshot(*FOLDERS) == canonical
+
+
+def test_export_keeps_overlay_files_that_are_newer_in_the_repo(project) -> None:
+    """Edit a hook (commit in the tree) and its overlay module (in the repo) in
+    one go: export writes the patch and leaves the repo's module alone; apply
+    then places it. (Both sides edited stays a refusal.)"""
+    assert project.run("apply").code == 0
+    repo_store = project.root / "connector/store.py"
+    repo_store.write_text("class Store:\n    newer_in_repo = True\n")
+    (project.root / "connector/added.py").write_text("ADDED = 1\n")
+    make_edits(project)
+    r = project.run("export")
+    assert r.code == 0, r.text
+    assert "newer in the repo kept" in r.text
+    assert repo_store.read_text() == "class Store:\n    newer_in_repo = True\n"
+    assert (project.root / "connector/added.py").read_text() == "ADDED = 1\n"
+    assert len((project.root / "patches/series").read_text().split()) == 2
+    assert project.run("apply").code == 0
+    assert "newer_in_repo" in (project.tree / OVERLAY_DST / "store.py").read_text()
+    assert project.run("check").code == 0
+
+    (project.tree / OVERLAY_DST / "store.py").write_text("tree side\n")
+    repo_store.write_text("repo side\n")
+    r = project.run("export")
+    assert r.code == 1 and "changed both in the repo and in the tree" in r.err
+    assert repo_store.read_text() == "repo side\n"
