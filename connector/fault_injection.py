@@ -41,6 +41,10 @@ def zero_received_block(
 ENV_FAIL_WRITE_PROMPT_LEN = "VMP_FAULT_FAIL_WRITE_PROMPT_LEN"
 
 
+def write_fault_armed() -> bool:
+    return bool(os.environ.get(ENV_FAIL_WRITE_PROMPT_LEN))
+
+
 def write_fault(prompt_len: int) -> str | None:
     """With VMP_FAULT_FAIL_WRITE_PROMPT_LEN=N on the sending instance, every
     layer-wise write and every /push_blocks write of a prompt of exactly N

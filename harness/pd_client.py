@@ -150,3 +150,23 @@ def pd_generate(
                          kv_transfer_params=d_params, model=d_model, timeout=timeout)
         prefill, decode = fp.result(), fd.result()
     return PDResult(prefill, decode, transfer_id, time.perf_counter() - t0)
+
+
+def match_blocks(bootstrap_url: str, token_ids: list[int], cache_salt: str | None = None,
+                 timeout: float = 30.0) -> dict:
+    """An instance's POST /match_blocks: how many leading full blocks of the prompt it holds."""
+    return _post(bootstrap_url + "/match_blocks",
+                 {"token_ids": token_ids, "cache_salt": cache_salt}, timeout)
+
+
+def wait_for_matched_blocks(bootstrap_url: str, token_ids: list[int], at_least: int,
+                            cache_salt: str | None = None, timeout: float = 30.0) -> dict:
+    """Poll /match_blocks until at least ``at_least`` blocks match or ``timeout`` passes;
+    return the last answer. Blocks become matchable once the step that computed them
+    has ended, a moment after the request's response."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = match_blocks(bootstrap_url, token_ids, cache_salt)
+        if m["matched_blocks"] >= at_least or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)

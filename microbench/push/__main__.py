@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import httpx
 from harness.correctness import compare, reference_completion
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
-from harness.pd_client import RequestFailed, complete, model_name
+from harness.pd_client import RequestFailed, complete, model_name, wait_for_matched_blocks
 from harness.prompts import PromptSource
 from microbench.bandwidth import engine_write_bandwidth
 from microbench.common import (
@@ -56,18 +55,6 @@ BLOCK_SIZE = 128
 REQUEST_TIMEOUT_S = 900
 
 
-def held_blocks(c, ids: list[int], want_at_least: int, timeout: float = 30) -> dict:
-    """C's /match_blocks for ids, once the blocks of turn 1 are committed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        r = httpx.post(c.bootstrap_url + "/match_blocks", json={"token_ids": ids}, timeout=30)
-        r.raise_for_status()
-        m = r.json()
-        if m["matched_blocks"] >= want_at_least or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
-
-
 def one_session(c, d, prompts, n: int, args, cm: str, dm: str, *, logprobs: int | None,
                 max_tokens: int) -> dict:
     turn1 = prompts(n)
@@ -75,7 +62,8 @@ def one_session(c, d, prompts, n: int, args, cm: str, dm: str, *, logprobs: int 
                     timeout=REQUEST_TIMEOUT_S)
     turn2 = turn1 + out1.token_ids + prompts(args.new_tokens)
     # the last output token's KV is not computed by turn 1
-    m = held_blocks(c, turn2, (len(turn1) + len(out1.token_ids) - 1) // BLOCK_SIZE)
+    m = wait_for_matched_blocks(c.bootstrap_url, turn2,
+                                (len(turn1) + len(out1.token_ids) - 1) // BLOCK_SIZE)
     push = complete(d.url, turn2, max_tokens=max_tokens, logprobs=logprobs, model=dm,
                     kv_transfer_params={"push_from": c.bootstrap_url}, timeout=REQUEST_TIMEOUT_S)
     return {"turn2": turn2, "match": m, "push": push}

@@ -74,22 +74,16 @@ def test_block_hash_sync_tracks_the_prefix_cache(cluster):
     hashed with the same cache_salt rules."""
     import httpx
 
-    from harness.pd_client import complete
+    from harness.pd_client import complete, match_blocks, wait_for_matched_blocks
 
     p = cluster["prefill"]
     ids = prompt(600, seed=11)  # 4 full blocks of 128 tokens
     complete(p.url, ids, max_tokens=1, logprobs=None, cache_salt="salt-a")
 
     def match(token_ids, salt=None):
-        r = httpx.post(p.bootstrap_url + "/match_blocks",
-                       json={"token_ids": token_ids, "cache_salt": salt}, timeout=30)
-        assert r.status_code == 200, r.text
-        return r.json()["matched_blocks"]
+        return match_blocks(p.bootstrap_url, token_ids, salt)["matched_blocks"]
 
-    deadline = time.monotonic() + 30  # stores commit after the computing step
-    while match(ids, "salt-a") < 4 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert match(ids, "salt-a") == 4
+    assert wait_for_matched_blocks(p.bootstrap_url, ids, 4, "salt-a")["matched_blocks"] == 4
     assert match(ids, "salt-b") == 0  # never served across cache_salt
     assert match(ids) == 0
     assert match(ids[:300] + prompt(300, seed=12), "salt-a") == 2  # shared 2-block prefix

@@ -22,7 +22,7 @@ from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
-from harness.pd_client import complete
+from harness.pd_client import complete, wait_for_matched_blocks
 from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
@@ -45,14 +45,7 @@ def cluster(tmp_path_factory):
 
 def turn_on_c(c, ids, salt=None):
     complete(c.url, ids, max_tokens=1, logprobs=None, cache_salt=salt, timeout=300)
-    # the blocks become matchable once the step that computed them has ended
-    deadline = time.monotonic() + 30
-    while True:
-        r = httpx.post(c.bootstrap_url + "/match_blocks",
-                       json={"token_ids": ids, "cache_salt": salt}, timeout=30).json()
-        if r["matched_blocks"] == len(ids) // BLOCK or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    r = wait_for_matched_blocks(c.bootstrap_url, ids, len(ids) // BLOCK, salt)
     assert r["matched_blocks"] == len(ids) // BLOCK, r
 
 
