@@ -1,57 +1,61 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fault injection for the project's correctness tests.
+"""Fault injection for the project's correctness and lifecycle tests.
 
-A correctness check is only worth something if it is seen to fail. With
-VMP_FAULT_ZERO_RECV_BLOCK=K set on the decode instance, the K-th block of every
-request whose KV was received from a peer is zeroed (all layers, K and V) right
-after the transfer completes and before the request is scheduled, so the
-decode instance computes on wrong KV. Unset (the default), nothing happens.
-Never set it outside tests.
+A correctness check is only worth something if it is seen to fail, and a
+"no byte after the end" guarantee only if a late write is provoked. Each fault
+is armed by one environment variable (read once, config.FaultConfig) and does
+nothing unless it is set. Never set them outside tests.
+
+MOONCAKE_FAULT_ZERO_RECV_BLOCK=K        D: the K-th block of every request whose KV
+                                        came from a peer is zeroed (all layers, K and V)
+                                        right after the transfer, before it is scheduled
+MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN=N  P/C: every layer-wise or /push_blocks write of a
+                                        prompt of exactly N tokens fails (as if the engine
+                                        had returned -1)
+MOONCAKE_FAULT_DELAY_WRITE=N:S          P/C: such writes return S seconds late, bytes
+                                        landing at the end (a slow link or peer)
 """
 
 from __future__ import annotations
 
-import os
+import time
 
 import torch
 
 from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+from .config import FaultConfig, load
 
-ENV_ZERO_RECV_BLOCK = "VMP_FAULT_ZERO_RECV_BLOCK"
+logger = init_logger(__name__)
 
 
 def zero_received_block(
     kv_caches: dict[str, torch.Tensor], block_ids: list[int], split_k_and_v: bool
 ) -> None:
     """If the fault is armed, zero one received block of a request in every layer."""
-    which = os.environ.get(ENV_ZERO_RECV_BLOCK)
-    if not which or not block_ids:
+    which = load().faults.zero_recv_block
+    if which is None or not block_ids:
         return
-    block_id = block_ids[min(int(which), len(block_ids) - 1)]
+    block_id = block_ids[min(which, len(block_ids) - 1)]
     for cache in kv_caches.values():
         if split_k_and_v:
             cache[:, block_id].zero_()
         else:
             cache[block_id].zero_()
-    logger.warning("FAULT INJECTION (%s): zeroed received block %d", ENV_ZERO_RECV_BLOCK, block_id)
+    logger.warning("FAULT INJECTION (MOONCAKE_FAULT_ZERO_RECV_BLOCK): zeroed received block %d",
+                   block_id)
 
 
-ENV_FAIL_WRITE_PROMPT_LEN = "VMP_FAULT_FAIL_WRITE_PROMPT_LEN"
+def write_fault(faults: FaultConfig, prompt_len: int) -> str | None:
+    """Apply the write faults armed for a prompt of ``prompt_len`` tokens.
 
-
-def write_fault_armed() -> bool:
-    return bool(os.environ.get(ENV_FAIL_WRITE_PROMPT_LEN))
-
-
-def write_fault(prompt_len: int) -> str | None:
-    """With VMP_FAULT_FAIL_WRITE_PROMPT_LEN=N on the sending instance, every
-    layer-wise write and every /push_blocks write of a prompt of exactly N
-    tokens fails as if the transfer engine had returned -1 (tests of the
-    write-failure paths).
-    Returns the error to report, or None when the fault is not armed for it."""
-    which = os.environ.get(ENV_FAIL_WRITE_PROMPT_LEN)
-    if not which or int(which) != prompt_len:
-        return None
-    return f"FAULT INJECTION ({ENV_FAIL_WRITE_PROMPT_LEN}={which}): write failed"
+    Called by the writing side right before its engine call. A delay sleeps
+    here (the write then lands late, as over a slow link); a failure returns
+    the error to report instead of writing. None: write normally."""
+    if faults.delay_write_prompt_len == prompt_len and faults.delay_write_s > 0:
+        logger.warning("FAULT INJECTION (MOONCAKE_FAULT_DELAY_WRITE): delaying a write of a "
+                       "%d-token prompt by %.1f s", prompt_len, faults.delay_write_s)
+        time.sleep(faults.delay_write_s)
+    if faults.fail_write_prompt_len == prompt_len:
+        return f"FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN={prompt_len}): write failed"
+    return None

@@ -19,45 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 
-ENV_IO_CPUS = "MOONCAKE_IO_CPUS"
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """'0,2-3' -> {0, 2, 3}."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        try:
-            a, b = int(lo), int(hi or lo)
-        except ValueError as e:
-            raise ValueError(f"{ENV_IO_CPUS}: bad CPU list {text!r}") from e
-        if b < a:
-            raise ValueError(f"{ENV_IO_CPUS}: bad CPU range {part!r} in {text!r}")
-        cpus.update(range(a, b + 1))
-    return cpus
-
-
-def io_cpus() -> set[int] | None:
-    raw = os.environ.get(ENV_IO_CPUS, "").strip()
-    if not raw or not hasattr(os, "sched_setaffinity"):
-        return None
-    cpus = parse_cpu_list(raw)
-    missing = cpus - set(range(os.cpu_count() or 1))
-    if not cpus or missing:
-        raise ValueError(f"{ENV_IO_CPUS}={raw!r}: CPUs {sorted(missing)} do not exist on this host")
-    return cpus
+from .config import load
 
 
 @contextlib.contextmanager
-def threads_started_on_io_cpus() -> Iterator[None]:
+def threads_started_on_io_cpus(cpus: frozenset[int] | None = None) -> Iterator[None]:
     """Threads started inside this block run on MOONCAKE_IO_CPUS (if set)."""
-    cpus = io_cpus()
-    if cpus is None:
+    cpus = load().io_cpus if cpus is None else cpus
+    if not cpus:
         yield
         return
     previous = os.sched_getaffinity(0)
@@ -68,16 +40,15 @@ def threads_started_on_io_cpus() -> Iterator[None]:
         os.sched_setaffinity(0, previous)
 
 
-def move_current_thread_to_io_cpus() -> None:
-    cpus = io_cpus()
-    if cpus is not None:
+def move_current_thread_to_io_cpus(cpus: frozenset[int] | None) -> None:
+    if cpus:
         os.sched_setaffinity(0, cpus)
 
 
 POLLER_NICE = 19
 
 
-def deprioritize_current_poller() -> bool:
+def deprioritize_current_poller(cpus: frozenset[int] | None) -> bool:
     """Lower this thread's CPU priority (nice 19) when MOONCAKE_IO_CPUS is set.
 
     The transfer engine's batch_transfer_sync_* calls busy-poll for completion
@@ -87,9 +58,7 @@ def deprioritize_current_poller() -> bool:
     where transfers then crawled into Mooncake's 30 s timeout. At nice 19 it
     only polls with what is left. On Linux a thread's nice is per thread
     (setpriority on its TID). Unset MOONCAKE_IO_CPUS: nothing changes."""
-    if io_cpus() is None or not hasattr(os, "setpriority"):
+    if not cpus or not hasattr(os, "setpriority"):
         return False
-    import threading
-
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POLLER_NICE)
     return True

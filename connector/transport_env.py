@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Defaults for the Mooncake TCP transport's queue limits and admission timeout.
+"""Defaults for the Mooncake TCP transport's queue limits and timeouts.
 
 Mooncake's TCP transport (0.3.13) admits at most ~1024 queued transfers per peer
 and gives a transfer 1 s (``MC_TCP_ADMISSION_TIMEOUT_MS``) to be admitted. A KV
@@ -9,6 +9,14 @@ prompt of a 48-layer model is ~12k entries, which the transport rejects at once
 load a smaller batch waits longer than 1 s for admission and fails the same way.
 Both were seen on this project's CPU machine (issue 4); the raw engine moves the
 same 12k-entry batch in ~0.5 s once the limits are raised.
+
+Timeouts and the "no byte after the end" bounds (config.py): a write waiting
+for admission longer than ``MC_TCP_ADMISSION_TIMEOUT_MS`` fails without moving
+bytes; once admitted, a call returns within ``MC_TRANSFER_TIMEOUT``. The
+admission timeout (20 s) is below a push's deadline (MOONCAKE_PUSH_TIMEOUT_S,
+30 s) and D keeps a push's blocks until deadline + MC_TRANSFER_TIMEOUT + clock
+skew when C does not answer, so a write C started can never land in blocks D
+has given to another request.
 
 The defaults below apply only to the ``tcp`` protocol and only where the user
 has not set the variable: an explicit setting always wins. They must be in the
@@ -22,15 +30,18 @@ import os
 
 from vllm.logger import init_logger
 
+from .config import DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT
+
 logger = init_logger(__name__)
 
 TCP_TRANSPORT_DEFAULTS: dict[str, str] = {
     # the transport's own maxima
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
-    # 60 s: a transfer is failed by admission only when the peer is really gone
-    # (every KV wait above it is bounded by VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT)
-    "MC_TCP_ADMISSION_TIMEOUT_MS": "60000",
+    # below the push deadline (config.ExtConfig.push_timeout_s)
+    "MC_TCP_ADMISSION_TIMEOUT_MS": "20000",
+    # explicit, because config.ExtConfig.push_hold_s is computed from it
+    MC_TRANSFER_TIMEOUT: str(int(DEFAULT_ENGINE_TRANSFER_TIMEOUT_S)),
 }
 
 

@@ -9,7 +9,7 @@ requires that D actually took the prompt from the connector: D's cached tokens
 equal the prompt length (or the expected number for a partial push).
 
 tests/integration/test_pd_baseline.py shows it going red when one transferred
-block is zeroed on D (fault injection through VMP_FAULT_ZERO_RECV_BLOCK).
+block is zeroed on D (fault injection through MOONCAKE_FAULT_ZERO_RECV_BLOCK).
 """
 
 from __future__ import annotations

@@ -19,13 +19,19 @@ belong to other content and the push must be reported as failed.
 ``defer_stores=True``: vLLM caches a block (``cache_full_blocks``) when it is
 *scheduled*, before the forward pass has written its KV, so the worker receives
 the STORED event before the bytes exist. With deferral, stored entries stay
-invisible until :meth:`commit_pending` is called once the step that computes
-them has finished. Removals always take effect at once.
+invisible until the step that computes them has finished: after the forward
+pass :meth:`seal_pending` closes the step's stores with an event recorded
+after its kernels (None on synchronous CPU compute), and :meth:`commit_ready`
+publishes each sealed step once its event has completed. On CUDA,
+``get_finished`` runs when the kernels are launched, not done: publishing
+then would let a push read KV that is not computed yet. Removals always take
+effect at once (also on stores not yet published).
 """
 
 import itertools
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from vllm.logger import init_logger
 
@@ -44,7 +50,9 @@ class BlockHashTable:
         # key -> block ids holding it (dict as an insertion-ordered set)
         self._by_key: dict[bytes, dict[int, None]] = {}
         self._by_block: dict[int, bytes] = {}  # committed: block id -> key
-        self._pending: dict[int, bytes] = {}  # stored, not yet committed
+        self._pending: dict[int, bytes] = {}  # stored by the current step
+        # steps whose forward was launched, oldest first: (event, their stores)
+        self._sealed: list[tuple[Any, dict[int, bytes]]] = []
         self._gen: dict[int, int] = {}
 
     # ---- updates (worker thread) -------------------------------------------
@@ -67,13 +75,42 @@ class BlockHashTable:
                 else:
                     raise ValueError(f"unknown hash event kind {kind!r}")
 
-    def commit_pending(self) -> int:
-        """Make deferred stores visible; returns how many."""
+    def seal_pending(self, event: Any = None) -> None:
+        """The current step's forward was launched; ``event`` completes after it
+        (an object with ``query()``; None: it has completed already)."""
         with self._lock:
-            pending, self._pending = self._pending, {}
-            for block_id, key in pending.items():
-                self._insert(key, block_id)
-            return len(pending)
+            if self._pending:
+                self._sealed.append((event, self._pending))
+                self._pending = {}
+
+    def commit_ready(self) -> int:
+        """Publish the sealed steps whose event has completed, in order; returns how many
+        stores became visible."""
+        n = 0
+        with self._lock:
+            while self._sealed:
+                event, stores = self._sealed[0]
+                if event is not None and not event.query():
+                    break
+                self._sealed.pop(0)
+                for block_id, key in stores.items():
+                    self._insert(key, block_id)
+                n += len(stores)
+        return n
+
+    def commit_pending(self) -> int:
+        """Seal the current step as completed and publish everything ready."""
+        self.seal_pending(None)
+        return self.commit_ready()
+
+    def _unpublished(self, block_id: int) -> dict[int, bytes] | None:
+        """The not yet published stores (current or sealed step) holding block_id."""
+        if block_id in self._pending:
+            return self._pending
+        for _, stores in self._sealed:
+            if block_id in stores:
+                return stores
+        return None
 
     def _bump(self, block_id: int) -> None:
         self._gen[block_id] = self._gen.get(block_id, 0) + 1
@@ -90,14 +127,17 @@ class BlockHashTable:
             del self._by_key[key]
 
     def _store(self, key: bytes, block_id: int) -> None:
-        if self._by_block.get(block_id) == key or self._pending.get(block_id) == key:
+        unpublished = self._unpublished(block_id)
+        if self._by_block.get(block_id) == key or (
+                unpublished is not None and unpublished[block_id] == key):
             return  # idempotent
         # Re-stored under another key without a removal: the block was
         # reused, its old hash must never be served again.
         if block_id in self._by_block:
             self._drop(block_id)
             self._bump(block_id)
-        if self._pending.pop(block_id, None) is not None:
+        if unpublished is not None:
+            del unpublished[block_id]
             self._bump(block_id)
         if self.defer_stores:
             self._pending[block_id] = key
@@ -108,17 +148,20 @@ class BlockHashTable:
         if self._by_block.get(block_id) == key:
             self._drop(block_id)
             self._bump(block_id)
-        elif self._pending.get(block_id) == key:
-            del self._pending[block_id]
+        elif (unpublished := self._unpublished(block_id)) is not None and \
+                unpublished[block_id] == key:
+            del unpublished[block_id]
             self._bump(block_id)
         # else: stale removal (block now holds another key, or unknown): ignore
 
     def _clear(self) -> None:
-        for block_id in itertools.chain(self._by_block, self._pending):
+        sealed = [b for _, stores in self._sealed for b in stores]
+        for block_id in itertools.chain(self._by_block, self._pending, sealed):
             self._bump(block_id)
         self._by_key.clear()
         self._by_block.clear()
         self._pending.clear()
+        self._sealed = [(event, {}) for event, _ in self._sealed]
 
     # ---- reads (bootstrap-server thread) -----------------------------------
     def _match(self, hashes: Sequence[BlockHash], group_id: int) -> list[int]:
@@ -166,7 +209,7 @@ class BlockHashTable:
 
     def num_pending(self) -> int:
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + sum(len(stores) for _, stores in self._sealed)
 
     def sample(self, n: int) -> list[dict[str, int | str]]:
         """Up to ``n`` committed entries, for a debug endpoint."""

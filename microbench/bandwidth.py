@@ -17,7 +17,9 @@ def engine_write_bandwidth(total_bytes: int, entry_bytes: int, protocol: str = "
                            reps: int = 3) -> dict:
     from mooncake.engine import TransferEngine
 
-    from connector.transport_env import apply_transport_env_defaults
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.transport_env import (
+        apply_transport_env_defaults,
+    )
 
     apply_transport_env_defaults(protocol)
     engines = []

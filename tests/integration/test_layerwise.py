@@ -34,7 +34,7 @@ def cluster(tmp_path_factory):
                   extra_args=["--enable-prompt-tokens-details"],
                   env={"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
                        # only a prompt of exactly this length gets its writes failed
-                       "VMP_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)})
+                       "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)})
     specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
              InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
     with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
@@ -49,9 +49,30 @@ def test_layerwise_kv_lands_byte_exact(cluster, n):
     ref = reference_completion(p.url, ids, max_tokens=4)
     check = compare(r.decode, ref, expected_cached_tokens=n - 1)
     assert check.ok, check.problems
-    if n >= 256:
-        log = cluster["prefill"].log_path.read_text()
-        assert "layer-wise KV push enabled" in log
+
+
+def test_layerwise_writes_start_before_the_prefill_ends(cluster):
+    """The point of layer-wise push: most of a long prompt's KV is written while P
+    still computes. P's sender timeline (GET /layerwise/transfers) must show the
+    first write starting, and most bytes written, before P's last layer of the
+    prompt's last chunk was computed. A post-hoc transfer (all writes after the
+    prefill) fails this."""
+    p, d = cluster["prefill"], cluster["decode"]
+    ids = prompt(1500, seed=1500)  # 6 chunks of 256 tokens on P
+    transfer_id = f"xfer-overlap-{time.time_ns()}"
+    r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=2, logprobs=5,
+                    transfer_id=transfer_id, timeout=300)
+    check = compare(r.decode, reference_completion(p.url, ids, max_tokens=2),
+                    expected_cached_tokens=len(ids) - 1)
+    assert check.ok, check.problems
+    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10).json()
+    (t,) = [t for t in stats["transfers"] if t["transfer_id"] == transfer_id]
+    assert t["outcome"] == "completed", t
+    assert t["prefill_end"] is not None and t["first_write_start"] is not None, t
+    assert t["first_write_start"] < t["prefill_end"], \
+        f"the first write started {t['first_write_start'] - t['prefill_end']:.3f}s after the prefill ended"
+    share = t["bytes_before_prefill_end"] / t["bytes_written"]
+    assert share > 0.5, f"only {share:.0%} of the KV was written before the prefill ended: {t}"
 
 
 def test_concurrent_layerwise_transfers(cluster):
@@ -115,7 +136,7 @@ def test_failed_write_fails_one_request_and_both_keep_serving(cluster):
     with pytest.raises(RequestFailed):
         pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120)
     assert time.monotonic() - started < 120
-    assert "FAULT INJECTION (VMP_FAULT_FAIL_WRITE_PROMPT_LEN" in p.log_path.read_text()
+    assert "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN" in p.log_path.read_text()
     usage = wait_no_blocks_in_use(p.url, d.url)
     assert usage == (0.0, 0.0), f"KV blocks still allocated after a failed write (P, D): {usage}"
     assert "Counters can only be incremented" not in d.log_path.read_text()

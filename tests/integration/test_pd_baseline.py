@@ -38,7 +38,7 @@ def cluster(model_dir, tmp_path_factory):
         InstanceSpec("prefill", role="kv_producer", cores="0", **common),
         InstanceSpec("decode", role="kv_consumer", cores="1", **common),
         InstanceSpec("decode_faulty", role="kv_consumer", cores="1",
-                     env={"VMP_FAULT_ZERO_RECV_BLOCK": "0"}, **common),
+                     env={"MOONCAKE_FAULT_ZERO_RECV_BLOCK": "0"}, **common),
     ]
     c = Cluster(specs, tmp_path_factory.mktemp("logs"))
     with c:

@@ -37,7 +37,7 @@ def cluster(tmp_path_factory):
     common = dict(model=model, kv_cache_gib=2, max_model_len=4096,
                   extra_args=["--enable-prompt-tokens-details"])
     specs = [InstanceSpec("c", role="kv_producer", cores="0",
-                          env={"VMP_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)}, **common),
+                          env={"MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)}, **common),
              InstanceSpec("d", role="kv_consumer", cores="1", **common)]
     with Cluster(specs, tmp_path_factory.mktemp("logs")) as cl:
         yield cl
@@ -112,7 +112,7 @@ def test_failed_push_falls_back_to_local_prefill(cluster):
     turn_on_c(c, ids)
     got = push_request(d, c, ids)  # matched 5 blocks, then C's write fails
     check_local(got, ids, c)
-    assert "FAULT INJECTION (VMP_FAULT_FAIL_WRITE_PROMPT_LEN" in c.log_path.read_text()
+    assert "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN" in c.log_path.read_text()
     assert "prefilling the other" in d.log_path.read_text()
     assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)
 
@@ -131,7 +131,8 @@ def test_malformed_push_is_422_naming_the_field(cluster):
     before = httpx.get(c.bootstrap_url + "/hashsync", timeout=10).json()["push"]
     ids = prompt(2 * BLOCK, seed=5006)
     body = {"token_ids": ids, "block_size": BLOCK, "dst_session": "127.0.0.1:1",
-            "dst_kv_base_addrs": [4096], "dst_block_ids": [0, 1]}
+            "dst_kv_base_addrs": [4096], "dst_block_ids": [0, 1],
+            "deadline_unix_ms": int(time.time() * 1000) + 60_000}
     r = httpx.post(c.bootstrap_url + "/push_blocks", json=body, timeout=30)
     assert r.status_code == 422 and r.json()["detail"]["field"] == "dst_kv_base_addrs", r.text
     r = httpx.post(c.bootstrap_url + "/push_blocks", content=b"not json", timeout=30)

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from hashsync.hash_config import HashConfig, HashConfigMismatchError
-from hashsync.hashing import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig, HashConfigMismatchError
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
     from_pool_key,
     hash_prompt_blocks,
     scheduler_hash_config,

@@ -2,11 +2,11 @@
 
 import pytest
 
-from hashsync import recorder as rec
-from hashsync.hash_config import HashConfig
-from hashsync.hashing import hash_prompt_blocks, to_pool_key
-from hashsync.recorder import HashEventKind, HashRecorder, get_recorder
-from hashsync.table import BlockHashTable
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync import recorder as rec
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import hash_prompt_blocks, to_pool_key
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import HashEventKind, HashRecorder, get_recorder
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.table import BlockHashTable
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
@@ -167,7 +167,7 @@ def test_blocks_cached_before_the_first_build_reach_the_worker(recorder, none_ha
     (found by tests/integration/test_push.py: C's first prompt matched nothing)."""
     from vllm.v1.core import block_pool
 
-    from hashsync.sync import SchedulerHashSync
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import SchedulerHashSync
 
     monkeypatch.setattr(block_pool, "block_hash_observer", None)
     sync = SchedulerHashSync("sha256")

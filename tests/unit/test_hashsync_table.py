@@ -4,10 +4,10 @@ import pickle
 
 import pytest
 
-from hashsync.hash_config import HashConfig, HashConfigMismatchError
-from hashsync.hashing import to_pool_key
-from hashsync.recorder import HashDelta, HashEventKind
-from hashsync.table import BlockHashTable
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig, HashConfigMismatchError
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import to_pool_key
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import HashDelta, HashEventKind
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.table import BlockHashTable
 
 S, R, C = HashEventKind.STORED, HashEventKind.REMOVED, HashEventKind.CLEARED
 

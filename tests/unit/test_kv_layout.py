@@ -2,7 +2,7 @@
 
 import pytest
 
-from connector.kv_layout import kernel_block_dim
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.kv_layout import kernel_block_dim
 
 
 def test_cpu_backend_block_dim_is_minus_two():

@@ -1,11 +1,22 @@
-"""connector/layerwise.py: what P's scheduler tells its worker each step."""
+"""connector/layerwise/scheduler.py: what P's scheduler tells its worker each step
+(and the layer-wise knobs of connector/config.py)."""
 
 from types import SimpleNamespace as NS
 
 import pytest
 
-from connector.io_affinity import parse_cpu_list
-from connector.layerwise import LayerwiseScheduler, layerwise_enabled, layerwise_min_tokens
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import (
+    ConfigError,
+    ExtConfig,
+    parse_cpu_list,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    ComputedStep,
+    FinishedRequest,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.scheduler import (
+    LayerwiseScheduler,
+)
 
 
 def request(req_id, prompt_len, status=None):
@@ -27,11 +38,11 @@ def output(new=(), cached=(), resumed=(), num_scheduled=None):
 
 def test_chunked_prefill_steps_carry_growing_block_lists():
     s = LayerwiseScheduler(min_tokens=100)
-    assert s.track(request("r", 300), "x")
+    s.track(request("r", 300), "x")  # tracked: the steps below are reported
     m1 = s.build(output(new=[("r", [1, 2], 0)], num_scheduled={"r": 128}))
-    assert m1.steps == [("x", "r", [1, 2], 128, 300)]
+    assert m1.steps == [ComputedStep("x", "r", (1, 2), 128, 300)]
     m2 = s.build(output(cached=[("r", [3], 128)], num_scheduled={"r": 172}))
-    assert m2.steps == [("x", "r", [1, 2, 3], 300, 300)]
+    assert m2.steps == [ComputedStep("x", "r", (1, 2, 3), 300, 300)]
     # decoding on P afterwards: no more steps for the transfer
     m3 = s.build(output(cached=[("r", None, 300)], num_scheduled={"r": 1}))
     assert m3.steps == []
@@ -42,12 +53,12 @@ def test_preempted_request_resumes_with_new_blocks():
     s.track(request("r", 300), "x")
     s.build(output(new=[("r", [1, 2], 0)], num_scheduled={"r": 128}))
     m = s.build(output(cached=[("r", [7, 8, 9], 0)], resumed=["r"], num_scheduled={"r": 300}))
-    assert m.steps == [("x", "r", [7, 8, 9], 300, 300)]
+    assert m.steps == [ComputedStep("x", "r", (7, 8, 9), 300, 300)]
 
 
 def test_short_prompts_take_the_posthoc_path():
     s = LayerwiseScheduler(min_tokens=256)
-    assert not s.track(request("r", 100), "x")
+    s.track(request("r", 100), "x")  # not tracked per layer: no step is ever reported
     assert s.build(output(new=[("r", [1], 0)], num_scheduled={"r": 100})).steps == []
 
 
@@ -57,23 +68,22 @@ def test_finish_and_abort_are_reported_once():
     s = LayerwiseScheduler(min_tokens=0)
     s.track(request("a", 10), "xa")
     s.track(request("b", 10), "xb")
-    s.request_finished(request("a", 10, RequestStatus.FINISHED_LENGTH_CAPPED), [1], True, "xa")
-    s.request_finished(request("b", 10, RequestStatus.FINISHED_ABORTED), [2], True, "xb")
-    s.request_finished(request("c", 10, RequestStatus.FINISHED_ABORTED), [], False, "xc")
+    # True: the scheduler keeps the blocks (delay free); no blocks: nothing to keep
+    assert s.request_finished(request("a", 10, RequestStatus.FINISHED_LENGTH_CAPPED), [1], "xa")
+    assert s.request_finished(request("b", 10, RequestStatus.FINISHED_ABORTED), [2], "xb")
+    assert not s.request_finished(request("c", 10, RequestStatus.FINISHED_ABORTED), [], "xc")
     m = s.build(output())
-    assert m.finished == [("xa", "a", [1], 10, False), ("xb", "b", [2], 10, True)]
+    assert m.finished == [FinishedRequest("xa", "a", (1,), 10, aborted=False),
+                          FinishedRequest("xb", "b", (2,), 10, aborted=True)]
     assert m.aborted == ["xc"]
     assert not s.build(output())
 
 
-def test_env_parsing(monkeypatch):
-    monkeypatch.delenv("MOONCAKE_LAYERWISE", raising=False)
-    assert not layerwise_enabled()
-    monkeypatch.setenv("MOONCAKE_LAYERWISE", "1")
-    assert layerwise_enabled()
-    monkeypatch.setenv("MOONCAKE_LAYERWISE_MIN_TOKENS", "abc")
-    with pytest.raises(ValueError, match="MOONCAKE_LAYERWISE_MIN_TOKENS"):
-        layerwise_min_tokens()
+def test_env_parsing():
+    assert not ExtConfig.from_env({}).layerwise
+    assert ExtConfig.from_env({"MOONCAKE_LAYERWISE": "1"}).layerwise
+    with pytest.raises(ConfigError, match="MOONCAKE_LAYERWISE_MIN_TOKENS"):
+        ExtConfig.from_env({"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "abc"})
     assert parse_cpu_list("0,2-3") == {0, 2, 3}
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         parse_cpu_list("3-1")

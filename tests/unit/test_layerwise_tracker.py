@@ -1,7 +1,14 @@
-"""connector/layerwise_tracker.py: chunked prefill, late/early decode metadata,
+"""connector/layerwise/tracker.py: chunked prefill, late/early decode metadata,
 concurrent transfers, abort, exactly-once completion. Pure logic, no engine."""
 
-from connector.layerwise_tracker import Destination, LayerwiseTracker, TransferState
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    ComputedStep,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.tracker import (
+    Destination,
+    LayerwiseTracker,
+    TransferState,
+)
 
 BS = 4  # block size
 SLOTS = 4  # two layers, K and V each
@@ -27,21 +34,32 @@ def blocks_written(ops):
     return out
 
 
+def step(transfer_id, p_req_id, block_ids, computed_tokens, prompt_len):
+    return ComputedStep(transfer_id, p_req_id, tuple(block_ids), computed_tokens, prompt_len)
+
+
+def start(tr, ops):
+    """The writer picks the ops up: all of them must be admitted."""
+    admitted, dropped = tr.start_writes(ops)
+    assert admitted == list(ops) and dropped == []
+    return admitted
+
+
 def finish_all(tr, ops):
-    tr.writes_done(ops, ok=True)
+    tr.writes_done(start(tr, ops), ok=True)
 
 
 def test_chunked_prefill_ships_only_computed_blocks_partial_last_block_with_final_chunk():
     tr = LayerwiseTracker(SLOTS, BS)
     tr.set_destination("t", dest(3))  # D first: waits for the scheduler
     # prompt of 10 tokens = 3 blocks (last one partial); chunks of 6 and 4 tokens
-    ops = tr.begin_step([("t", "p", [7, 8], 6, 10)])
+    ops = tr.begin_step([step("t", "p", [7, 8], 6, 10)])
     assert ops == []
     ops1 = run_layers(tr)
     # after 6 tokens only block 0 is complete (block 1 holds tokens 4-5 of 4-7)
     assert blocks_written(ops1) == {s: [(7, 100)] for s in range(SLOTS)}
     finish_all(tr, ops1)
-    tr.begin_step([("t", "p", [7, 8, 9], 10, 10)])
+    tr.begin_step([step("t", "p", [7, 8, 9], 10, 10)])
     ops2 = run_layers(tr)
     assert blocks_written(ops2) == {s: [(8, 101), (9, 102)] for s in range(SLOTS)}
     assert tr.pop_finished() == []
@@ -53,7 +71,7 @@ def test_chunked_prefill_ships_only_computed_blocks_partial_last_block_with_fina
 
 def test_layers_computed_before_decode_metadata_are_sent_when_it_arrives():
     tr = LayerwiseTracker(SLOTS, BS)
-    tr.begin_step([("t", "p", [1, 2], 8, 8)])
+    tr.begin_step([step("t", "p", [1, 2], 8, 8)])
     assert tr.layer_computed(LAYERS[0]) == []  # no destination yet
     late = tr.set_destination("t", dest(2))
     assert {op.slot for op in late} == {0, 1}  # layer 0 at once
@@ -65,7 +83,7 @@ def test_layers_computed_before_decode_metadata_are_sent_when_it_arrives():
 
 def test_decode_prefix_hit_skips_blocks_decode_already_has():
     tr = LayerwiseTracker(SLOTS, BS)
-    tr.begin_step([("t", "p", [1, 2, 3], 12, 12)])
+    tr.begin_step([step("t", "p", [1, 2, 3], 12, 12)])
     ops = tr.set_destination("t", dest(1, first=50)) + run_layers(tr)
     assert blocks_written(ops) == {s: [(3, 50)] for s in range(SLOTS)}
     finish_all(tr, ops)
@@ -76,7 +94,7 @@ def test_concurrent_transfers_keep_separate_state():
     tr = LayerwiseTracker(SLOTS, BS)
     tr.set_destination("a", dest(2, first=10, session="d:1"))
     tr.set_destination("b", dest(1, first=20, session="d:2"))
-    tr.begin_step([("a", "pa", [1, 2], 5, 8), ("b", "pb", [5], 4, 4)])
+    tr.begin_step([step("a", "pa", [1, 2], 5, 8), step("b", "pb", [5], 4, 4)])
     ops = run_layers(tr)
     by = {}
     for op in ops:
@@ -87,7 +105,7 @@ def test_concurrent_transfers_keep_separate_state():
     finish_all(tr, by["b"])
     assert [t.transfer_id for t in tr.pop_finished()] == ["b"]
     # a transfer not scheduled in a step does not advance
-    tr.begin_step([("a", "pa", [1, 2], 8, 8)])
+    tr.begin_step([step("a", "pa", [1, 2], 8, 8)])
     more = run_layers(tr)
     assert blocks_written(more) == {s: [(2, 11)] for s in range(SLOTS)}
     finish_all(tr, by["a"] + more)
@@ -97,14 +115,14 @@ def test_concurrent_transfers_keep_separate_state():
 def test_abort_mid_transfer_ends_once_and_stops_issuing():
     tr = LayerwiseTracker(SLOTS, BS)
     tr.set_destination("t", dest(2))
-    tr.begin_step([("t", "p", [1, 2], 4, 8)])
-    ops = run_layers(tr)
+    tr.begin_step([step("t", "p", [1, 2], 4, 8)])
+    ops = start(tr, run_layers(tr))
     tr.fail("t", "aborted")
     tr.writes_done(ops, ok=True)  # in-flight writes finishing later change nothing
     tr.fail("t", "aborted again")
     [t] = tr.pop_finished()
     assert t.state is TransferState.FAILED and t.error == "aborted"
-    tr.begin_step([("t", "p", [1, 2], 8, 8)])  # later chunks of the request
+    tr.begin_step([step("t", "p", [1, 2], 8, 8)])  # later chunks of the request
     assert run_layers(tr) == []
     assert tr.pop_finished() == []
 
@@ -112,9 +130,9 @@ def test_abort_mid_transfer_ends_once_and_stops_issuing():
 def test_write_error_fails_the_transfer():
     tr = LayerwiseTracker(SLOTS, BS)
     tr.set_destination("t", dest(1))
-    tr.begin_step([("t", "p", [1], 4, 4)])
+    tr.begin_step([step("t", "p", [1], 4, 4)])
     ops = run_layers(tr)
-    tr.writes_done(ops[:1], ok=False, error="engine returned -1")
+    tr.writes_done(start(tr, ops[:1]), ok=False, error="engine returned -1")
     [t] = tr.pop_finished()
     assert t.state is TransferState.FAILED and "-1" in t.error
 
@@ -131,11 +149,11 @@ def test_short_prompt_posthoc_path_sends_everything_at_request_finish():
 
 def test_destination_inconsistent_with_the_prompt_fails_without_writing():
     tr = LayerwiseTracker(SLOTS, BS)
-    tr.begin_step([("t", "p", [1], 4, 4)])
+    tr.begin_step([step("t", "p", [1], 4, 4)])
     assert tr.set_destination("t", dest(5)) == []
     assert tr.pop_finished()[0].state is TransferState.FAILED
     tr2 = LayerwiseTracker(SLOTS, BS)
-    tr2.begin_step([("t", "p", [1], 4, 4)])
+    tr2.begin_step([step("t", "p", [1], 4, 4)])
     bad = Destination("d:1", [1, 2], [100])  # other model: 2 KV tensors instead of 4
     assert tr2.set_destination("t", bad) == []
     assert "same model" in tr2.pop_finished()[0].error
@@ -144,10 +162,10 @@ def test_destination_inconsistent_with_the_prompt_fails_without_writing():
 def test_preemption_restarts_progress_with_new_blocks():
     tr = LayerwiseTracker(SLOTS, BS)
     tr.set_destination("t", dest(2))
-    tr.begin_step([("t", "p", [1, 2], 4, 8)])
-    first = run_layers(tr)
+    tr.begin_step([step("t", "p", [1, 2], 4, 8)])
+    first = start(tr, run_layers(tr))
     # P preempted the request and re-allocated other blocks: everything is resent
-    tr.begin_step([("t", "p", [9, 10], 8, 8)])
+    tr.begin_step([step("t", "p", [9, 10], 8, 8)])
     again = run_layers(tr)
     assert blocks_written(again) == {s: [(9, 100), (10, 101)] for s in range(SLOTS)}
     tr.writes_done(first, ok=True)  # stale epoch: ignored
@@ -163,7 +181,7 @@ def test_abort_on_prefill_releases_blocks_and_answers_a_waiting_decode():
     [t] = tr.pop_finished()
     assert t.state is TransferState.FAILED and t.destination is not None
     tr2 = LayerwiseTracker(SLOTS, BS)
-    tr2.begin_step([("t", "p", [1, 2], 4, 8)])
+    tr2.begin_step([step("t", "p", [1, 2], 4, 8)])
     tr2.release("t", "p", 8)  # aborted mid-prefill, blocks held until released
     [t2] = tr2.pop_finished()
     assert t2.state is TransferState.FAILED and t2.request_finished

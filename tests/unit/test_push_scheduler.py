@@ -1,14 +1,21 @@
-"""connector/push_scheduler.py and push_receiver.py: D's side of a prefix push.
+"""connector/push/scheduler.py and push/receiver.py: D's side of a prefix push.
 Pure logic (C's /match_blocks and /push_blocks answers are stubbed); the real
 path runs in tests/integration/test_push.py."""
 
+import json
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from connector.push_receiver import PushReceiver
-from connector.push_scheduler import PushOutcome, PushScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    PushJob,
+    PushOutcome,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
 
 BS = 16
 SRC = "http://c:9000"
@@ -29,8 +36,26 @@ class Blocks:
         return (self.ids,)
 
 
+def http_answer(code, body):
+    """What httpx returns: the raw JSON body in .content."""
+    content = json.dumps(body).encode()
+    return SimpleNamespace(status_code=code, content=content, text=content.decode(),
+                           headers={"content-type": "application/json"})
+
+
 def matched(sched, r, local_tokens=0, answer=4):
-    sched._query = lambda source, request: answer if not isinstance(answer, Exception) else (_ for _ in ()).throw(answer)
+    """C's /match_blocks answers `answer` held blocks (or raises it)."""
+    def post(url, content, headers, timeout):
+        assert url == SRC + "/match_blocks"
+        assert json.loads(content) == {"token_ids": r.prompt_token_ids, "cache_salt": r.cache_salt,
+                                       "lora_name": None}
+        if isinstance(answer, Exception):
+            raise answer
+        full = len(r.prompt_token_ids) // BS
+        return http_answer(200, {"matched_blocks": answer, "matched_tokens": answer * BS,
+                                 "total_full_blocks": full})
+
+    sched._http = SimpleNamespace(post=post)
     assert sched.get_num_new_matched_tokens(r, local_tokens) == (None, False)
     deadline = time.monotonic() + 5
     while not sched._matches[r.request_id].done() and time.monotonic() < deadline:
@@ -51,7 +76,7 @@ def test_held_blocks_become_async_external_tokens():
     assert matched(s, r) == (4 * BS, True)
     s.update_state_after_alloc(r, Blocks([30, 31, 32, 33, 34]), 4 * BS)
     (job,) = s.take_jobs()
-    assert job.source == SRC and job.first_block == 0 and job.dst_block_ids == [30, 31, 32, 33]
+    assert job.source == SRC and job.first_block == 0 and job.dst_block_ids == (30, 31, 32, 33)
     assert s.take_jobs() == []
 
 
@@ -61,7 +86,7 @@ def test_local_prefix_hit_is_not_pushed_again():
     assert matched(s, r, local_tokens=2 * BS) == (2 * BS, True)
     s.update_state_after_alloc(r, Blocks([7, 8, 30, 31]), 2 * BS)
     (job,) = s.take_jobs()
-    assert job.first_block == 2 and job.dst_block_ids == [30, 31]
+    assert job.first_block == 2 and job.dst_block_ids == (30, 31)
 
 
 def test_nothing_beyond_the_local_hit_means_no_push():
@@ -109,6 +134,20 @@ def test_outcomes_of_several_workers_keep_the_minimum():
     assert agg.landed == {"a": 1, "b": 2}
 
 
+class Clock:
+    """An injected monotonic clock: time passes only when the test says so."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+WALL = 1_700_000_000.0  # D's wall clock (s), fixed
+CONFIG = ExtConfig(push_timeout_s=1.0)
+
+
 @pytest.mark.parametrize("answer,landed", [
     ((200, {"status": "ok", "pushed_blocks": 3}), 3),
     ((200, {"status": "failed", "pushed_blocks": 0, "message": "x"}), 0),
@@ -116,19 +155,31 @@ def test_outcomes_of_several_workers_keep_the_minimum():
     (TimeoutError("slow"), 0),
 ])
 def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, landed):
-    def post(url, json):
-        assert url == SRC + "/push_blocks" and json["dst_session"] == "d:1"
-        assert json["first_block"] == 1 and json["dst_block_ids"] == [5, 6, 7]
+    posted = threading.Event()
+
+    def post(url, content, headers, timeout):
+        body = json.loads(content)
+        assert url == SRC + "/push_blocks" and body["dst_session"] == "d:1"
+        assert body["first_block"] == 1 and body["dst_block_ids"] == [5, 6, 7]
+        assert body["deadline_unix_ms"] == int((WALL + CONFIG.push_timeout_s) * 1000)
+        posted.set()
         if isinstance(answer, Exception):
             raise answer
-        code, body = answer
-        return SimpleNamespace(status_code=code, json=lambda: body,
-                               headers={"content-type": "application/json"}, text="")
+        return http_answer(*answer)
 
-    rec = PushReceiver("d:1", [100, 200], 64, BS, timeout_s=1)
+    clock = Clock()
+    rec = PushReceiver("d:1", [100, 200], 64, BS, CONFIG, clock=clock, wall_clock=lambda: WALL)
     monkeypatch.setattr(rec._http, "post", post)
-    from connector.push_scheduler import PushJob
-    rec.start([PushJob("r1", SRC, list(range(80)), None, None, 1, [5, 6, 7])])
+    rec.start([PushJob("r1", SRC, tuple(range(80)), None, None, 1, (5, 6, 7))])
+    assert posted.wait(5)
+    if isinstance(answer, Exception):
+        # No answer from C: it may still write until the hold has passed; the
+        # push must not end before that, however long the test waits.
+        time.sleep(0.2)
+        clock.now += CONFIG.push_hold_s - 0.5  # binary-exact steps: 1000 + 35.5 + 0.5
+        assert rec.merge_finished({"other"}) == {"other"}
+        assert rec.take_outcome() is None
+        clock.now += 0.5  # the hold has passed
     deadline = time.monotonic() + 5
     finished = None
     while time.monotonic() < deadline and not finished:

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from connector.transport_env import TCP_TRANSPORT_DEFAULTS, apply_transport_env_defaults
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.transport_env import TCP_TRANSPORT_DEFAULTS, apply_transport_env_defaults
 
 
 def test_tcp_sets_every_default_when_unset():

@@ -1,8 +1,10 @@
-"""hashsync/push_protocol.py: /push_blocks request validation names the field."""
+"""connector/push/protocol.py: /push_blocks request validation names the field."""
+
+import json
 
 import pytest
 
-from hashsync.push_protocol import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     PushBlocksRequest,
     PushBlocksResponse,
     PushRequestError,
@@ -24,6 +26,7 @@ def body(**over):
         "dst_kv_base_addrs": [0x1000 * (i + 1) for i in range(NT)],
         "dst_block_ids": [7, 8, 9],
         "request_id": "req-1",
+        "deadline_unix_ms": 1_700_000_000_000,
     }
     b.update(over)
     return b
@@ -37,6 +40,8 @@ def test_valid_request():
     req = parse_push_request(body())
     validate(req, block_size=BS, num_kv_tensors=NT)
     assert req.dst_block_ids == [7, 8, 9]
+    # the HTTP route hands over the raw body: JSON bytes parse to the same request
+    assert parse_push_request(json.dumps(body()).encode()) == req
     # Fewer destination blocks than full blocks is fine (D may want a shorter prefix).
     check(body(dst_block_ids=[3]))
     check(body(dst_session="[::1]:5000", cache_salt="s", lora_name="l"))
@@ -82,7 +87,8 @@ def test_invalid_names_field(over, field):
 
 
 @pytest.mark.parametrize("missing", ["token_ids", "block_size", "dst_session",
-                                     "dst_kv_base_addrs", "dst_block_ids"])
+                                     "dst_kv_base_addrs", "dst_block_ids",
+                                     "deadline_unix_ms"])
 def test_missing_required_field(missing):
     b = body()
     del b[missing]

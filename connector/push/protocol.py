@@ -1,16 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``POST /push_blocks`` schema and validation.
+"""Every message of prefix push migration, in one place.
 
-D asks C's bootstrap server to write C's cached blocks for a prompt prefix into
-D's KV cache. Shape errors are rejected by pydantic (:func:`parse_push_request`
-turns them into :class:`PushRequestError`); consistency with the serving
-instance is checked by :func:`validate`. Either way nothing may be written and
-the handler answers 4xx with ``PushRequestError.detail()``.
+HTTP (D's worker/scheduler -> C's bootstrap server): the bodies are these
+pydantic models on both sides: D builds them with the model and parses C's
+answer with the response model; C validates with the same model (strict: no
+coercion of ``true``/``"5"``/``1.0`` into integers, unknown fields refused).
+Shape errors become :class:`PushRequestError` naming the field; consistency
+with the serving instance is checked by :func:`validate`. Either way nothing
+is written and the handler answers 422.
+
+Deadline: a push request carries ``deadline_unix_ms`` (D's wall clock). C
+refuses to start the write past it; D keeps the destination blocks out of
+the free pool until the deadline plus the engine's transfer timeout plus a
+clock-skew allowance when C does not answer (config.ExtConfig.push_hold_s).
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 PushStatus = Literal["ok", "no_match", "failed"]
 
@@ -27,8 +39,26 @@ class PushRequestError(ValueError):
         return {"field": self.field, "message": self.message}
 
 
-class PushBlocksRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class MatchBlocksRequest(_Strict):
+    """POST /match_blocks: which leading full blocks of a prompt does C hold?"""
+
+    token_ids: list[StrictInt]
+    cache_salt: StrictStr | None = None
+    lora_name: StrictStr | None = None
+
+
+class MatchBlocksResponse(_Strict):
+    matched_blocks: StrictInt
+    matched_tokens: StrictInt
+    total_full_blocks: StrictInt
+
+
+class PushBlocksRequest(_Strict):
+    """POST /push_blocks: write C's cached blocks of a prompt prefix into D."""
 
     token_ids: list[StrictInt]
     cache_salt: StrictStr | None = None
@@ -42,28 +72,40 @@ class PushBlocksRequest(BaseModel):
     first_block: StrictInt = 0
     block_len: StrictInt | None = None  # bytes per block per KV tensor; checked if given
     request_id: StrictStr | None = None
+    # C starts no write after this instant (D's wall clock, ms since the epoch)
+    deadline_unix_ms: StrictInt
 
 
-class PushBlocksResponse(BaseModel):
+class PushBlocksResponse(_Strict):
     status: PushStatus
-    matched_blocks: int = 0  # leading full blocks of the prompt C holds
-    matched_tokens: int = 0
-    pushed_blocks: int = 0  # written into D: blocks first_block .. first_block+pushed-1
-    total_full_blocks: int = 0
-    bytes: int = 0
+    matched_blocks: StrictInt = 0  # leading full blocks of the prompt C holds
+    matched_tokens: StrictInt = 0
+    pushed_blocks: StrictInt = 0  # written into D: blocks first_block .. first_block+pushed-1
+    total_full_blocks: StrictInt = 0
+    bytes: StrictInt = 0
     seconds: float = 0.0
     message: str = ""
 
 
-def parse_push_request(payload: Any) -> PushBlocksRequest:
-    """Build a request from a decoded JSON body; type errors name their field."""
+def _parse(model: type[BaseModel], payload: Any) -> Any:
     try:
-        return PushBlocksRequest.model_validate(payload)
+        if isinstance(payload, (bytes, str)):
+            return model.model_validate_json(payload)
+        return model.model_validate(payload)
     except ValidationError as e:
         err = e.errors()[0]
         loc = err.get("loc", ())
         field = str(loc[0]) if loc else "body"
         raise PushRequestError(field, err.get("msg", "invalid")) from None
+
+
+def parse_push_request(payload: Any) -> PushBlocksRequest:
+    """Build a request from a JSON body (bytes/str) or decoded JSON; errors name the field."""
+    return _parse(PushBlocksRequest, payload)
+
+
+def parse_match_request(payload: Any) -> MatchBlocksRequest:
+    return _parse(MatchBlocksRequest, payload)
 
 
 def _check_session(session: str) -> None:
@@ -115,3 +157,34 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
         raise PushRequestError("dst_block_ids", "block ids must be non-negative")
     if len(set(req.dst_block_ids)) != n:
         raise PushRequestError("dst_block_ids", "duplicate block ids")
+    if req.deadline_unix_ms <= 0:
+        raise PushRequestError("deadline_unix_ms", "must be positive")
+
+
+# ---- inside D: scheduler <-> worker -------------------------------------------------
+
+@dataclass(frozen=True)
+class PushJob:
+    """D's scheduler -> D's worker (connector metadata): ask C for this push."""
+
+    req_id: str
+    source: str  # C's bootstrap URL
+    token_ids: tuple[int, ...]
+    cache_salt: str | None
+    lora_name: str | None
+    first_block: int
+    dst_block_ids: tuple[int, ...]
+
+
+@dataclass
+class PushOutcome(KVConnectorWorkerMetadata):
+    """D's worker -> D's scheduler: leading blocks that landed, per ended push."""
+
+    landed: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PushOutcome)
+        merged = dict(self.landed)
+        for rid, n in other.landed.items():  # several workers: a block is valid on all or none
+            merged[rid] = min(n, merged.get(rid, n))
+        return PushOutcome(merged)

@@ -1,4 +1,4 @@
-"""hashsync/push_server.py: what POST /push_blocks writes where.
+"""connector/push/server.py: what POST /push_blocks writes where.
 
 The transfer engine is replaced by a memmove between real buffers, so the
 address arithmetic (KV tensor bases, block_len, first_block, runs of
@@ -10,15 +10,25 @@ import ctypes
 import numpy as np
 import pytest
 
-from hashsync.hash_config import HashConfig
-from hashsync.hashing import hash_prompt_blocks, to_pool_key
-from hashsync.recorder import HashDelta, HashEventKind
-from hashsync.sync import WorkerHashSync
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import FaultConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
+    hash_prompt_blocks,
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
+    HashDelta,
+    HashEventKind,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
 
 BS, SLOTS, NBLK, BLEN = 4, 3, 16, 64
 CFG = HashConfig("sha256", b"\x01" * 32)
 TOKENS = list(range(100, 100 + 3 * BS + 2))  # 3 full blocks + 2 tokens
 C_BLOCKS = [5, 2, 9]
+NOW_MS = 1_700_000_000_000  # C's wall clock (ms), fixed
+DEADLINE_MS = NOW_MS + 30_000  # the push's deadline: not reached
 
 
 class Instance:
@@ -51,21 +61,22 @@ def make(held=C_BLOCKS, salt=None, write=None, log=None):
     sync.on_metadata(HashDelta(events=events, hash_config=CFG))
     sync.after_step()
     log = [] if log is None else log
-    sync.enable_push(write or memmove_write(log), c.bases, BLEN)
-    return sync, c, d, log
+    server = PushServer(sync, write or memmove_write(log), c.bases, BLEN,
+                        faults=FaultConfig(), wall_clock_ms=lambda: NOW_MS)
+    return server, c, d, log
 
 
 def body(d, **over):
     b = {"token_ids": TOKENS, "block_size": BS, "dst_session": "127.0.0.1:1234",
          "dst_kv_base_addrs": d.bases, "dst_block_ids": [0, 1, 2], "block_len": BLEN,
-         "request_id": "r1"}
+         "request_id": "r1", "deadline_unix_ms": DEADLINE_MS}
     b.update(over)
     return b
 
 
 def test_full_push_lands_every_slot_byte_exact():
-    sync, c, d, log = make()
-    code, resp = sync.pusher.push(body(d, dst_block_ids=[7, 8, 3]))
+    server, c, d, log = make()
+    code, resp = server.push(body(d, dst_block_ids=[7, 8, 3]))
     assert code == 200 and resp["status"] == "ok", resp
     assert resp["pushed_blocks"] == 3 and resp["matched_blocks"] == 3
     assert resp["matched_tokens"] == 3 * BS and resp["bytes"] == 3 * SLOTS * BLEN
@@ -77,16 +88,16 @@ def test_full_push_lands_every_slot_byte_exact():
 
 
 def test_contiguous_blocks_become_one_entry_per_tensor():
-    sync, c, d, log = make(held=[4, 5, 6])
-    sync.pusher.push(body(d, dst_block_ids=[10, 11, 12]))
+    server, c, d, log = make(held=[4, 5, 6])
+    server.push(body(d, dst_block_ids=[10, 11, 12]))
     _, src, dst, lens = log[0]
     assert lens == [3 * BLEN] * SLOTS
     assert src == [base + 4 * BLEN for base in c.bases]
 
 
 def test_first_block_skips_what_d_already_holds():
-    sync, c, d, _ = make()
-    code, resp = sync.pusher.push(body(d, first_block=1, dst_block_ids=[8, 9]))
+    server, c, d, _ = make()
+    code, resp = server.push(body(d, first_block=1, dst_block_ids=[8, 9]))
     assert resp["status"] == "ok" and resp["pushed_blocks"] == 2
     for s in range(SLOTS):
         assert (d.block(s, 8) == c.block(s, 2)).all() and (d.block(s, 9) == c.block(s, 9)).all()
@@ -94,8 +105,8 @@ def test_first_block_skips_what_d_already_holds():
 
 
 def test_shorter_held_prefix_pushes_what_is_held():
-    sync, c, d, _ = make(held=C_BLOCKS[:2])
-    code, resp = sync.pusher.push(body(d))
+    server, c, d, _ = make(held=C_BLOCKS[:2])
+    code, resp = server.push(body(d))
     assert resp["status"] == "ok" and resp["pushed_blocks"] == 2 and resp["matched_blocks"] == 2
     assert "2 of 3" in resp["message"]
     for s in range(SLOTS):
@@ -104,8 +115,8 @@ def test_shorter_held_prefix_pushes_what_is_held():
 
 @pytest.mark.parametrize("over", [{"cache_salt": "other-tenant"}, {"token_ids": [1] * 20}])
 def test_no_match_writes_nothing(over):
-    sync, c, d, log = make()
-    code, resp = sync.pusher.push(body(d, **over))
+    server, c, d, log = make()
+    code, resp = server.push(body(d, **over))
     assert code == 200 and resp["status"] == "no_match" and resp["pushed_blocks"] == 0
     assert log == [] and not any(t.any() for t in d.kv)
 
@@ -120,15 +131,15 @@ def test_no_match_writes_nothing(over):
     ({"unknown": 1}, "unknown"),
 ])
 def test_bad_request_is_422_naming_the_field_and_writes_nothing(over, field):
-    sync, c, d, log = make()
-    code, resp = sync.pusher.push(body(d, **over))
+    server, c, d, log = make()
+    code, resp = server.push(body(d, **over))
     assert code == 422 and resp["detail"]["field"] == field, resp
     assert log == []
 
 
 def test_engine_failure_reports_failed():
-    sync, c, d, _ = make(write=lambda *a: -1)
-    code, resp = sync.pusher.push(body(d))
+    server, c, d, _ = make(write=lambda *a: -1)
+    code, resp = server.push(body(d))
     assert code == 200 and resp["status"] == "failed" and "returned -1" in resp["message"]
     assert resp["pushed_blocks"] == 0
 
@@ -136,27 +147,27 @@ def test_engine_failure_reports_failed():
 def test_engine_raising_reports_failed():
     def boom(*a):
         raise RuntimeError("segment gone")
-    sync, c, d, _ = make(write=boom)
-    assert sync.pusher.push(body(d))[1]["status"] == "failed"
+    server, c, d, _ = make(write=boom)
+    assert server.push(body(d))[1]["status"] == "failed"
 
 
 def test_block_evicted_during_the_write_reports_failed():
     holder = {}
 
     def evict_while_writing(session, src, dst, lens):
-        sync = holder["sync"]
+        sync = holder["server"].sync
         key = sync.table._by_block[C_BLOCKS[1]]
         sync.on_metadata(HashDelta(events=[(HashEventKind.REMOVED, key, C_BLOCKS[1])]))
         return 0
 
-    sync, c, d, _ = make(write=evict_while_writing)
-    holder["sync"] = sync
-    code, resp = sync.pusher.push(body(d))
+    server, c, d, _ = make(write=evict_while_writing)
+    holder["server"] = server
+    code, resp = server.push(body(d))
     assert resp["status"] == "failed" and "evicted" in resp["message"]
 
 
 def test_before_the_first_step_is_503():
     c, d = Instance(True), Instance(False)
-    sync = WorkerHashSync(BS)
-    sync.enable_push(memmove_write([]), c.bases, BLEN)
-    assert sync.pusher.push(body(d))[0] == 503
+    server = PushServer(WorkerHashSync(BS), memmove_write([]), c.bases, BLEN,
+                        wall_clock_ms=lambda: NOW_MS)
+    assert server.push(body(d))[0] == 503

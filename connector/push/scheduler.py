@@ -16,12 +16,12 @@ locally whatever ``kv_load_failure_policy`` says: never lost, never stuck.
 A failed or slow ``/match_blocks`` means no push at all.
 
 A request that finishes while its push is in flight keeps its blocks until
-the worker reports the push ended (C may still be writing into them).
+the worker reports the push ended, which it does only once C can no longer
+write into them (receiver.py).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.logger import init_logger
+
+from .protocol import MatchBlocksRequest, MatchBlocksResponse, PushJob, PushOutcome
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -39,8 +40,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 PARAM_PUSH_FROM = "push_from"
-ENV_MATCH_TIMEOUT = "MOONCAKE_PUSH_MATCH_TIMEOUT_S"
-ENV_PUSH_TIMEOUT = "MOONCAKE_PUSH_TIMEOUT_S"
 
 
 def push_source(request: "Request") -> str | None:
@@ -57,33 +56,6 @@ def lora_name(request: "Request") -> str | None:
 
 
 @dataclass
-class PushJob:
-    """Scheduler -> worker (connector metadata): post this push."""
-
-    req_id: str
-    source: str
-    token_ids: list[int]
-    cache_salt: str | None
-    lora_name: str | None
-    first_block: int
-    dst_block_ids: list[int]
-
-
-@dataclass
-class PushOutcome(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: blocks that landed per ended push (first ones only)."""
-
-    landed: dict[str, int] = field(default_factory=dict)
-
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
-        assert isinstance(other, PushOutcome)
-        merged = dict(self.landed)
-        for rid, n in other.landed.items():  # several workers: a block is valid on all or none
-            merged[rid] = min(n, merged.get(rid, n))
-        return PushOutcome(merged)
-
-
-@dataclass
 class _Inflight:
     request: "Request"
     source: str
@@ -95,10 +67,9 @@ class _Inflight:
 
 
 class PushScheduler:
-    def __init__(self, block_size: int, match_timeout_s: float | None = None):
+    def __init__(self, block_size: int, match_timeout_s: float):
         self.block_size = block_size
-        self.match_timeout_s = float(match_timeout_s if match_timeout_s is not None
-                                     else os.environ.get(ENV_MATCH_TIMEOUT, "5"))
+        self.match_timeout_s = match_timeout_s
         self._pool: ThreadPoolExecutor | None = None
         # one client for all queries: keep-alive, and httpx builds an SSL
         # context per client (tens of ms)
@@ -120,13 +91,14 @@ class PushScheduler:
     def _query(self, source: str, request: "Request") -> int:
         if self._http is None:
             self._http = httpx.Client(timeout=self.match_timeout_s)
-        r = self._http.post(f"{source}/match_blocks",
-                       json={"token_ids": list(request.prompt_token_ids or []),
-                             "cache_salt": request.cache_salt, "lora_name": lora_name(request)},
-                       timeout=self.match_timeout_s)
+        body = MatchBlocksRequest(token_ids=list(request.prompt_token_ids or []),
+                                  cache_salt=request.cache_salt, lora_name=lora_name(request))
+        r = self._http.post(f"{source}/match_blocks", content=body.model_dump_json(),
+                            headers={"content-type": "application/json"},
+                            timeout=self.match_timeout_s)
         if r.status_code != 200:
             raise RuntimeError(f"{source}/match_blocks answered {r.status_code}: {r.text[:300]}")
-        return int(r.json()["matched_blocks"])
+        return MatchBlocksResponse.model_validate_json(r.content).matched_blocks
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -142,14 +114,18 @@ class PushScheduler:
             self._times[rid] = (time.monotonic(), 0.0)
             return None, False  # asked again next step
         if not fut.done():
-            return None, False  # httpx's timeout bounds the wait
-        try:
-            matched = fut.result()
-        except Exception as e:
-            logger.warning("Prefix push for %s: no match from %s (%s); prefilling locally",
-                           rid, source, e)
+            if time.monotonic() - self._times[rid][0] < self.match_timeout_s:
+                return None, False
+            # a total deadline (httpx's timeouts are per read): stop waiting
+            fut.cancel()
+            logger.warning("Prefix push for %s: %s/match_blocks did not answer within %.1f s; "
+                           "prefilling locally", rid, source, self.match_timeout_s)
             self.stats["match_failed"] += 1
             matched = 0
+        else:
+            matched = self._match_result(fut, rid, source)
+        full_blocks = len(request.prompt_token_ids or []) // self.block_size
+        matched = max(0, min(matched, full_blocks))  # never more than the prompt holds
         asked = self._times.get(rid, (time.monotonic(), 0.0))[0]
         self._times[rid] = (asked, time.monotonic())
         first = num_computed_tokens // self.block_size
@@ -160,6 +136,15 @@ class PushScheduler:
             return 0, False
         self._planned[rid] = (source, first, n)
         return n * self.block_size, True
+
+    def _match_result(self, fut: Future, rid: str, source: str) -> int:
+        try:
+            return fut.result()
+        except Exception as e:
+            logger.warning("Prefix push for %s: no match from %s (%s); prefilling locally",
+                           rid, source, e)
+            self.stats["match_failed"] += 1
+            return 0
 
     # ---- allocation -> job ---------------------------------------------------------
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -176,8 +161,8 @@ class PushScheduler:
         assert len(dst) == n, f"{len(dst)} blocks allocated for {n} pushed blocks"
         asked, matched_at = self._times.pop(rid, (time.monotonic(), time.monotonic()))
         self._inflight[rid] = _Inflight(request, source, first, n, asked, matched_at)
-        self._jobs.append(PushJob(rid, source, list(request.prompt_token_ids or []),
-                                  request.cache_salt, lora_name(request), first, dst))
+        self._jobs.append(PushJob(rid, source, tuple(request.prompt_token_ids or ()),
+                                  request.cache_salt, lora_name(request), first, tuple(dst)))
         self.stats["requests"] += 1
 
     def take_jobs(self) -> list[PushJob]:

@@ -2,9 +2,9 @@
 """Progress of layer-wise KV pushes on the prefill side: pure bookkeeping.
 
 No I/O, no threads, no vLLM imports: every decision of the layer-wise push
-lives here so it can be unit-tested without an engine. The worker glue
-(layerwise_worker.py) calls it under one lock and executes the WriteOps it
-returns with the transfer engine.
+lives here so it can be unit-tested without an engine. The sender
+(sender.py) calls it under one lock and executes the WriteOps it returns with
+the transfer engine.
 
 Vocabulary
 - slot: one registered KV tensor of the prefill instance (a layer's K or V half
@@ -20,13 +20,24 @@ Vocabulary
 
 Each transfer ends exactly once: completed (every slot written up to the last
 block) or failed (abort, expiry, a write error, an inconsistent destination).
+
+Invariant "no byte after the end" (enforced here, relied on by sender.py):
+- a write runs only if :meth:`start_writes` admitted it, which it does only
+  for a transfer that has not ended, in the same call (under the sender's
+  lock) that counts it in flight; ending a transfer happens under that lock
+  too, so once a transfer has ended none of its queued writes can start;
+- :meth:`pop_finished` hands out an ended transfer (its end is reported to D,
+  its P blocks may be freed) only once no write of it is in flight.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+
+from .protocol import ComputedStep
 
 
 class TransferState(str, Enum):
@@ -73,6 +84,9 @@ class Transfer:
     error: str | None = None
     epoch: int = 0
     request_finished: bool = False  # P's scheduler is done with the request
+    holds_blocks: bool = True  # P's scheduler waits for finished_sending to free them
+    inflight: int = 0  # writes admitted by start_writes and not yet done
+    end_reported: bool = False  # handed out by pop_finished
 
     def __post_init__(self):
         self.ready = [0] * self.num_slots
@@ -93,6 +107,11 @@ class Transfer:
     def done(self) -> bool:
         return self.state is not TransferState.ACTIVE
 
+    @property
+    def quiescent(self) -> bool:
+        """Ended, and no write of it is in flight or can start any more."""
+        return self.done and self.inflight == 0
+
 
 class LayerwiseTracker:
     """All layer-wise transfers of one prefill worker."""
@@ -107,9 +126,8 @@ class LayerwiseTracker:
         self._pending: dict[str, Destination] = {}
 
     # ---- prefill side events -------------------------------------------------
-    def begin_step(self, steps: list[tuple[str, str, list[int], int, int]]) -> list[WriteOp]:
-        """A forward step starts. steps: (transfer_id, p_req_id, block_ids,
-        computed_after_step, prompt_len) for each layer-wise request it computes.
+    def begin_step(self, steps: Iterable[ComputedStep]) -> list[WriteOp]:
+        """A forward step starts; ``steps`` are the layer-wise requests it computes.
 
         block_ids is the request's whole block list as of this step. If it no
         longer extends the list known so far, P re-allocated the request
@@ -118,8 +136,10 @@ class LayerwiseTracker:
         """
         self._step = []
         ops: list[WriteOp] = []
-        for transfer_id, p_req_id, block_ids, computed, prompt_len in steps:
-            t = self._get_or_create(transfer_id, p_req_id, prompt_len)
+        for step in steps:
+            transfer_id, block_ids, computed = step.transfer_id, list(step.block_ids), \
+                step.computed_tokens
+            t = self._get_or_create(transfer_id, step.p_req_id, step.prompt_len)
             if t.done:
                 continue
             if block_ids[: len(t.block_ids)] != t.block_ids:
@@ -179,11 +199,32 @@ class LayerwiseTracker:
         self._maybe_complete(t)
         return ops
 
-    def writes_done(self, ops: list[WriteOp], ok: bool, error: str | None = None) -> None:
-        """The writer finished these ops (all or nothing)."""
+    def start_writes(self, ops: Iterable[WriteOp]) -> tuple[list[WriteOp], list[WriteOp]]:
+        """The writer is about to run these ops: (admitted, dropped).
+
+        Ops of a transfer that has ended (or of a stale epoch) are dropped: they
+        must never run. Admitted ops count as in flight until writes_done."""
+        admitted, dropped = [], []
         for op in ops:
             t = self.transfers.get(op.transfer_id)
             if t is None or t.done or op.epoch != t.epoch:
+                dropped.append(op)
+                continue
+            t.inflight += 1
+            admitted.append(op)
+        return admitted, dropped
+
+    def writes_done(self, ops: list[WriteOp], ok: bool, error: str | None = None) -> None:
+        """The writer finished these admitted ops (all or nothing)."""
+        for op in ops:
+            t = self.transfers.get(op.transfer_id)
+            if t is None:
+                continue
+            if t.inflight <= 0:
+                raise AssertionError(f"writes_done for transfer {op.transfer_id} with no write "
+                                     "in flight: every op must go through start_writes")
+            t.inflight -= 1
+            if t.done or op.epoch != t.epoch:
                 continue
             if not ok:
                 self._fail(t, error or "transfer engine write failed")
@@ -217,11 +258,14 @@ class LayerwiseTracker:
         self._maybe_complete(t)
         return ops
 
-    def release(self, transfer_id: str, p_req_id: str, prompt_len: int) -> None:
+    def release(self, transfer_id: str, p_req_id: str, prompt_len: int,
+                holds_blocks: bool = True) -> None:
         """P's request ended without completing (abort): nothing more to send; its
-        blocks can be released once the transfer has ended (see pop_finished)."""
+        blocks can be released once the transfer has ended (see pop_finished).
+        holds_blocks=False: the scheduler freed them already (never report it)."""
         t = self._get_or_create(transfer_id, p_req_id, prompt_len)
         t.request_finished = True
+        t.holds_blocks = t.holds_blocks and holds_blocks
         if not t.done:
             self._fail(t, "the request ended on the prefill instance")
 
@@ -241,16 +285,29 @@ class LayerwiseTracker:
 
     # ---- results -------------------------------------------------------------
     def pop_finished(self) -> list[Transfer]:
-        """Transfers that ended since the last call; each is returned exactly once.
+        """Transfers that ended and have no write in flight, each returned exactly once.
 
-        An ended transfer stays known (so late steps of its request cannot
-        restart it) until forget() is called for it.
+        An ended transfer with a write in flight is returned by a later call,
+        after its last write returned. An ended transfer stays known (so late
+        steps of its request cannot restart it) until forget() is called for it.
         """
-        out, self._finished = self._finished, []
+        out = [t for t in self._finished if t.inflight == 0]
+        self._finished = [t for t in self._finished if t.inflight > 0]
+        for t in out:
+            t.end_reported = True
         return out
 
+    def releasable(self) -> list[Transfer]:
+        """Ended and reported transfers whose P request is done: P may free their
+        blocks (if it holds any) and forget them."""
+        return [t for t in self.transfers.values()
+                if t.end_reported and t.request_finished and t.quiescent]
+
     def forget(self, transfer_id: str) -> None:
-        """Drop all state of a transfer (P's request is gone)."""
+        """Drop all state of a transfer (P's request is gone, no write in flight)."""
+        t = self.transfers.get(transfer_id)
+        if t is not None and t.inflight:
+            raise AssertionError(f"forget({transfer_id}) with {t.inflight} writes in flight")
         self.transfers.pop(transfer_id, None)
         self._pending.pop(transfer_id, None)
         if transfer_id in self._step:

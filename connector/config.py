@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every knob of this patch series, read from the environment once.
+
+All variables of ours start with ``MOONCAKE_``; Mooncake's own (``MC_*``) and
+vLLM's (``VLLM_*``) are read only where a bound of ours depends on them.
+:func:`load` reads the process environment on first use and caches the
+result, so every component of one process sees the same values; unit tests
+build an :class:`ExtConfig` directly (``ExtConfig.from_env({...})``).
+
+Variable                               default  meaning
+MOONCAKE_LAYERWISE=1                   off      layer-wise KV push (both instances)
+MOONCAKE_LAYERWISE_MIN_TOKENS=N        256      shorter prompts go post-hoc (same machinery)
+MOONCAKE_LAYERWISE_TIMEOUT_S           VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
+                                                P's wait for D's request, and for all of a
+                                                transfer's writes once D asked
+MOONCAKE_IO_CPUS=LIST                  unset    CPU backend: transfer threads on these CPUs
+MOONCAKE_PUSH_MATCH_TIMEOUT_S          5        D's total wait for C's /match_blocks
+MOONCAKE_PUSH_TIMEOUT_S                30       C must start a push's write within this
+                                                (the request's deadline); D waits for the
+                                                answer until deadline + hold margin
+MOONCAKE_PUSH_CLOCK_SKEW_S             5        allowance for clock skew between D and C
+MOONCAKE_FAULT_*                       unset    fault injection, tests only (fault_injection.py)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+PREFIX = "MOONCAKE_"
+# Mooncake's per-transfer timeout: a batch_transfer_sync_* call returns (with
+# an error) once a slice has made no progress for this long. Our bounds on
+# "no write after the end" rely on it; transport_env.py sets it where unset.
+MC_TRANSFER_TIMEOUT = "MC_TRANSFER_TIMEOUT"
+DEFAULT_ENGINE_TRANSFER_TIMEOUT_S = 30.0
+
+
+class ConfigError(ValueError):
+    """A variable of ours has a value we cannot use; the message names it."""
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0,
+            integer: bool = False) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{name} must be {kind}, got {raw!r}") from None
+    if value < minimum or value != value:  # NaN
+        raise ConfigError(f"{name} must be >= {minimum}, got {raw!r}")
+    return value
+
+
+def parse_cpu_list(text: str, name: str = "MOONCAKE_IO_CPUS") -> frozenset[int]:
+    """'0,2-3' -> {0, 2, 3}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise ConfigError(f"{name}: bad CPU list {text!r}") from None
+        if b < a:
+            raise ConfigError(f"{name}: bad CPU range {part!r} in {text!r}")
+        cpus.update(range(a, b + 1))
+    return frozenset(cpus)
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Fault injection for the project's tests (never set in production)."""
+
+    # D: zero the K-th block of every request whose KV arrived from a peer
+    zero_recv_block: int | None = None
+    # P/C: every layer-wise or /push_blocks write of a prompt of exactly N tokens fails
+    fail_write_prompt_len: int | None = None
+    # P/C: writes of a prompt of exactly N tokens take S seconds longer
+    # (the engine call returns, bytes landed, only after the delay)
+    delay_write_prompt_len: int | None = None
+    delay_write_s: float = 0.0
+
+    @property
+    def armed(self) -> bool:
+        return (self.zero_recv_block is not None or self.fail_write_prompt_len is not None
+                or self.delay_write_prompt_len is not None)
+
+
+@dataclass(frozen=True)
+class ExtConfig:
+    layerwise: bool = False
+    layerwise_min_tokens: int = 256
+    layerwise_timeout_s: float = 480.0
+    io_cpus: frozenset[int] | None = None
+    push_match_timeout_s: float = 5.0
+    push_timeout_s: float = 30.0
+    push_clock_skew_s: float = 5.0
+    engine_transfer_timeout_s: float = DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
+    # empty engine steps while finished requests hold blocks: at most one per this
+    idle_step_interval_s: float = 0.001
+    faults: FaultConfig = FaultConfig()
+
+    @property
+    def push_hold_s(self) -> float:
+        """How long D keeps a push's blocks when C never answers: after the
+        deadline C starts no write, and a write started before it returns
+        within the engine's transfer timeout; plus clock skew."""
+        return self.push_timeout_s + self.engine_transfer_timeout_s + self.push_clock_skew_s
+
+    @property
+    def layerwise_quiesce_s(self) -> float:
+        """How long an ended layer-wise transfer may wait for its in-flight write."""
+        return self.engine_transfer_timeout_s + 5.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ExtConfig:
+        env = os.environ if env is None else env
+        abort_timeout = _number(env, "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", 480, minimum=1)
+        io_raw = env.get("MOONCAKE_IO_CPUS", "").strip()
+        io_cpus = None
+        if io_raw and hasattr(os, "sched_setaffinity"):
+            io_cpus = parse_cpu_list(io_raw)
+            missing = io_cpus - set(range(os.cpu_count() or 1))
+            if not io_cpus or missing:
+                raise ConfigError(f"MOONCAKE_IO_CPUS={io_raw!r}: CPUs {sorted(missing)} do not "
+                                  "exist on this host")
+        delay_raw = env.get("MOONCAKE_FAULT_DELAY_WRITE", "").strip()
+        delay_len, delay_s = None, 0.0
+        if delay_raw:
+            length, _, secs = delay_raw.partition(":")
+            try:
+                delay_len, delay_s = int(length), float(secs)
+            except ValueError:
+                raise ConfigError("MOONCAKE_FAULT_DELAY_WRITE must be PROMPT_LEN:SECONDS, got "
+                                  f"{delay_raw!r}") from None
+        faults = FaultConfig(
+            zero_recv_block=_opt_int(env, "MOONCAKE_FAULT_ZERO_RECV_BLOCK"),
+            fail_write_prompt_len=_opt_int(env, "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"),
+            delay_write_prompt_len=delay_len,
+            delay_write_s=delay_s,
+        )
+        return cls(
+            layerwise=_flag(env, "MOONCAKE_LAYERWISE"),
+            layerwise_min_tokens=int(_number(env, "MOONCAKE_LAYERWISE_MIN_TOKENS", 256,
+                                             integer=True)),
+            layerwise_timeout_s=_number(env, "MOONCAKE_LAYERWISE_TIMEOUT_S", abort_timeout,
+                                        minimum=0.1),
+            io_cpus=io_cpus,
+            push_match_timeout_s=_number(env, "MOONCAKE_PUSH_MATCH_TIMEOUT_S", 5.0, minimum=0.1),
+            push_timeout_s=_number(env, "MOONCAKE_PUSH_TIMEOUT_S", 30.0, minimum=0.1),
+            push_clock_skew_s=_number(env, "MOONCAKE_PUSH_CLOCK_SKEW_S", 5.0),
+            engine_transfer_timeout_s=_number(env, MC_TRANSFER_TIMEOUT,
+                                              DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, minimum=1),
+            faults=faults,
+        )
+
+
+def _opt_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    return int(_number(env, name, 0, integer=True))
+
+
+@functools.cache
+def load() -> ExtConfig:
+    """This process's configuration (the environment as of the first call)."""
+    return ExtConfig.from_env()

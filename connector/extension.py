@@ -1,0 +1,277 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one hook surface between upstream's MooncakeConnector and this series.
+
+Upstream's scheduler-side and worker-side classes each own one extension
+object (``self.ext``); every patched upstream method calls it in one line and
+all logic lives behind it (Brave's ``chromium_src`` style):
+
+- :class:`SchedulerExtension` (scheduler process): layer-wise scheduling,
+  prefix-push scheduling on D, block-hash recording, the idle-step throttle.
+- :class:`WorkerExtension` (each worker process): the layer-wise sender (P)
+  and pull outcomes (D), the push server (C) and receiver (D), the hash
+  mirror, and their routes on the bootstrap server.
+
+What crosses the process boundary is :class:`ExtMetadata` (scheduler ->
+worker, inside upstream's connector metadata) and
+:class:`~.push.protocol.PushOutcome` (worker -> scheduler). Configuration is
+read once (config.load()). The extension reads upstream state it is handed
+(:class:`RegisteredKV`) and never writes upstream objects' fields.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.logger import init_logger
+
+from ..hashsync.recorder import HashDelta
+from ..hashsync.sync import SchedulerHashSync, WorkerHashSync
+from ..hashsync.sync import register_routes as register_hashsync_routes
+from .config import ExtConfig, load
+from .gpu_order import record_after_compute
+from .layerwise.protocol import LayerwiseMetadata
+from .layerwise.pulls import PullOutcomes
+from .layerwise.scheduler import LayerwiseScheduler
+from .layerwise.sender import LayerwiseSender
+from .layerwise.sender import register_routes as register_layerwise_routes
+from .push.protocol import PushJob, PushOutcome
+from .push.receiver import PushReceiver
+from .push.scheduler import PushScheduler
+from .push.server import PushServer
+from .push.server import register_routes as register_push_routes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ExtMetadata:
+    """Scheduler -> worker, once per step (MooncakeConnectorMetadata.ext)."""
+
+    layerwise: LayerwiseMetadata = field(default_factory=LayerwiseMetadata)
+    hash_delta: HashDelta | None = None
+    push_jobs: list[PushJob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RegisteredKV:
+    """What a worker registered with its transfer engine (read-only for us)."""
+
+    write_fn: Callable[[str, list[int], list[int], list[int]], int]
+    session: str  # this worker's engine session, "host:rpc_port"
+    kv_caches: dict[str, torch.Tensor]
+    split_k_and_v: bool
+    base_addrs: list[int]
+    block_len: int
+    block_size: int
+    num_blocks: int
+    tp_size: int
+
+
+def _roles(vllm_config: VllmConfig) -> tuple[bool, bool]:
+    role = vllm_config.kv_transfer_config.kv_role  # type: ignore[union-attr]
+    return role == "kv_producer", role == "kv_consumer"
+
+
+class SchedulerExtension:
+    def __init__(self, vllm_config: VllmConfig, config: ExtConfig | None = None):
+        self.config = cfg = config or load()
+        is_producer, is_consumer = _roles(vllm_config)
+        cache = vllm_config.cache_config
+        self.layerwise = LayerwiseScheduler(cfg.layerwise_min_tokens) if cfg.layerwise else None
+        self.push = PushScheduler(cache.block_size, cfg.push_match_timeout_s)
+        self.hashsync = (SchedulerHashSync(cache.prefix_caching_hash_algo)
+                         if not is_consumer and cache.enable_prefix_caching else None)
+
+    # ---- requests this series owns (prefix push on D) ---------------------------------
+    def owns(self, request: Request) -> bool:
+        return self.push.handles(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self.push.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.push.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        return self.push.request_finished(request), None
+
+    # ---- upstream's P/D requests ------------------------------------------------------
+    def takes_send(self, request: Request, transfer_id: str) -> bool:
+        """P: a do_remote_decode request was allocated. True: layer-wise sends it
+        (upstream's send path must not track it)."""
+        if self.layerwise is None:
+            return False
+        self.layerwise.track(request, transfer_id)
+        return True
+
+    def send_finished(self, request: Request, block_ids: list[int], transfer_id: str
+                      ) -> bool | None:
+        """P: a do_remote_decode request finished. None: upstream handles it;
+        else whether to delay freeing its blocks."""
+        if self.layerwise is None:
+            return None
+        return self.layerwise.request_finished(request, block_ids, transfer_id)
+
+    def pull_aborted_unscheduled(self, request_id: str) -> None:
+        """D: a request finished before its pull was scheduled (cleanup-only pull)."""
+        if self.layerwise is not None:
+            self.layerwise.cleanup_pull(request_id)
+
+    # ---- every step -----------------------------------------------------------------
+    def build_metadata(self, scheduler_output: SchedulerOutput) -> ExtMetadata:
+        meta = ExtMetadata(push_jobs=self.push.take_jobs())
+        if self.layerwise is not None:
+            meta.layerwise = self.layerwise.build(scheduler_output)
+        if self.hashsync is not None:
+            meta.hash_delta = self.hashsync.build()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # An empty step: the engine keeps stepping only to learn that
+            # transfers ended (see keeps_stepping_while_blocks_held); don't spin.
+            time.sleep(self.config.idle_step_interval_s)
+        return meta
+
+    def on_connector_output(self, output: KVConnectorOutput) -> None:
+        """Before vLLM handles finished_recving: cut back pushed tokens that did
+        not land, so they are prefilled locally."""
+        self.push.on_worker_meta(output.kv_connector_worker_meta)
+
+
+class WorkerExtension:
+    def __init__(self, vllm_config: VllmConfig, config: ExtConfig | None = None):
+        self.config = config or load()
+        self.is_producer, self.is_consumer = _roles(vllm_config)
+        self.enable_prefix_caching = vllm_config.cache_config.enable_prefix_caching
+        self.sender: LayerwiseSender | None = None  # P, layer-wise
+        self.pulls: PullOutcomes | None = (  # D, layer-wise
+            PullOutcomes() if self.config.layerwise and not self.is_producer else None)
+        self.hashsync: WorkerHashSync | None = None  # C (any non-consumer)
+        self.push_server: PushServer | None = None  # C
+        self.push_receiver: PushReceiver | None = None  # D
+        self._event_tensor: torch.Tensor | None = None
+
+    def on_kv_caches_registered(self, kv: RegisteredKV) -> None:
+        cfg = self.config
+        self._event_tensor = next(iter(kv.kv_caches.values()), None)
+        if not self.is_consumer and self.enable_prefix_caching:
+            self.hashsync = WorkerHashSync(kv.block_size)
+            self.push_server = PushServer(self.hashsync, kv.write_fn, kv.base_addrs,
+                                          kv.block_len, cfg.faults)
+            self.hashsync.stats_provider = lambda: dict(self.push_server.stats)  # type: ignore[union-attr]
+        if cfg.layerwise and not self.is_consumer:
+            self.sender = LayerwiseSender.for_kv_caches(
+                kv.write_fn, kv.kv_caches, kv.split_k_and_v, kv.base_addrs, kv.block_len,
+                kv.block_size, cfg)
+            logger.info("Mooncake layer-wise KV push enabled (MOONCAKE_LAYERWISE)")
+        self.push_receiver = PushReceiver(kv.session, kv.base_addrs, kv.block_len,
+                                          kv.block_size, cfg)
+
+    def register_routes(self, app: Any) -> None:
+        """Our routes on the bootstrap server (served by the first worker)."""
+        register_hashsync_routes(app, lambda: self.hashsync)
+        register_push_routes(app, lambda: self.push_server)
+        register_layerwise_routes(app, lambda: self.sender)
+
+    # ---- every step -------------------------------------------------------------------
+    def start_load_kv(self, meta: ExtMetadata) -> None:
+        """Before the forward pass."""
+        if self.pulls is not None:
+            self.pulls.add_cleanup(meta.layerwise.cleanup_reqs)
+        if self.sender is not None:
+            self.sender.on_metadata(meta.layerwise)
+        if self.hashsync is not None:
+            self.hashsync.on_metadata(meta.hash_delta)
+        if self.push_receiver is not None:
+            self.push_receiver.start(meta.push_jobs)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        if self.sender is not None:
+            self.sender.layer_saved(layer_name, kv_layer)
+
+    def get_finished(self, done_sending: set[str] | None, done_recving: set[str] | None
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """After the forward pass was launched: add what our features finished."""
+        if self.hashsync is not None:
+            event = (record_after_compute(self._event_tensor)
+                     if self._event_tensor is not None else None)
+            self.hashsync.after_step(event)
+        if self.sender is not None:
+            done_sending = (done_sending or set()) | self.sender.poll() or None
+        if self.pulls is not None:
+            done_recving = (done_recving or set()) | self.pulls.take_finished() or None
+        if self.push_receiver is not None:
+            done_recving = self.push_receiver.merge_finished(done_recving)
+        return done_sending, done_recving
+
+    def build_worker_meta(self) -> PushOutcome | None:
+        return self.push_receiver.take_outcome() if self.push_receiver else None
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        return self.pulls.take_invalid_block_ids() if self.pulls else set()
+
+    # ---- upstream's pull protocol ----------------------------------------------------------
+    def pull_completed(self, d_req_id: str) -> bool:
+        """D: all KV of a pull arrived. False: do not report it (duplicate, cleanup-only)."""
+        return self.pulls.completed(d_req_id) if self.pulls else True
+
+    def pulls_failed(self, pull_metas: dict[str, Any], req_ids: Any, reason: str) -> None:
+        """D: these pulls failed (P's error answer, a timeout, a broken socket)."""
+        if self.pulls is None:
+            return
+        for req_id in req_ids or ():
+            pm = pull_metas.get(req_id)
+            if pm is not None:
+                self.pulls.failed(pm.d_req_id, list(pm.local_block_ids), reason)
+
+    @property
+    def serves_xfer_requests(self) -> bool:
+        return self.sender is not None
+
+    async def serve_xfer_request(self, meta: Any, tp_size: int,
+                                 send: Callable[[Any], Awaitable[None]]) -> None:
+        """P: answer D's MooncakeXferMetadata from the layer-wise sender."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+            MooncakeXferResponse,
+            MooncakeXferResponseStatus,
+        )
+
+        assert self.sender is not None
+        if meta.remote_tp_size != tp_size:
+            await send(MooncakeXferResponse(
+                status=MooncakeXferResponseStatus.ERROR,
+                err_msg=(f"layer-wise push needs equal TP sizes (prefill {tp_size}, "
+                         f"decode {meta.remote_tp_size}); unset MOONCAKE_LAYERWISE")))
+            return
+
+        async def reply(ok: list[str], errs: dict[str, str], last: bool) -> None:
+            status = (MooncakeXferResponseStatus.FINISH if last
+                      else MooncakeXferResponseStatus.CONTINUE)
+            await send(MooncakeXferResponse(
+                status=status, ok_reqs=ok or None, err_reqs=list(errs) or None,
+                err_msg="; ".join(sorted(set(errs.values()))) or None))
+
+        await self.sender.serve(f"{meta.remote_hostname}:{meta.remote_port}",
+                                list(meta.kv_caches_base_addr), dict(meta.req_blocks), reply)
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.shutdown()
+
+
+def keeps_engine_stepping() -> bool:
+    """MooncakeConnector's answer to the scheduler (patch 0006): finished requests
+    whose blocks wait for a transfer to end are released only during a step."""
+    return True

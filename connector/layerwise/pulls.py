@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's worker side of layer-wise push: how each pull ends, reported exactly once.
+
+Upstream's receiver reports a successful pull in finished_recving and drops
+a failed one, so the request waits in WAITING_FOR_REMOTE_KVS forever and
+keeps its blocks. With layer-wise on, :class:`PullOutcomes` owns the end of
+every pull: a failed or timed-out pull is reported finished with its blocks
+marked invalid (the scheduler then recomputes or fails the request, per
+``kv_load_failure_policy``), each pull is reported once even when both a
+result and an error arrive, and cleanup-only pulls (requests aborted before
+being scheduled) are never reported (vLLM issue #43226).
+
+P answers a transfer (success or error) only after none of its writes is in
+flight (sender.py), so D reuses blocks only when no write into them can come.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+ENDED_KEPT_S = 3600.0  # how long an ended pull's id is remembered (double reports)
+
+
+class PullOutcomes:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ended: dict[str, float] = {}  # D request id -> when
+        self._cleanup: set[str] = set()
+        self._finished: set[str] = set()  # failed pulls to report in finished_recving
+        self._invalid: set[int] = set()  # their blocks (get_block_ids_with_load_errors)
+
+    def add_cleanup(self, req_ids: set[str]) -> None:
+        """Scheduler metadata: these pulls only free P's blocks; never report them."""
+        if req_ids:
+            with self._lock:
+                self._cleanup |= req_ids
+
+    def _end(self, d_req_id: str) -> bool:
+        """Caller holds the lock. True if this is the pull's first end and it is
+        to be reported to the scheduler."""
+        if d_req_id in self._ended:
+            return False
+        now = time.monotonic()
+        self._ended[d_req_id] = now
+        if len(self._ended) > 4096:
+            self._ended = {k: v for k, v in self._ended.items() if now - v < ENDED_KEPT_S}
+        if d_req_id in self._cleanup:
+            self._cleanup.discard(d_req_id)
+            return False
+        return True
+
+    def completed(self, d_req_id: str) -> bool:
+        """All of a pull's KV arrived: report it (True) or not (a duplicate, or cleanup-only)."""
+        with self._lock:
+            return self._end(d_req_id)
+
+    def failed(self, d_req_id: str, block_ids: list[int], reason: str) -> None:
+        """A pull failed: report it finished with its blocks invalid (once)."""
+        with self._lock:
+            if not self._end(d_req_id):
+                return
+            self._finished.add(d_req_id)
+            self._invalid.update(block_ids)
+        logger.error("KV pull for request %s failed: %s", d_req_id, reason)
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            out, self._finished = self._finished, set()
+            return out
+
+    def take_invalid_block_ids(self) -> set[int]:
+        with self._lock:
+            out, self._invalid = self._invalid, set()
+            return out

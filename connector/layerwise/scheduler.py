@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P's scheduler side of layer-wise push: which blocks each step computes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .protocol import ComputedStep, FinishedRequest, LayerwiseMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class _Tracked:
+    transfer_id: str
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+class LayerwiseScheduler:
+    """Scheduler-side state of P's layer-wise transfers."""
+
+    def __init__(self, min_tokens: int):
+        self.min_tokens = min_tokens
+        self._reqs: dict[str, _Tracked] = {}
+        self._pending = LayerwiseMetadata()
+
+    def track(self, request: Request, transfer_id: str) -> None:
+        """Register a do_remote_decode request. Prompts under the threshold are
+        not pushed per layer; they are sent whole when the request finishes
+        (post-hoc, through the same sender)."""
+        if request.num_prompt_tokens >= self.min_tokens:
+            self._reqs[request.request_id] = _Tracked(transfer_id, request.num_prompt_tokens)
+
+    def request_finished(self, request: Request, block_ids: list[int],
+                         transfer_id: str) -> bool:
+        """P's request ended; returns whether the scheduler must keep its blocks.
+
+        Blocks are kept (also after an abort, so no write in flight reads a
+        re-used block) until the worker reports the request in finished_sending."""
+        from vllm.v1.request import RequestStatus
+
+        self._reqs.pop(request.request_id, None)
+        if not block_ids:
+            self._pending.aborted.append(transfer_id)
+            return False
+        self._pending.finished.append(FinishedRequest(
+            transfer_id, request.request_id, tuple(block_ids), request.num_prompt_tokens,
+            aborted=request.status != RequestStatus.FINISHED_LENGTH_CAPPED))
+        return True
+
+    def cleanup_pull(self, request_id: str) -> None:
+        self._pending.cleanup_reqs.add(request_id)
+
+    def build(self, scheduler_output: SchedulerOutput) -> LayerwiseMetadata:
+        meta, self._pending = self._pending, LayerwiseMetadata()
+        if not self._reqs:
+            return meta
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._reqs.get(new.req_id)
+            if t is None:
+                continue
+            t.block_ids = single_group(new.block_ids, new.req_id)
+            computed = new.num_computed_tokens + num_scheduled.get(new.req_id, 0)
+            meta.steps.append(ComputedStep(t.transfer_id, new.req_id, tuple(t.block_ids),
+                                           computed, t.prompt_len))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._reqs.get(req_id)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                t.block_ids = single_group(new_ids, req_id) if new_ids else []
+            elif new_ids:
+                t.block_ids += single_group(new_ids, req_id)
+            computed = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
+            if computed > t.prompt_len:
+                continue  # decoding on P: the prompt's KV was complete already
+            meta.steps.append(ComputedStep(t.transfer_id, req_id, tuple(t.block_ids),
+                                           computed, t.prompt_len))
+        return meta
+
+
+def single_group(block_ids: Any, req_id: str) -> list[int]:
+    if len(block_ids) != 1:
+        raise NotImplementedError(
+            f"Layer-wise push supports one KV cache group, request {req_id} has "
+            f"{len(block_ids)} (hybrid models are not supported; unset MOONCAKE_LAYERWISE)."
+        )
+    return list(block_ids[0])

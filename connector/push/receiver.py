@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's worker side of prefix push: post ``/push_blocks`` to C, end each push once.
+
+For each :class:`PushJob` in the step's metadata a :class:`PushTransfer` is
+created and a thread asks C's bootstrap server to write the prompt's held
+blocks into the blocks D allocated, naming D's transfer-engine session and
+KV base addresses. Every push ends exactly once, in ``finished_recving`` (so
+vLLM leaves WAITING_FOR_REMOTE_KVS or frees an aborted request's blocks),
+with the number of leading blocks that landed in the worker metadata
+(scheduler.py cuts back the rest, which D prefills itself).
+
+No byte after the end: the request carries a deadline (now +
+MOONCAKE_PUSH_TIMEOUT_S, D's wall clock) past which C starts no write. A push
+ends when C answered (its write has returned: nothing more can arrive) or,
+if C never answers, when the hold has passed (deadline + the engine's
+transfer timeout + clock skew, config.ExtConfig.push_hold_s): a write C
+started before the deadline has returned or failed by then. Until the push
+has ended, its blocks stay with the request; the request cannot prefill
+locally into them nor give them back to the pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+
+from vllm.logger import init_logger
+
+from ..config import ExtConfig
+from .protocol import PushBlocksRequest, PushBlocksResponse, PushJob, PushOutcome
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class PushTransfer:
+    """One push into this instance's blocks: the owner of its end."""
+
+    job: PushJob
+    started: float  # monotonic
+    deadline_unix_ms: int  # C starts no write after this (sent to C)
+    hold_until: float  # monotonic: no write of C can land after this
+    landed: int | None = None  # C's answer: leading blocks written (0: none)
+    ended: bool = False
+
+    def answered(self, landed: int) -> None:
+        if self.landed is None:
+            self.landed = landed
+
+    def try_end(self, now: float) -> int | None:
+        """If the push can end now, end it (once) and return the blocks that landed."""
+        if self.ended:
+            return None
+        if self.landed is not None:
+            self.ended = True
+            return self.landed
+        if now >= self.hold_until:
+            self.ended = True
+            logger.warning("push for %s from %s: no answer from the source within %.1f s; "
+                           "its blocks are recomputed locally", self.job.req_id,
+                           self.job.source, now - self.started)
+            return 0
+        return None
+
+
+class PushReceiver:
+    def __init__(self, session: str, base_addrs: list[int], block_len: int, block_size: int,
+                 config: ExtConfig, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
+        self.session = session
+        self.base_addrs = list(base_addrs)
+        self.block_len = block_len
+        self.block_size = block_size
+        self.config = config
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._pool: ThreadPoolExecutor | None = None
+        # keep-alive, one SSL context; the read timeout is re-set per request
+        self._http = httpx.Client(timeout=config.push_hold_s)
+        self._lock = threading.Lock()
+        self._transfers: dict[str, PushTransfer] = {}
+        self._outcome: dict[str, int] = {}  # reported in finished_recving, not yet in meta
+
+    def start(self, jobs: list[PushJob]) -> None:
+        if not jobs:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(4, thread_name_prefix="mooncake-push-recv")
+        now, wall = self._clock(), self._wall_clock()
+        cfg = self.config
+        for job in jobs:
+            t = PushTransfer(job, now, int((wall + cfg.push_timeout_s) * 1000),
+                             now + cfg.push_hold_s)
+            with self._lock:
+                self._transfers[job.req_id] = t
+            self._pool.submit(self._run, t)
+
+    def request(self, t: PushTransfer) -> PushBlocksRequest:
+        job = t.job
+        return PushBlocksRequest(
+            token_ids=list(job.token_ids), cache_salt=job.cache_salt, lora_name=job.lora_name,
+            block_size=self.block_size, dst_session=self.session,
+            dst_kv_base_addrs=self.base_addrs, dst_block_ids=list(job.dst_block_ids),
+            first_block=job.first_block, block_len=self.block_len, request_id=job.req_id,
+            deadline_unix_ms=t.deadline_unix_ms)
+
+    def _run(self, t: PushTransfer) -> None:
+        job, landed = t.job, 0
+        try:
+            remaining = max(0.1, t.hold_until - self._clock())
+            r = self._http.post(f"{job.source}/push_blocks",
+                                content=self.request(t).model_dump_json(),
+                                headers={"content-type": "application/json"}, timeout=remaining)
+            if r.status_code == 200:
+                resp = PushBlocksResponse.model_validate_json(r.content)
+                if resp.status == "ok":
+                    landed = resp.pushed_blocks
+                    logger.debug("push for %s: %d blocks in %.3f s", job.req_id, landed,
+                                 resp.seconds)
+                else:
+                    logger.warning("push for %s from %s: %s %s", job.req_id, job.source,
+                                   resp.status, resp.message)
+            else:
+                logger.warning("push for %s from %s: HTTP %d %s", job.req_id, job.source,
+                               r.status_code, r.text[:300])
+        except Exception as e:
+            # No answer, or one we cannot read: C may still be writing. The
+            # push ends when its hold has passed (try_end), not now.
+            logger.warning("push for %s from %s failed: %r", job.req_id, job.source, e)
+            return
+        with self._lock:
+            t.answered(landed)
+
+    def merge_finished(self, finished_recving: set[str] | None) -> set[str] | None:
+        """Add the pushes that ended since the last step to vLLM's finished_recving."""
+        now = self._clock()
+        ended: dict[str, int] = {}
+        with self._lock:
+            for rid, t in list(self._transfers.items()):
+                landed = t.try_end(now)
+                if landed is not None:
+                    ended[rid] = landed
+                    del self._transfers[rid]
+        if not ended:
+            return finished_recving
+        self._outcome.update(ended)
+        return (finished_recving or set()) | set(ended)
+
+    def take_outcome(self) -> PushOutcome | None:
+        if not self._outcome:
+            return None
+        out, self._outcome = PushOutcome(self._outcome), {}
+        return out
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._transfers)

@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+"""C side of prefix push: ``POST /match_blocks`` and ``POST /push_blocks``.
+
+Runs in the worker process that owns the KV caches (the bootstrap server's
+thread), next to the block-hash mirror (hashsync/); the scheduler and the
+model are not involved. A push: validate (nothing is written on a 4xx), hash
+the prompt as the scheduler does, match the longest cached prefix and
+snapshot its blocks' generations, refuse to start past the request's
+deadline, write blocks ``first_block ..`` into D's blocks with one
+``batch_transfer_sync_write``, then check that none of the read blocks was
+evicted or reused meanwhile (else the push is reported ``failed``: D must
+not use those bytes). The answer is sent only after the engine call
+returned: once D has it, no byte of this push can still arrive.
+
+Verified on the CPU backend over TCP only. With CUDA the KV lives in device
+memory registered with the engine and the write is the same call; a block
+is matchable only after the event recorded after the step that computed it
+has completed (hashsync/table.py), so the engine never reads KV still being
+computed. Tensor parallelism: one worker answers, so only TP=1 is supported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from vllm.logger import init_logger
+
+from ...hashsync.sync import WorkerHashSync
+from ..block_runs import block_entries
+from ..config import FaultConfig
+from ..fault_injection import write_fault
+from .protocol import (
+    MatchBlocksResponse,
+    PushBlocksResponse,
+    PushRequestError,
+    parse_match_request,
+    parse_push_request,
+    validate,
+)
+
+logger = init_logger(__name__)
+
+WriteFn = Callable[[str, list[int], list[int], list[int]], int]
+
+
+class PushServer:
+    """Serves pushes of this instance's cached prefixes (one per source worker)."""
+
+    def __init__(self, sync: WorkerHashSync, write_fn: WriteFn, base_addrs: Sequence[int],
+                 block_len: int, faults: FaultConfig = FaultConfig(),
+                 wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)):
+        self.sync = sync
+        self.write_fn = write_fn
+        self.base_addrs = list(base_addrs)
+        self.block_len = block_len
+        self.faults = faults
+        self._now_ms = wall_clock_ms
+        self.stats = {"pushes": 0, "ok": 0, "failed": 0, "no_match": 0, "past_deadline": 0,
+                      "bytes": 0}
+
+    def match(self, payload: Any) -> tuple[int, dict[str, Any]]:
+        """Serve one /match_blocks body; returns (HTTP status, JSON body)."""
+        try:
+            req = parse_match_request(payload)
+        except PushRequestError as e:
+            return 422, {"detail": e.detail()}
+        if not req.token_ids:
+            return 422, {"detail": {"field": "token_ids", "message": "must not be empty"}}
+        try:
+            block_ids, _, total = self.sync.match(req.token_ids, req.cache_salt, req.lora_name)
+        except RuntimeError as e:  # no step has run yet: no hash configuration
+            return 503, {"detail": {"field": "", "message": str(e)}}
+        bs = self.sync.block_size
+        return 200, MatchBlocksResponse(matched_blocks=len(block_ids),
+                                        matched_tokens=len(block_ids) * bs,
+                                        total_full_blocks=total).model_dump()
+
+    def push(self, payload: Any) -> tuple[int, dict[str, Any]]:
+        """Serve one /push_blocks body; returns (HTTP status, JSON body)."""
+        try:
+            req = parse_push_request(payload)
+            validate(req, block_size=self.sync.block_size, num_kv_tensors=len(self.base_addrs),
+                     block_len=self.block_len)
+        except PushRequestError as e:
+            return 422, {"detail": e.detail()}
+        try:
+            c_blocks, gens, total = self.sync.match(req.token_ids, req.cache_salt, req.lora_name)
+        except RuntimeError as e:  # no step has run yet: no hash configuration
+            return 503, {"detail": {"field": "", "message": str(e)}}
+        bs = self.sync.block_size
+        lo, hi = req.first_block, req.first_block + len(req.dst_block_ids)
+        src_blocks, src_gens = c_blocks[lo:hi], gens[lo:hi]
+        n = len(src_blocks)
+        resp = PushBlocksResponse(status="no_match", matched_blocks=len(c_blocks),
+                                  matched_tokens=len(c_blocks) * bs, total_full_blocks=total)
+        self.stats["pushes"] += 1
+        if n == 0:
+            resp.message = (f"this instance holds {len(c_blocks)} leading blocks of the prompt, "
+                            f"none from block {lo}")
+            self.stats["no_match"] += 1
+            return 200, resp.model_dump()
+        src, dst, lens = block_entries(self.base_addrs, req.dst_kv_base_addrs, self.block_len,
+                                       src_blocks, req.dst_block_ids[:n])
+        late_ms = self._now_ms() - req.deadline_unix_ms
+        if late_ms > 0:
+            # D may already have given these blocks to another request.
+            resp.status = "failed"
+            resp.message = (f"the push's deadline passed {late_ms} ms before the write could "
+                            "start; nothing written")
+            self.stats["failed"] += 1
+            self.stats["past_deadline"] += 1
+            logger.warning("push_blocks %s: %s", req.request_id, resp.message)
+            return 200, resp.model_dump()
+        t0 = time.perf_counter()
+        err = write_fault(self.faults, len(req.token_ids)) if self.faults.armed else None
+        try:
+            if err is None:
+                rc = self.write_fn(req.dst_session, src, dst, lens)
+                if rc != 0:
+                    err = f"transfer engine returned {rc} writing to {req.dst_session}"
+        except Exception as e:  # the engine raising must not take the server down
+            err = f"transfer engine raised {e!r} writing to {req.dst_session}"
+        resp.seconds = time.perf_counter() - t0
+        if err is None and not self.sync.table.generations_unchanged(src_blocks, src_gens):
+            err = "a source block was evicted or reused during the push; its bytes are not valid"
+        if err is not None:
+            resp.status, resp.message = "failed", err
+            self.stats["failed"] += 1
+            logger.warning("push_blocks %s: %s", req.request_id, err)
+            return 200, resp.model_dump()
+        resp.status, resp.pushed_blocks, resp.bytes = "ok", n, sum(lens)
+        if n < len(req.dst_block_ids):
+            resp.message = f"{n} of {len(req.dst_block_ids)} requested blocks held"
+        self.stats["ok"] += 1
+        self.stats["bytes"] += resp.bytes
+        logger.info("push_blocks %s: %d blocks (%.1f MiB) to %s in %.3f s", req.request_id, n,
+                    resp.bytes / 2**20, req.dst_session, resp.seconds)
+        return 200, resp.model_dump()
+
+
+def register_routes(app: Any, get_server: Callable[[], PushServer | None]) -> None:
+    """Add POST /match_blocks and POST /push_blocks to a FastAPI app.
+    get_server() returns None while the worker is not ready (503). (Request is
+    imported at module level: FastAPI resolves annotations by name.)"""
+
+    def route(method: Callable[[PushServer, bytes], tuple[int, dict[str, Any]]]):
+        async def handler(request: Request) -> JSONResponse:
+            server = get_server()
+            if server is None:
+                return JSONResponse({"detail": "KV caches not registered yet; retry"}, 503)
+            # hashing and the write block (the engine releases the GIL): off the event loop
+            code, body = await asyncio.to_thread(method, server, await request.body())
+            return JSONResponse(body, status_code=code)
+
+        return handler
+
+    app.post("/match_blocks")(route(PushServer.match))
+    app.post("/push_blocks")(route(PushServer.push))

@@ -1,0 +1,126 @@
+"""No byte after the end, with two real instances and the real Mooncake engine.
+
+One cluster: P (kv_producer, also the push source C) and D (kv_consumer), both
+with layer-wise push. D's KV cache is small (80 blocks), so a request that
+starts after another one ended takes over its blocks. Writes of prompts of
+DELAYED_LEN tokens are held back on P/C (MOONCAKE_FAULT_DELAY_WRITE: the engine
+call returns, and its bytes land, DELAY_S seconds late).
+
+Layer-wise: transfer A (DELAYED_LEN tokens) holds P's writer; transfer B is
+queued behind it and times out on P (MOONCAKE_LAYERWISE_TIMEOUT_S); D fails B
+and frees its blocks; request N on D takes them and is still decoding when A's
+write returns. B's queued write must never run (it would land in N's KV).
+
+Prefix push: D's push of a DELAYED_LEN-token turn 2 is still being written by C
+past D's deadline (MOONCAKE_PUSH_TIMEOUT_S). D must keep the request's blocks
+until C answered; request N on D afterwards must decode from its own KV.
+
+Every answer is checked with the KV-sensitive correctness check.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import pytest
+
+from harness.correctness import compare, reference_completion
+from harness.kv_usage import wait_no_blocks_in_use
+from harness.launcher import Cluster, InstanceSpec
+from harness.model import ModelShape, ensure_model
+from harness.pd_client import RequestFailed, complete, pd_generate
+from harness.prompts import random_prompt as prompt
+
+pytestmark = pytest.mark.integration
+
+DELAYED_LEN = 600
+DELAY_S = 12
+P_TIMEOUT_S = 5
+PUSH_TIMEOUT_S = 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = str(ensure_model(ModelShape()))
+    common = dict(model=model, kv_cache_gib=1, max_model_len=1024,
+                  extra_args=["--enable-prompt-tokens-details"],
+                  env={"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
+                       "MOONCAKE_FAULT_DELAY_WRITE": f"{DELAYED_LEN}:{DELAY_S}",
+                       "MOONCAKE_LAYERWISE_TIMEOUT_S": str(P_TIMEOUT_S),
+                       "MOONCAKE_PUSH_TIMEOUT_S": str(PUSH_TIMEOUT_S),
+                       "MC_TRANSFER_TIMEOUT": "15", "MOONCAKE_PUSH_CLOCK_SKEW_S": "1"})
+    specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
+             InstanceSpec("decode", role="kv_consumer", cores="1",
+                          **{**common, "extra_args": common["extra_args"]
+                             + ["--num-gpu-blocks-override", "80"]})]
+    with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
+        yield c
+
+
+def layerwise_stats(p) -> dict:
+    r = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10)
+    r.raise_for_status()
+    return {t["transfer_id"]: t for t in r.json()["transfers"]}
+
+
+def test_layerwise_write_of_a_timed_out_transfer_never_lands(cluster):
+    p, d = cluster["prefill"], cluster["decode"]
+    ids_a, ids_b = prompt(DELAYED_LEN, seed=9100), prompt(500, seed=9101)
+    with cf.ThreadPoolExecutor(3) as pool:
+        fa = pool.submit(pd_generate, p.url, p.bootstrap_url, d.url, ids_a, max_tokens=2,
+                         logprobs=5, timeout=120)
+        time.sleep(1.0)  # A's first write is inside the (delayed) engine call
+        fb = pool.submit(pd_generate, p.url, p.bootstrap_url, d.url, ids_b, max_tokens=2,
+                         logprobs=5, timeout=120)
+        with pytest.raises(RequestFailed):
+            fb.result(timeout=60)  # B timed out on P: D failed it and freed its blocks
+        # N takes B's freed blocks on D and is still decoding when A's write returns
+        ids_n = prompt(400, seed=9102)
+        n = complete(d.url, ids_n, max_tokens=200, logprobs=5, timeout=120)
+        n_end = time.monotonic()  # CLOCK_MONOTONIC: comparable with P's timeline
+        with pytest.raises(RequestFailed):
+            fa.result(timeout=120)  # each of A's writes takes DELAY_S: A times out too
+    stats = layerwise_stats(p)
+    a = [t for t in stats.values() if t["prompt_len"] == DELAYED_LEN]
+    b = [t for t in stats.values() if t["prompt_len"] == 500]
+    assert len(a) == 1 and len(b) == 1, stats
+    a, b = a[0], b[0]
+    assert a["last_write_end"] is not None and n_end > a["last_write_end"], (
+        "inconclusive: N ended before A's delayed write returned (when B's queued write "
+        f"would have run): N {n_end:.1f}, A's write {a['last_write_end']}")
+    ref = reference_completion(d.url, ids_n, max_tokens=200)
+    check = compare(n, ref, expected_cached_tokens=None)
+    assert check.ok, f"request N decoded from KV overwritten by a late write: {check.problems}"
+    assert b["outcome"] != "completed" and b["writes"] == 0, b
+    assert b["writes_dropped"] >= 1, b
+    # A's end was reported only after its in-flight write returned
+    assert a["ended_at"] >= a["last_write_end"], a
+    usage = wait_no_blocks_in_use(p.url, d.url, timeout=120)
+    assert usage == (0.0, 0.0), f"KV blocks still allocated (P, D): {usage}"
+
+
+def test_push_blocks_are_kept_until_the_source_stopped_writing(cluster):
+    c, d = cluster["prefill"], cluster["decode"]
+    turn1 = prompt(DELAYED_LEN - 40, seed=9200)
+    complete(c.url, turn1, max_tokens=1, timeout=120)  # C caches turn 1
+    turn2 = turn1 + prompt(40, seed=9201)
+    assert len(turn2) == DELAYED_LEN
+    started = time.monotonic()
+    r1 = complete(d.url, turn2, max_tokens=2, logprobs=5, timeout=120,
+                  kv_transfer_params={"push_from": c.bootstrap_url})
+    took = time.monotonic() - started
+    # D waited for C's (delayed) answer instead of giving up at its deadline
+    assert took > DELAY_S - 1, f"turn 2 ended after {took:.1f}s, before C's write returned"
+    ref1 = reference_completion(d.url, turn2, max_tokens=2)
+    check = compare(r1, ref1, expected_cached_tokens=None)
+    assert check.ok, check.problems
+    # The blocks of turn 2 go to N: N's KV must be its own.
+    ids_n = prompt(400, seed=9202)
+    n = complete(d.url, ids_n, max_tokens=100, logprobs=5, timeout=120)
+    ref = reference_completion(d.url, ids_n, max_tokens=100)
+    check = compare(n, ref, expected_cached_tokens=None)
+    assert check.ok, f"request N decoded from KV overwritten by a late push: {check.problems}"
+    usage = wait_no_blocks_in_use(c.url, d.url, timeout=120)
+    assert usage == (0.0, 0.0), f"KV blocks still allocated (C, D): {usage}"

@@ -1,0 +1,326 @@
+"""No byte after the end: deterministic late-write scenarios with a gated engine.
+
+Layer-wise (P's LayerwiseSender): the writer is held inside one transfer's
+write while another transfer ends by timeout or by abort. No write of the
+ended transfer may run after its end was reported, and P may hand its blocks
+back to the scheduler (finished_sending) only after its in-flight write
+returned.
+
+Prefix push (C's PushServer over real HTTP, D's PushReceiver): C's write is
+held past D's deadline; D may end the push (and so let the request's blocks go
+to another request) only once C can no longer write into them.
+
+The same two scenarios run with two real instances in
+tests/integration/test_late_writes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    ComputedStep,
+    FinishedRequest,
+    LayerwiseMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.sender import (
+    LayerwiseSender,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.tracker import (
+    Destination,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import PushJob
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
+    PushServer,
+    register_routes,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
+    hash_prompt_blocks,
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
+    HashDelta,
+    HashEventKind,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
+
+BS = 4
+KV = torch.zeros(1)  # layer_saved only needs a tensor (CPU: no event)
+
+
+class GatedEngine:
+    """write_fn stub: records every write; writes to a gated session block until
+    the gate opens."""
+
+    def __init__(self):
+        self.log: list[tuple[float, str, tuple[int, ...]]] = []
+        self.gates: dict[str, threading.Event] = {}
+        self.entered: dict[str, threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def gate(self, session: str) -> threading.Event:
+        self.gates[session] = threading.Event()
+        self.entered[session] = threading.Event()
+        return self.gates[session]
+
+    def __call__(self, session, src, dst, lens) -> int:
+        if session in self.gates:
+            self.entered[session].set()
+            assert self.gates[session].wait(10), "test gate never opened"
+        with self.lock:
+            self.log.append((time.monotonic(), session, tuple(dst)))
+        return 0
+
+    def writes_to(self, session: str) -> list[float]:
+        with self.lock:
+            return [t for t, s, _ in self.log if s == session]
+
+
+class Loop:
+    """An asyncio loop in a thread, as P's sender loop."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def loop():
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+def make_sender(engine, timeout_s=0.3):
+    cfg = ExtConfig(layerwise=True, layerwise_timeout_s=timeout_s, engine_transfer_timeout_s=5)
+    return LayerwiseSender(engine, {"l0": [0, 1]}, [10_000, 20_000], 64, BS, cfg,
+                           event_factory=lambda t: None)
+
+
+def dest(session, first):
+    return Destination(session, [1_000_000, 2_000_000], [first, first + 1])
+
+
+def step(tid, blocks=(1, 2), tokens=8):
+    return ComputedStep(tid, "p" + tid, tuple(blocks), tokens, tokens)
+
+
+def wait_until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def start_a_blocked_then_b_queued(sender, engine, loop):
+    """A's write is inside the engine (gated); B's write is queued behind it."""
+    gate_a = engine.gate("dA:1")
+    fa = loop.submit(sender.push("A", dest("dA:1", 100)))
+    fb = loop.submit(sender.push("B", dest("dB:1", 200)))
+    # D's addresses arrive first and wait for P's scheduler to announce the transfers
+    assert wait_until(lambda: {"A", "B"} <= set(sender.tracker._pending))
+    sender.on_metadata(LayerwiseMetadata(steps=[step("A", (1, 2)), step("B", (3, 4))]))
+    sender.layer_saved("l0", KV)  # A's and B's writes become ready
+    assert engine.entered["dA:1"].wait(5)
+    return gate_a, fa, fb
+
+
+def test_layerwise_queued_write_of_timed_out_transfer_never_runs(loop):
+    engine = GatedEngine()
+    sender = make_sender(engine, timeout_s=0.3)
+    gate_a, fa, fb = start_a_blocked_then_b_queued(sender, engine, loop)
+    err_b = fb.result(5)  # B times out while its write waits behind A's
+    ended_b = time.monotonic()
+    assert err_b and "timed out" in err_b
+    gate_a.set()
+    fa.result(5)
+    assert wait_until(lambda: sender._queue.empty())
+    time.sleep(0.1)
+    late = [t for t in engine.writes_to("dB:1") if t >= ended_b]
+    assert late == [], f"{len(late)} writes of transfer B ran after its end was reported"
+    assert sender.snapshot()["totals"]["writes_dropped"] >= 1
+    sender.shutdown()
+
+
+def test_layerwise_queued_write_of_aborted_transfer_never_runs(loop):
+    engine = GatedEngine()
+    sender = make_sender(engine, timeout_s=30)
+    gate_a, fa, fb = start_a_blocked_then_b_queued(sender, engine, loop)
+    # P's request of B is aborted while B's write is queued
+    sender.on_metadata(LayerwiseMetadata(finished=[FinishedRequest("B", "pB", (3, 4), 8, True)]))
+    err_b = fb.result(5)
+    ended_b = time.monotonic()
+    assert err_b and "aborted" in err_b
+    assert "pB" in sender.poll()  # nothing of B in flight: its blocks may go
+    gate_a.set()
+    assert fa.result(5) is None
+    assert wait_until(lambda: sender._queue.empty())
+    time.sleep(0.1)
+    assert [t for t in engine.writes_to("dB:1") if t >= ended_b] == []
+    sender.shutdown()
+
+
+@pytest.mark.parametrize("how", ["abort", "timeout"])
+def test_layerwise_end_and_free_wait_for_the_in_flight_write(loop, how):
+    engine = GatedEngine()
+    sender = make_sender(engine, timeout_s=0.3 if how == "timeout" else 30)
+    gate_b = engine.gate("dB:1")
+    fb = loop.submit(sender.push("B", dest("dB:1", 200)))
+    assert wait_until(lambda: "B" in sender.tracker._pending)
+    sender.on_metadata(LayerwiseMetadata(steps=[step("B", (3, 4))]))
+    sender.layer_saved("l0", KV)
+    assert engine.entered["dB:1"].wait(5)  # B's write is in the engine
+    if how == "abort":
+        sender.on_metadata(LayerwiseMetadata(
+            finished=[FinishedRequest("B", "pB", (3, 4), 8, True)]))
+    else:
+        sender.on_metadata(LayerwiseMetadata(
+            finished=[FinishedRequest("B", "pB", (3, 4), 8, False)]))
+        time.sleep(0.6)  # past B's timeout
+    time.sleep(0.2)
+    assert not fb.done(), "D was told B ended while B's write was still in flight"
+    assert "pB" not in sender.poll(), "P freed B's blocks while B's write was in flight"
+    released = time.monotonic()
+    gate_b.set()
+    err = fb.result(10)
+    assert time.monotonic() >= released
+    assert wait_until(lambda: "pB" in sender.poll() or sender.tracker.get("B") is None)
+    if how == "abort":
+        assert err and "aborted" in err
+    sender.shutdown()
+
+
+# ---- prefix push over real HTTP ---------------------------------------------------
+
+NBLK, BLEN, SLOTS = 8, 64, 2
+CFG = HashConfig("sha256", b"\x01" * 32)
+TOKENS = list(range(500, 500 + 3 * BS))  # 3 full blocks
+C_BLOCKS = [5, 2, 6]
+
+
+def buffers(fill):
+    return [np.full(NBLK * BLEN, fill, dtype=np.uint8) for _ in range(SLOTS)]
+
+
+def addr(buf):
+    return buf.ctypes.data
+
+
+class MemEngine(GatedEngine):
+    """Gated write_fn that really copies bytes (memmove between numpy buffers)."""
+
+    def __call__(self, session, src, dst, lens) -> int:
+        rc = super().__call__(session, src, dst, lens)
+        for s, d, n in zip(src, dst, lens):
+            ctypes.memmove(d, s, n)
+        return rc
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def c_server():
+    """C: a filled KV cache, its hash mirror holding TOKENS' blocks, /push_blocks on HTTP."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    c_kv = buffers(0xAA)
+    sync = WorkerHashSync(BS)
+    hashes = hash_prompt_blocks(TOKENS, BS, CFG.hash_algo, CFG.none_hash)
+    sync.table.apply(HashDelta(events=[(HashEventKind.STORED, to_pool_key(h, 0), b)
+                                       for h, b in zip(hashes, C_BLOCKS)], hash_config=CFG))
+    sync.table.commit_pending()
+    engine = MemEngine()
+    server = PushServer(sync, engine, [addr(b) for b in c_kv], BLEN)
+    app = FastAPI()
+    register_routes(app, lambda: server)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    th = threading.Thread(target=uv.run, daemon=True)
+    th.start()
+    assert wait_until(lambda: uv.started, 10)
+    yield f"http://127.0.0.1:{port}", engine, server, c_kv
+    uv.should_exit = True
+    th.join(5)
+
+
+def test_push_blocks_stay_with_the_request_until_c_can_no_longer_write(c_server):
+    url, engine, server, _ = c_server
+    d_kv = buffers(0)
+    cfg = ExtConfig(push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2)
+    recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, cfg)
+    gate = engine.gate("d:1")
+    dst_blocks = (3, 4, 7)
+    recv.start([PushJob("r1", url, tuple(TOKENS), None, None, 0, dst_blocks)])
+    assert engine.entered["d:1"].wait(5)  # C started writing before the deadline
+    time.sleep(1.0)  # past D's deadline (0.5 s); C still writing
+    assert recv.merge_finished(None) is None, \
+        "D ended the push (freeing its blocks) while C was still writing into them"
+    # The write lands, then C answers; only then does the push end.
+    gate.set()
+    assert wait_until(lambda: bool(recv.merge_finished(None)), 5)
+    # The request's blocks now go to another request, which writes its own KV:
+    for b in d_kv:
+        for blk in dst_blocks:
+            b[blk * BLEN:(blk + 1) * BLEN] = 0x55
+    time.sleep(0.5)
+    for b in d_kv:
+        for blk in dst_blocks:
+            assert (b[blk * BLEN:(blk + 1) * BLEN] == 0x55).all(), "a late byte of the push landed"
+    assert recv.take_outcome().landed == {"r1": 3}
+
+
+def test_push_not_started_past_its_deadline_writes_nothing(c_server):
+    url, engine, server, _ = c_server
+    d_kv = buffers(0)
+    cfg = ExtConfig(push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2)
+    # D's wall clock runs 10 s behind: the deadline it sends is already past for C
+    recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, cfg,
+                        wall_clock=lambda: time.time() - 10)
+    recv.start([PushJob("r2", url, tuple(TOKENS), None, None, 0, (3, 4, 7))])
+    assert wait_until(lambda: bool(recv.merge_finished(None)), 5)
+    assert recv.take_outcome().landed == {"r2": 0}
+    assert engine.writes_to("d:1") == []
+    assert server.stats["past_deadline"] == 1
+    assert all((b == 0).all() for b in d_kv)
+
+
+def test_push_with_no_answer_ends_only_after_the_hold(c_server):
+    """C unreachable after the request was sent (here: nothing listens): D ends
+    the push only once its hold (deadline + engine timeout + skew) has passed."""
+    cfg = ExtConfig(push_timeout_s=0.3, engine_transfer_timeout_s=0.4, push_clock_skew_s=0.1)
+    now = [100.0]
+    recv = PushReceiver("d:1", [1, 2], BLEN, BS, cfg, clock=lambda: now[0])
+    recv.start([PushJob("r3", f"http://127.0.0.1:{free_port()}", tuple(TOKENS), None, None, 0,
+                        (3, 4, 7))])
+    time.sleep(0.5)  # the POST failed at once (connection refused)
+    now[0] += cfg.push_hold_s - 0.01
+    assert recv.merge_finished(None) is None
+    now[0] += 0.02
+    assert recv.merge_finished(None) == {"r3"}
+    assert recv.take_outcome().landed == {"r3": 0}
