@@ -150,7 +150,7 @@ class ExtConfig:
             delay_write_prompt_len=delay_len,
             delay_write_s=delay_s,
         )
-        return cls(
+        cfg = cls(
             layerwise=_flag(env, "MOONCAKE_LAYERWISE"),
             layerwise_min_tokens=int(_number(env, "MOONCAKE_LAYERWISE_MIN_TOKENS", 256,
                                              integer=True)),
@@ -164,6 +164,18 @@ class ExtConfig:
                                               DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, minimum=1),
             faults=faults,
         )
+        # D's pull socket gives up after VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s
+        # (upstream) and then frees the blocks; P must have answered by then, which
+        # it does at the latest after its timeout plus its wait for an in-flight write.
+        d_gives_up = abort_timeout + 60
+        if cfg.layerwise_timeout_s + cfg.layerwise_quiesce_s >= d_gives_up:
+            raise ConfigError(
+                f"MOONCAKE_LAYERWISE_TIMEOUT_S={cfg.layerwise_timeout_s:g} + the wait for an "
+                f"in-flight write ({cfg.layerwise_quiesce_s:g} s, from MC_TRANSFER_TIMEOUT) must "
+                f"stay below the decode side's {d_gives_up:g} s "
+                "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, or raise "
+                "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both instances")
+        return cfg
 
 
 def _opt_int(env: Mapping[str, str], name: str) -> int | None:

@@ -11,7 +11,7 @@ held past D's deadline; D may end the push (and so let the request's blocks go
 to another request) only once C can no longer write into them.
 
 The same two scenarios run with two real instances in
-tests/integration/test_late_writes.py.
+tests/integration/test_no_late_bytes.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """No byte after the end, with two real instances and the real Mooncake engine.
 
 One cluster: P (kv_producer, also the push source C) and D (kv_consumer), both
-with layer-wise push. D's KV cache is small (80 blocks), so a request that
-starts after another one ended takes over its blocks. Writes of prompts of
+with layer-wise push. D's KV cache is tiny (12 blocks of 128 tokens, 11 usable:
+A 5 + B 4 + 2 free), so request N (5 blocks), sent after B ended, must take over
+at least 3 of B's blocks. Writes of prompts of
 DELAYED_LEN tokens are held back on P/C (MOONCAKE_FAULT_DELAY_WRITE: the engine
 call returns, and its bytes land, DELAY_S seconds late).
 
@@ -30,12 +31,20 @@ from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
-from harness.pd_client import RequestFailed, complete, pd_generate
+from harness.pd_client import (
+    RequestFailed,
+    complete,
+    model_name,
+    pd_generate,
+    wait_for_matched_blocks,
+)
 from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
 
 DELAYED_LEN = 600
+BLOCK = 128  # the CPU backend's default block size
+D_BLOCKS = 12
 DELAY_S = 12
 P_TIMEOUT_S = 5
 PUSH_TIMEOUT_S = 3
@@ -54,7 +63,7 @@ def cluster(tmp_path_factory):
     specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
              InstanceSpec("decode", role="kv_consumer", cores="1",
                           **{**common, "extra_args": common["extra_args"]
-                             + ["--num-gpu-blocks-override", "80"]})]
+                             + ["--num-gpu-blocks-override", str(D_BLOCKS)]})]
     with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
         yield c
 
@@ -77,7 +86,7 @@ def test_layerwise_write_of_a_timed_out_transfer_never_lands(cluster):
         with pytest.raises(RequestFailed):
             fb.result(timeout=60)  # B timed out on P: D failed it and freed its blocks
         # N takes B's freed blocks on D and is still decoding when A's write returns
-        ids_n = prompt(400, seed=9102)
+        ids_n = prompt(400, seed=9102)  # + 200 generated: 5 blocks
         n = complete(d.url, ids_n, max_tokens=200, logprobs=5, timeout=120)
         n_end = time.monotonic()  # CLOCK_MONOTONIC: comparable with P's timeline
         with pytest.raises(RequestFailed):
@@ -105,22 +114,52 @@ def test_push_blocks_are_kept_until_the_source_stopped_writing(cluster):
     c, d = cluster["prefill"], cluster["decode"]
     turn1 = prompt(DELAYED_LEN - 40, seed=9200)
     complete(c.url, turn1, max_tokens=1, timeout=120)  # C caches turn 1
+    assert wait_for_matched_blocks(c.bootstrap_url, turn1, len(turn1) // BLOCK)["matched_blocks"] \
+        == len(turn1) // BLOCK
     turn2 = turn1 + prompt(40, seed=9201)
     assert len(turn2) == DELAYED_LEN
     started = time.monotonic()
     r1 = complete(d.url, turn2, max_tokens=2, logprobs=5, timeout=120,
                   kv_transfer_params={"push_from": c.bootstrap_url})
     took = time.monotonic() - started
-    # D waited for C's (delayed) answer instead of giving up at its deadline
+    # D waited for C's (delayed) answer instead of giving up at its deadline and
+    # letting the blocks C was writing go to another request
     assert took > DELAY_S - 1, f"turn 2 ended after {took:.1f}s, before C's write returned"
-    ref1 = reference_completion(d.url, turn2, max_tokens=2)
-    check = compare(r1, ref1, expected_cached_tokens=None)
-    assert check.ok, check.problems
-    # The blocks of turn 2 go to N: N's KV must be its own.
+    # N right away (the blocks of turn 2 are free again), then the references
     ids_n = prompt(400, seed=9202)
-    n = complete(d.url, ids_n, max_tokens=100, logprobs=5, timeout=120)
-    ref = reference_completion(d.url, ids_n, max_tokens=100)
-    check = compare(n, ref, expected_cached_tokens=None)
+    n = complete(d.url, ids_n, max_tokens=200, logprobs=5, timeout=120)
+    check = compare(r1, reference_completion(d.url, turn2, max_tokens=2),
+                    expected_cached_tokens=None)
+    assert check.ok, check.problems
+    check = compare(n, reference_completion(d.url, ids_n, max_tokens=200),
+                    expected_cached_tokens=None)
     assert check.ok, f"request N decoded from KV overwritten by a late push: {check.problems}"
     usage = wait_no_blocks_in_use(c.url, d.url, timeout=120)
     assert usage == (0.0, 0.0), f"KV blocks still allocated (C, D): {usage}"
+
+
+def test_aborted_push_releases_its_blocks_on_an_idle_instance(cluster):
+    """The client gives up on a push request while C is still writing. D keeps the
+    blocks while C may write, then frees them with no further request arriving:
+    the engine keeps stepping while finished requests hold blocks, whatever the
+    feature that holds them (here prefix push, not layer-wise)."""
+    c, d = cluster["prefill"], cluster["decode"]
+    turn1 = prompt(DELAYED_LEN - 40, seed=9300)
+    complete(c.url, turn1, max_tokens=1, timeout=120)
+    assert wait_for_matched_blocks(c.bootstrap_url, turn1, len(turn1) // BLOCK)["matched_blocks"] \
+        == len(turn1) // BLOCK
+    turn2 = turn1 + prompt(40, seed=9301)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(d.url + "/v1/completions", timeout=4.0, json={
+            "model": model_name(d.url), "prompt": turn2, "max_tokens": 2,
+            "kv_transfer_params": {"push_from": c.bootstrap_url}})
+    aborted = time.monotonic()
+    usage = wait_no_blocks_in_use(d.url, timeout=60)
+    assert usage == (0.0,), f"D still holds the aborted push's blocks: {usage}"
+    # not before C's delayed write could have landed
+    assert time.monotonic() - aborted > DELAY_S - 6
+    ids = prompt(300, seed=9302)
+    n = complete(d.url, ids, max_tokens=20, logprobs=5, timeout=120)
+    check = compare(n, reference_completion(d.url, ids, max_tokens=20),
+                    expected_cached_tokens=None)
+    assert check.ok, check.problems
