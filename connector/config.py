@@ -19,6 +19,16 @@ MOONCAKE_PUSH_TIMEOUT_S                30       C must start a push's write with
                                                 (the request's deadline); D waits for the
                                                 answer until deadline + hold margin
 MOONCAKE_PUSH_CLOCK_SKEW_S             5        allowance for clock skew between D and C
+MOONCAKE_PUSH_SOURCES=URL,...          empty    D: the only push_from sources D pushes from
+                                                (empty: no prefix push; local prefill)
+MOONCAKE_PUSH_MAX_TOKENS               131072   C and D: longest prompt a push may name
+MOONCAKE_PUSH_MAX_CONCURRENT           4        C: pushes served at once (429 beyond)
+MOONCAKE_BOOTSTRAP_HOST                0.0.0.0  bind address of the bootstrap server
+                                                (upstream's; 127.0.0.1 keeps it local)
+MOONCAKE_BOOTSTRAP_TOKEN               unset    shared secret for this series' endpoints
+                                                (Authorization: Bearer ...), sent by D
+MOONCAKE_BOOTSTRAP_INSECURE=1          off      serve them without a token on a non-loopback
+                                                bind (trusted network only; logged loudly)
 MOONCAKE_FAULT_*                       unset    fault injection, tests only (fault_injection.py)
 """
 
@@ -109,7 +119,22 @@ class ExtConfig:
     engine_transfer_timeout_s: float = DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
     # empty engine steps while finished requests hold blocks: at most one per this
     idle_step_interval_s: float = 0.001
+    push_sources: tuple[str, ...] = ()
+    push_max_tokens: int = 131072
+    push_max_concurrent: int = 4
+    bootstrap_host: str = "0.0.0.0"
+    bootstrap_token: str | None = None
+    bootstrap_insecure: bool = False
     faults: FaultConfig = FaultConfig()
+
+    @property
+    def bootstrap_loopback(self) -> bool:
+        return is_loopback(self.bootstrap_host)
+
+    @property
+    def push_max_body_bytes(self) -> int:
+        """A push body: the prompt (<= 21 bytes a token in JSON) and D's block list."""
+        return 64 * 1024 + 48 * self.push_max_tokens
 
     @property
     def push_hold_s(self) -> float:
@@ -162,6 +187,15 @@ class ExtConfig:
             push_clock_skew_s=_number(env, "MOONCAKE_PUSH_CLOCK_SKEW_S", 5.0),
             engine_transfer_timeout_s=_number(env, MC_TRANSFER_TIMEOUT,
                                               DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, minimum=1),
+            push_sources=tuple(normalize_source(u) for u in
+                               env.get("MOONCAKE_PUSH_SOURCES", "").split(",") if u.strip()),
+            push_max_tokens=int(_number(env, "MOONCAKE_PUSH_MAX_TOKENS", 131072, minimum=1,
+                                        integer=True)),
+            push_max_concurrent=int(_number(env, "MOONCAKE_PUSH_MAX_CONCURRENT", 4, minimum=1,
+                                            integer=True)),
+            bootstrap_host=env.get("MOONCAKE_BOOTSTRAP_HOST", "").strip() or "0.0.0.0",
+            bootstrap_token=env.get("MOONCAKE_BOOTSTRAP_TOKEN") or None,
+            bootstrap_insecure=_flag(env, "MOONCAKE_BOOTSTRAP_INSECURE"),
             faults=faults,
         )
         # D's pull socket gives up after VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s
@@ -176,6 +210,33 @@ class ExtConfig:
                 "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, or raise "
                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both instances")
         return cfg
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def normalize_source(url: str) -> str:
+    """'HTTP://Host:9000/' -> 'http://host:9000' (allowlist comparison)."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url.strip())
+        port = u.port  # raises ValueError on a port that is not a number in range
+    except ValueError:
+        port = None
+        u = None
+    if u is None or u.scheme not in ("http", "https") or not u.hostname or port is None:
+        raise ConfigError(f"MOONCAKE_PUSH_SOURCES: {url!r} is not http(s)://host:port")
+    host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
+    return f"{u.scheme}://{host}:{port}"
 
 
 def _opt_int(env: Mapping[str, str], name: str) -> int | None:

@@ -32,6 +32,7 @@ from vllm.logger import init_logger
 from ..hashsync.recorder import HashDelta
 from ..hashsync.sync import SchedulerHashSync, WorkerHashSync
 from ..hashsync.sync import register_routes as register_hashsync_routes
+from .auth import EndpointGuard
 from .config import ExtConfig, load
 from .gpu_order import record_after_compute
 from .layerwise.protocol import LayerwiseMetadata
@@ -39,7 +40,7 @@ from .layerwise.pulls import PullOutcomes
 from .layerwise.scheduler import LayerwiseScheduler
 from .layerwise.sender import LayerwiseSender
 from .layerwise.sender import register_routes as register_layerwise_routes
-from .push.protocol import PushJob, PushOutcome
+from .push.protocol import KVFingerprint, PushJob, PushOutcome
 from .push.receiver import PushReceiver
 from .push.scheduler import PushScheduler
 from .push.server import PushServer
@@ -79,6 +80,28 @@ class RegisteredKV:
     tp_size: int
 
 
+def local_fingerprint(vllm_config: VllmConfig, block_len: int | None = None,
+                      num_kv_tensors: int | None = None) -> KVFingerprint:
+    """This instance's KV fingerprint. The model is named by what shapes its KV
+    (architecture and dimensions, hashed), not by its path, which differs across hosts."""
+    import hashlib
+    import json
+
+    mc = vllm_config.model_config
+    hf = mc.hf_config
+    shape = {k: getattr(hf, k, None) for k in (
+        "architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "vocab_size", "kv_lora_rank")}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()
+    arch = (shape["architectures"] or ["?"])[0]
+    return KVFingerprint(
+        model=f"{arch}:{digest[:16]}",
+        dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}".replace("torch.", ""),
+        block_size=vllm_config.cache_config.block_size,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        block_len=block_len, num_kv_tensors=num_kv_tensors)
+
+
 def _roles(vllm_config: VllmConfig) -> tuple[bool, bool]:
     role = vllm_config.kv_transfer_config.kv_role  # type: ignore[union-attr]
     return role == "kv_producer", role == "kv_consumer"
@@ -90,7 +113,7 @@ class SchedulerExtension:
         is_producer, is_consumer = _roles(vllm_config)
         cache = vllm_config.cache_config
         self.layerwise = LayerwiseScheduler(cfg.layerwise_min_tokens) if cfg.layerwise else None
-        self.push = PushScheduler(cache.block_size, cfg.push_match_timeout_s)
+        self.push = PushScheduler(cache.block_size, cfg, local_fingerprint(vllm_config))
         self.hashsync = (SchedulerHashSync(cache.prefix_caching_hash_algo)
                          if not is_consumer and cache.enable_prefix_caching else None)
 
@@ -153,7 +176,9 @@ class SchedulerExtension:
 class WorkerExtension:
     def __init__(self, vllm_config: VllmConfig, config: ExtConfig | None = None):
         self.config = config or load()
+        self.vllm_config = vllm_config
         self.is_producer, self.is_consumer = _roles(vllm_config)
+        self.guard = EndpointGuard(self.config)
         self.enable_prefix_caching = vllm_config.cache_config.enable_prefix_caching
         self.sender: LayerwiseSender | None = None  # P, layer-wise
         self.pulls: PullOutcomes | None = (  # D, layer-wise
@@ -166,10 +191,11 @@ class WorkerExtension:
     def on_kv_caches_registered(self, kv: RegisteredKV) -> None:
         cfg = self.config
         self._event_tensor = next(iter(kv.kv_caches.values()), None)
+        fingerprint = local_fingerprint(self.vllm_config, kv.block_len, len(kv.base_addrs))
         if not self.is_consumer and self.enable_prefix_caching:
             self.hashsync = WorkerHashSync(kv.block_size)
             self.push_server = PushServer(self.hashsync, kv.write_fn, kv.base_addrs,
-                                          kv.block_len, cfg.faults)
+                                          kv.block_len, fingerprint, kv.session, cfg)
             self.hashsync.stats_provider = lambda: dict(self.push_server.stats)  # type: ignore[union-attr]
         if cfg.layerwise and not self.is_consumer:
             self.sender = LayerwiseSender.for_kv_caches(
@@ -177,13 +203,20 @@ class WorkerExtension:
                 kv.block_size, cfg)
             logger.info("Mooncake layer-wise KV push enabled (MOONCAKE_LAYERWISE)")
         self.push_receiver = PushReceiver(kv.session, kv.base_addrs, kv.block_len,
-                                          kv.block_size, cfg)
+                                          kv.block_size, kv.num_blocks, fingerprint, cfg)
+
+    @property
+    def bootstrap_host(self) -> str:
+        """Where the bootstrap server binds (MOONCAKE_BOOTSTRAP_HOST; upstream: 0.0.0.0)."""
+        return self.config.bootstrap_host
 
     def register_routes(self, app: Any) -> None:
-        """Our routes on the bootstrap server (served by the first worker)."""
-        register_hashsync_routes(app, lambda: self.hashsync)
+        """Our routes on the bootstrap server (served by the first worker), each
+        behind the endpoint guard (auth.py)."""
+        self.guard.log_at_start()
+        register_hashsync_routes(app, lambda: self.hashsync, self.guard)
         register_push_routes(app, lambda: self.push_server)
-        register_layerwise_routes(app, lambda: self.sender)
+        register_layerwise_routes(app, lambda: self.sender, self.guard)
 
     # ---- every step -------------------------------------------------------------------
     def start_load_kv(self, meta: ExtMetadata) -> None:

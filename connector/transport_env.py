@@ -30,7 +30,7 @@ import os
 
 from vllm.logger import init_logger
 
-from .config import DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT
+from .config import DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT, load
 
 logger = init_logger(__name__)
 
@@ -51,6 +51,10 @@ def apply_transport_env_defaults(protocol: str, environ: dict[str, str] | None =
     if protocol != "tcp":
         return {}
     applied = {k: v for k, v in TCP_TRANSPORT_DEFAULTS.items() if k not in env}
+    host = load().bootstrap_host
+    if host not in ("0.0.0.0", "::") and "MC_TCP_BIND_ADDRESS" not in env:
+        # the engine listens where the bootstrap server does (MOONCAKE_BOOTSTRAP_HOST)
+        applied["MC_TCP_BIND_ADDRESS"] = host
     env.update(applied)
     if applied:
         logger.info("Mooncake TCP transport defaults (unset by the user): %s", applied)

@@ -62,6 +62,8 @@ class InstanceSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_config: dict = field(default_factory=dict)  # kv_connector_extra_config
     env: dict[str, str] = field(default_factory=dict)
+    # push sources this instance accepts besides the cluster's own (MOONCAKE_PUSH_SOURCES)
+    extra_push_sources: list[str] = field(default_factory=list)
 
     def kv_transfer_config(self) -> dict | None:
         if self.role is None:
@@ -119,9 +121,15 @@ class Instance:
             cmd += ["--kv-transfer-config", json.dumps(kvc)]
         return cmd + list(s.extra_args)
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, push_sources: str = "") -> dict[str, str]:
         s = self.spec
-        over = {"VLLM_CPU_KVCACHE_SPACE": str(int(s.kv_cache_gib))}
+        over = {"VLLM_CPU_KVCACHE_SPACE": str(int(s.kv_cache_gib)),
+                # every server and engine of ours on loopback, explicitly: the
+                # bootstrap server (upstream binds 0.0.0.0), the transfer engine and
+                # ZMQ (upstream picks the host's interface address)
+                "MOONCAKE_BOOTSTRAP_HOST": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1",
+                # D may take prefix pushes from the cluster's own instances only
+                "MOONCAKE_PUSH_SOURCES": ",".join([push_sources, *s.extra_push_sources]).strip(",")}
         if s.cores is not None:
             over["VLLM_CPU_OMP_THREADS_BIND"] = s.cores
         if self.bootstrap_port is not None:
@@ -129,14 +137,14 @@ class Instance:
         over.update(s.env)
         return vllm_env(**over)
 
-    def start(self) -> None:
+    def start(self, push_sources: str = "") -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         log.write("# " + " ".join(self.command()) + "\n")
         log.flush()
         self.proc = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.environment(), start_new_session=True,
+            env=self.environment(push_sources), start_new_session=True,
         )
         log.close()
 
@@ -236,6 +244,8 @@ class Cluster:
                 spec=s, port=s.port or free_port(), bootstrap_port=boot,
                 log_path=Path(log_dir) / f"{s.name}.log",
             )
+        self.push_sources = ",".join(i.bootstrap_url for i in self.instances.values()
+                                     if i.bootstrap_port is not None)
 
     def __getitem__(self, name: str) -> Instance:
         return self.instances[name]
@@ -247,7 +257,7 @@ class Cluster:
         t0 = time.monotonic()
         try:
             for inst in self.instances.values():
-                inst.start()
+                inst.start(self.push_sources)
             deadline = t0 + self.startup_timeout_s
             for inst in self.instances.values():
                 inst.wait_ready(deadline)

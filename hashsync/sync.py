@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fastapi import HTTPException, Request  # module level: FastAPI resolves names
+
 from vllm.logger import init_logger
 
 from .hashing import hash_prompt_blocks, scheduler_hash_config
@@ -107,15 +109,21 @@ class WorkerHashSync:
         }
 
 
-def register_routes(app: Any, get_sync: Callable[[], WorkerHashSync | None]) -> None:
+def register_routes(app: Any, get_sync: Callable[[], WorkerHashSync | None],
+                    guard: Any = None) -> None:
     """Add GET /hashsync to a FastAPI app. get_sync() returns the WorkerHashSync,
-    or None while the worker is not ready (503)."""
-    from fastapi import HTTPException
-
-    async def hashsync_debug(sample: int = 8) -> dict[str, Any]:
+    or None while the worker is not ready (503). guard: an object whose
+    check(authorization header) returns None or (status, reason)."""
+    async def hashsync_debug(request: Request) -> dict[str, Any]:
+        # the guard runs before anything of the request is parsed
+        if guard is not None and (denied := guard.check(request.headers.get("authorization"))):
+            raise HTTPException(status_code=denied[0], detail=denied[1])
+        raw = request.query_params.get("sample", "8")
+        if not raw.isdigit() or len(raw) > 6:
+            raise HTTPException(status_code=422, detail="sample: a whole number 0..256")
         sync = get_sync()
         if sync is None:
             raise HTTPException(status_code=503, detail="KV caches not registered yet; retry")
-        return sync.debug(max(0, min(sample, 256)))
+        return sync.debug(min(int(raw), 256))
 
     app.get("/hashsync")(hashsync_debug)

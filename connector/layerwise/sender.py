@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from fastapi import HTTPException, Request  # module level: FastAPI resolves names
+
 from vllm.logger import init_logger
 
 from ..block_runs import contiguous_runs
@@ -434,12 +436,13 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
         fut.set_result(value)
 
 
-def register_routes(app: Any, get_sender: Callable[[], LayerwiseSender | None]) -> None:
+def register_routes(app: Any, get_sender: Callable[[], LayerwiseSender | None],
+                    guard: Any = None) -> None:
     """GET /layerwise/transfers on P's bootstrap server: totals and the
     timeline of the last transfers (monotonic seconds of P's worker process)."""
-    from fastapi import HTTPException
-
-    async def layerwise_transfers() -> dict[str, Any]:
+    async def layerwise_transfers(request: Request) -> dict[str, Any]:
+        if guard is not None and (denied := guard.check(request.headers.get("authorization"))):
+            raise HTTPException(status_code=denied[0], detail=denied[1])
         sender = get_sender()
         if sender is None:
             raise HTTPException(status_code=404, detail="layer-wise push is not enabled here")

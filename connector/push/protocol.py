@@ -28,12 +28,15 @@ PushStatus = Literal["ok", "no_match", "failed"]
 
 
 class PushRequestError(ValueError):
-    """A malformed or inconsistent push request; ``field`` names the culprit."""
+    """A malformed or inconsistent push request; ``field`` names the culprit.
+    ``status``: 422 malformed, 409 refused for this pair of instances (mismatched
+    configuration, an unauthorized destination), 413 too large."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, status: int = 422) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+        self.status = status
 
     def detail(self) -> dict[str, str]:
         return {"field": self.field, "message": self.message}
@@ -41,6 +44,27 @@ class PushRequestError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class KVFingerprint(_Strict):
+    """What must be equal on both instances for one's KV bytes to be valid in the other's
+    blocks. A field the scheduler side cannot know is None there (not compared)."""
+
+    model: StrictStr
+    dtype: StrictStr
+    block_size: StrictInt
+    tp_size: StrictInt
+    block_len: StrictInt | None = None  # bytes per block per KV tensor (worker side)
+    num_kv_tensors: StrictInt | None = None
+
+    def differences(self, peer: KVFingerprint, here: str = "here", there: str = "peer"
+                    ) -> list[str]:
+        out = []
+        for name in type(self).model_fields:
+            a, b = getattr(self, name), getattr(peer, name)
+            if a is not None and b is not None and a != b:
+                out.append(f"{name} {a!r} ({here}) != {b!r} ({there})")
+        return out
 
 
 class MatchBlocksRequest(_Strict):
@@ -55,6 +79,7 @@ class MatchBlocksResponse(_Strict):
     matched_blocks: StrictInt
     matched_tokens: StrictInt
     total_full_blocks: StrictInt
+    fingerprint: KVFingerprint  # C's: D compares it with its own before asking for a push
 
 
 class PushBlocksRequest(_Strict):
@@ -74,6 +99,10 @@ class PushBlocksRequest(_Strict):
     request_id: StrictStr | None = None
     # C starts no write after this instant (D's wall clock, ms since the epoch)
     deadline_unix_ms: StrictInt
+    # D's KV cache: every destination block id is below this, every destination
+    # address inside [base, base + dst_num_blocks * block_len) of its tensor
+    dst_num_blocks: StrictInt
+    fingerprint: KVFingerprint  # D's; C refuses (409) unless equal to its own
 
 
 class PushBlocksResponse(_Strict):
@@ -114,11 +143,27 @@ def _check_session(session: str) -> None:
         raise PushRequestError("dst_session", f"expected 'host:port', got {session!r}")
 
 
+ADDRESS_LIMIT = 1 << 64
+
+
 def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
-             block_len: int | None = None) -> None:
+             block_len: int | None = None, fingerprint: KVFingerprint | None = None,
+             max_tokens: int | None = None) -> None:
     """Check ``req`` against the serving instance; raise ``PushRequestError``."""
     if not req.token_ids:
         raise PushRequestError("token_ids", "must not be empty")
+    if max_tokens is not None and len(req.token_ids) > max_tokens:
+        raise PushRequestError("token_ids", f"{len(req.token_ids)} tokens, more than this "
+                               f"instance serves in a push ({max_tokens})", 413)
+    if fingerprint is not None:
+        diff = fingerprint.differences(req.fingerprint, "source", "destination")
+        if diff:
+            raise PushRequestError("fingerprint", "the two instances' KV caches differ: "
+                                   + "; ".join(diff), 409)
+        if fingerprint.tp_size != 1 or req.fingerprint.tp_size != 1:
+            raise PushRequestError("fingerprint", "prefix push supports TP=1 on both "
+                                   f"instances (source {fingerprint.tp_size}, destination "
+                                   f"{req.fingerprint.tp_size})", 409)
     if any(t < 0 for t in req.token_ids):
         raise PushRequestError("token_ids", "token ids must be non-negative")
     if req.block_size != block_size:
@@ -159,6 +204,18 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
         raise PushRequestError("dst_block_ids", "duplicate block ids")
     if req.deadline_unix_ms <= 0:
         raise PushRequestError("deadline_unix_ms", "must be positive")
+    if req.dst_num_blocks <= 0:
+        raise PushRequestError("dst_num_blocks", "must be positive")
+    if max(req.dst_block_ids) >= req.dst_num_blocks:
+        raise PushRequestError("dst_block_ids", f"block id {max(req.dst_block_ids)} >= the "
+                               f"destination's {req.dst_num_blocks} blocks")
+    if block_len is not None:
+        size = req.dst_num_blocks * block_len
+        spans = sorted((a, a + size) for a in req.dst_kv_base_addrs)
+        if spans[-1][1] > ADDRESS_LIMIT:
+            raise PushRequestError("dst_kv_base_addrs", "a KV tensor ends beyond 2**64")
+        if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+            raise PushRequestError("dst_kv_base_addrs", "the destination's KV tensors overlap")
 
 
 # ---- inside D: scheduler <-> worker -------------------------------------------------

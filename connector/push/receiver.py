@@ -31,8 +31,9 @@ import httpx
 
 from vllm.logger import init_logger
 
+from ..auth import client_headers
 from ..config import ExtConfig
-from .protocol import PushBlocksRequest, PushBlocksResponse, PushJob, PushOutcome
+from .protocol import KVFingerprint, PushBlocksRequest, PushBlocksResponse, PushJob, PushOutcome
 
 logger = init_logger(__name__)
 
@@ -70,12 +71,15 @@ class PushTransfer:
 
 class PushReceiver:
     def __init__(self, session: str, base_addrs: list[int], block_len: int, block_size: int,
-                 config: ExtConfig, clock: Callable[[], float] = time.monotonic,
+                 num_blocks: int, fingerprint: KVFingerprint, config: ExtConfig,
+                 clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time):
         self.session = session
         self.base_addrs = list(base_addrs)
         self.block_len = block_len
         self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.fingerprint = fingerprint
         self.config = config
         self._clock = clock
         self._wall_clock = wall_clock
@@ -107,7 +111,8 @@ class PushReceiver:
             block_size=self.block_size, dst_session=self.session,
             dst_kv_base_addrs=self.base_addrs, dst_block_ids=list(job.dst_block_ids),
             first_block=job.first_block, block_len=self.block_len, request_id=job.req_id,
-            deadline_unix_ms=t.deadline_unix_ms)
+            deadline_unix_ms=t.deadline_unix_ms, dst_num_blocks=self.num_blocks,
+            fingerprint=self.fingerprint)
 
     def _run(self, t: PushTransfer) -> None:
         job, landed = t.job, 0
@@ -115,11 +120,11 @@ class PushReceiver:
             remaining = max(0.1, t.hold_until - self._clock())
             r = self._http.post(f"{job.source}/push_blocks",
                                 content=self.request(t).model_dump_json(),
-                                headers={"content-type": "application/json"}, timeout=remaining)
+                                headers=client_headers(self.config), timeout=remaining)
             if r.status_code == 200:
-                resp = PushBlocksResponse.model_validate_json(r.content)
+                resp = PushBlocksResponse.model_validate_json(r.content[:1 << 20])
                 if resp.status == "ok":
-                    landed = resp.pushed_blocks
+                    landed = self.proven_blocks(job, resp)
                     logger.debug("push for %s: %d blocks in %.3f s", job.req_id, landed,
                                  resp.seconds)
                 else:
@@ -135,6 +140,19 @@ class PushReceiver:
             return
         with self._lock:
             t.answered(landed)
+
+    def proven_blocks(self, job: PushJob, resp: PushBlocksResponse) -> int:
+        """Blocks an "ok" answer accounts for: never more than asked, and only if
+        the bytes it reports are exactly those blocks' (else none: D recomputes)."""
+        n = resp.pushed_blocks
+        expected_bytes = n * self.block_len * len(self.base_addrs)
+        if not 0 <= n <= len(job.dst_block_ids) or resp.bytes != expected_bytes:
+            logger.warning("push for %s from %s: the answer claims %d blocks and %d bytes "
+                           "(%d blocks asked, %d bytes each); not trusted, prefilling locally",
+                           job.req_id, job.source, n, resp.bytes, len(job.dst_block_ids),
+                           self.block_len * len(self.base_addrs))
+            return 0
+        return n
 
     def merge_finished(self, finished_recving: set[str] | None) -> set[str] | None:
         """Add the pushes that ended since the last step to vLLM's finished_recving."""

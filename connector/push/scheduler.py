@@ -31,7 +31,9 @@ import httpx
 
 from vllm.logger import init_logger
 
-from .protocol import MatchBlocksRequest, MatchBlocksResponse, PushJob, PushOutcome
+from ..auth import client_headers
+from ..config import ConfigError, ExtConfig, normalize_source
+from .protocol import KVFingerprint, MatchBlocksRequest, MatchBlocksResponse, PushJob, PushOutcome
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -47,7 +49,7 @@ def push_source(request: "Request") -> str | None:
     src = params.get(PARAM_PUSH_FROM)
     if not src or params.get("do_remote_prefill"):
         return None
-    return str(src).rstrip("/")
+    return str(src)[:512].rstrip("/")
 
 
 def lora_name(request: "Request") -> str | None:
@@ -67,9 +69,11 @@ class _Inflight:
 
 
 class PushScheduler:
-    def __init__(self, block_size: int, match_timeout_s: float):
+    def __init__(self, block_size: int, config: ExtConfig, fingerprint: KVFingerprint):
         self.block_size = block_size
-        self.match_timeout_s = match_timeout_s
+        self.config = config
+        self.fingerprint = fingerprint  # this instance's (scheduler-side fields)
+        self.match_timeout_s = config.push_match_timeout_s
         self._pool: ThreadPoolExecutor | None = None
         # one client for all queries: keep-alive, and httpx builds an SSL
         # context per client (tens of ms)
@@ -82,7 +86,8 @@ class PushScheduler:
         # tokens (nothing landed); it must then prefill locally, not push again
         self._ended: set[str] = set()
         self._jobs: list[PushJob] = []
-        self.stats = {"requests": 0, "pushed_blocks": 0, "fallback_blocks": 0, "match_failed": 0}
+        self.stats = {"requests": 0, "pushed_blocks": 0, "fallback_blocks": 0, "match_failed": 0,
+                      "refused_sources": 0}
 
     def handles(self, request: "Request") -> bool:
         return push_source(request) is not None
@@ -94,11 +99,27 @@ class PushScheduler:
         body = MatchBlocksRequest(token_ids=list(request.prompt_token_ids or []),
                                   cache_salt=request.cache_salt, lora_name=lora_name(request))
         r = self._http.post(f"{source}/match_blocks", content=body.model_dump_json(),
-                            headers={"content-type": "application/json"},
-                            timeout=self.match_timeout_s)
+                            headers=client_headers(self.config), timeout=self.match_timeout_s)
         if r.status_code != 200:
             raise RuntimeError(f"{source}/match_blocks answered {r.status_code}: {r.text[:300]}")
-        return MatchBlocksResponse.model_validate_json(r.content).matched_blocks
+        resp = MatchBlocksResponse.model_validate_json(r.content[:1 << 20])
+        diff = self.fingerprint.differences(resp.fingerprint, "this instance", source)
+        if diff:
+            raise RuntimeError("its KV cache is incompatible with this instance's: "
+                               + "; ".join(diff))
+        return resp.matched_blocks
+
+    def _allowed(self, rid: str, source: str) -> bool:
+        try:
+            ok = normalize_source(source) in self.config.push_sources
+        except ConfigError:
+            ok = False
+        if not ok:
+            self.stats["refused_sources"] += 1
+            logger.warning("Prefix push for %s: push_from %r is not in MOONCAKE_PUSH_SOURCES "
+                           "(%s); prefilling locally", rid, source,
+                           ", ".join(self.config.push_sources) or "empty: no push source allowed")
+        return ok
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -107,6 +128,9 @@ class PushScheduler:
         if rid in self._inflight or rid in self._ended:
             return 0, False
         fut = self._matches.get(rid)
+        if fut is None and not self._allowed(rid, source):
+            self._ended.add(rid)
+            return 0, False
         if fut is None:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(4, thread_name_prefix="mooncake-push-match")

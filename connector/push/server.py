@@ -22,6 +22,8 @@ computed. Tensor parallelism: one worker answers, so only TP=1 is supported.
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,10 +34,12 @@ from fastapi.responses import JSONResponse
 from vllm.logger import init_logger
 
 from ...hashsync.sync import WorkerHashSync
+from ..auth import EndpointGuard
 from ..block_runs import block_entries
-from ..config import FaultConfig
+from ..config import ExtConfig, FaultConfig
 from ..fault_injection import write_fault
 from .protocol import (
+    KVFingerprint,
     MatchBlocksResponse,
     PushBlocksResponse,
     PushRequestError,
@@ -47,31 +51,82 @@ from .protocol import (
 logger = init_logger(__name__)
 
 WriteFn = Callable[[str, list[int], list[int], list[int]], int]
+DESTINATIONS_KEPT = 1024
 
 
 class PushServer:
-    """Serves pushes of this instance's cached prefixes (one per source worker)."""
+    """Serves pushes of this instance's cached prefixes (one per source worker).
+
+    What may be written: only into a destination whose KV cache matches this
+    one (fingerprint: model, dtype, block size, bytes per block, KV tensors,
+    TP=1 on both sides), never into this instance's own session, only block
+    ids below the destination's block count and addresses inside its KV
+    tensors. A destination session's layout (block count, base addresses) is
+    recorded on its first push; a later push naming the same session with
+    another layout is refused (409)."""
 
     def __init__(self, sync: WorkerHashSync, write_fn: WriteFn, base_addrs: Sequence[int],
-                 block_len: int, faults: FaultConfig = FaultConfig(),
+                 block_len: int, fingerprint: KVFingerprint, local_session: str,
+                 config: ExtConfig = ExtConfig(),
                  wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)):
         self.sync = sync
         self.write_fn = write_fn
         self.base_addrs = list(base_addrs)
         self.block_len = block_len
-        self.faults = faults
+        self.fingerprint = fingerprint
+        self.local_session = local_session
+        self.config = config
+        self.faults: FaultConfig = config.faults
+        self.guard = EndpointGuard(config)
         self._now_ms = wall_clock_ms
+        self._slots = threading.BoundedSemaphore(config.push_max_concurrent)
+        self._lock = threading.Lock()
+        self._destinations: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = \
+            collections.OrderedDict()
         self.stats = {"pushes": 0, "ok": 0, "failed": 0, "no_match": 0, "past_deadline": 0,
-                      "bytes": 0}
+                      "refused": 0, "busy": 0, "bytes": 0}
+
+    def try_begin(self) -> bool:
+        """Take one of the concurrent-push slots (False: all busy, answer 429)."""
+        if self._slots.acquire(blocking=False):
+            return True
+        self.stats["busy"] += 1
+        return False
+
+    def end(self) -> None:
+        self._slots.release()
+
+    def _check_destination(self, session: str, num_blocks: int, base_addrs: list[int]) -> None:
+        if session == self.local_session:
+            raise PushRequestError("dst_session", "names this instance's own transfer engine: "
+                                   "a push never writes into its source", 409)
+        layout = (num_blocks, tuple(base_addrs))
+        with self._lock:
+            known = self._destinations.get(session)
+            if known is not None and known != layout:
+                raise PushRequestError(
+                    "dst_session", f"{session} was registered with {known[0]} blocks at other "
+                    "base addresses; a destination's layout cannot change (restart it under "
+                    "a new session)", 409)
+            self._destinations[session] = layout
+            self._destinations.move_to_end(session)
+            while len(self._destinations) > DESTINATIONS_KEPT:
+                self._destinations.popitem(last=False)
 
     def match(self, payload: Any) -> tuple[int, dict[str, Any]]:
         """Serve one /match_blocks body; returns (HTTP status, JSON body)."""
         try:
             req = parse_match_request(payload)
         except PushRequestError as e:
-            return 422, {"detail": e.detail()}
+            return e.status, {"detail": e.detail()}
         if not req.token_ids:
             return 422, {"detail": {"field": "token_ids", "message": "must not be empty"}}
+        if any(t < 0 for t in req.token_ids):
+            return 422, {"detail": {"field": "token_ids",
+                                    "message": "token ids must be non-negative"}}
+        if len(req.token_ids) > self.config.push_max_tokens:
+            return 413, {"detail": {"field": "token_ids", "message": (
+                f"{len(req.token_ids)} tokens, more than {self.config.push_max_tokens}")}}
         try:
             block_ids, _, total = self.sync.match(req.token_ids, req.cache_salt, req.lora_name)
         except RuntimeError as e:  # no step has run yet: no hash configuration
@@ -79,16 +134,22 @@ class PushServer:
         bs = self.sync.block_size
         return 200, MatchBlocksResponse(matched_blocks=len(block_ids),
                                         matched_tokens=len(block_ids) * bs,
-                                        total_full_blocks=total).model_dump()
+                                        total_full_blocks=total,
+                                        fingerprint=self.fingerprint).model_dump()
 
     def push(self, payload: Any) -> tuple[int, dict[str, Any]]:
         """Serve one /push_blocks body; returns (HTTP status, JSON body)."""
         try:
             req = parse_push_request(payload)
             validate(req, block_size=self.sync.block_size, num_kv_tensors=len(self.base_addrs),
-                     block_len=self.block_len)
+                     block_len=self.block_len, fingerprint=self.fingerprint,
+                     max_tokens=self.config.push_max_tokens)
+            self._check_destination(req.dst_session, req.dst_num_blocks, req.dst_kv_base_addrs)
         except PushRequestError as e:
-            return 422, {"detail": e.detail()}
+            if e.status == 409:
+                self.stats["refused"] += 1
+                logger.warning("push_blocks %s refused: %s", payload_request_id(payload), e)
+            return e.status, {"detail": e.detail()}
         try:
             c_blocks, gens, total = self.sync.match(req.token_ids, req.cache_salt, req.lora_name)
         except RuntimeError as e:  # no step has run yet: no hash configuration
@@ -144,21 +205,52 @@ class PushServer:
         return 200, resp.model_dump()
 
 
+def payload_request_id(payload: Any) -> str:
+    return "(request)" if not isinstance(payload, dict) else str(payload.get("request_id"))[:64]
+
+
+async def read_capped(request: Any, limit: int) -> bytes | None:
+    """The request body, or None once it exceeds ``limit`` bytes (nothing more is read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
 def register_routes(app: Any, get_server: Callable[[], PushServer | None]) -> None:
     """Add POST /match_blocks and POST /push_blocks to a FastAPI app.
     get_server() returns None while the worker is not ready (503). (Request is
     imported at module level: FastAPI resolves annotations by name.)"""
 
-    def route(method: Callable[[PushServer, bytes], tuple[int, dict[str, Any]]]):
+    def route(method: Callable[[PushServer, bytes], tuple[int, dict[str, Any]]], *,
+              limited: bool):
         async def handler(request: Request) -> JSONResponse:
             server = get_server()
             if server is None:
                 return JSONResponse({"detail": "KV caches not registered yet; retry"}, 503)
-            # hashing and the write block (the engine releases the GIL): off the event loop
-            code, body = await asyncio.to_thread(method, server, await request.body())
-            return JSONResponse(body, status_code=code)
+            if (denied := server.guard.check(request.headers.get("authorization"))) is not None:
+                return JSONResponse({"detail": denied[1]}, denied[0])
+            body = await read_capped(request, server.config.push_max_body_bytes)
+            if body is None:
+                return JSONResponse({"detail": {"field": "body", "message": (
+                    f"larger than {server.config.push_max_body_bytes} bytes")}}, 413)
+            if limited and not server.try_begin():
+                return JSONResponse({"detail": (
+                    f"{server.config.push_max_concurrent} pushes in progress; retry later")}, 429)
+            try:
+                # hashing and the write block (the engine releases the GIL): off the event loop
+                code, out = await asyncio.to_thread(method, server, body)
+            finally:
+                if limited:
+                    server.end()
+            return JSONResponse(out, status_code=code)
 
         return handler
 
-    app.post("/match_blocks")(route(PushServer.match))
-    app.post("/push_blocks")(route(PushServer.push))
+    app.post("/match_blocks")(route(PushServer.match, limited=False))
+    app.post("/push_blocks")(route(PushServer.push, limited=True))

@@ -22,13 +22,14 @@ from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
-from harness.pd_client import complete, wait_for_matched_blocks
+from harness.pd_client import complete, match_blocks, wait_for_matched_blocks
 from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
 
 BLOCK = 128  # the CPU backend's block size (the launcher passes --block-size 128)
 FAULTY_PROMPT_LEN = 5 * BLOCK + 11  # C fails every push of a prompt this long
+UNREACHABLE = "http://127.0.0.1:9"  # allowed on D, nothing listens there
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def cluster(tmp_path_factory):
                   extra_args=["--enable-prompt-tokens-details"])
     specs = [InstanceSpec("c", role="kv_producer", cores="0",
                           env={"MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)}, **common),
-             InstanceSpec("d", role="kv_consumer", cores="1", **common)]
+             InstanceSpec("d", role="kv_consumer", cores="1",
+                          extra_push_sources=[UNREACHABLE], **common)]
     with Cluster(specs, tmp_path_factory.mktemp("logs")) as cl:
         yield cl
 
@@ -121,18 +123,31 @@ def test_unreachable_source_falls_back_to_local_prefill(cluster):
     c, d = cluster["c"], cluster["d"]
     ids = prompt(2 * BLOCK + 7, seed=5005)
     t0 = time.monotonic()
-    got = push_request(d, c, ids, source="http://127.0.0.1:9")  # nothing listens there
+    got = push_request(d, c, ids, source=UNREACHABLE)
     check_local(got, ids, c)
     assert time.monotonic() - t0 < 60
+
+
+def test_source_outside_the_allowlist_is_never_asked(cluster):
+    """D takes prefix pushes only from MOONCAKE_PUSH_SOURCES: any client can set
+    push_from, and D would post its session, addresses and block ids there."""
+    c, d = cluster["c"], cluster["d"]
+    ids = prompt(2 * BLOCK + 3, seed=5007)
+    turn_on_c(c, ids)
+    got = push_request(d, c, ids, source=c.bootstrap_url.replace("127.0.0.1", "localhost"))
+    check_local(got, ids, c)  # same server, but not the allowlisted name: refused
+    assert "is not in MOONCAKE_PUSH_SOURCES" in d.log_path.read_text()
 
 
 def test_malformed_push_is_422_naming_the_field(cluster):
     c = cluster["c"]
     before = httpx.get(c.bootstrap_url + "/hashsync", timeout=10).json()["push"]
     ids = prompt(2 * BLOCK, seed=5006)
+    fingerprint = match_blocks(c.bootstrap_url, ids)["fingerprint"]
     body = {"token_ids": ids, "block_size": BLOCK, "dst_session": "127.0.0.1:1",
             "dst_kv_base_addrs": [4096], "dst_block_ids": [0, 1],
-            "deadline_unix_ms": int(time.time() * 1000) + 60_000}
+            "deadline_unix_ms": int(time.time() * 1000) + 60_000,
+            "dst_num_blocks": 100, "fingerprint": fingerprint}
     r = httpx.post(c.bootstrap_url + "/push_blocks", json=body, timeout=30)
     assert r.status_code == 422 and r.json()["detail"]["field"] == "dst_kv_base_addrs", r.text
     r = httpx.post(c.bootstrap_url + "/push_blocks", content=b"not json", timeout=30)

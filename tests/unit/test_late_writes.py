@@ -38,7 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.sender 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.tracker import (
     Destination,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import PushJob
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
+    PushJob,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
     PushServer,
@@ -217,6 +220,10 @@ NBLK, BLEN, SLOTS = 8, 64, 2
 CFG = HashConfig("sha256", b"\x01" * 32)
 TOKENS = list(range(500, 500 + 3 * BS))  # 3 full blocks
 C_BLOCKS = [5, 2, 6]
+FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="float32/auto", block_size=BS,
+                   tp_size=1, block_len=BLEN, num_kv_tensors=SLOTS)
+# C's bootstrap server on loopback: its push endpoints are open without a token
+C_CONFIG = ExtConfig(bootstrap_host="127.0.0.1")
 
 
 def buffers(fill):
@@ -256,7 +263,7 @@ def c_server():
                                        for h, b in zip(hashes, C_BLOCKS)], hash_config=CFG))
     sync.table.commit_pending()
     engine = MemEngine()
-    server = PushServer(sync, engine, [addr(b) for b in c_kv], BLEN)
+    server = PushServer(sync, engine, [addr(b) for b in c_kv], BLEN, FP, "c:1", C_CONFIG)
     app = FastAPI()
     register_routes(app, lambda: server)
     port = free_port()
@@ -273,7 +280,7 @@ def test_push_blocks_stay_with_the_request_until_c_can_no_longer_write(c_server)
     url, engine, server, _ = c_server
     d_kv = buffers(0)
     cfg = ExtConfig(push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2)
-    recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, cfg)
+    recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, NBLK, FP, cfg)
     gate = engine.gate("d:1")
     dst_blocks = (3, 4, 7)
     recv.start([PushJob("r1", url, tuple(TOKENS), None, None, 0, dst_blocks)])
@@ -300,7 +307,7 @@ def test_push_not_started_past_its_deadline_writes_nothing(c_server):
     d_kv = buffers(0)
     cfg = ExtConfig(push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2)
     # D's wall clock runs 10 s behind: the deadline it sends is already past for C
-    recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, cfg,
+    recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, NBLK, FP, cfg,
                         wall_clock=lambda: time.time() - 10)
     recv.start([PushJob("r2", url, tuple(TOKENS), None, None, 0, (3, 4, 7))])
     assert wait_until(lambda: bool(recv.merge_finished(None)), 5)
@@ -315,7 +322,7 @@ def test_push_with_no_answer_ends_only_after_the_hold(c_server):
     the push only once its hold (deadline + engine timeout + skew) has passed."""
     cfg = ExtConfig(push_timeout_s=0.3, engine_transfer_timeout_s=0.4, push_clock_skew_s=0.1)
     now = [100.0]
-    recv = PushReceiver("d:1", [1, 2], BLEN, BS, cfg, clock=lambda: now[0])
+    recv = PushReceiver("d:1", [1, 2], BLEN, BS, NBLK, FP, cfg, clock=lambda: now[0])
     recv.start([PushJob("r3", f"http://127.0.0.1:{free_port()}", tuple(TOKENS), None, None, 0,
                         (3, 4, 7))])
     time.sleep(0.5)  # the POST failed at once (connection refused)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
     PushBlocksRequest,
     PushBlocksResponse,
     PushRequestError,
@@ -14,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
 
 BS = 16
 NT = 4  # KV tensors registered by the serving instance
+NBLK = 64  # the destination's KV cache: blocks per tensor
+FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1)
 
 
 def body(**over):
@@ -23,10 +26,13 @@ def body(**over):
         "lora_name": None,
         "block_size": BS,
         "dst_session": "10.0.0.2:17777",
-        "dst_kv_base_addrs": [0x1000 * (i + 1) for i in range(NT)],
+        # one KV tensor every 4 GiB: disjoint for any block_len used here
+        "dst_kv_base_addrs": [(i + 1) << 32 for i in range(NT)],
         "dst_block_ids": [7, 8, 9],
         "request_id": "req-1",
         "deadline_unix_ms": 1_700_000_000_000,
+        "dst_num_blocks": NBLK,
+        "fingerprint": FP.model_dump(),
     }
     b.update(over)
     return b
@@ -88,7 +94,7 @@ def test_invalid_names_field(over, field):
 
 @pytest.mark.parametrize("missing", ["token_ids", "block_size", "dst_session",
                                      "dst_kv_base_addrs", "dst_block_ids",
-                                     "deadline_unix_ms"])
+                                     "deadline_unix_ms", "dst_num_blocks", "fingerprint"])
 def test_missing_required_field(missing):
     b = body()
     del b[missing]

@@ -11,6 +11,7 @@ import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
     PushJob,
     PushOutcome,
 )
@@ -19,6 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler im
 
 BS = 16
 SRC = "http://c:9000"
+# what D's scheduler knows of its KV cache, and C's (worker side: also bytes per block)
+FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1)
+C_FP = FP.model_copy(update={"block_len": 64, "num_kv_tensors": 2})
+SCHED_CONFIG = ExtConfig(push_match_timeout_s=1, push_sources=(SRC,))
+
+
+def scheduler():
+    return PushScheduler(BS, SCHED_CONFIG, FP)
 
 
 def req(rid="r1", n_tokens=5 * BS + 3, params=None, salt=None):
@@ -53,7 +62,7 @@ def matched(sched, r, local_tokens=0, answer=4):
             raise answer
         full = len(r.prompt_token_ids) // BS
         return http_answer(200, {"matched_blocks": answer, "matched_tokens": answer * BS,
-                                 "total_full_blocks": full})
+                                 "total_full_blocks": full, "fingerprint": C_FP.model_dump()})
 
     sched._http = SimpleNamespace(post=post)
     assert sched.get_num_new_matched_tokens(r, local_tokens) == (None, False)
@@ -64,14 +73,14 @@ def matched(sched, r, local_tokens=0, answer=4):
 
 
 def test_only_requests_naming_a_source_are_handled():
-    s = PushScheduler(BS, 1)
+    s = scheduler()
     assert s.handles(req())
     assert not s.handles(req(params={}))
     assert not s.handles(req(params={"push_from": SRC, "do_remote_prefill": True}))
 
 
 def test_held_blocks_become_async_external_tokens():
-    s = PushScheduler(BS, 1)
+    s = scheduler()
     r = req()
     assert matched(s, r) == (4 * BS, True)
     s.update_state_after_alloc(r, Blocks([30, 31, 32, 33, 34]), 4 * BS)
@@ -81,7 +90,7 @@ def test_held_blocks_become_async_external_tokens():
 
 
 def test_local_prefix_hit_is_not_pushed_again():
-    s = PushScheduler(BS, 1)
+    s = scheduler()
     r = req()
     assert matched(s, r, local_tokens=2 * BS) == (2 * BS, True)
     s.update_state_after_alloc(r, Blocks([7, 8, 30, 31]), 2 * BS)
@@ -90,18 +99,18 @@ def test_local_prefix_hit_is_not_pushed_again():
 
 
 def test_nothing_beyond_the_local_hit_means_no_push():
-    s = PushScheduler(BS, 1)
+    s = scheduler()
     assert matched(s, req(), local_tokens=4 * BS) == (0, False)
 
 
 def test_unreachable_source_falls_back_to_local_prefill():
-    s = PushScheduler(BS, 1)
+    s = scheduler()
     assert matched(s, req(), answer=ConnectionError("refused")) == (0, False)
     assert s.stats["match_failed"] == 1
 
 
 def test_blocks_that_did_not_land_are_prefilled_locally():
-    s = PushScheduler(BS, 1)
+    s = scheduler()
     r = req()
     matched(s, r, local_tokens=BS, answer=5)
     s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), 4 * BS)
@@ -115,11 +124,12 @@ def test_blocks_that_did_not_land_are_prefilled_locally():
     assert s.get_num_new_matched_tokens(r, BS) == (0, False)
     assert s.take_jobs() == []
     assert s.request_finished(r) is False
-    assert s.stats == {"requests": 1, "pushed_blocks": 1, "fallback_blocks": 3, "match_failed": 0}
+    assert s.stats == {"requests": 1, "pushed_blocks": 1, "fallback_blocks": 3, "match_failed": 0,
+                       "refused_sources": 0}
 
 
 def test_full_landing_changes_nothing():
-    s = PushScheduler(BS, 1)
+    s = scheduler()
     r = req()
     matched(s, r)
     s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), 4 * BS)
@@ -149,7 +159,7 @@ CONFIG = ExtConfig(push_timeout_s=1.0)
 
 
 @pytest.mark.parametrize("answer,landed", [
-    ((200, {"status": "ok", "pushed_blocks": 3}), 3),
+    ((200, {"status": "ok", "pushed_blocks": 3, "bytes": 3 * 64 * 2}), 3),
     ((200, {"status": "failed", "pushed_blocks": 0, "message": "x"}), 0),
     ((422, {"detail": {"field": "block_len"}}), 0),
     (TimeoutError("slow"), 0),
@@ -162,13 +172,15 @@ def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, 
         assert url == SRC + "/push_blocks" and body["dst_session"] == "d:1"
         assert body["first_block"] == 1 and body["dst_block_ids"] == [5, 6, 7]
         assert body["deadline_unix_ms"] == int((WALL + CONFIG.push_timeout_s) * 1000)
+        assert body["dst_num_blocks"] == 16 and body["fingerprint"] == C_FP.model_dump()
         posted.set()
         if isinstance(answer, Exception):
             raise answer
         return http_answer(*answer)
 
     clock = Clock()
-    rec = PushReceiver("d:1", [100, 200], 64, BS, CONFIG, clock=clock, wall_clock=lambda: WALL)
+    rec = PushReceiver("d:1", [100, 200], 64, BS, 16, C_FP, CONFIG, clock=clock,
+                       wall_clock=lambda: WALL)
     monkeypatch.setattr(rec._http, "post", post)
     rec.start([PushJob("r1", SRC, tuple(range(80)), None, None, 1, (5, 6, 7))])
     assert posted.wait(5)

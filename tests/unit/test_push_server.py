@@ -10,7 +10,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import FaultConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import KVFingerprint
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
@@ -29,6 +30,10 @@ TOKENS = list(range(100, 100 + 3 * BS + 2))  # 3 full blocks + 2 tokens
 C_BLOCKS = [5, 2, 9]
 NOW_MS = 1_700_000_000_000  # C's wall clock (ms), fixed
 DEADLINE_MS = NOW_MS + 30_000  # the push's deadline: not reached
+# C's and D's KV caches are alike (the fingerprint each sends / checks)
+FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="float32/auto", block_size=BS,
+                   tp_size=1, block_len=BLEN, num_kv_tensors=SLOTS)
+C_SESSION = "127.0.0.1:4321"  # C's own transfer engine (never a destination)
 
 
 class Instance:
@@ -61,15 +66,16 @@ def make(held=C_BLOCKS, salt=None, write=None, log=None):
     sync.on_metadata(HashDelta(events=events, hash_config=CFG))
     sync.after_step()
     log = [] if log is None else log
-    server = PushServer(sync, write or memmove_write(log), c.bases, BLEN,
-                        faults=FaultConfig(), wall_clock_ms=lambda: NOW_MS)
+    server = PushServer(sync, write or memmove_write(log), c.bases, BLEN, FP, C_SESSION,
+                        config=ExtConfig(), wall_clock_ms=lambda: NOW_MS)
     return server, c, d, log
 
 
 def body(d, **over):
     b = {"token_ids": TOKENS, "block_size": BS, "dst_session": "127.0.0.1:1234",
          "dst_kv_base_addrs": d.bases, "dst_block_ids": [0, 1, 2], "block_len": BLEN,
-         "request_id": "r1", "deadline_unix_ms": DEADLINE_MS}
+         "request_id": "r1", "deadline_unix_ms": DEADLINE_MS, "dst_num_blocks": NBLK,
+         "fingerprint": FP.model_dump()}
     b.update(over)
     return b
 
@@ -168,6 +174,6 @@ def test_block_evicted_during_the_write_reports_failed():
 
 def test_before_the_first_step_is_503():
     c, d = Instance(True), Instance(False)
-    server = PushServer(WorkerHashSync(BS), memmove_write([]), c.bases, BLEN,
+    server = PushServer(WorkerHashSync(BS), memmove_write([]), c.bases, BLEN, FP, C_SESSION,
                         wall_clock_ms=lambda: NOW_MS)
     assert server.push(body(d))[0] == 503

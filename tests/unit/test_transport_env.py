@@ -7,7 +7,16 @@ import textwrap
 
 import pytest
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import transport_env
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.transport_env import TCP_TRANSPORT_DEFAULTS, apply_transport_env_defaults
+
+
+@pytest.fixture(autouse=True)
+def default_bootstrap_host(monkeypatch):
+    """The defaults depend on MOONCAKE_BOOTSTRAP_HOST (config.load(), read once per
+    process): these tests use the default (0.0.0.0), whatever the environment says."""
+    monkeypatch.setattr(transport_env, "load", lambda: ExtConfig())
 
 
 def test_tcp_sets_every_default_when_unset():
@@ -22,6 +31,24 @@ def test_user_setting_wins():
     assert env["MC_TCP_ADMISSION_TIMEOUT_MS"] == "1234"
     assert "MC_TCP_ADMISSION_TIMEOUT_MS" not in applied
     assert env["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "65535"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3", "::1"])
+def test_engine_binds_where_the_bootstrap_server_does(monkeypatch, host):
+    monkeypatch.setattr(transport_env, "load", lambda: ExtConfig(bootstrap_host=host))
+    env = {}
+    applied = apply_transport_env_defaults("tcp", env)
+    assert applied == {**TCP_TRANSPORT_DEFAULTS, "MC_TCP_BIND_ADDRESS": host} == env
+    env = {"MC_TCP_BIND_ADDRESS": "0.0.0.0"}  # the user's setting wins
+    assert "MC_TCP_BIND_ADDRESS" not in apply_transport_env_defaults("tcp", env)
+    assert env["MC_TCP_BIND_ADDRESS"] == "0.0.0.0"
+    assert apply_transport_env_defaults("rdma", {}) == {}
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_wildcard_bind_sets_no_engine_address(monkeypatch, host):
+    monkeypatch.setattr(transport_env, "load", lambda: ExtConfig(bootstrap_host=host))
+    assert "MC_TCP_BIND_ADDRESS" not in apply_transport_env_defaults("tcp", {})
 
 
 @pytest.mark.parametrize("protocol", ["rdma", "efa", ""])

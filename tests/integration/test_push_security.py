@@ -1,0 +1,316 @@
+"""Prefix push is safe to expose: two real instances, the real Mooncake engine.
+
+C and D share a token (MOONCAKE_BOOTSTRAP_TOKEN). Checked here across the wire:
+- nothing unauthenticated: no or a wrong token -> 401 on every endpoint of ours;
+- fuzzing C's /push_blocks and /match_blocks with the token (so inputs reach
+  validation): only 4xx, C writes nothing (its push counters), both keep serving
+  and D's next answer is correct;
+- destinations C refuses: its own session, a session's second layout, block ids
+  beyond the destination's cache, a mismatched fingerprint;
+- limits: an oversized body, a million-token push, 200 concurrent pushes at a
+  black-hole session: 413/429 at once and a legitimate push still completes;
+- hostile or slow sources (a fake C in this process, on D's allowlist): absurd
+  answers, a KV-cache mismatch, an "ok" that proves nothing, a source trickling
+  bytes: D stays up and prefills locally, correctly, within its deadlines.
+Pure logic (TP=2 refusal, guard modes, the in-process fuzz of >= 1000 inputs per
+endpoint) is in tests/unit/test_push_security.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from harness.correctness import compare, reference_completion
+from harness.kv_usage import wait_no_blocks_in_use
+from harness.launcher import Cluster, InstanceSpec, free_port
+from harness.model import ModelShape, ensure_model
+from harness.pd_client import complete
+from harness.prompts import random_prompt as prompt
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 128
+TOKEN = "s3cret-token-for-tests"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+class FakeSource:
+    """A push source that answers what the test tells it to (on D's allowlist)."""
+
+    def __init__(self):
+        self.mode = "ok"
+        self.fingerprint: dict = {}
+        self.calls = 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                fake.calls += 1
+                n = int(self.headers.get("content-length", 0))
+                req = json.loads(self.rfile.read(n) or b"{}")
+                full = len(req.get("token_ids", [])) // BLOCK
+                if fake.mode == "slow":
+                    self.send_response(200)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", "1000")
+                    self.end_headers()
+                    for _ in range(120):  # one byte a second: per-read timeouts never fire
+                        try:
+                            self.wfile.write(b" ")
+                            self.wfile.flush()
+                        except OSError:
+                            return
+                        time.sleep(1)
+                    return
+                if self.path == "/match_blocks":
+                    matched = {"huge": 10**18, "negative": -5, "more": full + 50,
+                               "ok_inconsistent": full, "mismatch": full}[fake.mode]
+                    fp = dict(fake.fingerprint)
+                    if fake.mode == "mismatch":
+                        fp["block_size"] = 16
+                    body = {"matched_blocks": matched, "matched_tokens": matched * BLOCK,
+                            "total_full_blocks": full, "fingerprint": fp}
+                else:  # /push_blocks: claims success with numbers that do not add up
+                    n_blocks = len(req.get("dst_block_ids", []))
+                    body = {"status": "ok", "pushed_blocks": n_blocks, "bytes": 123,
+                            "matched_blocks": n_blocks}
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.port = free_port()
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    model = str(ensure_model(ModelShape()))
+    fake = FakeSource()
+    common = dict(model=model, kv_cache_gib=2, max_model_len=4096,
+                  extra_args=["--enable-prompt-tokens-details"],
+                  env={"MOONCAKE_BOOTSTRAP_TOKEN": TOKEN, "MOONCAKE_PUSH_MATCH_TIMEOUT_S": "3",
+                       "MOONCAKE_PUSH_MAX_CONCURRENT": "4"})
+    specs = [InstanceSpec("c", role="kv_producer", cores="0", **common),
+             InstanceSpec("d", role="kv_consumer", cores="1", extra_push_sources=[fake.url],
+                          **common)]
+    with Cluster(specs, tmp_path_factory.mktemp("logs")) as cl:
+        yield cl["c"], cl["d"], fake
+    fake.close()
+
+
+def post(url, body, headers=AUTH, timeout=30):
+    return httpx.post(url, json=body, headers=headers, timeout=timeout)
+
+
+def cached_on_c(c, ids):
+    complete(c.url, ids, max_tokens=1, logprobs=None, timeout=300)
+    deadline = time.monotonic() + 30
+    while True:
+        m = post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}).json()
+        if m["matched_blocks"] == len(ids) // BLOCK or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def push_stats(c):
+    return httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH, timeout=10).json()["push"]
+
+
+def assert_d_correct(c, d, seed):
+    ids = prompt(300, seed=seed)
+    got = complete(d.url, ids, max_tokens=4, logprobs=5, timeout=300)
+    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
+                    expected_cached_tokens=None)
+    assert check.ok, check.problems
+
+
+def test_every_endpoint_needs_the_token(env):
+    c, _, _ = env
+    ids = prompt(2 * BLOCK, seed=7000)
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
+        assert post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}, headers).status_code == 401
+        assert post(c.bootstrap_url + "/push_blocks", {}, headers).status_code == 401
+        assert httpx.get(c.bootstrap_url + "/hashsync", headers=headers).status_code == 401
+    assert httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH).status_code == 200
+
+
+def valid_push(c, ids, fingerprint, **over):
+    body = {"token_ids": ids, "block_size": BLOCK, "dst_session": "127.0.0.1:1",
+            "dst_kv_base_addrs": [(i + 1) << 32 for i in range(fingerprint["num_kv_tensors"])],
+            "dst_block_ids": list(range(len(ids) // BLOCK)), "first_block": 0,
+            "deadline_unix_ms": int(time.time() * 1000) + 60_000, "dst_num_blocks": 64,
+            "fingerprint": fingerprint}
+    body.update(over)
+    return body
+
+
+def mutations(rng, body):
+    """Malformed variants of a valid body."""
+    weird = [None, True, -1, 2**70, 1.5, float("nan"), "5", [], {}, "x" * 1000, [1, "a"], -2**63]
+    keys = list(body)
+    for _ in range(1000):
+        b = json.loads(json.dumps(body))
+        kind = rng.randrange(6)
+        if kind == 0:
+            b[rng.choice(keys)] = rng.choice(weird)
+        elif kind == 1:
+            del b[rng.choice(keys)]
+        elif kind == 2:
+            b[f"extra{rng.randrange(9)}"] = rng.choice(weird)
+        elif kind == 3 and b.get("dst_block_ids"):
+            b["dst_block_ids"] = [rng.choice([-1, 64, 10**9, 0, 0])] * rng.randrange(1, 5)
+        elif kind == 4:
+            b["fingerprint"] = {**b.get("fingerprint", {}), rng.choice(
+                ["model", "dtype", "block_size", "tp_size", "block_len"]): rng.choice(weird)}
+        else:
+            raw = json.dumps(b, allow_nan=True)
+            yield raw[: rng.randrange(len(raw))].encode()  # truncated JSON
+            continue
+        yield json.dumps(b, allow_nan=True).encode()
+
+
+def test_fuzzing_the_source_writes_nothing_and_both_keep_serving(env):
+    c, d, _ = env
+    ids = prompt(3 * BLOCK, seed=7100)
+    fp = cached_on_c(c, ids)["fingerprint"]
+    before = push_stats(c)
+    rng = random.Random(7)
+    codes: dict[int, int] = {}
+    tried = 0
+    for path, body in (("/push_blocks", valid_push(c, ids, fp)),
+                       ("/match_blocks", {"token_ids": ids, "cache_salt": None})):
+        for raw in mutations(rng, body):
+            r = httpx.post(c.bootstrap_url + path, content=raw, timeout=30,
+                           headers={**AUTH, "content-type": "application/json"})
+            codes[r.status_code] = codes.get(r.status_code, 0) + 1
+            tried += 1
+            assert r.status_code < 500, f"{path} answered {r.status_code} to {raw[:200]!r}"
+            if path == "/push_blocks":
+                assert r.status_code != 200 or r.json()["status"] != "ok", raw[:200]
+    after = push_stats(c)
+    assert after["bytes"] == before["bytes"] and after["ok"] == before["ok"], (before, after)
+    print(f"fuzz: {tried} inputs, answers {codes}, 5xx 0, bytes written "
+          f"{after['bytes'] - before['bytes']}")
+    assert tried >= 2000
+    assert_d_correct(c, d, 7101)
+
+
+def test_destinations_the_source_refuses(env):
+    c, _, _ = env
+    ids = prompt(2 * BLOCK, seed=7200)
+    fp = cached_on_c(c, ids)["fingerprint"]
+    before = push_stats(c)
+    own = httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH).json()
+    assert own["size"] > 0
+    cases = {
+        "block id beyond the destination": (valid_push(c, ids, fp, dst_block_ids=[0, 64]), 422),
+        "fingerprint mismatch": (valid_push(c, ids, {**fp, "block_size": 16}), 409),
+        "tp 2": (valid_push(c, ids, {**fp, "tp_size": 2}), 409),
+        "overlapping tensors": (valid_push(c, ids, fp, dst_kv_base_addrs=[
+            1 << 32] * fp["num_kv_tensors"]), 422),
+    }
+    for name, (body, code) in cases.items():
+        r = post(c.bootstrap_url + "/push_blocks", body)
+        assert r.status_code == code, (name, r.status_code, r.text)
+    # a session's layout is fixed by its first push (here: a black hole, nothing listens)
+    first = post(c.bootstrap_url + "/push_blocks", valid_push(c, ids, fp, dst_session="127.0.0.1:2"))
+    assert first.status_code == 200 and first.json()["status"] == "failed", first.text
+    other = post(c.bootstrap_url + "/push_blocks",
+                 valid_push(c, ids, fp, dst_session="127.0.0.1:2", dst_num_blocks=65))
+    assert other.status_code == 409, other.text
+    assert push_stats(c)["bytes"] == before["bytes"]
+
+
+def test_limits_answer_at_once_and_a_legitimate_push_still_completes(env):
+    c, d, _ = env
+    ids = prompt(4 * BLOCK, seed=7300)
+    fp = cached_on_c(c, ids)["fingerprint"]
+    t0 = time.monotonic()
+    big = b"[" + b"1," * 4_000_000 + b"1]"  # 8 MB: above the body limit
+    try:
+        r = httpx.post(c.bootstrap_url + "/push_blocks", content=big,
+                       headers={**AUTH, "content-type": "application/json"}, timeout=60)
+        assert r.status_code == 413, r.text
+    except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
+        pass  # the server answered 413 and closed before the whole body was sent
+    assert httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH, timeout=10).status_code == 200
+    million = post(c.bootstrap_url + "/push_blocks", valid_push(c, [1] * 1_000_000, fp))
+    assert million.status_code == 413, million.text
+    assert time.monotonic() - t0 < 20
+    # 200 concurrent pushes at a black-hole session: at most 4 run, the rest 429 at once
+    body = valid_push(c, ids, fp, dst_session="127.0.0.1:3")
+
+    def one(_):
+        t = time.monotonic()
+        code = post(c.bootstrap_url + "/push_blocks", body, timeout=120).status_code
+        return code, time.monotonic() - t
+
+    with cf.ThreadPoolExecutor(50) as pool:
+        answers = list(pool.map(one, range(200)))
+    codes = [code for code, _ in answers]
+    busy = [secs for code, secs in answers if code == 429]
+    assert set(codes) <= {200, 429} and busy, codes
+    assert max(busy) < 2.0, f"a 429 took {max(busy):.2f}s"
+    # a legitimate push (D, via push_from) still lands
+    turn2 = ids + prompt(40, seed=7301)
+    got = complete(d.url, turn2, max_tokens=4, logprobs=5, timeout=300,
+                   kv_transfer_params={"push_from": c.bootstrap_url})
+    assert got.cached_tokens == 4 * BLOCK, got.cached_tokens
+    check = compare(got, reference_completion(c.url, turn2, max_tokens=4),
+                    expected_cached_tokens=None)
+    assert check.ok, check.problems
+
+
+HOSTILE = ["huge", "negative", "more", "mismatch", "ok_inconsistent"]
+
+
+@pytest.mark.parametrize("mode", HOSTILE)
+def test_hostile_source_answers_leave_d_up_and_correct(env, mode):
+    c, d, fake = env
+    if not fake.fingerprint:
+        fake.fingerprint = cached_on_c(c, prompt(BLOCK, seed=7400))["fingerprint"]
+    fake.mode = mode
+    ids = prompt(3 * BLOCK + 5, seed=7410 + HOSTILE.index(mode))  # new to D: no local hit
+    got = complete(d.url, ids, max_tokens=4, logprobs=5, timeout=300,
+                   kv_transfer_params={"push_from": fake.url})
+    assert not got.cached_tokens, f"{mode}: {got.cached_tokens} tokens counted from a hostile source"
+    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
+                    expected_cached_tokens=None)
+    assert check.ok, (mode, check.problems)
+    assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+    assert wait_no_blocks_in_use(d.url) == (0.0,)
+
+
+def test_slow_loris_source_ends_by_local_prefill_within_the_deadline(env):
+    c, d, fake = env
+    fake.mode = "slow"
+    ids = prompt(2 * BLOCK + 9, seed=7500)
+    t0 = time.monotonic()
+    got = complete(d.url, ids, max_tokens=4, logprobs=5, timeout=120,
+                   kv_transfer_params={"push_from": fake.url})
+    took = time.monotonic() - t0
+    assert took < 3 + 20, f"took {took:.1f}s with a 3 s match deadline"
+    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
+                    expected_cached_tokens=None)
+    assert check.ok, check.problems
