@@ -13,6 +13,9 @@ MOONCAKE_LAYERWISE_MIN_TOKENS=N        256      shorter prompts go post-hoc (sam
 MOONCAKE_LAYERWISE_TIMEOUT_S           VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
                                                 P's wait for D's request, and for all of a
                                                 transfer's writes once D asked
+MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S    60       P fails D's request for a transfer P has not
+                                                scheduled within this (a queue longer than
+                                                this on P needs a larger value)
 MOONCAKE_IO_CPUS=LIST                  unset    CPU backend: transfer threads on these CPUs
 MOONCAKE_PUSH_MATCH_TIMEOUT_S          5        D's total wait for C's /match_blocks
 MOONCAKE_PUSH_TIMEOUT_S                30       C must start a push's write within this
@@ -112,6 +115,7 @@ class ExtConfig:
     layerwise: bool = False
     layerwise_min_tokens: int = 256
     layerwise_timeout_s: float = 480.0
+    layerwise_unknown_timeout_s: float = 60.0
     io_cpus: frozenset[int] | None = None
     push_match_timeout_s: float = 5.0
     push_timeout_s: float = 30.0
@@ -181,6 +185,8 @@ class ExtConfig:
                                              integer=True)),
             layerwise_timeout_s=_number(env, "MOONCAKE_LAYERWISE_TIMEOUT_S", abort_timeout,
                                         minimum=0.1),
+            layerwise_unknown_timeout_s=_number(env, "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S", 60.0,
+                                                minimum=0.1),
             io_cpus=io_cpus,
             push_match_timeout_s=_number(env, "MOONCAKE_PUSH_MATCH_TIMEOUT_S", 5.0, minimum=0.1),
             push_timeout_s=_number(env, "MOONCAKE_PUSH_TIMEOUT_S", 30.0, minimum=0.1),

@@ -20,6 +20,7 @@ read once (config.load()). The extension reads upstream state it is handed
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from ..hashsync.sync import register_routes as register_hashsync_routes
 from .auth import EndpointGuard
 from .config import ExtConfig, load
 from .gpu_order import record_after_compute
+from .kv_reader import KVReader
 from .layerwise.protocol import LayerwiseMetadata
 from .layerwise.pulls import PullOutcomes
 from .layerwise.scheduler import LayerwiseScheduler
@@ -187,15 +189,19 @@ class WorkerExtension:
         self.push_server: PushServer | None = None  # C
         self.push_receiver: PushReceiver | None = None  # D
         self._event_tensor: torch.Tensor | None = None
+        self._serving: set[asyncio.Task] = set()  # layer-wise answers to D in progress
 
     def on_kv_caches_registered(self, kv: RegisteredKV) -> None:
         cfg = self.config
         self._event_tensor = next(iter(kv.kv_caches.values()), None)
         fingerprint = local_fingerprint(self.vllm_config, kv.block_len, len(kv.base_addrs))
+        kv_reader = KVReader.for_kv_caches(kv.kv_caches, kv.split_k_and_v, kv.block_len,
+                                           kv.num_blocks)
         if not self.is_consumer and self.enable_prefix_caching:
             self.hashsync = WorkerHashSync(kv.block_size)
             self.push_server = PushServer(self.hashsync, kv.write_fn, kv.base_addrs,
-                                          kv.block_len, fingerprint, kv.session, cfg)
+                                          kv.block_len, fingerprint, kv.session, cfg,
+                                          reader=kv_reader.read)
             self.hashsync.stats_provider = lambda: dict(self.push_server.stats)  # type: ignore[union-attr]
         if cfg.layerwise and not self.is_consumer:
             self.sender = LayerwiseSender.for_kv_caches(
@@ -203,7 +209,8 @@ class WorkerExtension:
                 kv.block_size, cfg)
             logger.info("Mooncake layer-wise KV push enabled (MOONCAKE_LAYERWISE)")
         self.push_receiver = PushReceiver(kv.session, kv.base_addrs, kv.block_len,
-                                          kv.block_size, kv.num_blocks, fingerprint, cfg)
+                                          kv.block_size, kv.num_blocks, fingerprint, cfg,
+                                          kv=kv_reader)
 
     @property
     def bootstrap_host(self) -> str:
@@ -296,8 +303,18 @@ class WorkerExtension:
                 status=status, ok_reqs=ok or None, err_reqs=list(errs) or None,
                 err_msg="; ".join(sorted(set(errs.values()))) or None))
 
-        await self.sender.serve(f"{meta.remote_hostname}:{meta.remote_port}",
-                                list(meta.kv_caches_base_addr), dict(meta.req_blocks), reply)
+        # Served as a task of its own: one of upstream's few sender worker tasks
+        # must not wait out a transfer (the sender bounds how many may wait).
+        task = asyncio.create_task(self.sender.serve(
+            f"{meta.remote_hostname}:{meta.remote_port}", list(meta.kv_caches_base_addr),
+            dict(meta.req_blocks), reply))
+        self._serving.add(task)
+        task.add_done_callback(self._served)
+
+    def _served(self, task: asyncio.Task) -> None:
+        self._serving.discard(task)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            logger.error("Layer-wise: serving a decode instance's request failed: %r", e)
 
     def shutdown(self) -> None:
         if self.sender is not None:

@@ -3,9 +3,10 @@
 
 The forward pass calls :meth:`LayerwiseSender.on_metadata` before the model
 runs and :meth:`LayerwiseSender.layer_saved` after each attention layer; the
-writes that became possible are queued to one writer thread, which issues
-them with the transfer engine (``batch_transfer_sync_write``) in FIFO order
-while later layers compute. D's request for the KV (upstream's ZMQ
+writes that became possible are queued to the writer thread of their decode
+peer (one per D session, so a dead or slow peer stalls only its own
+transfers), which issues them with the transfer engine
+(``batch_transfer_sync_write``) in FIFO order while later layers compute. D's request for the KV (upstream's ZMQ
 MooncakeXferMetadata) is served by :meth:`LayerwiseSender.serve`, which
 answers each transfer exactly once.
 
@@ -61,6 +62,8 @@ WriteFn = Callable[[str, list[int], list[int], list[int]], int]
 Reply = Callable[[list[str], dict[str, str], bool], Awaitable[None]]
 
 STATS_KEPT = 256
+MAX_PEERS = 64  # writer threads (decode sessions) at once
+MAX_UNKNOWN = 1024  # destinations waiting for a transfer this instance has not seen
 
 
 def slots_by_layer(kv_caches: dict[str, torch.Tensor], split_k_and_v: bool
@@ -140,7 +143,8 @@ class LayerwiseSender:
         self._clock = clock
         self.tracker = LayerwiseTracker(len(self.local_base_addrs), block_size)
         self._lock = threading.Lock()
-        self._queue: queue.Queue[_Batch | None] = queue.Queue()
+        self._writers_lock = threading.Lock()
+        self._writers: dict[str, queue.Queue[_Batch | None]] = {}  # decode session -> queue
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._results: dict[str, tuple[float, str | None]] = {}  # ended: (when, error)
         self._deadlines: dict[str, float] = {}  # finished on P, no destination yet
@@ -151,9 +155,6 @@ class LayerwiseSender:
         self._finished_sending: set[str] = set()
         self.totals = _Totals()
         self._stats: collections.OrderedDict[str, TransferStats] = collections.OrderedDict()
-        self._writer = threading.Thread(target=self._writer_loop, name="vllm-mooncake-layerwise",
-                                        daemon=True)
-        self._writer.start()
 
     @classmethod
     def for_kv_caches(cls, write_fn: WriteFn, kv_caches: dict[str, torch.Tensor],
@@ -253,17 +254,20 @@ class LayerwiseSender:
                 return self._results[transfer_id][1] or "the transfer already ended"
             if transfer_id in self._waiters:
                 return "a second request for a transfer that is being served"
+            if self.tracker.get(transfer_id) is None and \
+                    len(self.tracker._pending) >= MAX_UNKNOWN:
+                return (f"{MAX_UNKNOWN} requests already wait for transfers this prefill "
+                        "instance has not scheduled; refusing more")
             self._waiters[transfer_id] = (loop, fut)
             ops = self.tracker.set_destination(transfer_id, dest)
         self._submit(ops, None)
         self._dispatch()
         try:
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-            except asyncio.TimeoutError:
-                pass
+            reason = await self._wait_or_timeout(transfer_id, fut)
+            if reason is None:
+                return fut.result()
             with self._lock:
-                self.tracker.fail(transfer_id, f"timed out after {self.timeout_s:.0f}s")
+                self.tracker.fail(transfer_id, reason)
             self._dispatch()
             # The end is handed out once no write of it is in flight; an
             # admitted write returns within the engine's transfer timeout.
@@ -278,6 +282,32 @@ class LayerwiseSender:
         finally:
             with self._lock:
                 self._waiters.pop(transfer_id, None)
+
+    async def _wait_or_timeout(self, transfer_id: str, fut: asyncio.Future) -> str | None:
+        """Wait for the transfer's end (None), or return why it must be failed: P
+        never scheduled it within MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S (an id
+        nobody announced: a stale or forged request on P's unauthenticated ZMQ
+        socket, which would otherwise hold a waiter for the whole timeout), or
+        it did not end within the transfer timeout."""
+        start = time.monotonic()
+        unknown_s = min(self.config.layerwise_unknown_timeout_s, self.timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), unknown_s)
+            return None
+        except asyncio.TimeoutError:
+            pass
+        with self._lock:
+            unknown = self.tracker.get(transfer_id) is None or \
+                transfer_id in self.tracker._pending
+        if unknown:
+            return (f"this prefill instance never scheduled transfer {transfer_id} within "
+                    f"{unknown_s:.0f}s (MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S)")
+        try:
+            await asyncio.wait_for(asyncio.shield(fut),
+                                   max(0.0, self.timeout_s - (time.monotonic() - start)))
+            return None
+        except asyncio.TimeoutError:
+            return f"timed out after {self.timeout_s:.0f}s"
 
     async def serve(self, session: str, base_addrs: list[int],
                     req_blocks: dict[str, tuple[str, list[int]]], reply: Reply) -> None:
@@ -302,47 +332,72 @@ class LayerwiseSender:
                     errs[tasks[task]] = e
             await reply(ok, errs, not pending)
 
-    # ---- writer thread ---------------------------------------------------------
+    # ---- writer threads (one per decode peer) ---------------------------------
     def _submit(self, ops: list[WriteOp], events: tuple[ComputeEvent | None, ...] | None) -> None:
+        """Queue the writes to their destination's writer (one FIFO per decode peer)."""
         if not ops:
             return
         if events is None:  # reads what earlier layers/steps computed
             with self._lock:
                 events = tuple(self._slot_events[s] for s in {op.slot for op in ops})
         uniq = tuple({id(e): e for e in events if e is not None}.values())
-        self._queue.put(_Batch(ops, uniq))
+        by_session: dict[str, list[WriteOp]] = {}
+        for op in ops:
+            by_session.setdefault(op.session, []).append(op)
+        for session, sops in by_session.items():
+            writer = self._writer_for(session)
+            if writer is None:
+                with self._lock:
+                    for tid in {op.transfer_id for op in sops}:
+                        self.tracker.fail(tid, f"more than {MAX_PEERS} decode peers at once; "
+                                          f"refusing a writer for {session}")
+                self._dispatch()
+                continue
+            writer.put(_Batch(sops, uniq))
 
-    def _writer_loop(self) -> None:
+    def _writer_for(self, session: str) -> queue.Queue[_Batch | None] | None:
+        """The queue of the writer thread serving ``session``, started on first use:
+        a dead or slow decode peer stalls only the transfers to it."""
+        with self._writers_lock:
+            q = self._writers.get(session)
+            if q is None:
+                if len(self._writers) >= MAX_PEERS:
+                    return None
+                q = self._writers[session] = queue.Queue()
+                threading.Thread(target=self._writer_loop, args=(session, q), daemon=True,
+                                 name=f"vllm-mooncake-layerwise-{len(self._writers)}").start()
+            return q
+
+    def idle(self) -> bool:
+        """No queued batch and no write in flight (tests)."""
+        with self._writers_lock:
+            queues = list(self._writers.values())
+        with self._lock:
+            inflight = any(t.inflight for t in self.tracker.transfers.values())
+        return not inflight and all(q.empty() for q in queues)
+
+    def _writer_loop(self, session: str, q: queue.Queue[_Batch | None]) -> None:
+        """One decode peer's writer: admits each batch's writes (dropping those of
+        ended transfers), waits for the compute they read, writes, reports."""
         move_current_thread_to_io_cpus(self.config.io_cpus)
         deprioritize_current_poller(self.config.io_cpus)  # the engine's sync write busy-polls
-        while True:
-            batch = self._queue.get()
-            if batch is None:
-                return
-            by_session: dict[str, list[WriteOp]] = {}
-            for op in batch.ops:
-                by_session.setdefault(op.session, []).append(op)
-            events_waited = False
-            for session, sops in by_session.items():
-                with self._lock:
-                    run, dropped = self.tracker.start_writes(sops)
-                    now = self._clock()
-                    for op in dropped:
-                        self.totals.writes_dropped += 1
-                        self._stat(op.transfer_id).writes_dropped += 1
-                    prompt_lens = set()
-                    for op in run:
-                        st = self._stat(op.transfer_id)
-                        if st.first_write_start is None:
-                            st.first_write_start = now
-                        prompt_lens.add(self.tracker.transfers[op.transfer_id].prompt_len)
-                if not run:
-                    continue
-                if not events_waited:
-                    wait_all(batch.events)
-                    events_waited = True
+        while (batch := q.get()) is not None:
+            with self._lock:
+                run, dropped = self.tracker.start_writes(batch.ops)
+                now = self._clock()
+                for op in dropped:
+                    self.totals.writes_dropped += 1
+                    self._stat(op.transfer_id).writes_dropped += 1
+                prompt_lens = set()
+                for op in run:
+                    st = self._stat(op.transfer_id)
+                    if st.first_write_start is None:
+                        st.first_write_start = now
+                    prompt_lens.add(self.tracker.transfers[op.transfer_id].prompt_len)
+            if run:
+                wait_all(batch.events)
                 self._write(session, run, prompt_lens)
-                self._dispatch()
+            self._dispatch()
 
     def _write(self, session: str, ops: list[WriteOp], prompt_lens: set[int]) -> None:
         src, dst, lens = [], [], []
@@ -383,7 +438,9 @@ class LayerwiseSender:
             logger.error("Layer-wise push: %s", err)
 
     def shutdown(self) -> None:
-        self._queue.put(None)
+        with self._writers_lock:
+            for q in self._writers.values():
+                q.put(None)
 
     # ---- completion ------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -427,7 +484,8 @@ class LayerwiseSender:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"totals": asdict(self.totals),
+            return {"totals": {**asdict(self.totals),
+                               "waiting_unknown": len(self.tracker._pending)},
                     "transfers": [asdict(s) for s in self._stats.values()]}
 
 

@@ -103,6 +103,9 @@ class PushBlocksRequest(_Strict):
     # address inside [base, base + dst_num_blocks * block_len) of its tensor
     dst_num_blocks: StrictInt
     fingerprint: KVFingerprint  # D's; C refuses (409) unless equal to its own
+    # proof of write: (index into dst_block_ids, KV tensor, byte offset) positions
+    # whose source bytes C returns after its write (kv_reader.py)
+    probes: list[tuple[StrictInt, StrictInt, StrictInt]] = []
 
 
 class PushBlocksResponse(_Strict):
@@ -114,6 +117,8 @@ class PushBlocksResponse(_Strict):
     bytes: StrictInt = 0
     seconds: float = 0.0
     message: str = ""
+    # hex of the source bytes at each probe whose block was pushed (None otherwise)
+    probe_values: list[StrictStr | None] = []
 
 
 def _parse(model: type[BaseModel], payload: Any) -> Any:
@@ -144,6 +149,7 @@ def _check_session(session: str) -> None:
 
 
 ADDRESS_LIMIT = 1 << 64
+MAX_PROBES = 16
 
 
 def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
@@ -204,6 +210,13 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
         raise PushRequestError("dst_block_ids", "duplicate block ids")
     if req.deadline_unix_ms <= 0:
         raise PushRequestError("deadline_unix_ms", "must be positive")
+    if len(req.probes) > MAX_PROBES:
+        raise PushRequestError("probes", f"at most {MAX_PROBES}")
+    for i, slot, offset in req.probes:
+        if not (0 <= i < n and 0 <= slot < num_kv_tensors and offset >= 0
+                and (block_len is None or offset + 8 <= block_len)):
+            raise PushRequestError("probes", f"probe ({i}, {slot}, {offset}) outside the pushed "
+                                   "blocks")
     if req.dst_num_blocks <= 0:
         raise PushRequestError("dst_num_blocks", "must be positive")
     if max(req.dst_block_ids) >= req.dst_num_blocks:

@@ -21,11 +21,12 @@ locally into them nor give them back to the pool.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -33,6 +34,7 @@ from vllm.logger import init_logger
 
 from ..auth import client_headers
 from ..config import ExtConfig
+from ..kv_reader import PROBE_BYTES, KVReader
 from .protocol import KVFingerprint, PushBlocksRequest, PushBlocksResponse, PushJob, PushOutcome
 
 logger = init_logger(__name__)
@@ -48,6 +50,8 @@ class PushTransfer:
     hold_until: float  # monotonic: no write of C can land after this
     landed: int | None = None  # C's answer: leading blocks written (0: none)
     ended: bool = False
+    probes: list[tuple[int, int, int]] = field(default_factory=list)
+    canaries: list[bytes] = field(default_factory=list)  # planted at the probes
 
     def answered(self, landed: int) -> None:
         if self.landed is None:
@@ -73,7 +77,8 @@ class PushReceiver:
     def __init__(self, session: str, base_addrs: list[int], block_len: int, block_size: int,
                  num_blocks: int, fingerprint: KVFingerprint, config: ExtConfig,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time, kv: KVReader | None = None,
+                 num_probes: int = 8):
         self.session = session
         self.base_addrs = list(base_addrs)
         self.block_len = block_len
@@ -81,6 +86,10 @@ class PushReceiver:
         self.num_blocks = num_blocks
         self.fingerprint = fingerprint
         self.config = config
+        # proof of write (kv_reader.py); None only in tests that fake the bytes' path
+        self.kv = kv
+        self.num_probes = num_probes
+        self._rng = random.SystemRandom()
         self._clock = clock
         self._wall_clock = wall_clock
         self._pool: ThreadPoolExecutor | None = None
@@ -99,10 +108,32 @@ class PushReceiver:
         cfg = self.config
         for job in jobs:
             t = PushTransfer(job, now, int((wall + cfg.push_timeout_s) * 1000),
-                             now + cfg.push_hold_s)
+                             now + cfg.push_hold_s, probes=self.make_probes(job))
+            t.canaries = self.plant_canaries(job, t.probes)
             with self._lock:
                 self._transfers[job.req_id] = t
             self._pool.submit(self._run, t)
+
+    def make_probes(self, job: PushJob) -> list[tuple[int, int, int]]:
+        """Random positions in the blocks asked for, the first block always among
+        them (whatever C pushes starts there)."""
+        if self.kv is None or not job.dst_block_ids:
+            return []
+        n, slots = len(job.dst_block_ids), len(self.base_addrs)
+        offsets = (self.block_len - PROBE_BYTES) // PROBE_BYTES
+        pick = lambda i: (i, self._rng.randrange(slots), PROBE_BYTES * self._rng.randrange(offsets + 1))  # noqa: E731
+        return [pick(0)] + [pick(self._rng.randrange(n)) for _ in range(self.num_probes - 1)]
+
+    def plant_canaries(self, job: PushJob, probes: list[tuple[int, int, int]]) -> list[bytes]:
+        """Random bytes at the probes, in blocks this request owns and nothing reads
+        before the push ended: a source that does not write cannot know them."""
+        canaries = []
+        for i, slot, off in probes:
+            c = self._rng.getrandbits(8 * PROBE_BYTES).to_bytes(PROBE_BYTES, "little")
+            assert self.kv is not None
+            self.kv.write(slot, job.dst_block_ids[i], off, c)
+            canaries.append(c)
+        return canaries
 
     def request(self, t: PushTransfer) -> PushBlocksRequest:
         job = t.job
@@ -112,7 +143,7 @@ class PushReceiver:
             dst_kv_base_addrs=self.base_addrs, dst_block_ids=list(job.dst_block_ids),
             first_block=job.first_block, block_len=self.block_len, request_id=job.req_id,
             deadline_unix_ms=t.deadline_unix_ms, dst_num_blocks=self.num_blocks,
-            fingerprint=self.fingerprint)
+            fingerprint=self.fingerprint, probes=t.probes)
 
     def _run(self, t: PushTransfer) -> None:
         job, landed = t.job, 0
@@ -124,7 +155,7 @@ class PushReceiver:
             if r.status_code == 200:
                 resp = PushBlocksResponse.model_validate_json(r.content[:1 << 20])
                 if resp.status == "ok":
-                    landed = self.proven_blocks(job, resp)
+                    landed = self.proven_blocks(job, resp, t.probes, t.canaries)
                     logger.debug("push for %s: %d blocks in %.3f s", job.req_id, landed,
                                  resp.seconds)
                 else:
@@ -141,9 +172,12 @@ class PushReceiver:
         with self._lock:
             t.answered(landed)
 
-    def proven_blocks(self, job: PushJob, resp: PushBlocksResponse) -> int:
-        """Blocks an "ok" answer accounts for: never more than asked, and only if
-        the bytes it reports are exactly those blocks' (else none: D recomputes)."""
+    def proven_blocks(self, job: PushJob, resp: PushBlocksResponse,
+                      probes: list[tuple[int, int, int]] | None = None,
+                      canaries: list[bytes] | None = None) -> int:
+        """Blocks an "ok" answer accounts for: never more than asked, only if the
+        bytes it reports are exactly those blocks', and only if this instance's
+        blocks hold the source's bytes at every probe (else none: D recomputes)."""
         n = resp.pushed_blocks
         expected_bytes = n * self.block_len * len(self.base_addrs)
         if not 0 <= n <= len(job.dst_block_ids) or resp.bytes != expected_bytes:
@@ -152,6 +186,23 @@ class PushReceiver:
                            job.req_id, job.source, n, resp.bytes, len(job.dst_block_ids),
                            self.block_len * len(self.base_addrs))
             return 0
+        if n and probes and self.kv is not None:
+            values = resp.probe_values
+            canaries = canaries or [b""] * len(probes)
+            ok = len(values) == len(probes)
+            for (i, slot, off), value, canary in zip(probes, values, canaries) if ok else ():
+                if i >= n:
+                    continue
+                held = self.kv.read(slot, job.dst_block_ids[i], off)
+                if value != held.hex() or held == canary:
+                    ok = False
+                    break
+            if not ok:
+                logger.warning("push for %s from %s: the answer says %d blocks were written, "
+                               "but this instance's blocks do not hold the source's bytes at "
+                               "the probed positions; prefilling locally", job.req_id,
+                               job.source, n)
+                return 0
         return n
 
     def merge_finished(self, finished_recving: set[str] | None) -> set[str] | None:

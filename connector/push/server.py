@@ -38,6 +38,7 @@ from ..auth import EndpointGuard
 from ..block_runs import block_entries
 from ..config import ExtConfig, FaultConfig
 from ..fault_injection import write_fault
+from ..kv_reader import ReadFn
 from .protocol import (
     KVFingerprint,
     MatchBlocksResponse,
@@ -68,8 +69,10 @@ class PushServer:
     def __init__(self, sync: WorkerHashSync, write_fn: WriteFn, base_addrs: Sequence[int],
                  block_len: int, fingerprint: KVFingerprint, local_session: str,
                  config: ExtConfig = ExtConfig(),
-                 wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)):
+                 wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+                 reader: ReadFn | None = None):
         self.sync = sync
+        self.reader = reader  # proof of write: source bytes at D's probes
         self.write_fn = write_fn
         self.base_addrs = list(base_addrs)
         self.block_len = block_len
@@ -196,6 +199,9 @@ class PushServer:
             logger.warning("push_blocks %s: %s", req.request_id, err)
             return 200, resp.model_dump()
         resp.status, resp.pushed_blocks, resp.bytes = "ok", n, sum(lens)
+        if self.reader is not None:
+            resp.probe_values = [self.reader(slot, src_blocks[i], off).hex() if i < n else None
+                                 for i, slot, off in req.probes]
         if n < len(req.dst_block_ids):
             resp.message = f"{n} of {len(req.dst_block_ids)} requested blocks held"
         self.stats["ok"] += 1

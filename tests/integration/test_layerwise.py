@@ -25,6 +25,7 @@ pytestmark = pytest.mark.integration
 
 MAX_BATCHED = 256
 FAULTY_PROMPT_LEN = 777
+UNKNOWN_TIMEOUT_S = 8
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def cluster(tmp_path_factory):
                   extra_args=["--enable-prompt-tokens-details"],
                   env={"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
                        # only a prompt of exactly this length gets its writes failed
-                       "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)})
+                       "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN),
+                       "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": str(UNKNOWN_TIMEOUT_S)})
     specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
              InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
     with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
@@ -145,3 +147,79 @@ def test_failed_write_fails_one_request_and_both_keep_serving(cluster):
     ref = reference_completion(p.url, ids, max_tokens=3)
     check = compare(r.decode, ref, expected_cached_tokens=599)
     assert check.ok, check.problems
+
+
+def fuzz_socket(ctx, addr, valid, rng) -> tuple[int, int]:
+    """Send 1000 malformed messages and 200 requests for unknown transfers to P's
+    worker socket; return (sent, answered) after waiting for every answer."""
+    import msgspec
+    import zmq
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    sent = 0
+    for i in range(1000):
+        kind = i % 4
+        if kind == 0:
+            msg = rng.randbytes(rng.randrange(0, 200))
+        elif kind == 1:
+            raw = msgspec.msgpack.encode(valid)
+            msg = raw[: rng.randrange(len(raw))]
+        elif kind == 2:
+            m = dict(valid)
+            m[rng.choice(list(m))] = rng.choice([None, -1, "x", 2**64 - 1, -2**63, [], {"a": 1}])
+            msg = msgspec.msgpack.encode(m)
+        else:
+            msg = msgspec.msgpack.encode([1, 2, 3]) if i % 8 == 3 else b"\xc1"
+        sock.send(msg)
+        sent += 1
+    for i in range(200):  # well formed, transfers P never scheduled
+        m = dict(valid, req_blocks={f"r{i}": [f"ghost-{i}", [1, 2]]})
+        sock.send(msgspec.msgpack.encode(m))
+        sent += 1
+    # Every message is answered (an error, or the end of its transfer): none lost,
+    # the requests for unknown transfers within the unknown timeout.
+    answered = 0
+    deadline = time.monotonic() + UNKNOWN_TIMEOUT_S + 90
+    while answered < sent and time.monotonic() < deadline:
+        if sock.poll(1000):
+            sock.recv()
+            answered += 1
+    return sent, answered
+
+
+def test_fuzzing_the_prefill_zmq_socket_leaves_p_serving_and_nothing_waiting(cluster):
+    """P's worker socket (upstream's unauthenticated ZMQ protocol) gets 1000
+    malformed messages and 200 well-formed requests for transfers P never
+    scheduled. P answers or drops them, never dies; the requests for unknown
+    transfers end after MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S instead of holding a
+    waiter each for the whole transfer timeout; afterwards a P->D request is
+    byte-exact."""
+    import random
+
+    import zmq
+
+    p, d = cluster["prefill"], cluster["decode"]
+    q = httpx.get(p.bootstrap_url + "/query", timeout=10).json()
+    addr = next(iter(next(iter(q.values()))["worker_addr"].values()))
+    addr = addr if isinstance(addr, str) else next(iter(addr.values()))
+    rng = random.Random(11)
+    valid = {"remote_hostname": "127.0.0.1", "remote_port": 1, "remote_tp_size": 1,
+             "remote_tp_rank": 0, "req_blocks": {"r": ["t", [1, 2]]},
+             "kv_caches_base_addr": [4096] * 4}
+    ctx = zmq.Context()
+    try:
+        sent, answered = fuzz_socket(ctx, addr, valid, rng)
+    finally:
+        ctx.destroy(linger=0)  # never leave a socket open: Context.__del__ would block
+    assert answered == sent, f"{sent - answered} of {sent} messages never answered"
+    assert httpx.get(p.url + "/health", timeout=10).status_code == 200
+    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10).json()["totals"]
+    assert stats["waiting_unknown"] == 0, f"unknown transfers still waiting: {stats}"
+    ids = prompt(500, seed=5000)
+    r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300)
+    check = compare(r.decode, reference_completion(p.url, ids, max_tokens=3),
+                    expected_cached_tokens=499)
+    assert check.ok, check.problems
+    print(f"zmq fuzz: {sent} messages, P alive, 0 unknown transfers left waiting")

@@ -63,10 +63,11 @@ KV = torch.zeros(1)  # layer_saved only needs a tensor (CPU: no event)
 
 
 class GatedEngine:
-    """write_fn stub: records every write; writes to a gated session block until
-    the gate opens."""
+    """write_fn stub: records every write under a label (its session, or what
+    ``label`` says); writes with a gated label block until the gate opens."""
 
-    def __init__(self):
+    def __init__(self, label=None):
+        self.label = label or (lambda session, dst: session)
         self.log: list[tuple[float, str, tuple[int, ...]]] = []
         self.gates: dict[str, threading.Event] = {}
         self.entered: dict[str, threading.Event] = {}
@@ -78,11 +79,12 @@ class GatedEngine:
         return self.gates[session]
 
     def __call__(self, session, src, dst, lens) -> int:
-        if session in self.gates:
-            self.entered[session].set()
-            assert self.gates[session].wait(10), "test gate never opened"
+        label = self.label(session, dst)
+        if label in self.gates:
+            self.entered[label].set()
+            assert self.gates[label].wait(10), "test gate never opened"
         with self.lock:
-            self.log.append((time.monotonic(), session, tuple(dst)))
+            self.log.append((time.monotonic(), label, tuple(dst)))
         return 0
 
     def writes_to(self, session: str) -> list[float]:
@@ -119,8 +121,17 @@ def make_sender(engine, timeout_s=0.3):
                            event_factory=lambda t: None)
 
 
+D_BASES = [1_000_000, 2_000_000]
+
+
 def dest(session, first):
-    return Destination(session, [1_000_000, 2_000_000], [first, first + 1])
+    return Destination(session, D_BASES, [first, first + 1])
+
+
+def by_transfer(session, dst):
+    """Label of a write into one decode instance: A's blocks are 100.., B's 200.."""
+    block = (dst[0] - D_BASES[0]) // 64 if dst[0] < D_BASES[1] else (dst[0] - D_BASES[1]) // 64
+    return "A" if block < 150 else "B"
 
 
 def step(tid, blocks=(1, 2), tokens=8):
@@ -137,20 +148,23 @@ def wait_until(cond, timeout=5.0):
 
 
 def start_a_blocked_then_b_queued(sender, engine, loop):
-    """A's write is inside the engine (gated); B's write is queued behind it."""
-    gate_a = engine.gate("dA:1")
-    fa = loop.submit(sender.push("A", dest("dA:1", 100)))
-    fb = loop.submit(sender.push("B", dest("dB:1", 200)))
+    """A's write is inside the engine (gated); B's write to the same decode
+    instance is queued behind it."""
+    gate_a = engine.gate("A")
+    fa = loop.submit(sender.push("A", dest("d:1", 100)))
+    fb = loop.submit(sender.push("B", dest("d:1", 200)))
     # D's addresses arrive first and wait for P's scheduler to announce the transfers
     assert wait_until(lambda: {"A", "B"} <= set(sender.tracker._pending))
-    sender.on_metadata(LayerwiseMetadata(steps=[step("A", (1, 2)), step("B", (3, 4))]))
-    sender.layer_saved("l0", KV)  # A's and B's writes become ready
-    assert engine.entered["dA:1"].wait(5)
+    sender.on_metadata(LayerwiseMetadata(steps=[step("A", (1, 2))]))
+    sender.layer_saved("l0", KV)  # A's write: into the engine, held there
+    assert engine.entered["A"].wait(5)
+    sender.on_metadata(LayerwiseMetadata(steps=[step("B", (3, 4))]))
+    sender.layer_saved("l0", KV)  # the next step computes B: its write queues behind A's
     return gate_a, fa, fb
 
 
 def test_layerwise_queued_write_of_timed_out_transfer_never_runs(loop):
-    engine = GatedEngine()
+    engine = GatedEngine(by_transfer)
     sender = make_sender(engine, timeout_s=0.3)
     gate_a, fa, fb = start_a_blocked_then_b_queued(sender, engine, loop)
     err_b = fb.result(5)  # B times out while its write waits behind A's
@@ -158,16 +172,16 @@ def test_layerwise_queued_write_of_timed_out_transfer_never_runs(loop):
     assert err_b and "timed out" in err_b
     gate_a.set()
     fa.result(5)
-    assert wait_until(lambda: sender._queue.empty())
+    assert wait_until(lambda: sender.idle())
     time.sleep(0.1)
-    late = [t for t in engine.writes_to("dB:1") if t >= ended_b]
+    late = [t for t in engine.writes_to("B") if t >= ended_b]
     assert late == [], f"{len(late)} writes of transfer B ran after its end was reported"
     assert sender.snapshot()["totals"]["writes_dropped"] >= 1
     sender.shutdown()
 
 
 def test_layerwise_queued_write_of_aborted_transfer_never_runs(loop):
-    engine = GatedEngine()
+    engine = GatedEngine(by_transfer)
     sender = make_sender(engine, timeout_s=30)
     gate_a, fa, fb = start_a_blocked_then_b_queued(sender, engine, loop)
     # P's request of B is aborted while B's write is queued
@@ -178,9 +192,42 @@ def test_layerwise_queued_write_of_aborted_transfer_never_runs(loop):
     assert "pB" in sender.poll()  # nothing of B in flight: its blocks may go
     gate_a.set()
     assert fa.result(5) is None
-    assert wait_until(lambda: sender._queue.empty())
+    assert wait_until(lambda: sender.idle())
     time.sleep(0.1)
-    assert [t for t in engine.writes_to("dB:1") if t >= ended_b] == []
+    assert [t for t in engine.writes_to("B") if t >= ended_b] == []
+    sender.shutdown()
+
+
+def test_layerwise_a_dead_decode_peer_stalls_only_its_own_transfers(loop):
+    """One writer per decode peer: while the write to peer A hangs (a dead D),
+    a transfer to peer B completes."""
+    engine = GatedEngine()
+    sender = make_sender(engine, timeout_s=30)
+    gate_a = engine.gate("dA:1")
+    fa = loop.submit(sender.push("A", dest("dA:1", 100)))
+    fb = loop.submit(sender.push("B", dest("dB:1", 200)))
+    assert wait_until(lambda: {"A", "B"} <= set(sender.tracker._pending))
+    sender.on_metadata(LayerwiseMetadata(steps=[step("A", (1, 2)), step("B", (3, 4))]))
+    sender.layer_saved("l0", KV)
+    assert engine.entered["dA:1"].wait(5)
+    assert fb.result(5) is None, "the transfer to a live peer waited behind a dead one"
+    assert not fa.done()
+    gate_a.set()
+    assert fa.result(5) is None
+    sender.shutdown()
+
+
+def test_layerwise_unknown_transfer_ids_are_capped(loop, monkeypatch):
+    """Transfer ids P never scheduled (sent to its unauthenticated ZMQ socket) each
+    hold a waiter; beyond a cap they are refused at once."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import sender as mod
+
+    monkeypatch.setattr(mod, "MAX_UNKNOWN", 20)
+    sender = make_sender(GatedEngine(), timeout_s=30)
+    futs = [loop.submit(sender.push(f"x{i}", dest("d:1", 100))) for i in range(25)]
+    refused = [f.result(5) for f in futs[20:]]
+    assert all(r and "refusing more" in r for r in refused), refused
+    assert len(sender.tracker._pending) == 20
     sender.shutdown()
 
 
@@ -331,3 +378,28 @@ def test_push_with_no_answer_ends_only_after_the_hold(c_server):
     now[0] += 0.02
     assert recv.merge_finished(None) == {"r3"}
     assert recv.take_outcome().landed == {"r3": 0}
+
+
+def test_layerwise_request_for_a_transfer_never_scheduled_ends_after_the_unknown_timeout(loop):
+    """A destination for a transfer id P never schedules (stale, or forged on P's
+    ZMQ socket) is answered with an error after MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S,
+    not after the whole transfer timeout; a transfer P does schedule in time
+    goes on normally."""
+    cfg = ExtConfig(layerwise=True, layerwise_timeout_s=30, layerwise_unknown_timeout_s=0.3,
+                    engine_transfer_timeout_s=5)
+    engine = GatedEngine()
+    sender = LayerwiseSender(engine, {"l0": [0, 1]}, [10_000, 20_000], 64, BS, cfg,
+                             event_factory=lambda t: None)
+    t0 = time.monotonic()
+    ghost = loop.submit(sender.push("ghost", dest("d:1", 100)))
+    real = loop.submit(sender.push("R", dest("d:1", 200)))
+    assert wait_until(lambda: {"ghost", "R"} <= set(sender.tracker._pending))
+    sender.on_metadata(LayerwiseMetadata(steps=[step("R", (3, 4))]))  # P schedules R
+    err = ghost.result(5)
+    assert err and "never scheduled" in err and time.monotonic() - t0 < 3
+    assert "ghost" not in sender.tracker._pending
+    time.sleep(0.5)
+    assert not real.done()  # R waits for its KV, not for the unknown timeout
+    sender.layer_saved("l0", KV)
+    assert real.result(5) is None
+    sender.shutdown()

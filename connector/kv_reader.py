@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Read a few bytes of this instance's registered KV blocks (proof of write).
+
+A push source answering "ok" is believed only if it proves the write: D
+plants random canaries at random probe positions (KV tensor, block, byte
+offset) of the blocks it asks for, which it owns and nobody reads until the
+push ended, and sends the positions with the push; C answers the bytes of
+its source blocks there, read after its write returned; D checks that its
+memory now holds exactly those bytes and no longer its canary. A source that
+did not write can neither make D's memory hold its bytes nor guess the
+canaries (push/receiver.py).
+
+Reads go through torch, so they work for CPU and CUDA tensors alike (on
+CUDA each read is a small device-to-host copy, after the transfer has
+completed). Verified on the CPU backend only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+PROBE_BYTES = 8
+ReadFn = Callable[[int, int, int], bytes]  # (slot, block id, offset) -> PROBE_BYTES bytes
+WriteFn = Callable[[int, int, int, bytes], None]  # (slot, block id, offset, PROBE_BYTES bytes)
+
+
+class KVReader:
+    def __init__(self, slot_tensors: Sequence[torch.Tensor], block_len: int, num_blocks: int):
+        self.block_len = block_len
+        self.num_blocks = num_blocks
+        self._flat = [t.view(torch.uint8).reshape(-1) for t in slot_tensors]
+        for t in self._flat:
+            if t.numel() < num_blocks * block_len:
+                raise ValueError("a registered KV tensor is smaller than num_blocks * block_len")
+
+    @classmethod
+    def for_kv_caches(cls, kv_caches: dict[str, torch.Tensor], split_k_and_v: bool,
+                      block_len: int, num_blocks: int) -> KVReader:
+        tensors, seen = [], set()
+        for cache in kv_caches.values():  # the order and de-duplication of registration
+            for t in (cache if split_k_and_v else [cache]):
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    tensors.append(t)
+        return cls(tensors, block_len, num_blocks)
+
+    def _start(self, slot: int, block: int, offset: int) -> int:
+        if not (0 <= slot < len(self._flat) and 0 <= block < self.num_blocks
+                and 0 <= offset <= self.block_len - PROBE_BYTES):
+            raise ValueError(f"probe ({slot}, {block}, {offset}) outside the KV cache")
+        return block * self.block_len + offset
+
+    def read(self, slot: int, block: int, offset: int) -> bytes:
+        start = self._start(slot, block, offset)
+        return bytes(self._flat[slot][start:start + PROBE_BYTES].cpu().numpy().tobytes())
+
+    def write(self, slot: int, block: int, offset: int, data: bytes) -> None:
+        start = self._start(slot, block, offset)
+        t = self._flat[slot]
+        t[start:start + PROBE_BYTES] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(
+            t.device)
