@@ -165,7 +165,7 @@ class SchedulerExtension:
             meta.hash_delta = self.hashsync.build()
         if scheduler_output.total_num_scheduled_tokens == 0:
             # An empty step: the engine keeps stepping only to learn that
-            # transfers ended (see keeps_stepping_while_blocks_held); don't spin.
+            # transfers ended (see keeps_engine_stepping); don't spin.
             time.sleep(self.config.idle_step_interval_s)
         return meta
 
@@ -322,6 +322,6 @@ class WorkerExtension:
 
 
 def keeps_engine_stepping() -> bool:
-    """MooncakeConnector's answer to the scheduler (patch 0006): finished requests
+    """MooncakeConnector's answer to the scheduler (patch 0009): finished requests
     whose blocks wait for a transfer to end are released only during a step."""
     return True

@@ -254,8 +254,8 @@ class LayerwiseSender:
                 return self._results[transfer_id][1] or "the transfer already ended"
             if transfer_id in self._waiters:
                 return "a second request for a transfer that is being served"
-            if self.tracker.get(transfer_id) is None and \
-                    len(self.tracker._pending) >= MAX_UNKNOWN:
+            if self.tracker.unannounced(transfer_id) and \
+                    self.tracker.num_unannounced() >= MAX_UNKNOWN:
                 return (f"{MAX_UNKNOWN} requests already wait for transfers this prefill "
                         "instance has not scheduled; refusing more")
             self._waiters[transfer_id] = (loop, fut)
@@ -297,8 +297,7 @@ class LayerwiseSender:
         except asyncio.TimeoutError:
             pass
         with self._lock:
-            unknown = self.tracker.get(transfer_id) is None or \
-                transfer_id in self.tracker._pending
+            unknown = self.tracker.unannounced(transfer_id)
         if unknown:
             return (f"this prefill instance never scheduled transfer {transfer_id} within "
                     f"{unknown_s:.0f}s (MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S)")
@@ -485,7 +484,7 @@ class LayerwiseSender:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"totals": {**asdict(self.totals),
-                               "waiting_unknown": len(self.tracker._pending)},
+                               "waiting_unknown": self.tracker.num_unannounced()},
                     "transfers": [asdict(s) for s in self._stats.values()]}
 
 

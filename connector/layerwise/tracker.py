@@ -316,6 +316,14 @@ class LayerwiseTracker:
     def get(self, transfer_id: str) -> Transfer | None:
         return self.transfers.get(transfer_id)
 
+    def unannounced(self, transfer_id: str) -> bool:
+        """D asked for this transfer and P's scheduler has not announced it (yet)."""
+        return transfer_id in self._pending or transfer_id not in self.transfers
+
+    def num_unannounced(self) -> int:
+        """Destinations waiting for a transfer P's scheduler has not announced."""
+        return len(self._pending)
+
     # ---- internals -----------------------------------------------------------
     def _get_or_create(self, transfer_id: str, p_req_id: str, prompt_len: int) -> Transfer:
         t = self.transfers.get(transfer_id)

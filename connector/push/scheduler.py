@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""D's scheduler side of prefix push migration (hashsync's POST /push_blocks).
+"""D's scheduler side of prefix push migration (C's POST /push_blocks, server.py).
 
 A request whose ``kv_transfer_params`` hold ``{"push_from": "<C's bootstrap
 URL>"}`` (and no ``do_remote_prefill``) asks C, in a background thread, how
@@ -8,7 +8,7 @@ many leading full blocks of its prompt C's prefix cache holds
 returns ``None`` (vLLM keeps the request waiting and asks again next step).
 The held blocks beyond D's own prefix hit are counted as external tokens and
 loaded asynchronously: D's worker posts ``/push_blocks`` with the blocks
-vLLM allocated (push_receiver.py) and reports, through the worker metadata,
+vLLM allocated (receiver.py) and reports, through the worker metadata,
 how many landed. If fewer landed than promised (C evicted them, the write
 failed, C is unreachable, a timeout), the request's computed tokens are cut
 back to what landed *before* vLLM caches the blocks, so the rest is prefilled
