@@ -7,6 +7,11 @@
     python build.py export [--force] tree commits -> patches/*.patch + series, overlay copied back
     python build.py check [--json]   CI: series, headers, zero-fuzz apply on the sdist, overlay
     python build.py reset [--force]  back to the pristine tree
+    python build.py compat [--since V | --versions A,B] [--upstream-git DIR]
+                                     which patches, overlay files and imports survive newer releases
+    python build.py rebase --onto V  3-way rebase of the series onto release V -> rolls/V/
+    python build.py rebase --continue | --abort
+    python build.py --patches rolls/V COMMAND   any command on a rolled series
 
 Exit codes: 0 ok, 1 problems found, 2 could not run.
 The project root is this file's directory, or --root / $VMP_ROOT.
@@ -48,6 +53,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Path(os.environ.get("VMP_ROOT") or Path(__file__).resolve().parent),
         help="project root holding patches/ (default: $VMP_ROOT or this file's directory)",
     )
+    parser.add_argument(
+        "--patches",
+        default="patches",
+        metavar="DIR",
+        help="folder (under the root) holding upstream.toml, series and the patches: "
+        "patches (default) or a rolled series, rolls/<version>",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser(
         "fetch", help="download (pip) and verify the pinned sdist into the cache"
@@ -77,11 +89,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--force", action="store_true", help="discard edits no patch captures"
     )
+    p = sub.add_parser(
+        "compat",
+        help="grid: does the series (and the overlay's imports) apply to newer releases",
+    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--versions", help="comma-separated upstream versions, e.g. 0.19.0,0.23.0"
+    )
+    which.add_argument(
+        "--since",
+        help="every final release on the index newer than this (default: the pin)",
+    )
+    p.add_argument(
+        "--upstream-git",
+        type=Path,
+        help="a vLLM git clone with v<version> tags: name the commits that broke a patch",
+    )
+    p.add_argument(
+        "--json",
+        dest="json_out",
+        type=Path,
+        help="write the JSON report here (default results/compat.json)",
+    )
+    p.add_argument(
+        "--no-cache", action="store_true", help="recompute every version's result"
+    )
+    p = sub.add_parser(
+        "rebase",
+        help="carry the series onto another release (3-way; stops at conflicts)",
+    )
+    p.add_argument("--onto", metavar="VERSION", help="the upstream release, e.g. 0.19.0")
+    step = p.add_mutually_exclusive_group()
+    step.add_argument(
+        "--continue", dest="cont", action="store_true",
+        help="go on after resolving and staging a conflict",
+    )
+    step.add_argument(
+        "--abort", action="store_true", help="give up: remove the roll's tree and folder"
+    )
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    project = Project(args.root.resolve())
+    project = Project(args.root.resolve(), patches=args.patches.strip("/"))
     if args.command == "fetch":
         return commands.fetch(project)
     if args.command == "apply":
@@ -94,6 +145,17 @@ def run(args: argparse.Namespace) -> int:
         return commands.check(project, as_json=args.json)
     if args.command == "reset":
         return commands.reset(project, force=args.force)
+    if args.command == "compat":
+        return commands.compat(
+            project,
+            versions=args.versions,
+            since=args.since,
+            upstream_git=args.upstream_git,
+            json_path=args.json_out,
+            use_cache=not args.no_cache,
+        )
+    if args.command == "rebase":
+        return commands.rebase(project, onto=args.onto, cont=args.cont, abort=args.abort)
     raise AssertionError(args.command)
 
 

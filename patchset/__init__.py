@@ -16,6 +16,8 @@ Layout, one concern per module:
 - ``export``: the tree's commits back to patch files, overlay copied back.
 - ``status``: what ``build.py status`` reports, as data.
 - ``check``: the CI check (static + in-memory zero-fuzz apply on the tarball).
+- ``build_defaults``: what ``pip install -e`` of the tree builds with (device,
+  precompiled kernels' wheel), recorded in the tree by ``apply``.
 - ``commands``: the subcommands behind ``build.py`` (printing, exit codes).
 """
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import upstream
+from . import confine, upstream
 from .errors import EXIT_CANNOT_RUN, EXIT_OK, EXIT_PROBLEMS
 from .exactapply import PatchDoesNotApply, apply_patch, touched_paths
 from .headers import header_problems
@@ -19,7 +19,7 @@ from .series import Patch, decode, read_patch
 
 @dataclass
 class Problem:
-    kind: str  # series | parse | header | apply | overlay
+    kind: str  # series | parse | header | confinement | apply | overlay
     message: str
     patch: str | None = None
     detail: dict | None = None
@@ -108,6 +108,15 @@ def run_check(project: Project) -> CheckResult:
                 )
             )
 
+    # Every path of every patch (and of the overlay) must stay inside the tree.
+    tree = project.rel(project.tree)
+    refused = confine.project_violations(project, patches, on_disk=False)
+    for v in refused:
+        patch_name = v.patch if v.line is not None else None
+        result.problems.append(
+            Problem("confinement", v.message(tree), patch_name, v.to_json(tree))
+        )
+
     sdist = upstream.cached_sdist(manifest)
     result.sdist = str(sdist)
     if not sdist.is_file():
@@ -136,6 +145,9 @@ def run_check(project: Project) -> CheckResult:
         return decode(raw[path]) if path in raw else None
 
     for i, patch in enumerate(patches):
+        if any(v.patch == patch.name for v in refused):  # reported above
+            result.unchecked = [p.name for p in patches[i + 1 :]]
+            break
         try:
             changes = apply_patch(patch, read)
         except PatchDoesNotApply as exc:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from . import upstream
+from . import build_defaults, upstream
 from .check import run_check
-from .errors import EXIT_OK, EXIT_PROBLEMS
+from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .export import export
 from .gitrepo import git_version
 from .project import Project
@@ -32,6 +32,8 @@ def apply(project: Project, *, force: bool) -> int:
     if not tree.present():
         tree.create_baseline(upstream.fetch(project.manifest, say), say)
     tree.apply(patches, force=force, say=say)
+    # what `pip install -e <tree>` builds with (device, precompiled kernels)
+    build_defaults.record(project.root, tree.path, project.git_dir, say)
     return EXIT_OK
 
 
@@ -96,9 +98,52 @@ def check(project: Project, *, as_json: bool) -> int:
     return result.exit_code
 
 
+def compat(
+    project: Project,
+    *,
+    versions: str | None,
+    since: str | None,
+    upstream_git,
+    json_path,
+    use_cache: bool,
+) -> int:
+    from . import compat as compat_
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    wanted = compat_.resolve_versions(project, versions, since)
+    if not wanted:
+        say(f"compat: no {project.manifest.name} release newer than {since}")
+        return EXIT_OK
+    report = compat_.run_compat(
+        project, wanted, upstream_git=upstream_git, use_cache=use_cache, say=progress
+    )
+    out = json_path or compat_.default_json(project)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(compat_.render(report))
+    progress(f"compat: JSON written to {out} ({report['seconds']} s)")
+    return compat_.exit_code(report)
+
+
+def rebase(project: Project, *, onto: str | None, cont: bool, abort: bool) -> int:
+    from . import rebase as rebase_
+
+    git_version()
+    if cont:
+        return rebase_.continue_(project, onto, say)
+    if abort:
+        return rebase_.abort(project, onto, say)
+    if not onto:
+        raise PatchsetError("rebase needs --onto VERSION (or --continue / --abort)")
+    return rebase_.start(project, onto, say)
+
+
 _HINTS = {
     "changed": "patch file changed since it was applied: run apply",
     "pending": "not applied: run apply",
+    "amended": "its commit was changed in the tree (amend, fixup, rebase): run export",
     "missing": "listed in the series but the file does not exist",
     "applied, file missing": "applied, but the file is gone from patches/",
 }
@@ -154,6 +199,9 @@ def render_status(data: dict) -> str:
                 lines.append(
                     f"overlay:  edited in the tree, not copied back (run export): {', '.join(ov['tree_edited'])}"
                 )
+    if data.get("confinement"):
+        lines.append("paths leaving the tree (apply refuses them; fix and run check):")
+        lines += [f"  {v['message']}" for v in data["confinement"]]
     if data["uncaptured"]:
         lines.append("uncaptured edits (no patch holds them):")
         lines += [f"  {e['path']}  ({e['why']})" for e in data["uncaptured"]]

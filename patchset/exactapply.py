@@ -16,11 +16,13 @@ of any file does not match, nothing is returned.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import unidiff
 
+from . import confine
 from .errors import ProblemsFound
 from .series import Patch, split_lines
 
@@ -121,6 +123,30 @@ class PatchDoesNotApply(ProblemsFound):
             "actual": self.actual,
             "offset": self.offset,
             "note": self.note,
+        }
+
+
+class PatchLeavesTree(PatchDoesNotApply):
+    """A path of the patch leaves the tree (``confine``); nothing is applied."""
+
+    def __init__(
+        self, patch: str, found: list[confine.Violation], tree: str = ""
+    ) -> None:
+        self.violations = found
+        self.tree = tree
+        super().__init__(patch, found[0].path, found[0].message(tree))
+
+    def describe(self) -> str:
+        lines = [f"patch {self.patch} touches paths outside the tree; refused:"]
+        lines += [f"  {v.message(self.tree)}" for v in self.violations]
+        if self.note:
+            lines.append(f"  {self.note}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            **super().to_json(),
+            "confinement": [v.to_json(self.tree) for v in self.violations],
         }
 
 
@@ -259,13 +285,25 @@ def _mode(pf: unidiff.PatchedFile) -> int | None:
     return None
 
 
-def apply_patch(patch: Patch, read: Reader) -> dict[str, FileResult]:
+def apply_patch(
+    patch: Patch,
+    read: Reader,
+    *,
+    root: Path | None = None,
+    links: Mapping[str, str | None] = {},
+) -> dict[str, FileResult]:
     """Validate a whole patch against ``read`` and return the new file states.
 
     ``read(path)`` gives the current text of a file (None when it does not
     exist). Raises PatchDoesNotApply naming the file, the hunk and the first
     mismatching line; nothing is returned (so nothing is written) in that case.
+    First of all, every path must stay inside the tree (``confine``: ``root``
+    is the tree on disk, ``links`` the symlinks earlier patches made), else
+    PatchLeavesTree.
     """
+    found = confine.violations(patch, root, links)
+    if found:
+        raise PatchLeavesTree(patch.name, found)
     if patch.parse_error:
         raise PatchDoesNotApply(
             patch.name, "", f"it cannot be parsed: {patch.parse_error}"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import overlay, state
+from . import identity, overlay, state
+from .confine import PathsOutsideTree, series_violations
 from .errors import ProblemsFound
 from .series import (
     canonical_patch,
@@ -82,8 +83,14 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
     exclude = sorted(analysis.overlay_paths)
     new_entries: list[state.AppliedPatch] = []
     contents: dict[str, bytes] = {}
+    ids = analysis.ids
+    # A commit keeps the file its Patch-Filename trailer names (amend, fixup,
+    # reword and reordering keep it); a new commit, or a hand-written patch
+    # without the NNNN- prefix, gets the next free number.
+    numbers = [_number(n) for n in [*old_series.names, *ids.patch_of.values()]]
+    next_number = max([n for n in numbers if n is not None], default=0) + 1
     for commit in analysis.chain:
-        if commit == st.overlay_commit:
+        if commit == ids.overlay:
             continue
         raw = tree.repo.format_patch(commit, exclude)
         if not raw.strip():
@@ -91,12 +98,25 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
                 f"export: commit {commit[:12]} only touches overlay files; no patch for it"
             )
             continue
-        data = canonical_patch(raw)
+        data = canonical_patch(identity.strip_trailer(raw))
         patch = parse_patch("", data)
-        name = patch_file_name(len(new_entries) + 1, patch.header.subject or "patch")
+        name = ids.patch_of.get(commit)
+        if name is None or name in contents or _number(name) is None:
+            name = patch_file_name(next_number, patch.header.subject or "patch")
+            next_number += 1
         contents[name] = data
         new_entries.append(state.AppliedPatch(name, patch.sha256, commit, patch.title))
 
+    outside, _ = series_violations(parse_patch(n, d) for n, d in contents.items())
+    if outside:
+        commits = ", ".join(f"{e.name} = commit {e.commit[:12]}" for e in new_entries)
+        raise PathsOutsideTree(
+            "export",
+            outside,
+            project.rel(tree.path),
+            f"Nothing was written. The patches come from tree commits ({commits}): "
+            f"fix those commits (`{project.git_cmd()} rebase -i`), then export again.",
+        )
     for i, (name, data) in enumerate(contents.items(), 1):
         path = project.patch_path(name)
         if path.is_file() and path.read_bytes() == data:
@@ -140,6 +160,8 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
         )
 
     st.patches = new_entries
+    st.overlay_commit = ids.overlay
+    _tag_commits(tree, analysis, st, say)
     state.save(tree.git_dir, st)
     say(
         f"export: {len(result.written)} patch files written, {len(result.unchanged)} unchanged, "
@@ -151,10 +173,52 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
     return result
 
 
+def _tag_commits(tree: Tree, analysis: Analysis, st: state.State, say: Say) -> None:
+    """Give every exported commit the trailer naming its patch file (and the overlay
+    commit its own), so later amends, fixups and reorders keep their patch.
+    Only messages change: trees, authors and the work tree stay as they are."""
+    messages = tree.repo.messages(st.pristine)
+    new_messages: dict[str, str] = {}
+    for entry in st.patches:
+        message = messages[entry.commit]
+        if identity.patch_name_of(message) != entry.name:
+            new_messages[entry.commit] = identity.tag_patch_message(
+                identity.untag(message), entry.name
+            )
+    overlay_commit = st.overlay_commit
+    if overlay_commit and not identity.is_overlay(messages[overlay_commit]):
+        new_messages[overlay_commit] = identity.tag_overlay_message(messages[overlay_commit])
+    if not new_messages:
+        return
+    first = min(analysis.chain.index(c) for c in new_messages)
+    mapping = tree.repo.reword(
+        analysis.chain[first - 1] if first else st.pristine,
+        analysis.chain[first:],
+        new_messages,
+    )
+    for entry in st.patches:
+        entry.commit = mapping.get(entry.commit, entry.commit)
+    if overlay_commit:
+        st.overlay_commit = mapping.get(overlay_commit, overlay_commit)
+    say(
+        f"export: {len(new_messages)} tree commits now carry their "
+        f"{identity.PATCH_TRAILER}: trailer (messages only; files unchanged)"
+    )
+
+
+def _number(name: str) -> int | None:
+    head = name.split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 def _stale_inputs(tree: Tree, analysis: Analysis, series_names: list[str]) -> list[str]:
     """Series patches and overlay files that are newer in the repo than in the tree."""
     project = tree.project
-    applied = {p.name: p for p in analysis.state.patches if p.commit in analysis.chain}
+    applied = {
+        p.name: p
+        for p in analysis.state.patches
+        if p.commit in analysis.chain or p.name in analysis.ids.amended
+    }
     stale = []
     for name in series_names:
         path = project.patch_path(name)

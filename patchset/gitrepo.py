@@ -47,6 +47,9 @@ class StatusEntry:
         return self.code == "??"
 
 
+# rebase --continue/--skip/--abort never open an editor
+_NO_EDITOR = {"GIT_EDITOR": "true", "GIT_SEQUENCE_EDITOR": "true"}
+
 MIN_GIT = (2, 32)  # GIT_CONFIG_GLOBAL (hermetic config), init --initial-branch
 
 
@@ -178,6 +181,16 @@ class GitRepo:
         out = self.run("rev-list", "--first-parent", "--reverse", f"{base}..{head}")
         return out.split()
 
+    def messages(self, base: str, head: str = "HEAD") -> dict[str, str]:
+        """Raw commit messages of base..head, by commit id."""
+        out = self.run("log", "--format=%H%x00%B%x00", f"{base}..{head}")
+        parts = out.split("\0")
+        return {
+            parts[i].strip(): parts[i + 1]
+            for i in range(0, len(parts) - 1, 2)
+            if parts[i].strip()
+        }
+
     def parent_count(self, commit: str) -> int:
         return len(self.run("rev-list", "--parents", "-n", "1", commit).split()) - 1
 
@@ -250,6 +263,44 @@ class GitRepo:
 
     # -- writing ----------------------------------------------------------
 
+    def reword(self, base: str, commits: list[str], messages: dict[str, str]) -> dict[str, str]:
+        """Recreate ``commits`` (a first-parent chain on ``base``) with new messages.
+
+        Trees, authors and author dates are kept, so the work tree and the index
+        do not change; the current branch is moved to the new last commit.
+        Commits not in ``messages`` keep their message (but get a new id when
+        an earlier one changed). Returns old id -> new id.
+        """
+        mapping: dict[str, str] = {}
+        parent = base
+        msg_file = self.git_dir / "PATCHSET_REWORD_MSG"
+        try:
+            for commit in commits:
+                name, email, date = self.run(
+                    "log", "-1", "--format=%an%x00%ae%x00%aI", commit
+                ).split("\0")
+                message = messages.get(commit)
+                if message is None:
+                    raw = self.run_bytes("cat-file", "commit", commit)
+                    msg_file.write_bytes(raw.split(b"\n\n", 1)[1])
+                else:
+                    msg_file.write_bytes(message.encode("utf-8", "surrogateescape"))
+                env = {
+                    "GIT_AUTHOR_NAME": name,
+                    "GIT_AUTHOR_EMAIL": email,
+                    "GIT_AUTHOR_DATE": date,
+                }
+                parent = self.run(
+                    "commit-tree", f"{commit}^{{tree}}", "-p", parent, "-F", str(msg_file),
+                    env=env,
+                ).strip()
+                mapping[commit] = parent
+        finally:
+            msg_file.unlink(missing_ok=True)
+        if commits:
+            self.run("update-ref", "-m", "build.py: reword", "HEAD", parent)
+        return mapping
+
     def add_all(self) -> None:
         self.run("add", "-A")
 
@@ -287,6 +338,60 @@ class GitRepo:
         head = self.head()
         assert head is not None
         return head
+
+    def fetch_refs(self, other_git_dir: Path, refspecs: list[str]) -> None:
+        """Copy refs (and their objects) from another local repository."""
+        self.run("fetch", "-q", "--no-tags", str(other_git_dir), *refspecs)
+
+    def delete_refs(self, refs: list[str]) -> None:
+        for ref in refs:
+            self._ok("update-ref", "-d", ref)
+
+    def set_branch(self, branch: str, rev: str = "HEAD") -> None:
+        """Point ``branch`` at rev and make it the current branch (files untouched)."""
+        self.run("update-ref", f"refs/heads/{branch}", rev)
+        self.run("symbolic-ref", "HEAD", f"refs/heads/{branch}")
+
+    # -- rebase (3-way; stops at a conflict with the work tree ready to resolve) --
+
+    def rebase_onto(self, onto: str, upstream: str, branch: str) -> bool:
+        """``git rebase --onto``; False when it stopped at a conflict."""
+        return self._rebase("-q", "--onto", onto, upstream, branch)
+
+    def rebase_continue(self) -> bool:
+        return self._rebase("--continue")
+
+    def rebase_skip(self) -> bool:
+        return self._rebase("--skip")
+
+    def rebase_abort(self) -> None:
+        if self.rebase_in_progress():
+            self.run("rebase", "--abort", env=_NO_EDITOR)
+
+    def _rebase(self, *args: str) -> bool:
+        try:
+            self.run("rebase", *args, env=_NO_EDITOR)
+        except GitError:
+            if self.rebase_in_progress():
+                return False
+            raise
+        return not self.rebase_in_progress()
+
+    def rebase_in_progress(self) -> bool:
+        return (self.git_dir / "rebase-merge").is_dir() or (
+            self.git_dir / "rebase-apply"
+        ).is_dir()
+
+    def rebase_stopped_at(self) -> str | None:
+        """The commit being replayed when the rebase stopped, if any."""
+        return self.rev_parse("REBASE_HEAD")
+
+    def unmerged_files(self) -> list[str]:
+        out = self.run("diff", "--name-only", "--diff-filter=U", "-z")
+        return sorted({p for p in out.split("\0") if p})
+
+    def index_matches_head(self) -> bool:
+        return self._ok("diff", "--cached", "--quiet", "HEAD")
 
     def tag(self, name: str, rev: str = "HEAD") -> None:
         self.run("tag", "-f", name, rev)

@@ -9,29 +9,32 @@ from pathlib import Path
 from . import overlay, series
 from .upstream import Manifest, load_manifest
 
-MANIFEST = "patches/upstream.toml"
-SERIES = "patches/series"
+PATCHES = "patches"  # the pinned series; `build.py rebase` writes others to rolls/<version>
+MANIFEST = "upstream.toml"
+SERIES = "series"
 
 
 @dataclass
 class Project:
     root: Path
+    patches: str = PATCHES  # folder (relative to root) with upstream.toml, series, *.patch
+    tree_override: Path | None = None  # build the tree elsewhere (rebase's scratch copy)
 
     @cached_property
     def manifest(self) -> Manifest:
-        return load_manifest(self.root / MANIFEST)
+        return load_manifest(self.patches_dir / MANIFEST)
 
     @property
     def patches_dir(self) -> Path:
-        return self.root / "patches"
+        return self.root / self.patches
 
     @property
     def series_path(self) -> Path:
-        return self.root / SERIES
+        return self.patches_dir / SERIES
 
     @property
     def tree(self) -> Path:
-        return self.root / self.manifest.tree
+        return self.tree_override or self.root / self.manifest.tree
 
     @property
     def git_dir(self) -> Path:

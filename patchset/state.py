@@ -16,7 +16,9 @@ from pathlib import Path
 from .errors import PatchsetError
 
 STATE_FILE = "patchset-state.json"
-VERSION = 1
+# 2: patch commits carry the Patch-Filename trailer (patchset/identity.py);
+# apply rebuilds a version-1 tree's commits so they get it.
+VERSION = 2
 
 
 @dataclass
@@ -33,6 +35,7 @@ class State:
     pristine: str
     patches: list[AppliedPatch] = field(default_factory=list)
     overlay_commit: str | None = None
+    version: int = VERSION
 
     def commits(self) -> list[str]:
         """The commit chain this state expects on top of the pristine commit."""
@@ -53,6 +56,7 @@ def load(git_dir: Path) -> State | None:
             pristine=data["pristine"],
             patches=[AppliedPatch(**p) for p in data.get("patches", [])],
             overlay_commit=data.get("overlay_commit"),
+            version=int(data.get("version", 1)),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise PatchsetError(
@@ -63,7 +67,7 @@ def load(git_dir: Path) -> State | None:
 
 def save(git_dir: Path, state: State) -> None:
     path = git_dir / STATE_FILE
-    data = {"version": VERSION, **asdict(state)}
+    data = asdict(state)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)

