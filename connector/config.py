@@ -103,11 +103,17 @@ class FaultConfig:
     # (the engine call returns, bytes landed, only after the delay)
     delay_write_prompt_len: int | None = None
     delay_write_s: float = 0.0
+    # P: after W writes of a transfer of a prompt of exactly N tokens, hold its writer
+    # S seconds before the next one (a fault test acts at that moment: link down, kill)
+    hold_write_prompt_len: int | None = None
+    hold_write_after: int = 0
+    hold_write_s: float = 0.0
 
     @property
     def armed(self) -> bool:
         return (self.zero_recv_block is not None or self.fail_write_prompt_len is not None
-                or self.delay_write_prompt_len is not None)
+                or self.delay_write_prompt_len is not None
+                or self.hold_write_prompt_len is not None)
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,19 @@ class ExtConfig:
             except ValueError:
                 raise ConfigError("MOONCAKE_FAULT_DELAY_WRITE must be PROMPT_LEN:SECONDS, got "
                                   f"{delay_raw!r}") from None
+        hold_raw = env.get("MOONCAKE_FAULT_HOLD_WRITE", "").strip()
+        hold = (None, 0, 0.0)
+        if hold_raw:
+            try:
+                n, w, secs = hold_raw.split(":")
+                hold = (int(n), int(w), float(secs))
+            except ValueError:
+                raise ConfigError("MOONCAKE_FAULT_HOLD_WRITE must be PROMPT_LEN:WRITES:SECONDS, "
+                                  f"got {hold_raw!r}") from None
         faults = FaultConfig(
+            hold_write_prompt_len=hold[0],
+            hold_write_after=hold[1],
+            hold_write_s=hold[2],
             zero_recv_block=_opt_int(env, "MOONCAKE_FAULT_ZERO_RECV_BLOCK"),
             fail_write_prompt_len=_opt_int(env, "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"),
             delay_write_prompt_len=delay_len,

@@ -34,7 +34,7 @@ from ..hashsync.recorder import HashDelta
 from ..hashsync.sync import SchedulerHashSync, WorkerHashSync
 from ..hashsync.sync import register_routes as register_hashsync_routes
 from .auth import EndpointGuard
-from .config import ExtConfig, load
+from .config import ExtConfig, is_loopback, load
 from .gpu_order import record_after_compute
 from .kv_reader import KVReader
 from .layerwise.protocol import LayerwiseMetadata
@@ -216,6 +216,16 @@ class WorkerExtension:
     def bootstrap_host(self) -> str:
         """Where the bootstrap server binds (MOONCAKE_BOOTSTRAP_HOST; upstream: 0.0.0.0)."""
         return self.config.bootstrap_host
+
+    def registration_host(self, upstream_host: str) -> str:
+        """Where this worker registers with the bootstrap server. Upstream uses the DP
+        master's address, 127.0.0.1 by default; a server bound by MOONCAKE_BOOTSTRAP_HOST
+        to one non-loopback address is not listening there (the worker then retried
+        for ever): register at the bind address instead."""
+        bind = self.config.bootstrap_host
+        if bind not in ("0.0.0.0", "::") and is_loopback(upstream_host) and not is_loopback(bind):
+            return bind
+        return upstream_host
 
     def register_routes(self, app: Any) -> None:
         """Our routes on the bootstrap server (served by the first worker), each

@@ -14,6 +14,11 @@ MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN=N  P/C: every layer-wise or /push_blocks wr
                                         had returned -1)
 MOONCAKE_FAULT_DELAY_WRITE=N:S          P/C: such writes return S seconds late, bytes
                                         landing at the end (a slow link or peer)
+MOONCAKE_FAULT_HOLD_WRITE=N:W:S         P: after W writes of a layer-wise transfer of such
+                                        a prompt, its writer waits S seconds before the
+                                        next one: the moment a fault test acts (the
+                                        transfer's "writes" in GET /layerwise/transfers
+                                        reads W while it waits)
 """
 
 from __future__ import annotations
@@ -46,12 +51,19 @@ def zero_received_block(
                    block_id)
 
 
-def write_fault(faults: FaultConfig, prompt_len: int) -> str | None:
+def write_fault(faults: FaultConfig, prompt_len: int, writes_done: int = 0) -> str | None:
     """Apply the write faults armed for a prompt of ``prompt_len`` tokens.
 
     Called by the writing side right before its engine call. A delay sleeps
     here (the write then lands late, as over a slow link); a failure returns
-    the error to report instead of writing. None: write normally."""
+    the error to report instead of writing. None: write normally.
+    ``writes_done``: how many writes of this transfer already returned."""
+    if (faults.hold_write_prompt_len == prompt_len and writes_done == faults.hold_write_after
+            and faults.hold_write_s > 0):
+        logger.warning("FAULT INJECTION (MOONCAKE_FAULT_HOLD_WRITE): holding the writer of a "
+                       "%d-token prompt after %d writes for %.1f s", prompt_len, writes_done,
+                       faults.hold_write_s)
+        time.sleep(faults.hold_write_s)
     if faults.delay_write_prompt_len == prompt_len and faults.delay_write_s > 0:
         logger.warning("FAULT INJECTION (MOONCAKE_FAULT_DELAY_WRITE): delaying a write of a "
                        "%d-token prompt by %.1f s", prompt_len, faults.delay_write_s)

@@ -9,7 +9,11 @@ Used by the integration tests and the microbenchmarks:
         ...
 
 Each instance is a `vllm serve` process in its own process group with its log
-in a file. Start-up waits for /health with a timeout; a failure raises an error
+in a file. By default every instance runs on loopback in the test's namespace;
+``Cluster(..., hosts=True)`` or ``VMP_TOPOLOGY=netns`` (the switch for every
+existing integration test) gives each instance a host of its own: a network
+namespace on a bridge (harness/netns.py), so every byte between instances
+(HTTP, ZMQ, the transfer engine) crosses a link that can fail. Start-up waits for /health with a timeout; a failure raises an error
 that carries the tail of the failing instance's log. Tear-down (on exit,
 exception, Ctrl-C, SIGTERM or interpreter exit) terminates every process group,
 escalating to SIGKILL, so no instance outlives its owner.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -28,9 +33,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from harness.netns import Topology
 from harness.runtime_env import vllm_env
 
 DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("VMP_STARTUP_TIMEOUT_S", "300"))
@@ -64,6 +70,9 @@ class InstanceSpec:
     env: dict[str, str] = field(default_factory=dict)
     # push sources this instance accepts besides the cluster's own (MOONCAKE_PUSH_SOURCES)
     extra_push_sources: list[str] = field(default_factory=list)
+    # where it runs: loopback, or a host of its own (set by Cluster(hosts=True))
+    ip: str = "127.0.0.1"
+    netns: str | None = None
 
     def kv_transfer_config(self) -> dict | None:
         if self.role is None:
@@ -89,13 +98,13 @@ class Instance:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.spec.ip}:{self.port}"
 
     @property
     def bootstrap_url(self) -> str:
         if self.bootstrap_port is None:
             raise ValueError(f"instance {self.spec.name} has no bootstrap server")
-        return f"http://127.0.0.1:{self.bootstrap_port}"
+        return f"http://{self.spec.ip}:{self.bootstrap_port}"
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -106,9 +115,10 @@ class Instance:
 
     def command(self) -> list[str]:
         s = self.spec
-        cmd = [
+        cmd = ["ip", "netns", "exec", s.netns] if s.netns else []
+        cmd += [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", s.model,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", s.ip, "--port", str(self.port),
             "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
             "--enforce-eager", "--disable-uvicorn-access-log",
         ]
@@ -124,10 +134,10 @@ class Instance:
     def environment(self, push_sources: str = "") -> dict[str, str]:
         s = self.spec
         over = {"VLLM_CPU_KVCACHE_SPACE": str(int(s.kv_cache_gib)),
-                # every server and engine of ours on loopback, explicitly: the
-                # bootstrap server (upstream binds 0.0.0.0), the transfer engine and
-                # ZMQ (upstream picks the host's interface address)
-                "MOONCAKE_BOOTSTRAP_HOST": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1",
+                # every server and engine of ours on one explicit address (loopback,
+                # or the instance's own host): the bootstrap server (upstream binds
+                # 0.0.0.0), the transfer engine and ZMQ (upstream picks an interface)
+                "MOONCAKE_BOOTSTRAP_HOST": s.ip, "VLLM_HOST_IP": s.ip,
                 # D may take prefix pushes from the cluster's own instances only
                 "MOONCAKE_PUSH_SOURCES": ",".join([push_sources, *s.extra_push_sources]).strip(",")}
         if s.cores is not None:
@@ -170,6 +180,23 @@ class Instance:
             f"vLLM instance '{self.spec.name}' not healthy after "
             f"{DEFAULT_STARTUP_TIMEOUT_S:.0f}s (log: {self.log_path}). Last lines:\n{self.log_tail()}"
         )
+
+    def kill(self) -> None:
+        """SIGKILL the whole instance (API server and engine core) at once: a crash."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+    def restart(self, push_sources: str, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+        """Stop (if running) and start again on the same ports; wait until healthy."""
+        self.stop()
+        self.start(push_sources)
+        self.wait_ready(time.monotonic() + timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
         proc, self.proc = self.proc, None
@@ -230,11 +257,24 @@ class Cluster:
     """A set of vLLM instances started together; a context manager."""
 
     def __init__(self, specs: list[InstanceSpec], log_dir: Path,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 hosts: bool | None = None):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"instance names must be unique: {names}")
         self.startup_timeout_s = startup_timeout_s
+        if hosts is None:
+            hosts = os.environ.get("VMP_TOPOLOGY", "loopback") == "netns"
+        # one network namespace per instance, created in start(), removed in stop()
+        self.topology = Topology(names) if hosts else None
+        if self.topology is not None:
+            # off loopback our bootstrap endpoints need a token (connector/auth.py):
+            # one per cluster, also in this process for the harness's clients
+            # (pd_client.bootstrap_headers)
+            token = os.environ.setdefault("MOONCAKE_BOOTSTRAP_TOKEN", secrets.token_hex(16))
+            specs = [replace(s, ip=self.topology.host(s.name).ip,
+                             netns=self.topology.host(s.name).netns,
+                             env={"MOONCAKE_BOOTSTRAP_TOKEN": token, **s.env}) for s in specs]
         self.instances: dict[str, Instance] = {}
         for s in specs:
             boot = None
@@ -256,6 +296,8 @@ class Cluster:
             _LIVE.add(self)
         t0 = time.monotonic()
         try:
+            if self.topology is not None:
+                self.topology.create()
             for inst in self.instances.values():
                 inst.start(self.push_sources)
             deadline = t0 + self.startup_timeout_s
@@ -271,6 +313,8 @@ class Cluster:
     def stop(self) -> None:
         for inst in self.instances.values():
             inst.stop()
+        if self.topology is not None:
+            self.topology.destroy()
         with _LIVE_LOCK:
             _LIVE.discard(self)
 

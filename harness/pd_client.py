@@ -12,6 +12,7 @@ bootstrap server, ZMQ and the transfer engine, then decodes.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,9 +27,17 @@ class RequestFailed(RuntimeError):
     pass
 
 
-def _post(url: str, body: dict, timeout: float) -> dict:
+def bootstrap_headers() -> dict[str, str]:
+    """Headers for our endpoints on a bootstrap server (/match_blocks, /hashsync,
+    /layerwise/transfers, /push_blocks): the bearer token the instances were started
+    with (MOONCAKE_BOOTSTRAP_TOKEN; set by the launcher for clusters off loopback)."""
+    token = os.environ.get("MOONCAKE_BOOTSTRAP_TOKEN")
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def _post(url: str, body: dict, timeout: float, headers: dict | None = None) -> dict:
     try:
-        r = httpx.post(url, json=body, timeout=timeout)
+        r = httpx.post(url, json=body, timeout=timeout, headers=headers)
     except httpx.HTTPError as e:
         raise RequestFailed(f"POST {url} failed: {e!r}") from e
     if r.status_code != 200:
@@ -156,7 +165,8 @@ def match_blocks(bootstrap_url: str, token_ids: list[int], cache_salt: str | Non
                  timeout: float = 30.0) -> dict:
     """An instance's POST /match_blocks: how many leading full blocks of the prompt it holds."""
     return _post(bootstrap_url + "/match_blocks",
-                 {"token_ids": token_ids, "cache_salt": cache_salt}, timeout)
+                 {"token_ids": token_ids, "cache_salt": cache_salt}, timeout,
+                 headers=bootstrap_headers())
 
 
 def wait_for_matched_blocks(bootstrap_url: str, token_ids: list[int], at_least: int,

@@ -36,7 +36,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 step() { printf '\n[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 # 1. System packages (Debian/Ubuntu).
-APT_PKGS=(git curl libtcmalloc-minimal4 libibverbs1 libnuma1 quilt)
+APT_PKGS=(git curl libtcmalloc-minimal4 libibverbs1 libnuma1 quilt iproute2)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -387,18 +387,18 @@ class LayerwiseSender:
                 for op in dropped:
                     self.totals.writes_dropped += 1
                     self._stat(op.transfer_id).writes_dropped += 1
-                prompt_lens = set()
+                prompt_lens: dict[int, int] = {}  # prompt length -> writes done (faults)
                 for op in run:
                     st = self._stat(op.transfer_id)
                     if st.first_write_start is None:
                         st.first_write_start = now
-                    prompt_lens.add(self.tracker.transfers[op.transfer_id].prompt_len)
+                    prompt_lens[self.tracker.transfers[op.transfer_id].prompt_len] = st.writes
             if run:
                 wait_all(batch.events)
                 self._write(session, run, prompt_lens)
             self._dispatch()
 
-    def _write(self, session: str, ops: list[WriteOp], prompt_lens: set[int]) -> None:
+    def _write(self, session: str, ops: list[WriteOp], prompt_lens: dict[int, int]) -> None:
         src, dst, lens = [], [], []
         op_bytes = []
         for op in ops:
@@ -411,8 +411,8 @@ class LayerwiseSender:
             op_bytes.append(sum(lens[n0:]))
         err = None
         if self.config.faults.armed:  # tests only
-            for plen in prompt_lens:
-                err = err or write_fault(self.config.faults, plen)
+            for plen, writes_done in prompt_lens.items():
+                err = err or write_fault(self.config.faults, plen, writes_done)
         try:
             if err is None:
                 rc = self.write_fn(session, src, dst, lens)

@@ -39,7 +39,13 @@ import httpx
 from harness.correctness import compare, reference_completion
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
-from harness.pd_client import RequestFailed, complete, model_name, wait_for_matched_blocks
+from harness.pd_client import (
+    RequestFailed,
+    bootstrap_headers,
+    complete,
+    model_name,
+    wait_for_matched_blocks,
+)
 from harness.prompts import PromptSource
 from microbench.bandwidth import engine_write_bandwidth
 from microbench.common import (
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             except (RequestFailed, httpx.HTTPError) as e:
                 print(f"[push] n={n}: FAILED: {e}", file=sys.stderr, flush=True)
                 rows.append({"prefix_len": n, "error": str(e), "correct": False})
-        push_stats = httpx.get(c.bootstrap_url + "/hashsync", timeout=30).json().get("push")
+        push_stats = httpx.get(c.bootstrap_url + "/hashsync", timeout=30, headers=bootstrap_headers()).json().get("push")
     for r in rows:
         if not r.get("error"):
             r["mib"] = r["pushed_bytes"] / 2**20

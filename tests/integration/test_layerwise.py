@@ -19,7 +19,7 @@ from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.prompts import random_prompt as prompt
-from harness.pd_client import engine_id, model_name, pd_generate
+from harness.pd_client import bootstrap_headers, engine_id, model_name, pd_generate
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +67,7 @@ def test_layerwise_writes_start_before_the_prefill_ends(cluster):
     check = compare(r.decode, reference_completion(p.url, ids, max_tokens=2),
                     expected_cached_tokens=len(ids) - 1)
     assert check.ok, check.problems
-    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10).json()
+    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10, headers=bootstrap_headers()).json()
     (t,) = [t for t in stats["transfers"] if t["transfer_id"] == transfer_id]
     assert t["outcome"] == "completed", t
     assert t["prefill_end"] is not None and t["first_write_start"] is not None, t
@@ -215,7 +215,7 @@ def test_fuzzing_the_prefill_zmq_socket_leaves_p_serving_and_nothing_waiting(clu
         ctx.destroy(linger=0)  # never leave a socket open: Context.__del__ would block
     assert answered == sent, f"{sent - answered} of {sent} messages never answered"
     assert httpx.get(p.url + "/health", timeout=10).status_code == 200
-    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10).json()["totals"]
+    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10, headers=bootstrap_headers()).json()["totals"]
     assert stats["waiting_unknown"] == 0, f"unknown transfers still waiting: {stats}"
     ids = prompt(500, seed=5000)
     r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300)

@@ -32,6 +32,7 @@ from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.pd_client import (
+    bootstrap_headers,
     RequestFailed,
     complete,
     model_name,
@@ -69,7 +70,7 @@ def cluster(tmp_path_factory):
 
 
 def layerwise_stats(p) -> dict:
-    r = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10)
+    r = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10, headers=bootstrap_headers())
     r.raise_for_status()
     return {t["transfer_id"]: t for t in r.json()["transfers"]}
 

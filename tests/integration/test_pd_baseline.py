@@ -17,7 +17,7 @@ from harness.correctness import compare, reference_completion
 from harness.launcher import Cluster, InstanceSpec, InstanceStartError
 from harness.model import ModelShape, ensure_model
 from harness.prompts import random_prompt as prompt
-from harness.pd_client import pd_generate
+from harness.pd_client import bootstrap_headers, pd_generate
 
 pytestmark = pytest.mark.integration
 
@@ -87,9 +87,9 @@ def test_block_hash_sync_tracks_the_prefix_cache(cluster):
     assert match(ids, "salt-b") == 0  # never served across cache_salt
     assert match(ids) == 0
     assert match(ids[:300] + prompt(300, seed=12), "salt-a") == 2  # shared 2-block prefix
-    dbg = httpx.get(p.bootstrap_url + "/hashsync", timeout=30).json()
+    dbg = httpx.get(p.bootstrap_url + "/hashsync", timeout=30, headers=bootstrap_headers()).json()
     assert dbg["size"] >= 4 and dbg["hash_algo"]
-    bad = httpx.post(p.bootstrap_url + "/match_blocks", json={"token_ids": []}, timeout=30)
+    bad = httpx.post(p.bootstrap_url + "/match_blocks", json={"token_ids": []}, timeout=30, headers=bootstrap_headers())
     assert bad.status_code == 422 and "token_ids" in bad.text
 
 

@@ -1,0 +1,433 @@
+"""Faults on a two-host cluster, each at a moment the connector itself marks.
+
+P (prefill, also the push source C) and D (decode) run on hosts of their own
+(network namespaces on a bridge, harness/netns.py): every byte between them, and
+between the client and them, crosses links this module can cut, throttle or
+lose. The moment of a fault comes from the connector, not from a sleep:
+``MOONCAKE_FAULT_HOLD_WRITE=N:W:S`` makes P's writer wait S seconds after the
+W-th write of any transfer of an N-token prompt, and the fault is applied once
+``GET /layerwise/transfers`` shows that transfer at W writes.
+
+After every fault these must hold (each scenario measures them; the tests assert):
+every request ends (success, or a clear error) within its deadline; every
+successful answer matches a from-scratch reference (KV-sensitive logprobs);
+KV usage of every surviving instance returns to 0; the cluster serves a new
+P->D request afterwards, a restarted peer without restarting the other side.
+
+    python -m harness.faults [--runs 3] [--only link_down_short,kill_prefill]
+        -> results/faults.json + a printed table (README "Faults")
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import http.client
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from harness.correctness import compare, reference_completion
+from harness.kv_usage import wait_no_blocks_in_use
+from harness.launcher import Cluster, Instance, InstanceSpec
+from harness.model import ModelShape, ensure_model
+from harness.netns import netem_available
+from harness.pd_client import (
+    RequestFailed,
+    bootstrap_headers,
+    complete,
+    engine_id,
+    model_name,
+    pd_generate,
+    wait_for_matched_blocks,
+)
+from harness.prompts import random_prompt
+
+BLOCK = 128  # the CPU backend's block size
+HOLD_LEN = 1536  # prompts of this length hold P's writer ...
+HOLD_AFTER = 10  # ... after this many layer writes ...
+HOLD_S = 3.0  # ... for this long: the moment faults are applied
+PUSH_TURN1, PUSH_TURN2 = 640, 700  # push: C's writes of a 700-token turn 2 are late
+PUSH_DELAY_S = 6.0
+NORMAL_LEN = 1024  # layer-wise, no fault hook
+POSTHOC_LEN = 200  # below MOONCAKE_LAYERWISE_MIN_TOKENS: upstream's post-hoc pull
+LAYERWISE_TIMEOUT_S = 20.0
+ENGINE_TIMEOUT_S = 10  # MC_TRANSFER_TIMEOUT: one engine write gives up after this
+ABORT_TIMEOUT_S = 20  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
+PUSH_TIMEOUT_S = 10.0
+# the longest any request may take under these faults: D's pull socket gives up at
+# ABORT_TIMEOUT_S + 60 s (connector/config.py), plus a prefill and a decode
+REQUEST_DEADLINE_S = ABORT_TIMEOUT_S + 60 + 60
+SHORT_DOWN_S = 4.0  # < ENGINE_TIMEOUT_S: the writes resume where they stopped
+LONG_DOWN_S = 30.0  # > ENGINE_TIMEOUT_S and > LAYERWISE_TIMEOUT_S: the transfer fails
+
+FAULT_ENV = {
+    "MOONCAKE_LAYERWISE": "1",
+    "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
+    "MOONCAKE_FAULT_HOLD_WRITE": f"{HOLD_LEN}:{HOLD_AFTER}:{HOLD_S}",
+    "MOONCAKE_FAULT_DELAY_WRITE": f"{PUSH_TURN2}:{PUSH_DELAY_S}",
+    "MOONCAKE_LAYERWISE_TIMEOUT_S": str(LAYERWISE_TIMEOUT_S),
+    "MC_TRANSFER_TIMEOUT": str(ENGINE_TIMEOUT_S),
+    "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(ABORT_TIMEOUT_S),
+    "MOONCAKE_PUSH_TIMEOUT_S": str(PUSH_TIMEOUT_S),
+    "MOONCAKE_PUSH_CLOCK_SKEW_S": "1",
+}
+
+
+def cluster_specs(model: str) -> list[InstanceSpec]:
+    common = dict(model=model, kv_cache_gib=2, max_model_len=4096, env=dict(FAULT_ENV),
+                  extra_args=["--enable-prompt-tokens-details"])
+    return [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
+            InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
+
+
+def fault_cluster(log_dir: Path) -> Cluster:
+    """P and D, each on a host of its own, armed with the fault hooks above."""
+    return Cluster(cluster_specs(str(ensure_model(ModelShape()))), log_dir, hosts=True)
+
+
+@dataclass
+class Outcome:
+    """What one fault did, over its runs: the README's and the tests' figures."""
+
+    fault: str
+    runs: int = 0
+    requests: int = 0
+    ok: int = 0  # answered and correct
+    ended_with_error: int = 0  # ended with an error the client could see (not lost)
+    lost: int = 0  # did not end within REQUEST_DEADLINE_S
+    wrong: int = 0  # answered from wrong KV
+    stranded_runs: int = 0  # runs after which some instance kept KV blocks
+    recovery_s: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    def record(self, status: str, detail: str = "") -> None:
+        self.requests += 1
+        if status == "ok":
+            self.ok += 1
+        elif status == "error":
+            self.ended_with_error += 1
+            if detail and len(self.errors) < 5:
+                self.errors.append(detail[:300])
+        elif status == "lost":
+            self.lost += 1
+            self.errors.append(detail[:300])
+        else:
+            self.wrong += 1
+            self.errors.append(detail[:300])
+
+    @property
+    def holds(self) -> bool:
+        return (self.skipped is not None or (
+            self.lost == 0 and self.wrong == 0 and self.stranded_runs == 0
+            and len(self.recovery_s) == self.runs))
+
+
+class FaultBench:
+    """Runs fault scenarios on one two-host cluster; owns the cluster's recovery."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.p: Instance = cluster["prefill"]
+        self.d: Instance = cluster["decode"]
+        self.topology = cluster.topology
+        assert self.topology is not None, "FaultBench needs Cluster(hosts=True)"
+        self._seed = 50_000
+        self.pool = cf.ThreadPoolExecutor(8)
+
+    def prompt(self, n: int) -> list[int]:
+        self._seed += 1
+        return random_prompt(n, seed=self._seed)
+
+    # -- measurements -----------------------------------------------------------
+
+    def layerwise_transfers(self) -> dict[str, dict]:
+        r = httpx.get(self.p.bootstrap_url + "/layerwise/transfers", timeout=5,
+                      headers=bootstrap_headers())
+        r.raise_for_status()
+        return {t["transfer_id"]: t for t in r.json()["transfers"]}
+
+    def wait_writes(self, transfer_id: str, at_least: int, timeout: float = 60) -> None:
+        """Until P's transfer has done ``at_least`` writes (the hold's moment)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            t = self.layerwise_transfers().get(transfer_id)
+            if t and t["writes"] >= at_least:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"transfer {transfer_id} never reached {at_least} writes on P")
+
+    def start_pd(self, ids: list[int], transfer_id: str) -> cf.Future:
+        return self.pool.submit(pd_generate, self.p.url, self.p.bootstrap_url, self.d.url, ids,
+                                max_tokens=4, logprobs=5, transfer_id=transfer_id,
+                                timeout=REQUEST_DEADLINE_S)
+
+    def settle(self, out: Outcome, fut: cf.Future, ids: list[int]) -> None:
+        """The request's end: ok and correct, a clear error, lost, or wrong."""
+        try:
+            res = fut.result(timeout=REQUEST_DEADLINE_S + 10)
+        except cf.TimeoutError:
+            out.record("lost", f"no answer within {REQUEST_DEADLINE_S + 10:.0f} s")
+            return
+        except RequestFailed as exc:
+            out.record("error", str(exc))
+            return
+        self.check(out, res.decode, ids, self.d)
+
+    def check(self, out: Outcome, got, ids: list[int], inst: Instance) -> None:
+        ref = reference_completion(inst.url, ids, max_tokens=len(got.token_ids) or 4)
+        verdict = compare(got, ref, expected_cached_tokens=None)
+        out.record("ok" if verdict.ok else "wrong", "; ".join(verdict.problems))
+
+    def baseline(self, out: Outcome, *instances: Instance) -> None:
+        usage = wait_no_blocks_in_use(*(i.url for i in instances), timeout=180)
+        if any(u != 0.0 for u in usage):
+            out.stranded_runs += 1
+            out.errors.append(f"KV blocks still in use after the fault: {usage}")
+
+    def recover(self, out: Outcome, since: float, deadline_s: float = 240) -> None:
+        """Time from ``since`` until a fresh P->D request succeeds and is correct."""
+        end = time.monotonic() + deadline_s
+        last = ""
+        while time.monotonic() < end:
+            ids = self.prompt(NORMAL_LEN)
+            try:
+                res = pd_generate(self.p.url, self.p.bootstrap_url, self.d.url, ids,
+                                  max_tokens=4, logprobs=5, timeout=120)
+            except (RequestFailed, httpx.HTTPError) as exc:
+                last = str(exc)
+                time.sleep(1)
+                continue
+            ref = reference_completion(self.d.url, ids, max_tokens=4)
+            if compare(res.decode, ref, expected_cached_tokens=None).ok:
+                out.recovery_s.append(round(time.monotonic() - since, 2))
+                return
+            last = "answer after the fault did not match the reference"
+        out.errors.append(f"not recovered within {deadline_s:.0f} s: {last[:200]}")
+
+    # -- scenarios ----------------------------------------------------------------
+
+    def no_fault(self, out: Outcome) -> None:
+        """The three capabilities across the link: post-hoc pull, layer-wise, push."""
+        t0 = time.monotonic()
+        for n in (POSTHOC_LEN, NORMAL_LEN):
+            ids = self.prompt(n)
+            self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids)
+        turn1 = self.prompt(PUSH_TURN1)
+        complete(self.p.url, turn1, max_tokens=1, logprobs=None, timeout=120)
+        wait_for_matched_blocks(self.p.bootstrap_url, turn1, PUSH_TURN1 // BLOCK)
+        turn2 = turn1 + self.prompt(40)
+        got = complete(self.d.url, turn2, max_tokens=4, logprobs=5, timeout=120,
+                       kv_transfer_params={"push_from": self.p.bootstrap_url})
+        if (got.cached_tokens or 0) < (PUSH_TURN1 // BLOCK) * BLOCK:
+            out.record("wrong", f"push moved nothing: cached_tokens {got.cached_tokens}")
+        else:
+            self.check(out, got, turn2, self.d)
+        self.baseline(out, self.p, self.d)
+        out.recovery_s.append(round(time.monotonic() - t0, 2))
+
+    def _link_down(self, out: Outcome, down_s: float) -> None:
+        ids, xfer = self.prompt(HOLD_LEN), f"xfer-{uuid.uuid4().hex}"
+        fut = self.start_pd(ids, xfer)
+        self.wait_writes(xfer, HOLD_AFTER)
+        self.topology.link_down("prefill")
+        time.sleep(down_s)
+        self.topology.link_up("prefill")
+        up = time.monotonic()
+        self.settle(out, fut, ids)
+        self.baseline(out, self.p, self.d)
+        self.recover(out, up)
+
+    def link_down_short(self, out: Outcome) -> None:
+        """P's link down for SHORT_DOWN_S while it writes a transfer, then up."""
+        self._link_down(out, SHORT_DOWN_S)
+
+    def link_down_long(self, out: Outcome) -> None:
+        """P's link down for LONG_DOWN_S (past the engine's and the transfer's timeouts)."""
+        self._link_down(out, LONG_DOWN_S)
+
+    def _degraded_link(self, out: Outcome, degrade: Callable[[], None]) -> None:
+        """One layer-wise transfer over P's degraded link, then the link restored."""
+        degrade()
+        try:
+            ids = self.prompt(NORMAL_LEN)
+            self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids)
+        finally:
+            self.topology.clear("prefill")
+        up = time.monotonic()
+        self.baseline(out, self.p, self.d)
+        self.recover(out, up)
+
+    def bandwidth_limit(self, out: Outcome) -> None:
+        """P's link throttled to 200 Mbit/s (tc tbf) for a layer-wise transfer."""
+        self._degraded_link(out, lambda: self.topology.limit("prefill", mbit=200))
+
+    def kill_prefill(self, out: Outcome) -> None:
+        """SIGKILL P while it writes a layer-wise transfer; restart it; D untouched."""
+        ids, xfer = self.prompt(HOLD_LEN), f"xfer-{uuid.uuid4().hex}"
+        fut = self.start_pd(ids, xfer)
+        self.wait_writes(xfer, HOLD_AFTER)
+        self.p.kill()
+        self.settle(out, fut, ids)
+        self.baseline(out, self.d)
+        self.p.restart(self.cluster.push_sources)
+        self.recover(out, time.monotonic())
+
+    def kill_decode(self, out: Outcome) -> None:
+        """SIGKILL D while P writes into it; restart it; P untouched."""
+        ids, xfer = self.prompt(HOLD_LEN), f"xfer-{uuid.uuid4().hex}"
+        fut = self.start_pd(ids, xfer)
+        self.wait_writes(xfer, HOLD_AFTER)
+        self.d.kill()
+        try:  # D's client connection dies with D: a clear error, never an answer
+            fut.result(timeout=REQUEST_DEADLINE_S)
+            out.record("wrong", "D answered although it was killed")
+        except RequestFailed as exc:
+            out.record("error", str(exc))
+        except cf.TimeoutError:
+            out.record("lost", "the P/D request never ended after D was killed")
+        self.baseline(out, self.p)
+        self.d.restart(self.cluster.push_sources)
+        self.recover(out, time.monotonic())
+
+    def kill_push_source(self, out: Outcome) -> None:
+        """SIGKILL C (= P) while D waits for its /push_blocks; D must fall back."""
+        turn1 = self.prompt(PUSH_TURN1)
+        complete(self.p.url, turn1, max_tokens=1, logprobs=None, timeout=120)
+        wait_for_matched_blocks(self.p.bootstrap_url, turn1, PUSH_TURN1 // BLOCK)
+        turn2 = turn1 + self.prompt(PUSH_TURN2 - PUSH_TURN1)
+        fut = self.pool.submit(complete, self.d.url, turn2, max_tokens=4, logprobs=5,
+                               timeout=REQUEST_DEADLINE_S,
+                               kv_transfer_params={"push_from": self.p.bootstrap_url})
+        time.sleep(PUSH_DELAY_S / 2)  # C sits in its (delayed) write
+        self.p.kill()
+        try:
+            got = fut.result(timeout=REQUEST_DEADLINE_S + 10)
+        except cf.TimeoutError:
+            out.record("lost", "D's push request never ended after C was killed")
+        except RequestFailed as exc:
+            out.record("error", str(exc))
+        else:
+            self.check(out, got, turn2, self.d)
+        self.baseline(out, self.d)
+        self.p.restart(self.cluster.push_sources)
+        self.recover(out, time.monotonic())
+
+    def abort_decode(self, out: Outcome, times: int = 20) -> None:
+        """The client drops D's request mid layer-wise transfer, ``times`` in a row."""
+        d_host, d_port = self.d.spec.ip, self.d.port
+        model = model_name(self.d.url)
+        for _ in range(times):
+            ids, xfer = self.prompt(HOLD_LEN), f"xfer-{uuid.uuid4().hex}"
+            p_fut = self.pool.submit(complete, self.p.url, ids, max_tokens=1, logprobs=None,
+                                     timeout=REQUEST_DEADLINE_S, kv_transfer_params={
+                                         "do_remote_decode": True, "transfer_id": xfer})
+            body = json.dumps({"model": model, "prompt": ids, "max_tokens": 4,
+                               "kv_transfer_params": {
+                                   "do_remote_prefill": True, "transfer_id": xfer,
+                                   "remote_bootstrap_addr": self.p.bootstrap_url,
+                                   "remote_engine_id": engine_id(self.p.bootstrap_url)}})
+            conn = http.client.HTTPConnection(d_host, d_port, timeout=REQUEST_DEADLINE_S)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            self.wait_writes(xfer, HOLD_AFTER)
+            conn.sock.close()  # the client disconnects: vLLM aborts D's request
+            conn.close()
+            try:
+                p_fut.result(timeout=REQUEST_DEADLINE_S)
+                out.record("error", "")  # aborted on purpose: it ended, no answer wanted
+            except (cf.TimeoutError, RequestFailed) as exc:
+                out.record("lost", f"P's side of an aborted request did not end: {exc!r}")
+        up = time.monotonic()
+        self.baseline(out, self.p, self.d)
+        ended = [t for t in self.layerwise_transfers().values() if t["prompt_len"] == HOLD_LEN]
+        if any(t["ended_at"] is None for t in ended):
+            out.stranded_runs += 1
+            out.errors.append("a transfer of an aborted request never ended on P")
+        self.recover(out, up)
+
+    def packet_loss(self, out: Outcome) -> None:
+        """5% loss on P's link (tc netem) during a layer-wise transfer."""
+        self._degraded_link(out, lambda: self.topology.netem("prefill", "loss", "5%"))
+
+    def link_delay(self, out: Outcome) -> None:
+        """20 ms each way on P's link (tc netem) during a layer-wise transfer."""
+        self._degraded_link(out, lambda: self.topology.netem("prefill", "delay", "20ms"))
+
+
+NEEDS_NETEM = {"packet_loss", "link_delay"}
+SCENARIOS: dict[str, Callable[[FaultBench, Outcome], None]] = {
+    "no_fault": FaultBench.no_fault,
+    "link_down_short": FaultBench.link_down_short,
+    "link_down_long": FaultBench.link_down_long,
+    "bandwidth_limit": FaultBench.bandwidth_limit,
+    "packet_loss": FaultBench.packet_loss,
+    "link_delay": FaultBench.link_delay,
+    "kill_prefill": FaultBench.kill_prefill,
+    "kill_decode": FaultBench.kill_decode,
+    "kill_push_source": FaultBench.kill_push_source,
+    "abort_decode_x20": FaultBench.abort_decode,
+}
+
+
+def run_fault(bench: FaultBench, name: str, runs: int = 1) -> Outcome:
+    out = Outcome(name)
+    if name in NEEDS_NETEM and (why := netem_available()):
+        out.skipped = why
+        return out
+    for _ in range(runs):
+        out.runs += 1
+        SCENARIOS[name](bench, out)
+    return out
+
+
+def render(outcomes: list[Outcome]) -> str:
+    head = (f"{'fault':<18} {'runs':>4} {'reqs':>4} {'ok':>3} {'err':>3} {'lost':>4} "
+            f"{'wrong':>5} {'stranded':>8}  recovery s (min/med/max)  holds")
+    lines = [head, "-" * len(head)]
+    for o in outcomes:
+        if o.skipped:
+            lines.append(f"{o.fault:<18} skipped: {o.skipped}")
+            continue
+        rec = sorted(o.recovery_s)
+        rec_s = (f"{rec[0]:.1f} / {rec[len(rec) // 2]:.1f} / {rec[-1]:.1f}" if rec else "-")
+        lines.append(f"{o.fault:<18} {o.runs:>4} {o.requests:>4} {o.ok:>3} "
+                     f"{o.ended_with_error:>3} {o.lost:>4} {o.wrong:>5} {o.stranded_runs:>8}  "
+                     f"{rec_s:<24}  {'yes' if o.holds else 'NO'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.faults", description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3, help="runs per fault (default 3)")
+    ap.add_argument("--only", help="comma-separated faults: " + ", ".join(SCENARIOS))
+    ap.add_argument("--out", type=Path, default=Path("results/faults.json"))
+    args = ap.parse_args(argv)
+    names = args.only.split(",") if args.only else list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown faults {unknown}; known: {', '.join(SCENARIOS)}")
+    outcomes: list[Outcome] = []
+    t0 = time.monotonic()
+    with fault_cluster(args.out.parent / "faults-logs") as cluster:
+        bench = FaultBench(cluster)
+        for i, name in enumerate(names, 1):
+            print(f"[faults {time.monotonic() - t0:5.0f}s] {i}/{len(names)} {name} "
+                  f"x{args.runs} ...", flush=True)
+            outcomes.append(run_fault(bench, name, args.runs))
+            print(render(outcomes[-1:]).splitlines()[-1], flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"outcomes": [asdict(o) | {"holds": o.holds} for o in outcomes],
+                                    "seconds": round(time.monotonic() - t0)}, indent=1) + "\n")
+    print(render(outcomes))
+    print(f"JSON: {args.out}")
+    return 0 if all(o.holds for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""Hosts of their own: one Linux network namespace per vLLM instance, on one bridge.
+
+    with Topology(["prefill", "decode"]) as topo:
+        topo.host("prefill").ip          # 10.231.N.2: its API, bootstrap server, ZMQ, engine
+        topo.link_down("decode")         # unplug decode's cable (for every peer and the client)
+        topo.limit("prefill", mbit=200)  # tc tbf, both directions
+
+Layout: a bridge ``vmpbr<tag>`` in the test's own (root) namespace holds
+10.231.N.1/24, so the test process reaches every host; each host is a namespace
+``vmp<tag>-<name>`` with ``lo`` and ``eth0`` (a veth whose other end,
+``vmp<tag>h<i>``, is a port of the bridge). Everything between two hosts crosses
+two veths and the bridge, a link that can fail. Addresses come from 10.231.0.0/16
+and exist only inside what this module creates (see ../shared/cpu-runtime.md,
+"Network tests"): nothing is ever routed anywhere else.
+
+``destroy`` (also on interpreter exit and after a crashed run: ``cleanup_stale``)
+kills every process left in the namespaces, then deletes namespaces, veths and
+the bridge. Needs root and iproute2 (``ip``, ``tc``).
+
+Fault tools: link down/up on the host's bridge port; ``tc tbf`` rate limit;
+``tc netem`` (loss, delay) where the kernel has it (``netem_available``):
+this project's CI kernel does not (``Error: Specified qdisc kind is unknown``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+PREFIX = "vmp"
+_NS_RE = re.compile(rf"^{PREFIX}(\d+)-[a-z0-9_]+$")
+
+
+class TopologyError(RuntimeError):
+    pass
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    if check and proc.returncode != 0:
+        raise TopologyError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def available() -> str | None:
+    """None when namespaces can be made here; else why not (tests skip with it)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if _run("sh", "-c", f"command -v {tool}", check=False).returncode != 0:
+            return f"{tool} (iproute2) is not installed"
+    probe = f"{PREFIX}probe{os.getpid() % 100000}"
+    made = _run("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def netem_available() -> str | None:
+    """None when ``tc qdisc ... netem`` works on this kernel; else the error."""
+    dev = f"{PREFIX}nt{os.getpid() % 100000}"
+    made = _run("ip", "link", "add", dev, "type", "veth", "peer", "name", dev + "p", check=False)
+    if made.returncode != 0:
+        return f"cannot create a veth to probe netem: {made.stderr.strip()}"
+    try:
+        r = _run("tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", "1ms", check=False)
+        return None if r.returncode == 0 else f"tc netem: {r.stderr.strip()}"
+    finally:
+        _run("ip", "link", "del", dev, check=False)
+
+
+def _pids_in(ns: str) -> list[int]:
+    out = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+    return [int(p) for p in out if p.isdigit()]
+
+
+def _kill_ns(ns: str) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _pids_in(ns)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = _pids_in(ns)
+        if not pids:
+            return
+
+
+def cleanup_stale() -> list[str]:
+    """Remove namespaces, veths and bridges left by a crashed earlier run (ours only:
+    names ``vmp<tag>-...``, ``vmp<tag>h<i>``, ``vmpbr<tag>`` whose owner process is gone)."""
+    removed = []
+    for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        m = _NS_RE.match(ns)
+        if m and not _alive(int(m.group(1))):
+            _kill_ns(ns)
+            _run("ip", "netns", "del", ns, check=False)
+            removed.append(ns)
+    for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        m = re.match(rf"^{PREFIX}(?:br)?(\d+)(?:h\d+)?$", name)
+        if m and not _alive(int(m.group(1))):
+            _run("ip", "link", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    netns: str
+    ip: str
+    port_dev: str  # its cable's end on the bridge, in the root namespace
+
+    def exec_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns]
+
+
+_LIVE: set[Topology] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _destroy_all() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for topo in live:
+        topo.destroy()
+
+
+class Topology:
+    """Hosts on a bridge; owns every namespace, interface and qdisc it makes."""
+
+    def __init__(self, names: list[str]) -> None:
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"host names must be unique and non-empty: {names}")
+        # the owner's pid names everything (cleanup_stale tells live from stale)
+        self.tag = str(os.getpid())
+        self.subnet = 1 + os.getpid() % 250  # 10.231.<subnet>.0/24
+        self.bridge = f"{PREFIX}br{self.tag}"
+        self.hosts = {
+            name: Host(
+                name,
+                netns=f"{PREFIX}{self.tag}-{re.sub(r'[^a-z0-9_]', '_', name.lower())}",
+                ip=f"10.231.{self.subnet}.{i + 2}",
+                port_dev=f"{PREFIX}{self.tag}h{i}",
+            )
+            for i, name in enumerate(names)
+        }
+        self.created = False
+
+    def host(self, name: str) -> Host:
+        return self.hosts[name]
+
+    @property
+    def gateway_ip(self) -> str:
+        return f"10.231.{self.subnet}.1"
+
+    def create(self) -> Topology:
+        why = available()
+        if why:
+            raise TopologyError(f"cannot build the namespace topology: {why}")
+        cleanup_stale()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        self.created = True
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{self.gateway_ip}/24", "dev", self.bridge)
+            _run("ip", "link", "set", self.bridge, "up")
+            for h in self.hosts.values():
+                _run("ip", "netns", "add", h.netns)
+                _run("ip", "link", "add", h.port_dev, "type", "veth", "peer", "name", "eth0",
+                     "netns", h.netns)
+                _run("ip", "link", "set", h.port_dev, "master", self.bridge)
+                _run("ip", "link", "set", h.port_dev, "up")
+                ns = ["ip", "netns", "exec", h.netns]
+                _run(*ns, "ip", "link", "set", "lo", "up")
+                _run(*ns, "ip", "addr", "add", f"{h.ip}/24", "dev", "eth0")
+                _run(*ns, "ip", "link", "set", "eth0", "up")
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def destroy(self) -> None:
+        """Kill what runs in the namespaces, delete them, their veths and the bridge."""
+        if not self.created:
+            return
+        for h in self.hosts.values():
+            _kill_ns(h.netns)
+            _run("ip", "netns", "del", h.netns, check=False)
+            _run("ip", "link", "del", h.port_dev, check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
+        self.created = False
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+
+    def leftovers(self) -> list[str]:
+        """Anything of this topology still present (for tests of the teardown)."""
+        names = _run("ip", "netns", "list", check=False).stdout
+        links = _run("ip", "-o", "link", "show", check=False).stdout
+        out = [h.netns for h in self.hosts.values() if h.netns in names]
+        out += [d for d in [self.bridge, *(h.port_dev for h in self.hosts.values())]
+                if re.search(rf"\b{d}\b", links)]
+        return out
+
+    # -- faults ---------------------------------------------------------------
+
+    def link_down(self, name: str) -> None:
+        _run("ip", "link", "set", self.hosts[name].port_dev, "down")
+
+    def link_up(self, name: str) -> None:
+        _run("ip", "link", "set", self.hosts[name].port_dev, "up")
+
+    def limit(self, name: str, *, mbit: float, burst_kb: int = 64, latency_ms: int = 50) -> None:
+        """Token-bucket rate limit on the host's link, both directions (tc tbf)."""
+        h = self.hosts[name]
+        spec = ["tbf", "rate", f"{mbit}mbit", "burst", f"{burst_kb}kb", "latency", f"{latency_ms}ms"]
+        _run("tc", "qdisc", "replace", "dev", h.port_dev, "root", *spec)
+        _run(*h.exec_prefix(), "tc", "qdisc", "replace", "dev", "eth0", "root", *spec)
+
+    def netem(self, name: str, *args: str) -> None:
+        """tc netem (e.g. "loss", "5%" or "delay", "20ms") on both directions."""
+        why = netem_available()
+        if why:
+            raise TopologyError(f"netem is not available on this kernel: {why}")
+        h = self.hosts[name]
+        _run("tc", "qdisc", "replace", "dev", h.port_dev, "root", "netem", *args)
+        _run(*h.exec_prefix(), "tc", "qdisc", "replace", "dev", "eth0", "root", "netem", *args)
+
+    def clear(self, name: str) -> None:
+        h = self.hosts[name]
+        _run("tc", "qdisc", "del", "dev", h.port_dev, "root", check=False)
+        _run(*h.exec_prefix(), "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+        self.link_up(name)
+
+    def __enter__(self) -> Topology:
+        return self.create()
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
