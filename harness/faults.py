@@ -55,7 +55,8 @@ HOLD_S = 3.0  # ... for this long: the moment faults are applied
 PUSH_TURN1, PUSH_TURN2 = 640, 700  # push: C's writes of a 700-token turn 2 are late
 PUSH_DELAY_S = 6.0
 NORMAL_LEN = 1024  # layer-wise, no fault hook
-POSTHOC_LEN = 200  # below MOONCAKE_LAYERWISE_MIN_TOKENS: upstream's post-hoc pull
+LAYERWISE_MIN_TOKENS = 256
+POSTHOC_LEN = 200  # below LAYERWISE_MIN_TOKENS: upstream's post-hoc pull
 LAYERWISE_TIMEOUT_S = 20.0
 ENGINE_TIMEOUT_S = 10  # MC_TRANSFER_TIMEOUT: one engine write gives up after this
 ABORT_TIMEOUT_S = 20  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
@@ -68,7 +69,7 @@ LONG_DOWN_S = 30.0  # > ENGINE_TIMEOUT_S and > LAYERWISE_TIMEOUT_S: the transfer
 
 FAULT_ENV = {
     "MOONCAKE_LAYERWISE": "1",
-    "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
+    "MOONCAKE_LAYERWISE_MIN_TOKENS": str(LAYERWISE_MIN_TOKENS),
     "MOONCAKE_FAULT_HOLD_WRITE": f"{HOLD_LEN}:{HOLD_AFTER}:{HOLD_S}",
     "MOONCAKE_FAULT_DELAY_WRITE": f"{PUSH_TURN2}:{PUSH_DELAY_S}",
     "MOONCAKE_LAYERWISE_TIMEOUT_S": str(LAYERWISE_TIMEOUT_S),
@@ -106,6 +107,7 @@ class Outcome:
     recovery_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     skipped: str | None = None
+    must_succeed: bool = False  # no request of this fault may end with an error
 
     def record(self, status: str, detail: str = "") -> None:
         self.requests += 1
@@ -126,7 +128,8 @@ class Outcome:
     def holds(self) -> bool:
         return (self.skipped is not None or (
             self.lost == 0 and self.wrong == 0 and self.stranded_runs == 0
-            and len(self.recovery_s) == self.runs))
+            and len(self.recovery_s) == self.runs and self.requests > 0
+            and (not self.must_succeed or self.ok == self.requests)))
 
 
 class FaultBench:
@@ -153,6 +156,14 @@ class FaultBench:
         r.raise_for_status()
         return {t["transfer_id"]: t for t in r.json()["transfers"]}
 
+    def push_stats(self) -> dict:
+        r = httpx.get(self.p.bootstrap_url + "/hashsync", timeout=5, headers=bootstrap_headers())
+        r.raise_for_status()
+        return r.json()["push"]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
     def wait_writes(self, transfer_id: str, at_least: int, timeout: float = 60) -> None:
         """Until P's transfer has done ``at_least`` writes (the hold's moment)."""
         deadline = time.monotonic() + timeout
@@ -168,8 +179,11 @@ class FaultBench:
                                 max_tokens=4, logprobs=5, transfer_id=transfer_id,
                                 timeout=REQUEST_DEADLINE_S)
 
-    def settle(self, out: Outcome, fut: cf.Future, ids: list[int]) -> None:
-        """The request's end: ok and correct, a clear error, lost, or wrong."""
+    def settle(self, out: Outcome, fut: cf.Future, ids: list[int],
+               from_peer: bool = False) -> None:
+        """The request's end: ok and correct, a clear error, lost, or wrong.
+        ``from_peer``: ok also needs D's KV to have come from P (all but the last
+        token cached on D, and P's transfer completed), not from a local recompute."""
         try:
             res = fut.result(timeout=REQUEST_DEADLINE_S + 10)
         except cf.TimeoutError:
@@ -178,11 +192,18 @@ class FaultBench:
         except RequestFailed as exc:
             out.record("error", str(exc))
             return
-        self.check(out, res.decode, ids, self.d)
+        if from_peer and len(ids) >= LAYERWISE_MIN_TOKENS:  # layer-wise (post-hoc: no entry)
+            done = self.layerwise_transfers().get(res.transfer_id, {}).get("outcome")
+            if done != "completed":
+                out.record("wrong", f"P's transfer ended {done!r}, yet D answered as if not")
+                return
+        self.check(out, res.decode, ids, self.d,
+                   expected_cached=len(ids) - 1 if from_peer else None)
 
-    def check(self, out: Outcome, got, ids: list[int], inst: Instance) -> None:
+    def check(self, out: Outcome, got, ids: list[int], inst: Instance,
+              expected_cached: int | None = None) -> None:
         ref = reference_completion(inst.url, ids, max_tokens=len(got.token_ids) or 4)
-        verdict = compare(got, ref, expected_cached_tokens=None)
+        verdict = compare(got, ref, expected_cached_tokens=expected_cached)
         out.record("ok" if verdict.ok else "wrong", "; ".join(verdict.problems))
 
     def baseline(self, out: Outcome, *instances: Instance) -> None:
@@ -216,9 +237,10 @@ class FaultBench:
     def no_fault(self, out: Outcome) -> None:
         """The three capabilities across the link: post-hoc pull, layer-wise, push."""
         t0 = time.monotonic()
+        out.must_succeed = True
         for n in (POSTHOC_LEN, NORMAL_LEN):
             ids = self.prompt(n)
-            self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids)
+            self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids, from_peer=True)
         turn1 = self.prompt(PUSH_TURN1)
         complete(self.p.url, turn1, max_tokens=1, logprobs=None, timeout=120)
         wait_for_matched_blocks(self.p.bootstrap_url, turn1, PUSH_TURN1 // BLOCK)
@@ -232,7 +254,7 @@ class FaultBench:
         self.baseline(out, self.p, self.d)
         out.recovery_s.append(round(time.monotonic() - t0, 2))
 
-    def _link_down(self, out: Outcome, down_s: float) -> None:
+    def _link_down(self, out: Outcome, down_s: float, resumes: bool) -> None:
         ids, xfer = self.prompt(HOLD_LEN), f"xfer-{uuid.uuid4().hex}"
         fut = self.start_pd(ids, xfer)
         self.wait_writes(xfer, HOLD_AFTER)
@@ -240,24 +262,26 @@ class FaultBench:
         time.sleep(down_s)
         self.topology.link_up("prefill")
         up = time.monotonic()
-        self.settle(out, fut, ids)
+        out.must_succeed = resumes
+        self.settle(out, fut, ids, from_peer=resumes)
         self.baseline(out, self.p, self.d)
         self.recover(out, up)
 
     def link_down_short(self, out: Outcome) -> None:
         """P's link down for SHORT_DOWN_S while it writes a transfer, then up."""
-        self._link_down(out, SHORT_DOWN_S)
+        self._link_down(out, SHORT_DOWN_S, resumes=True)
 
     def link_down_long(self, out: Outcome) -> None:
         """P's link down for LONG_DOWN_S (past the engine's and the transfer's timeouts)."""
-        self._link_down(out, LONG_DOWN_S)
+        self._link_down(out, LONG_DOWN_S, resumes=False)
 
     def _degraded_link(self, out: Outcome, degrade: Callable[[], None]) -> None:
         """One layer-wise transfer over P's degraded link, then the link restored."""
         degrade()
+        out.must_succeed = True
         try:
             ids = self.prompt(NORMAL_LEN)
-            self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids)
+            self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids, from_peer=True)
         finally:
             self.topology.clear("prefill")
         up = time.monotonic()
@@ -302,10 +326,16 @@ class FaultBench:
         complete(self.p.url, turn1, max_tokens=1, logprobs=None, timeout=120)
         wait_for_matched_blocks(self.p.bootstrap_url, turn1, PUSH_TURN1 // BLOCK)
         turn2 = turn1 + self.prompt(PUSH_TURN2 - PUSH_TURN1)
+        out.must_succeed = True  # D prefills locally
+        pushes = self.push_stats()["pushes"]
         fut = self.pool.submit(complete, self.d.url, turn2, max_tokens=4, logprobs=5,
                                timeout=REQUEST_DEADLINE_S,
                                kv_transfer_params={"push_from": self.p.bootstrap_url})
-        time.sleep(PUSH_DELAY_S / 2)  # C sits in its (delayed) write
+        deadline = time.monotonic() + PUSH_DELAY_S
+        while self.push_stats()["pushes"] == pushes:  # C took the push: in its (delayed) write
+            if time.monotonic() > deadline:
+                raise TimeoutError("C never started the push")
+            time.sleep(0.05)
         self.p.kill()
         try:
             got = fut.result(timeout=REQUEST_DEADLINE_S + 10)
@@ -416,11 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with fault_cluster(args.out.parent / "faults-logs") as cluster:
         bench = FaultBench(cluster)
-        for i, name in enumerate(names, 1):
-            print(f"[faults {time.monotonic() - t0:5.0f}s] {i}/{len(names)} {name} "
-                  f"x{args.runs} ...", flush=True)
-            outcomes.append(run_fault(bench, name, args.runs))
-            print(render(outcomes[-1:]).splitlines()[-1], flush=True)
+        try:
+            for i, name in enumerate(names, 1):
+                print(f"[faults {time.monotonic() - t0:5.0f}s] {i}/{len(names)} {name} "
+                      f"x{args.runs} ...", flush=True)
+                outcomes.append(run_fault(bench, name, args.runs))
+                print(render(outcomes[-1:]).splitlines()[-1], flush=True)
+        finally:
+            bench.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"outcomes": [asdict(o) | {"holds": o.holds} for o in outcomes],
                                     "seconds": round(time.monotonic() - t0)}, indent=1) + "\n")

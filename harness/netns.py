@@ -8,7 +8,7 @@
 Layout: a bridge ``vmpbr<tag>`` in the test's own (root) namespace holds
 10.231.N.1/24, so the test process reaches every host; each host is a namespace
 ``vmp<tag>-<name>`` with ``lo`` and ``eth0`` (a veth whose other end,
-``vmp<tag>h<i>``, is a port of the bridge). Everything between two hosts crosses
+``vmp<tag><i>``, is a port of the bridge; tag = owner pid + a letter). Everything between two hosts crosses
 two veths and the bridge, a link that can fail. Addresses come from 10.231.0.0/16
 and exist only inside what this module creates (see ../shared/cpu-runtime.md,
 "Network tests"): nothing is ever routed anywhere else.
@@ -25,6 +25,7 @@ this project's CI kernel does not (``Error: Specified qdisc kind is unknown``).
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import re
 import signal
@@ -34,7 +35,8 @@ import time
 from dataclasses import dataclass
 
 PREFIX = "vmp"
-_NS_RE = re.compile(rf"^{PREFIX}(\d+)-[a-z0-9_]+$")
+_NS_RE = re.compile(rf"^{PREFIX}(\d+)[a-z]?-[a-z0-9_]+$")
+_SEQ = itertools.count()  # topologies made by this process: a letter each
 
 
 class TopologyError(RuntimeError):
@@ -42,7 +44,10 @@ class TopologyError(RuntimeError):
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        proc = subprocess.CompletedProcess(args, -1, "", "timed out after 30 s")
     if check and proc.returncode != 0:
         raise TopologyError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -55,7 +60,7 @@ def available() -> str | None:
     for tool in ("ip", "tc"):
         if _run("sh", "-c", f"command -v {tool}", check=False).returncode != 0:
             return f"{tool} (iproute2) is not installed"
-    probe = f"{PREFIX}probe{os.getpid() % 100000}"
+    probe = f"{PREFIX}probe{os.getpid()}"
     made = _run("ip", "netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"ip netns add failed: {made.stderr.strip()}"
@@ -65,7 +70,7 @@ def available() -> str | None:
 
 def netem_available() -> str | None:
     """None when ``tc qdisc ... netem`` works on this kernel; else the error."""
-    dev = f"{PREFIX}nt{os.getpid() % 100000}"
+    dev = f"{PREFIX}nt{os.getpid()}"
     made = _run("ip", "link", "add", dev, "type", "veth", "peer", "name", dev + "p", check=False)
     if made.returncode != 0:
         return f"cannot create a veth to probe netem: {made.stderr.strip()}"
@@ -99,18 +104,18 @@ def _kill_ns(ns: str) -> None:
 
 def cleanup_stale() -> list[str]:
     """Remove namespaces, veths and bridges left by a crashed earlier run (ours only:
-    names ``vmp<tag>-...``, ``vmp<tag>h<i>``, ``vmpbr<tag>`` whose owner process is gone)."""
+    names ``vmp<tag>-...``, ``vmp<tag><i>``, ``vmpbr<tag>``, probes, whose owner process is gone)."""
     removed = []
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         ns = line.split()[0] if line.split() else ""
-        m = _NS_RE.match(ns)
+        m = _NS_RE.match(ns) or re.match(rf"^{PREFIX}probe(\d+)$", ns)
         if m and not _alive(int(m.group(1))):
             _kill_ns(ns)
             _run("ip", "netns", "del", ns, check=False)
             removed.append(ns)
     for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        m = re.match(rf"^{PREFIX}(?:br)?(\d+)(?:h\d+)?$", name)
+        m = re.match(rf"^{PREFIX}(?:br|nt)?(\d+)(?:[a-z]\d*|p)?$", name)
         if m and not _alive(int(m.group(1))):
             _run("ip", "link", "del", name, check=False)
             removed.append(name)
@@ -125,6 +130,16 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _free_subnet(start: int) -> int:
+    """The first 10.231.N.0/24 from ``start`` on that no interface here uses."""
+    used = _run("ip", "-o", "-4", "addr", "show", check=False).stdout
+    for i in range(250):
+        n = 1 + (start - 1 + i) % 250
+        if f" 10.231.{n}." not in used:
+            return n
+    raise TopologyError("every 10.231.N.0/24 is in use: stale topologies? (cleanup_stale)")
 
 
 @dataclass(frozen=True)
@@ -156,16 +171,17 @@ class Topology:
     def __init__(self, names: list[str]) -> None:
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"host names must be unique and non-empty: {names}")
-        # the owner's pid names everything (cleanup_stale tells live from stale)
-        self.tag = str(os.getpid())
-        self.subnet = 1 + os.getpid() % 250  # 10.231.<subnet>.0/24
+        # the owner's pid names everything (cleanup_stale tells live from stale); a
+        # second topology of the same process gets the next subnet
+        self.tag = f"{os.getpid()}{chr(ord('a') + next(_SEQ) % 26)}"
+        self.subnet = _free_subnet(1 + os.getpid() % 250)  # 10.231.<subnet>.0/24
         self.bridge = f"{PREFIX}br{self.tag}"
         self.hosts = {
             name: Host(
                 name,
                 netns=f"{PREFIX}{self.tag}-{re.sub(r'[^a-z0-9_]', '_', name.lower())}",
                 ip=f"10.231.{self.subnet}.{i + 2}",
-                port_dev=f"{PREFIX}{self.tag}h{i}",
+                port_dev=f"{PREFIX}{self.tag}{i}",
             )
             for i, name in enumerate(names)
         }
@@ -220,11 +236,14 @@ class Topology:
 
     def leftovers(self) -> list[str]:
         """Anything of this topology still present (for tests of the teardown)."""
-        names = _run("ip", "netns", "list", check=False).stdout
-        links = _run("ip", "-o", "link", "show", check=False).stdout
+        names = {line.split()[0] for line in
+                 _run("ip", "netns", "list", check=False).stdout.splitlines() if line.split()}
+        links = {line.split(":")[1].strip().split("@")[0] for line in
+                 _run("ip", "-o", "link", "show", check=False).stdout.splitlines()
+                 if ":" in line}
         out = [h.netns for h in self.hosts.values() if h.netns in names]
         out += [d for d in [self.bridge, *(h.port_dev for h in self.hosts.values())]
-                if re.search(rf"\b{d}\b", links)]
+                if d in links]
         return out
 
     # -- faults ---------------------------------------------------------------

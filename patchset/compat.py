@@ -325,6 +325,7 @@ def _gnu_patch(
             text=True,
             check=False,
             stdin=subprocess.DEVNULL,
+            timeout=120,
         )
         hunks: dict[int, dict] = {}
         for line in proc.stdout.splitlines():
@@ -882,6 +883,7 @@ class UpstreamGit:
             text=True,
             check=False,
             errors="surrogateescape",
+            timeout=600,  # git log -L over a release's history
         )
         if check and proc.returncode != 0:
             raise PatchsetError(

@@ -203,7 +203,6 @@ def scan(patch: Patch) -> list[FileEntry]:
                 continue
             old = new = 0  # a malformed hunk ends here: read the line as a header
         following = lines[lineno] if lineno < len(lines) else ""
-        before = lines[lineno - 2] if lineno >= 2 else ""
         if line.startswith("diff --git "):
             a, b = _git_names(line[len("diff --git ") :])
             f = entry(fresh=True)
@@ -213,7 +212,7 @@ def scan(patch: Patch) -> list[FileEntry]:
             entry(fresh=not files or files[-1].hunks).add(
                 lineno, _side(line[4:]), False
             )
-        elif line.startswith("+++ ") and before.startswith("--- "):
+        elif line.startswith("+++ "):  # outside a hunk: always a header (as unidiff reads it)
             entry().add(lineno, _side(line[4:]), True)
         elif m := _NAMED.match(line):
             f = entry()
@@ -233,6 +232,17 @@ def scan(patch: Patch) -> list[FileEntry]:
             old, new = int(m.group(1) or 1), int(m.group(2) or 1)
             if f.symlink and f.new_side is None:
                 f.new_side = []
+    # and every name unidiff (so apply) reads, whatever the scan above made of the text
+    seen = {path for f in files for _, path in f.names}
+    for pf in patch.files:
+        for name, new in ((pf.source_file, False), (pf.target_file, True)):
+            path = _side(name) if name else None
+            if path and path not in seen:
+                found = next((i for i, t in enumerate(lines, 1) if name in t), 0)
+                extra = FileEntry()
+                extra.add(found, path, new)
+                files.append(extra)
+                seen.add(path)
     return files
 
 

@@ -10,6 +10,7 @@ by export is a no-op on a clean series.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from . import identity, overlay, state
@@ -39,6 +40,12 @@ class ExportResult:
 def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
     project = tree.project
     overlays = project.manifest.overlays
+    if tree.repo.rebase_in_progress():
+        raise ProblemsFound(
+            f"refusing to export: a git rebase is under way in {project.rel(tree.path)}; "
+            f"finish it (`{project.git_cmd()} rebase --continue`) or abort it "
+            f"(`{project.git_cmd()} rebase --abort`), then export"
+        )
     analysis = tree.analyse()
     st = analysis.state
     if not analysis.on_pristine:
@@ -87,7 +94,8 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
     # A commit keeps the file its Patch-Filename trailer names (amend, fixup,
     # reword and reordering keep it); a new commit, or a hand-written patch
     # without the NNNN- prefix, gets the next free number.
-    numbers = [_number(n) for n in [*old_series.names, *ids.patch_of.values()]]
+    numbers = [_number(n) for n in [*old_series.names, *ids.patch_of.values()]
+               if _PATCH_NAME.match(n)]
     next_number = max([n for n in numbers if n is not None], default=0) + 1
     for commit in analysis.chain:
         if commit == ids.overlay:
@@ -101,7 +109,7 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
         data = canonical_patch(identity.strip_trailer(raw))
         patch = parse_patch("", data)
         name = ids.patch_of.get(commit)
-        if name is None or name in contents or _number(name) is None:
+        if name is None or name in contents or not _PATCH_NAME.match(name):
             name = patch_file_name(next_number, patch.header.subject or "patch")
             next_number += 1
         contents[name] = data
@@ -204,6 +212,10 @@ def _tag_commits(tree: Tree, analysis: Analysis, st: state.State, say: Say) -> N
         f"export: {len(new_messages)} tree commits now carry their "
         f"{identity.PATCH_TRAILER}: trailer (messages only; files unchanged)"
     )
+
+
+# a trailer names a file in patches/: nothing else (no folder, no ..) is taken from it
+_PATCH_NAME = re.compile(r"^\d{4}-[A-Za-z0-9._-]+\.(?:patch|diff)$")
 
 
 def _number(name: str) -> int | None:

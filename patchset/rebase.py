@@ -87,9 +87,9 @@ def start(project: Project, version: str, say: Say) -> int:
                 f"{project.rel(path)} exists; delete it (it is generated) and run again"
             )
     sdist, sha = releases.fetch_release(version, say, pinned.name)
-    _write_manifest(project, roll, version, sdist.name, sha, tree_rel)
-    tree = Tree(roll)
     try:
+        _write_manifest(project, roll, version, sdist.name, sha, tree_rel)
+        tree = Tree(roll)
         say(f"rebase: [1/3] the pinned series ({len(patches)} patches) on {pinned.name} {pinned.version}, in a scratch tree")
         tree.path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".rebase-", dir=tree.path.parent) as tmp:
@@ -106,7 +106,7 @@ def start(project: Project, version: str, say: Say) -> int:
                 ],
             )
     except BaseException:
-        _remove_roll(roll, tree)
+        _remove_roll(roll, tree_path)
         raise
     RebaseState(pinned.version, version, [p.name for p in patches]).save(tree.git_dir)
     say(f"rebase: [3/3] git rebase (3-way) of {len(patches)} patches + overlay onto {version}")
@@ -126,7 +126,9 @@ def continue_(project: Project, version: str | None, say: Say) -> int:
             f"`python build.py rebase --continue` again."
         )
     stopped = repo.rebase_stopped_at()
-    if repo.rebase_in_progress() and stopped and repo.index_matches_head():
+    if not repo.rebase_in_progress():
+        pass  # git finished but the export did not (interrupted): just finish it
+    elif stopped and repo.index_matches_head():
         # the resolution left nothing of the patch: it is upstream now
         say(f"rebase: {_describe(repo, stopped)} is empty after the resolution: dropped")
         repo.rebase_skip()
@@ -138,7 +140,7 @@ def continue_(project: Project, version: str | None, say: Say) -> int:
 def abort(project: Project, version: str | None, say: Say) -> int:
     roll, tree, st = _in_progress(project, version)
     tree.repo.rebase_abort()
-    _remove_roll(roll, tree)
+    _remove_roll(roll, tree.path)
     say(
         f"rebase onto {st.onto} aborted: removed {roll.rel(tree.path)}, its git dir and "
         f"{roll.rel(roll.patches_dir)}; the pinned series ({project.rel(project.patches_dir)}) "
@@ -265,8 +267,9 @@ def _write_manifest(
     (roll.patches_dir / SERIES).write_text("\n".join(header) + "\n" if header else "")
 
 
-def _remove_roll(roll: Project, tree: Tree) -> None:
-    for path in (tree.path, tree.git_dir, roll.patches_dir):
+def _remove_roll(roll: Project, tree_path: Path) -> None:
+    """The roll's tree, its git dir (beside it) and rolls/<version>: nothing else."""
+    for path in (tree_path, tree_path.with_name(tree_path.name + ".git"), roll.patches_dir):
         if path.exists():
             shutil.rmtree(path)
     rolls = roll.patches_dir.parent

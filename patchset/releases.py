@@ -127,7 +127,8 @@ def sdist_info(version: str, name: str = "vllm") -> tuple[str, str, str]:
         raise ReleaseError(
             f"the index gives no sha256 for {f['filename']}; refusing an unverifiable download"
         )
-    return f["filename"], url, sha.lower()
+    # the name becomes a path in the cache: never take a folder from the index
+    return Path(f["filename"]).name, url, sha.lower()
 
 
 def _as_url(location: str) -> str:

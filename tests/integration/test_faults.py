@@ -25,11 +25,14 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     with fault_cluster(tmp_path_factory.mktemp("fault-logs")) as cluster:
-        yield FaultBench(cluster)
+        bench = FaultBench(cluster)
+        yield bench
+        bench.close()
     assert cluster.topology.leftovers() == [], "the topology was not torn down"
 
 
 def assert_held(outcome, *, errors_allowed: bool) -> None:
+    assert outcome.holds, outcome
     assert outcome.lost == 0, outcome
     assert outcome.wrong == 0, outcome
     assert outcome.stranded_runs == 0, outcome

@@ -267,6 +267,15 @@ def test_git_dir_component_refused(project) -> None:
     assert not (project.tree / ".git").exists()
 
 
+def test_header_lines_apart_are_still_read_as_unidiff_reads_them(project) -> None:
+    """A line between --- and +++: unidiff still takes the +++ name (review finding)."""
+    path = ".git/hooks/post-commit"
+    diff = f"--- /dev/null\njunk\n+++ b/{path}\n@@ -0,0 +1 @@\n+evil\n"
+    name, text = add(project, "0001-apart.patch", diff)
+    found(checked(project), name, line_of(text, "+++ b/"), path, "git-dir")
+    apply_refused(project, name, path)
+
+
 def test_unparseable_patch_still_scanned(project) -> None:
     # the hunk claims 3 lines and has 1: unidiff rejects it, the path is still seen
     diff = "--- /dev/null\n+++ b/../../evil.txt\n@@ -0,0 +1,3 @@\n+pwned\n"

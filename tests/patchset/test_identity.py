@@ -189,3 +189,16 @@ def test_upstream_file_amended_into_the_overlay_commit_is_an_edit(project) -> No
     assert "overlay commit" in data["uncaptured"][0]["why"]
     r = project.run("apply")
     assert r.code == 1 and "vllm/engine.py" in r.err
+
+
+def test_a_trailer_cannot_name_a_file_outside_patches(project) -> None:
+    three_patches(project)
+    engine = project.tree / "vllm/engine.py"
+    engine.write_text(engine.read_text().replace("engine line 16\n", "engine line 16 e\n"))
+    project.git("add", "-A")
+    project.git("commit", "-q", "-m",
+                "Engine E\n\nWhy E.\n\nUpstream-Status: Pending\nPatch-Filename: 0009-../../evil.patch")
+    r = project.run("export")
+    assert r.code == 0, r.text
+    assert not (project.root.parent / "evil.patch").exists()
+    assert (project.root / "patches/series").read_text().split()[-1] == "0004-engine-e.patch"

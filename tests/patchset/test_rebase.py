@@ -176,3 +176,21 @@ def _roll_git(project, *args: str) -> str:
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
+
+
+def test_continue_finishes_a_roll_whose_git_rebase_already_ended(rolled) -> None:
+    """git finished (the user ran `git rebase --continue` by hand, or build.py was
+    interrupted before its export): --continue exports instead of failing."""
+    project = rolled
+    publish(project, v19_files(conflict=True))
+    assert project.run("rebase", "--onto", "0.19.0").code == 1
+    engine = project.root / ROLL_TREE / "vllm/engine.py"
+    text = engine.read_text()
+    engine.write_text(text.split("<<<<<<<")[0] + "engine line 2 upstream ours\n"
+                      + text.split(">>>>>>>")[1].split("\n", 1)[1])
+    _roll_git(project, "add", "vllm/engine.py")
+    _roll_git(project, "-c", "core.editor=true", "-c", "user.name=u", "-c", "user.email=u@x",
+              "rebase", "--continue")
+    r = project.run("rebase", "--continue")
+    assert r.code == 0, r.text
+    assert (project.root / ROLL / "series").read_text().split() == NAMES[:3]

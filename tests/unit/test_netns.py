@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -50,22 +51,37 @@ def test_hosts_reach_each_other_link_down_cuts_them_and_nothing_is_left():
 
 
 def test_stale_topology_of_a_dead_owner_is_removed():
-    topo = netns.Topology(["x"])
-    topo.tag = "999999"  # an owner pid that cannot exist (pid_max is lower)
-    topo.bridge = f"{netns.PREFIX}br999999"
-    topo.hosts = {"x": netns.Host("x", f"{netns.PREFIX}999999-x", "10.231.250.2",
-                                  f"{netns.PREFIX}999999h0")}
-    topo.created = True  # as if a crashed run made it: create by hand
-    subprocess.run(["ip", "netns", "add", topo.hosts["x"].netns], check=True)
-    subprocess.run(["ip", "link", "add", topo.bridge, "type", "bridge"], check=True)
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has it
+    ns, bridge = f"{netns.PREFIX}{dead}a-x", f"{netns.PREFIX}br{dead}a"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
     try:
         removed = netns.cleanup_stale()
-        assert topo.hosts["x"].netns in removed and topo.bridge in removed
-        assert topo.leftovers() == []
+        assert ns in removed and bridge in removed
     finally:
-        topo.destroy()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
+    live = netns.Topology(["y"])  # a live owner's (ours) is kept
+    with live:
+        removed = netns.cleanup_stale()
+        assert live.host("y").netns not in removed and live.bridge not in removed
+        assert len(live.leftovers()) == 3
 
 
-def test_netem_is_probed_not_assumed():
-    why = netns.netem_available()
-    assert why is None or "netem" in why
+def test_two_topologies_of_one_process_do_not_collide():
+    with netns.Topology(["a"]) as one, netns.Topology(["a"]) as two:
+        assert one.host("a").netns != two.host("a").netns
+        assert one.subnet != two.subnet
+    assert one.leftovers() == [] and two.leftovers() == []
+
+
+def test_netem_is_probed_and_refused_clearly_when_missing():
+    with netns.Topology(["a"]) as topo:
+        if netns.netem_available() is None:
+            topo.netem("a", "delay", "1ms")
+            shown = subprocess.run([*topo.host("a").exec_prefix(), "tc", "qdisc", "show",
+                                    "dev", "eth0"], capture_output=True, text=True).stdout
+            assert "netem" in shown
+        else:
+            with pytest.raises(netns.TopologyError, match="netem is not available"):
+                topo.netem("a", "delay", "1ms")
