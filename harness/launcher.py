@@ -39,6 +39,7 @@ from pathlib import Path
 from harness.netns import Topology
 from harness.runtime_env import vllm_env
 
+TOKEN_ENV = "MOONCAKE_BOOTSTRAP_TOKEN"
 DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("VMP_STARTUP_TIMEOUT_S", "300"))
 
 
@@ -269,12 +270,13 @@ class Cluster:
         self.topology = Topology(names) if hosts else None
         if self.topology is not None:
             # off loopback our bootstrap endpoints need a token (connector/auth.py):
-            # one per cluster, also in this process for the harness's clients
-            # (pd_client.bootstrap_headers)
-            token = os.environ.setdefault("MOONCAKE_BOOTSTRAP_TOKEN", secrets.token_hex(16))
+            # one per cluster; in this process's environment (for the harness's
+            # clients, pd_client.bootstrap_headers) only while the cluster runs
+            token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+            self._token: str | None = token
             specs = [replace(s, ip=self.topology.host(s.name).ip,
                              netns=self.topology.host(s.name).netns,
-                             env={"MOONCAKE_BOOTSTRAP_TOKEN": token, **s.env}) for s in specs]
+                             env={TOKEN_ENV: token, **s.env}) for s in specs]
         self.instances: dict[str, Instance] = {}
         for s in specs:
             boot = None
@@ -297,6 +299,8 @@ class Cluster:
         t0 = time.monotonic()
         try:
             if self.topology is not None:
+                self._token_before = os.environ.get(TOKEN_ENV)
+                os.environ[TOKEN_ENV] = self._token
                 self.topology.create()
             for inst in self.instances.values():
                 inst.start(self.push_sources)
@@ -315,6 +319,12 @@ class Cluster:
             inst.stop()
         if self.topology is not None:
             self.topology.destroy()
+            if getattr(self, "_token_before", "unset") != "unset":
+                if self._token_before is None:
+                    os.environ.pop(TOKEN_ENV, None)
+                else:
+                    os.environ[TOKEN_ENV] = self._token_before
+                del self._token_before
         with _LIVE_LOCK:
             _LIVE.discard(self)
 
