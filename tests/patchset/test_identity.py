@@ -35,6 +35,15 @@ def commit_of(project, name: str) -> str:
     return project.git("log", "--format=%H", f"--grep=^Patch-Filename: {name}$", "vmp-pristine..HEAD")
 
 
+def fixup(project, path: str, old: str, new: str, name: str) -> None:
+    """Edit a tree file, commit it as a fixup of patch ``name``'s commit, autosquash."""
+    file = project.tree / path
+    file.write_text(file.read_text().replace(old, new))
+    project.git("add", path)
+    project.git("commit", "-q", f"--fixup={commit_of(project, name)}")
+    rebase(project, "")
+
+
 def rebase(project, todo_edit: str) -> None:
     """git rebase -i onto the pristine tag with a sed script as the todo editor."""
     env_editor = f"sed -i -e '{todo_edit}'" if todo_edit else "true"
@@ -60,11 +69,7 @@ def test_apply_tags_commits_and_export_strips_the_trailer(project) -> None:
 
 def test_amended_commit_is_its_patch_changed_not_unknown(project) -> None:
     three_patches(project)
-    engine = project.tree / "vllm/engine.py"
-    engine.write_text(engine.read_text().replace("engine line 28 c\n", "engine line 28 c2\n"))
-    project.git("add", "vllm/engine.py")
-    project.git("commit", "-q", f"--fixup={commit_of(project, NAMES[2])}")
-    rebase(project, "")
+    fixup(project, "vllm/engine.py", "engine line 28 c\n", "engine line 28 c2\n", NAMES[2])
     data = status(project)
     states = {p["name"]: p["state"] for p in data["patches"]}
     assert states == {NAMES[0]: "applied", NAMES[1]: "applied", NAMES[2]: "amended"}, data
@@ -90,11 +95,7 @@ def test_fixup_into_an_early_patch_keeps_every_name_and_no_overlay_patch(project
     an unknown commit and the overlay commit never turns into a patch."""
     three_patches(project)
     before = project.snapshot("patches")
-    config = project.tree / "vllm/config.py"
-    config.write_text(config.read_text().replace("config line 10 b\n", "config line 10 b2\n"))
-    project.git("add", "vllm/config.py")
-    project.git("commit", "-q", f"--fixup={commit_of(project, NAMES[1])}")
-    rebase(project, "")
+    fixup(project, "vllm/config.py", "config line 10 b\n", "config line 10 b2\n", NAMES[1])
     data = status(project)
     assert {p["name"]: p["state"] for p in data["patches"]} == {
         NAMES[0]: "applied",
