@@ -9,7 +9,10 @@ build an :class:`ExtConfig` directly (``ExtConfig.from_env({...})``).
 
 Variable                               default  meaning
 MOONCAKE_LAYERWISE=1                   off      layer-wise KV push (both instances)
-MOONCAKE_LAYERWISE_MIN_TOKENS=N        256      shorter prompts go post-hoc (same machinery)
+MOONCAKE_LAYERWISE_MIN_TOKENS=N        256      shorter prompts go post-hoc (same machinery);
+                                                a request's kv_transfer_params
+                                                {"mooncake_mode": "layerwise"|"posthoc"} on P
+                                                override this per request
 MOONCAKE_LAYERWISE_TIMEOUT_S           VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
                                                 P's wait for D's request, and for all of a
                                                 transfer's writes once D asked

@@ -37,7 +37,7 @@ from .auth import EndpointGuard
 from .config import ExtConfig, is_loopback, load
 from .gpu_order import record_after_compute
 from .kv_reader import KVReader
-from .layerwise.protocol import LayerwiseMetadata
+from .layerwise.protocol import MODE_PARAM, LayerwiseMetadata, TransferMode
 from .layerwise.pulls import PullOutcomes
 from .layerwise.scheduler import LayerwiseScheduler
 from .layerwise.sender import LayerwiseSender
@@ -115,6 +115,7 @@ class SchedulerExtension:
         is_producer, is_consumer = _roles(vllm_config)
         cache = vllm_config.cache_config
         self.layerwise = LayerwiseScheduler(cfg.layerwise_min_tokens) if cfg.layerwise else None
+        self._warned_no_layerwise = False
         self.push = PushScheduler(cache.block_size, cfg, local_fingerprint(vllm_config))
         self.hashsync = (SchedulerHashSync(cache.prefix_caching_hash_algo)
                          if not is_consumer and cache.enable_prefix_caching else None)
@@ -139,9 +140,22 @@ class SchedulerExtension:
         """P: a do_remote_decode request was allocated. True: layer-wise sends it
         (upstream's send path must not track it)."""
         if self.layerwise is None:
+            self._warn_if_layerwise_asked(request)
             return False
         self.layerwise.track(request, transfer_id)
         return True
+
+    def _warn_if_layerwise_asked(self, request: Request) -> None:
+        """Without MOONCAKE_LAYERWISE, upstream's post-hoc path sends every request;
+        a request asking for layer-wise is told once (in P's log), never failed."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if params.get(MODE_PARAM) == TransferMode.LAYERWISE and not self._warned_no_layerwise:
+            self._warned_no_layerwise = True
+            logger.warning(
+                "Request %s asks for %s=layerwise but this prefill instance runs without "
+                "MOONCAKE_LAYERWISE=1: its KV is sent post-hoc (upstream's path). Start the "
+                "prefill instance with MOONCAKE_LAYERWISE=1 to allow layer-wise per request.",
+                request.request_id, MODE_PARAM)
 
     def send_finished(self, request: Request, block_ids: list[int], transfer_id: str
                       ) -> bool | None:

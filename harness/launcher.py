@@ -89,6 +89,12 @@ class InstanceStartError(RuntimeError):
     pass
 
 
+def port_taken(error: InstanceStartError) -> bool:
+    """The start-up failure is a port another process took (the message holds the log's tail)."""
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 @dataclass
 class Instance:
     spec: InstanceSpec
@@ -293,6 +299,21 @@ class Cluster:
         return self.instances[name]
 
     def start(self) -> Cluster:
+        """Start every instance and wait until all serve. An instance that died at
+        start-up because a port was taken meanwhile (vLLM picks torch.distributed's
+        port itself, after our free_port() checks: seen once in mb7 when a second
+        cluster started) is retried once, the whole cluster with it."""
+        for attempt in (1, 2):
+            try:
+                return self._start_once()
+            except InstanceStartError as e:
+                if attempt == 2 or not port_taken(e):
+                    raise
+                print("[launcher] a port was taken during start-up (EADDRINUSE); "
+                      "starting the cluster again", flush=True)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> Cluster:
         _install_signal_handlers()
         with _LIVE_LOCK:
             _LIVE.add(self)

@@ -85,12 +85,13 @@ def complete(
     cache_salt: str | None = None,
     model: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    temperature: float = 0.0,
 ) -> Completion:
     body: dict[str, Any] = {
         "model": model or model_name(base_url),
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": temperature,
         "ignore_eos": True,
         "return_token_ids": True,
     }
@@ -125,6 +126,9 @@ class PDResult:
     decode: Completion
     transfer_id: str
     total_s: float
+    # time.monotonic() when both requests were sent: the clock of the
+    # connector's timelines (/layerwise/transfers) on the same host
+    started_monotonic: float = 0.0
 
 
 def pd_generate(
@@ -137,11 +141,17 @@ def pd_generate(
     logprobs: int | None = 5,
     transfer_id: str | None = None,
     extra_decode_params: dict | None = None,
+    extra_prefill_params: dict | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    temperature: float = 0.0,
 ) -> PDResult:
-    """Prefill on P and decode on D, both requests sent at once (as upstream's proxy)."""
+    """Prefill on P and decode on D, both requests sent at once (as upstream's proxy).
+
+    ``extra_prefill_params`` go into P's kv_transfer_params, e.g.
+    ``{"mooncake_mode": "posthoc"}`` to choose how P sends this request's KV."""
     transfer_id = transfer_id or f"xfer-{uuid.uuid4().hex}"
-    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id,
+                **(extra_prefill_params or {})}
     d_params = {
         "do_remote_decode": False,
         "do_remote_prefill": True,
@@ -151,14 +161,16 @@ def pd_generate(
         **(extra_decode_params or {}),
     }
     p_model, d_model = model_name(p_url), model_name(d_url)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.monotonic()
     with cf.ThreadPoolExecutor(2) as pool:
         fp = pool.submit(complete, p_url, prompt, max_tokens=1, logprobs=None,
-                         kv_transfer_params=p_params, model=p_model, timeout=timeout)
+                         kv_transfer_params=p_params, model=p_model, timeout=timeout,
+                         temperature=temperature)
         fd = pool.submit(complete, d_url, prompt, max_tokens=max_tokens, logprobs=logprobs,
-                         kv_transfer_params=d_params, model=d_model, timeout=timeout)
+                         kv_transfer_params=d_params, model=d_model, timeout=timeout,
+                         temperature=temperature)
         prefill, decode = fp.result(), fd.result()
-    return PDResult(prefill, decode, transfer_id, time.perf_counter() - t0)
+    return PDResult(prefill, decode, transfer_id, time.perf_counter() - t0, started)
 
 
 def match_blocks(bootstrap_url: str, token_ids: list[int], cache_salt: str | None = None,

@@ -89,13 +89,14 @@ def model_facts(model_dir: Path) -> dict:
 
 
 def finish(tag: str, out: Path, result: dict, table: list[tuple[str, str, str]],
-           label: Callable[[dict], object], png: Path | None = None) -> int:
-    """Write the JSON, print the table and the summary lines; exit code 1 when a
-    row's correctness check failed."""
+           label: Callable[[dict], object], png: Path | None = None,
+           display: Callable[[list[dict]], list[dict]] | None = None) -> int:
+    """Write the JSON, print the table (of ``display(rows)`` if given) and the
+    summary lines; exit code 1 when a row's correctness check failed."""
     write_json(out, result)
     rows = result["rows"]
     print()
-    print(format_table(rows, table))
+    print(format_table(display(rows) if display else rows, table))
     for line in result["summary"]["lines"]:
         print(line)
     print(f"\n[{tag}] wrote {out}" + (f" and {png}" if png else ""))

@@ -6,7 +6,37 @@ Carried in the connector metadata (scheduler process -> worker processes).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+# P's kv_transfer_params key that chooses how one request's KV is sent.
+MODE_PARAM = "mooncake_mode"
+
+
+class TransferMode(str, Enum):
+    """How P sends one request's KV (both through the layer-wise sender)."""
+
+    LAYERWISE = "layerwise"  # each layer's KV as soon as it is computed
+    POSTHOC = "posthoc"  # the whole prompt's KV once its prefill ended
+
+
+def requested_mode(params: Mapping[str, Any] | None) -> TransferMode | None:
+    """The mode a request's kv_transfer_params ask for; None: the instance default.
+
+    Raises ValueError naming the accepted values for anything else (the
+    caller warns and uses the default: a client never fails a request or
+    crashes the engine with a bad value)."""
+    value = (params or {}).get(MODE_PARAM)
+    if value is None:
+        return None
+    try:
+        return TransferMode(value) if isinstance(value, str) else TransferMode(None)
+    except ValueError:
+        raise ValueError(
+            f"kv_transfer_params[{MODE_PARAM!r}]={str(value)[:40]!r} is not one of "
+            f"{[m.value for m in TransferMode]}") from None
 
 
 @dataclass(frozen=True)

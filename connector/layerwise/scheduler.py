@@ -6,11 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .protocol import ComputedStep, FinishedRequest, LayerwiseMetadata
+from vllm.logger import init_logger
+
+from .protocol import ComputedStep, FinishedRequest, LayerwiseMetadata, TransferMode, requested_mode
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+MAX_WARNED = 64  # distinct bad mode values warned about (a client cannot flood the log)
 
 
 @dataclass
@@ -27,12 +32,31 @@ class LayerwiseScheduler:
         self.min_tokens = min_tokens
         self._reqs: dict[str, _Tracked] = {}
         self._pending = LayerwiseMetadata()
+        self._warned: set[str] = set()
+
+    def mode(self, request: Request) -> TransferMode:
+        """The request's kv_transfer_params choose (``mooncake_mode``); else
+        prompts under MOONCAKE_LAYERWISE_MIN_TOKENS go post-hoc, longer ones
+        layer-wise. A bad value is warned about once and the default used."""
+        try:
+            chosen = requested_mode(getattr(request, "kv_transfer_params", None))
+        except ValueError as e:
+            chosen = None
+            if str(e) not in self._warned and len(self._warned) < MAX_WARNED:
+                self._warned.add(str(e))
+                logger.warning("Request %s: %s; using this instance's default "
+                               "(MOONCAKE_LAYERWISE_MIN_TOKENS=%d)", request.request_id, e,
+                               self.min_tokens)
+        if chosen is not None:
+            return chosen
+        return (TransferMode.LAYERWISE if request.num_prompt_tokens >= self.min_tokens
+                else TransferMode.POSTHOC)
 
     def track(self, request: Request, transfer_id: str) -> None:
-        """Register a do_remote_decode request. Prompts under the threshold are
-        not pushed per layer; they are sent whole when the request finishes
-        (post-hoc, through the same sender)."""
-        if request.num_prompt_tokens >= self.min_tokens:
+        """Register a do_remote_decode request. Post-hoc requests are not pushed
+        per layer; they are sent whole when the request finishes (through the
+        same sender, with the same end-of-transfer guarantees)."""
+        if self.mode(request) is TransferMode.LAYERWISE:
             self._reqs[request.request_id] = _Tracked(transfer_id, request.num_prompt_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int],

@@ -7,7 +7,8 @@ model are not involved. A push: validate (nothing is written on a 4xx), hash
 the prompt as the scheduler does, match the longest cached prefix and
 snapshot its blocks' generations, refuse to start past the request's
 deadline, write blocks ``first_block ..`` into D's blocks with one
-``batch_transfer_sync_write``, then check that none of the read blocks was
+``batch_transfer_sync_write`` (on a thread at nice 19: the call busy-polls,
+see writer.py), then check that none of the read blocks was
 evicted or reused meanwhile (else the push is reported ``failed``: D must
 not use those bytes). The answer is sent only after the engine call
 returned: once D has it, no byte of this push can still arrive.
@@ -48,10 +49,10 @@ from .protocol import (
     parse_push_request,
     validate,
 )
+from .writer import LowPriorityWriter, WriteFn
 
 logger = init_logger(__name__)
 
-WriteFn = Callable[[str, list[int], list[int], list[int]], int]
 DESTINATIONS_KEPT = 1024
 
 
@@ -74,6 +75,8 @@ class PushServer:
         self.sync = sync
         self.reader = reader  # proof of write: source bytes at D's probes
         self.write_fn = write_fn
+        # the engine's sync write busy-polls on its caller: at nice 19 (writer.py)
+        self._writer = LowPriorityWriter(write_fn)
         self.base_addrs = list(base_addrs)
         self.block_len = block_len
         self.fingerprint = fingerprint
@@ -87,7 +90,7 @@ class PushServer:
         self._destinations: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = \
             collections.OrderedDict()
         self.stats = {"pushes": 0, "ok": 0, "failed": 0, "no_match": 0, "past_deadline": 0,
-                      "refused": 0, "busy": 0, "bytes": 0}
+                      "refused": 0, "busy": 0, "bytes": 0, "entries": 0, "write_seconds": 0.0}
 
     def try_begin(self) -> bool:
         """Take one of the concurrent-push slots (False: all busy, answer 429)."""
@@ -185,7 +188,7 @@ class PushServer:
         err = write_fault(self.faults, len(req.token_ids)) if self.faults.armed else None
         try:
             if err is None:
-                rc = self.write_fn(req.dst_session, src, dst, lens)
+                rc = self._writer(req.dst_session, src, dst, lens)
                 if rc != 0:
                     err = f"transfer engine returned {rc} writing to {req.dst_session}"
         except Exception as e:  # the engine raising must not take the server down
@@ -206,8 +209,11 @@ class PushServer:
             resp.message = f"{n} of {len(req.dst_block_ids)} requested blocks held"
         self.stats["ok"] += 1
         self.stats["bytes"] += resp.bytes
-        logger.info("push_blocks %s: %d blocks (%.1f MiB) to %s in %.3f s", req.request_id, n,
-                    resp.bytes / 2**20, req.dst_session, resp.seconds)
+        self.stats["entries"] += len(lens)
+        self.stats["write_seconds"] += resp.seconds
+        logger.info("push_blocks %s: %d blocks (%.1f MiB, %d entries) to %s in %.3f s "
+                    "(%.2f GB/s)", req.request_id, n, resp.bytes / 2**20, len(lens),
+                    req.dst_session, resp.seconds, resp.bytes / max(resp.seconds, 1e-9) / 1e9)
         return 200, resp.model_dump()
 
 

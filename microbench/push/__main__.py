@@ -17,6 +17,15 @@ hit rate (cached tokens / prompt tokens), TTFT medians, push/local and
 push/cold, bytes pushed, and the transfer engine's own bandwidth measured
 here (microbench/bandwidth.py) with the issue's target
 push <= local + 1.25 x bytes / bandwidth + 50 ms and push <= 0.3 x cold.
+
+Write efficiency: C's push stats (GET /hashsync, "push": bytes, entries,
+write_seconds) are read around each push, giving the write's seconds, bytes
+and entry layout as C saw them. After each length's repetitions, with both
+instances idle, the engine writes the same layout (entry count and size)
+between two fresh processes pinned like C and D (--c-cores, --d-cores),
+through the push's writer (microbench/bandwidth.placed_write_bandwidth).
+Reported: C's write seconds and GB/s (bytes / write seconds, medians), the
+engine's GB/s with that layout (median), and their ratio (target >= 0.8).
 Correctness: one more turn 2 per length with 4 tokens and top-5 logprobs on
 D via push, checked against C computing it from scratch (harness.correctness;
 D's cached tokens must equal the pushed tokens).
@@ -24,7 +33,7 @@ D's cached tokens must equal the pushed tokens).
 The default model here is the generated one with --layers 8 (48 makes a cold
 16k-token prefill take minutes on this CPU); the layer count is an option.
 
-    python -m microbench.push [--sizes 2048,8192,16384] [--reps 5] [--layers 8]
+    python -m microbench.push [--sizes 8192,16384] [--reps 3] [--full] [--layers 8]
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from harness.pd_client import (
     wait_for_matched_blocks,
 )
 from harness.prompts import PromptSource
-from microbench.bandwidth import engine_write_bandwidth
+from microbench.bandwidth import WriteLayout, engine_write_bandwidth, placed_write_bandwidth
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
     finish,
@@ -59,6 +68,41 @@ from microbench.common import (
 
 BLOCK_SIZE = 128
 REQUEST_TIMEOUT_S = 900
+WRITE_EFFICIENCY_TARGET = 0.8  # C's write GB/s over the engine's with the same layout
+
+
+def c_push_stats(c) -> dict:
+    r = httpx.get(c.bootstrap_url + "/hashsync", timeout=30, headers=bootstrap_headers())
+    r.raise_for_status()
+    stats = r.json().get("push")
+    if not stats or "write_seconds" not in stats:
+        raise RuntimeError(f"C's /hashsync has no push write stats ({stats!r}): is the patch "
+                           "series applied (python build.py apply)?")
+    return stats
+
+
+def write_of(before: dict, after: dict) -> dict:
+    """C's write between two snapshots of its push stats (one push in between)."""
+    return {"bytes": after["bytes"] - before["bytes"],
+            "entries": after["entries"] - before["entries"],
+            "seconds": after["write_seconds"] - before["write_seconds"]}
+
+
+def write_efficiency(writes: list[dict], engine: dict | None) -> dict:
+    """Medians of C's writes (those that moved bytes) against the engine's bandwidth
+    with the same layout."""
+    moved = [w for w in writes if w["bytes"] > 0 and w["seconds"] > 0]
+    if not moved:
+        return {"write_s": None, "write_gb_per_s": None, "write_entries": None,
+                "write_entry_kib": None, "engine_layout_gb_per_s": None, "write_over_engine": None}
+    gbps = median([w["bytes"] / w["seconds"] / 1e9 for w in moved])
+    entries = median([w["entries"] for w in moved])
+    out = {"write_s": median([w["seconds"] for w in moved]), "write_gb_per_s": gbps,
+           "write_entries": entries,
+           "write_entry_kib": median([w["bytes"] / w["entries"] / 1024 for w in moved]),
+           "engine_layout_gb_per_s": engine["gb_per_s"] if engine else None}
+    out["write_over_engine"] = gbps / engine["gb_per_s"] if engine else None
+    return out
 
 
 def one_session(c, d, prompts, n: int, args, cm: str, dm: str, *, logprobs: int | None,
@@ -70,14 +114,15 @@ def one_session(c, d, prompts, n: int, args, cm: str, dm: str, *, logprobs: int 
     # the last output token's KV is not computed by turn 1
     m = wait_for_matched_blocks(c.bootstrap_url, turn2,
                                 (len(turn1) + len(out1.token_ids) - 1) // BLOCK_SIZE)
+    before = c_push_stats(c)
     push = complete(d.url, turn2, max_tokens=max_tokens, logprobs=logprobs, model=dm,
                     kv_transfer_params={"push_from": c.bootstrap_url}, timeout=REQUEST_TIMEOUT_S)
-    return {"turn2": turn2, "match": m, "push": push}
+    return {"turn2": turn2, "match": m, "push": push, "write": write_of(before, c_push_stats(c))}
 
 
 def measure_size(c, d, prompts, n: int, args, cm: str, dm: str, facts: dict) -> dict:
     ttft = {"push": [], "local": [], "cold": []}
-    matched, pushed, total_blocks, hit = [], [], [], []
+    matched, pushed, total_blocks, hit, writes = [], [], [], [], []
     for rep in range(args.reps):
         s = one_session(c, d, prompts, n, args, cm, dm, logprobs=None, max_tokens=1)
         local = complete(c.url, s["turn2"], max_tokens=1, logprobs=None, model=cm,
@@ -92,9 +137,13 @@ def measure_size(c, d, prompts, n: int, args, cm: str, dm: str, facts: dict) -> 
         cached = s["push"].cached_tokens or 0
         pushed.append(cached // BLOCK_SIZE)
         hit.append(cached / len(s["turn2"]))
+        writes.append(w := s["write"])
         print(f"[push] n={n} rep {rep + 1}/{args.reps}: push {ttft['push'][-1]:.3f}s local "
               f"{ttft['local'][-1]:.3f}s cold {ttft['cold'][-1]:.3f}s; matched "
-              f"{matched[-1]}/{total_blocks[-1]} blocks, D cached {cached} tokens", flush=True)
+              f"{matched[-1]}/{total_blocks[-1]} blocks, D cached {cached} tokens; C wrote "
+              f"{w['bytes'] / 2**20:.0f} MiB in {w['entries']} entries in {w['seconds']:.3f}s",
+              flush=True)
+    engine = engine_same_layout(writes, args)
     # correctness on a fresh session: D's tokens/logprobs via push vs C from scratch
     s = one_session(c, d, prompts, n, args, cm, dm, logprobs=5, max_tokens=4)
     ref = reference_completion(c.url, s["turn2"], max_tokens=4)
@@ -116,10 +165,46 @@ def measure_size(c, d, prompts, n: int, args, cm: str, dm: str, facts: dict) -> 
         "problems": check.problems,
         "max_logprob_diff": check.max_logprob_diff,
         "samples": ttft,
+        "writes": writes,
+        "engine_same_layout": engine,
+        **write_efficiency(writes, engine),
     }
     row["push_over_local"] = row["ttft_push_s"] / row["ttft_local_s"]
     row["push_over_cold"] = row["ttft_push_s"] / row["ttft_cold_s"]
     return row
+
+
+def engine_same_layout(writes: list[dict], args) -> dict | None:
+    """The engine's bandwidth with the layout of C's (median) write, placed like C and D."""
+    moved = [w for w in writes if w["bytes"] > 0 and w["entries"] > 0]
+    if not moved:
+        return None
+    w = sorted(moved, key=lambda w: w["bytes"])[len(moved) // 2]
+    layout = WriteLayout.of_write(w["bytes"], w["entries"])
+    print(f"[push] engine alone, {layout.describe()}, writer on cores {args.c_cores}, reader "
+          f"on {args.d_cores} ...", flush=True)
+    probe = placed_write_bandwidth(layout, src_cpus=args.c_cores, dst_cpus=args.d_cores,
+                                   protocol=args.protocol, reps=max(3, args.reps))
+    print(f"[push] {probe['gb_per_s']:.2f} GB/s (median of {len(probe['seconds'])})", flush=True)
+    return probe
+
+
+def efficiency_lines(ok: list[dict]) -> tuple[bool, list[str]]:
+    lines, met = [], True
+    for r in ok:
+        if r.get("write_over_engine") is None:
+            lines.append(f"prefix {r['prefix_len']}: no write measured")
+            met = False
+            continue
+        this = r["write_over_engine"] >= WRITE_EFFICIENCY_TARGET
+        met = met and this
+        lines.append(
+            f"prefix {r['prefix_len']}: C's write {r['write_s']:.3f}s = {r['write_gb_per_s']:.2f} "
+            f"GB/s ({r['write_entries']:.0f} entries of {r['write_entry_kib']:.0f} KiB) vs engine "
+            f"{r['engine_layout_gb_per_s']:.2f} GB/s with that layout -> "
+            f"{r['write_over_engine']:.2f} (target >= {WRITE_EFFICIENCY_TARGET}) "
+            f"{'met' if this else 'NOT met'}")
+    return met, lines
 
 
 def summarize(rows: list[dict], bw: dict) -> dict:
@@ -138,6 +223,7 @@ def summarize(rows: list[dict], bw: dict) -> dict:
         "all_held_blocks_pushed": all(r["pushed_over_matched"] == 1.0 for r in ok),
         "all_correct": all(r["correct"] for r in ok),
     }
+    out["write_efficiency_met"], eff_lines = efficiency_lines(ok)
     out["lines"] = [
         f"engine bandwidth ({bw['protocol']}, this machine): {bw['gb_per_s']:.2f} GB/s "
         f"({bw['bytes'] / 2**20:.0f} MiB in {bw['entry_bytes'] // 1024} KiB entries, best of "
@@ -150,6 +236,7 @@ def summarize(rows: list[dict], bw: dict) -> dict:
         f"{'met' if out['push_le_0.3_cold'] else 'NOT met'}",
         f"all of C's held blocks pushed: {out['all_held_blocks_pushed']}; "
         f"correctness: {'pass' if out['all_correct'] else 'FAIL'}",
+        *eff_lines,
     ]
     return out
 
@@ -160,7 +247,10 @@ TABLE = [
     ("pushed_blocks", "pushed", ".0f"), ("external_hit_rate", "ext hit", ".2f"),
     ("mib", "MiB", ".0f"), ("ttft_local_s", "local s", ".3f"), ("ttft_push_s", "push s", ".3f"),
     ("ttft_cold_s", "cold s", ".3f"), ("push_over_local", "push/local", ".2f"),
-    ("push_over_cold", "push/cold", ".2f"), ("correct", "correct", ""),
+    ("push_over_cold", "push/cold", ".2f"), ("write_s", "write s", ".3f"),
+    ("write_gb_per_s", "write GB/s", ".2f"), ("write_entries", "entries", ".0f"),
+    ("engine_layout_gb_per_s", "engine GB/s", ".2f"), ("write_over_engine", "write/engine", ".2f"),
+    ("correct", "correct", ""),
 ]
 
 
@@ -168,8 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m microbench.push", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: generated, --layers)")
     ap.add_argument("--layers", type=int, default=8, help="layers of the generated default model")
-    ap.add_argument("--sizes", default="2048,8192,16384", help="turn-1 prompt lengths")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--full", action="store_true",
+                    help="the long sweep: sizes 2048,8192,16384, 5 reps (about 20 min here)")
+    ap.add_argument("--sizes", default=None,
+                    help="turn-1 prompt lengths (default 8192,16384: the sizes the bound is "
+                    "checked at; --full adds 2048)")
+    ap.add_argument("--reps", type=int, default=None, help="default 3 (--full: 5)")
     ap.add_argument("--turn1-output", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--protocol", default="tcp")
@@ -180,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/push-<time>.json)")
     args = ap.parse_args(argv)
-    args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.sizes = [int(s) for s in (args.sizes or ("2048,8192,16384" if args.full
+                                                  else "8192,16384")).split(",")]
+    args.reps = args.reps or (5 if args.full else 3)
 
     model_dir = args.model or ensure_model(ModelShape(num_layers=args.layers))
     facts = model_facts(Path(model_dir))
@@ -213,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             except (RequestFailed, httpx.HTTPError) as e:
                 print(f"[push] n={n}: FAILED: {e}", file=sys.stderr, flush=True)
                 rows.append({"prefix_len": n, "error": str(e), "correct": False})
-        push_stats = httpx.get(c.bootstrap_url + "/hashsync", timeout=30, headers=bootstrap_headers()).json().get("push")
+        push_stats = c_push_stats(c)
     for r in rows:
         if not r.get("error"):
             r["mib"] = r["pushed_bytes"] / 2**20

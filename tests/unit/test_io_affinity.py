@@ -44,6 +44,8 @@ def test_poller_thread_alone_is_deprioritized():
 
 
 def test_unset_changes_nothing():
+    """Without MOONCAKE_IO_CPUS the writer shares the compute cores: a nice-19 writer
+    waited seconds to submit each layer under load (mb7), so it keeps its priority."""
     cpus = ExtConfig.from_env({}).io_cpus
     assert cpus is None
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -27,3 +27,29 @@ def test_cluster_token_is_in_the_environment_only_while_the_cluster_runs(tmp_pat
     assert TOKEN_ENV not in os.environ
     loopback = Cluster([InstanceSpec("b", model="m")], tmp_path)
     assert TOKEN_ENV not in loopback.instances["b"].environment()
+
+
+def test_a_port_taken_at_start_up_restarts_the_cluster_once(tmp_path, monkeypatch):
+    from harness import launcher
+
+    c = launcher.Cluster([launcher.InstanceSpec("p", role="kv_producer", model="m")], tmp_path)
+    calls = []
+
+    def once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise launcher.InstanceStartError(
+                "vLLM instance 'p' exited ... DistNetworkError: ... EADDRINUSE, message: "
+                "address already in use")
+        return c
+
+    monkeypatch.setattr(c, "_start_once", once)
+    assert c.start() is c and len(calls) == 2
+    # any other start-up failure, or a second port failure, is raised
+    calls.clear()
+    monkeypatch.setattr(c, "_start_once", lambda: (_ for _ in ()).throw(
+        launcher.InstanceStartError("exited with code 1: CUDA error")))
+    import pytest
+
+    with pytest.raises(launcher.InstanceStartError, match="CUDA"):
+        c.start()

@@ -87,3 +87,47 @@ def test_env_parsing():
     assert parse_cpu_list("0,2-3") == {0, 2, 3}
     with pytest.raises(ConfigError):
         parse_cpu_list("3-1")
+
+
+def request_with(req_id, prompt_len, **params):
+    return NS(request_id=req_id, num_prompt_tokens=prompt_len, status=None,
+              kv_transfer_params={"do_remote_decode": True, **params})
+
+
+def test_a_request_chooses_its_mode_over_the_threshold():
+    s = LayerwiseScheduler(min_tokens=256)
+    s.track(request_with("long-posthoc", 1000, mooncake_mode="posthoc"), "x1")
+    s.track(request_with("short-layerwise", 100, mooncake_mode="layerwise"), "x2")
+    s.track(request_with("long-default", 1000), "x3")
+    m = s.build(output(new=[("long-posthoc", [1], 0), ("short-layerwise", [2], 0),
+                            ("long-default", [3], 0)],
+                       num_scheduled={"long-posthoc": 1000, "short-layerwise": 100,
+                                      "long-default": 1000}))
+    assert [st.p_req_id for st in m.steps] == ["short-layerwise", "long-default"]
+
+
+@pytest.mark.parametrize("bad", ["LAYERWISE", "", 1, None.__class__.__name__, ["layerwise"],
+                                 "x" * 10_000])
+def test_a_bad_mode_value_falls_back_to_the_default_with_one_warning(bad):
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
+        scheduler as scheduler_module,
+    )
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    scheduler_module.logger.addHandler(handler)
+    s = LayerwiseScheduler(min_tokens=256)
+    try:
+        for i in range(3):
+            s.track(request_with(f"r{i}", 1000, mooncake_mode=bad), f"x{i}")
+    finally:
+        scheduler_module.logger.removeHandler(handler)
+    m = s.build(output(new=[(f"r{i}", [i], 0) for i in range(3)],
+                       num_scheduled={f"r{i}": 1000 for i in range(3)}))
+    assert len(m.steps) == 3  # the default for 1000 tokens: layer-wise
+    warnings = [r for r in records if "mooncake_mode" in r.getMessage()]
+    assert len(warnings) == 1
+    assert all(len(r.getMessage()) < 400 for r in warnings)

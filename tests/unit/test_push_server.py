@@ -6,6 +6,8 @@ contiguous blocks) is checked byte for byte; the real engine and two real
 instances are in tests/integration/test_push.py."""
 
 import ctypes
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -177,3 +179,45 @@ def test_before_the_first_step_is_503():
     server = PushServer(WorkerHashSync(BS), memmove_write([]), c.bases, BLEN, FP, C_SESSION,
                         wall_clock_ms=lambda: NOW_MS)
     assert server.push(body(d))[0] == 503
+
+
+def test_write_runs_on_a_thread_at_nice_19_and_the_caller_keeps_its_priority():
+    """The engine's sync write busy-polls on its calling thread (push/writer.py):
+    C's write must poll at nice 19, not at the bootstrap thread's priority."""
+    seen = []
+    inner = memmove_write([])
+
+    def write(session, src, dst, lens):
+        seen.append((threading.get_native_id(),
+                     os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return inner(session, src, dst, lens)
+
+    server, c, d, _ = make(write=write)
+    caller_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    code, resp = server.push(body(d))
+    assert code == 200 and resp["status"] == "ok", resp
+    [(tid, nice)] = seen
+    assert tid != threading.get_native_id() and nice == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller_nice
+    for s in range(SLOTS):  # the write still landed before the answer
+        assert (d.block(s, 2) == c.block(s, C_BLOCKS[2])).all()
+
+
+def test_engine_raising_on_the_writer_thread_fails_the_push():
+    def write(session, src, dst, lens):
+        raise RuntimeError("engine gone")
+
+    server, _, d, _ = make(write=write)
+    code, resp = server.push(body(d))
+    assert code == 200 and resp["status"] == "failed" and "engine gone" in resp["message"]
+    assert server.stats["failed"] == 1 and server.stats["entries"] == 0
+
+
+def test_stats_count_entries_and_write_seconds_of_ok_pushes():
+    """microbench/push reads these around each push (C's write seconds and layout)."""
+    server, _, d, _ = make(held=[4, 5, 6])
+    server.push(body(d, dst_block_ids=[10, 11, 12]))  # one run: one entry per KV tensor
+    server.push(body(d, dst_block_ids=[10, 12, 14]))  # three runs
+    assert server.stats["ok"] == 2 and server.stats["bytes"] == 2 * 3 * SLOTS * BLEN
+    assert server.stats["entries"] == SLOTS + 3 * SLOTS
+    assert server.stats["write_seconds"] > 0

@@ -1,0 +1,125 @@
+"""One mb7 measurement on a running P/D pair, and the floor's transfer term.
+
+Per transfer arm (layerwise, posthoc), on a fresh prompt of kv_tokens + 1 tokens:
+
+  1. P -> D: P prefills with {"do_remote_decode", "mooncake_mode": arm}; D
+     decodes one token from P's KV (both requests sent at once). tail = D's
+     response - P's response (the transfer's share of the critical path).
+  2. Local hit on D: the same prompt again on D alone. D's prefix cache now
+     holds all but the last token (the KV just received, block-aligned since
+     the prompt is kv_tokens + 1 long), so this is D's TTFT when the KV is
+     already there: the floor's first term. Taken as D's engine measured it
+     (vllm:time_to_first_token_seconds, from the request's arrival in the
+     engine to its first token, read as the histogram's change around this
+     one request): the client's latency of this request also holds the HTTP
+     intake of the prompt, which the tail does not pay (D's request was
+     already admitted, waiting for KV), and came out above the layer-wise
+     tail. The engine's figure leaves out the response's way back too, which
+     the tail does pay: the floor is a little strict, never generous.
+  3. Reference on P: the same prompt on P, answered from P's own prefix cache
+     (the KV P computed, never transferred). D's token and top-5 logprobs of
+     step 1 must equal it (harness.correctness), and D's cached tokens must
+     be kv_tokens.
+
+floor = local-hit TTFT + one layer's bytes / the engine's bandwidth (one
+layer's write measured with the same entry layout as a layer-wise write).
+The local hit is measured from a client, so it includes an HTTP round trip
+that the tail does not (D's request was already waiting): the floor is a
+little generous, never tight.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from harness.correctness import compare
+from harness.metrics import histogram
+from harness.pd_client import RequestFailed, complete, pd_generate
+
+from .plan import PREFILL_ONLY, Step
+
+BLOCK_SIZE = 128
+TTFT = "vllm:time_to_first_token_seconds"
+
+
+@dataclass
+class Sample:
+    load: int
+    kv_tokens: int
+    rep: int
+    arm: str
+    error: str | None = None
+    p_latency_s: float | None = None  # P's response (prefill-only: P alone)
+    total_s: float | None = None  # P -> D: D's response after both were sent
+    tail_s: float | None = None  # total - P's response
+    local_hit_s: float | None = None  # D's engine TTFT for the same prompt, prefix cached
+    local_hit_client_s: float | None = None  # the same request's latency at the client
+    local_hit_cached: int | None = None
+    transfer_id: str | None = None
+    started_monotonic: float | None = None  # both requests sent (time.monotonic())
+    correct: bool | None = None
+    cached_tokens: int | None = None
+    max_logprob_diff: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_bytes(kv_tokens: int, kv_bytes_per_token: int) -> int:
+    """Bytes one transfer moves: whole blocks covering the KV tokens, all layers."""
+    return math.ceil(kv_tokens / BLOCK_SIZE) * BLOCK_SIZE * kv_bytes_per_token
+
+
+def measure(step: Step, p, d, p_model: str, d_model: str, prompts, timeout: float) -> Sample:
+    """Run one step; a failed request is recorded in the sample, never raised."""
+    s = Sample(step.load, step.kv_tokens, step.rep, step.arm)
+    prompt = prompts(step.kv_tokens + 1)
+    try:
+        if step.arm == PREFILL_ONLY:
+            s.p_latency_s = complete(p.url, prompt, max_tokens=1, logprobs=None, model=p_model,
+                                     timeout=timeout).latency_s
+            return s
+        r = pd_generate(p.url, p.bootstrap_url, d.url, prompt, max_tokens=1, logprobs=5,
+                        extra_prefill_params={"mooncake_mode": step.arm}, timeout=timeout)
+        s.transfer_id, s.started_monotonic = r.transfer_id, r.started_monotonic
+        s.p_latency_s, s.total_s = r.prefill.latency_s, r.total_s
+        s.tail_s = r.total_s - r.prefill.latency_s
+        ttft0 = histogram(d.url, TTFT)
+        hit = complete(d.url, prompt, max_tokens=1, logprobs=5, model=d_model, timeout=timeout)
+        ttft1 = histogram(d.url, TTFT)
+        s.local_hit_cached, s.local_hit_client_s = hit.cached_tokens, hit.latency_s
+        if hit.cached_tokens != step.kv_tokens:
+            s.problems.append(f"local hit on D cached {hit.cached_tokens} tokens, not "
+                              f"{step.kv_tokens}: not used for the floor")
+        elif ttft1[1] - ttft0[1] == 1:
+            s.local_hit_s = ttft1[0] - ttft0[0]
+        # else another request (decode load) got its first token meanwhile: no sample
+        ref = complete(p.url, prompt, max_tokens=1, logprobs=5, model=p_model, timeout=timeout)
+        check = compare(r.decode, ref, expected_cached_tokens=step.kv_tokens)
+        s.correct, s.cached_tokens = check.ok, check.cached_tokens
+        s.max_logprob_diff = check.max_logprob_diff
+        s.problems += check.problems
+    except (RequestFailed, httpx.HTTPError, RuntimeError) as e:
+        s.error, s.correct = f"{type(e).__name__}: {e}"[:1000], False
+    return s
+
+
+def one_layer_transfer_s(kv_tokens: int, kv_bytes_per_token: int, layers: int,
+                         protocol: str, reps: int = 7) -> dict:
+    """The engine's time to write one layer's KV for kv_tokens, laid out as the
+    layer-wise sender lays it out: one entry per KV tensor (K and V) covering
+    the request's run of blocks (D allocates a fresh request's blocks
+    contiguously). Median over reps; the engine runs in this process."""
+    from microbench.bandwidth import engine_write_bandwidth
+
+    layer_bytes = kv_bytes(kv_tokens, kv_bytes_per_token) // layers
+    probe = engine_write_bandwidth(layer_bytes, layer_bytes // 2, protocol, reps=reps)
+    secs = probe["seconds"]
+    return {"kv_tokens": kv_tokens, "layer_bytes": layer_bytes, "entries": 2,
+            "seconds": secs, "median_s": statistics.median(secs),
+            "gb_per_s": layer_bytes / statistics.median(secs) / 1e9}
