@@ -37,7 +37,7 @@ from .auth import EndpointGuard
 from .config import ExtConfig, is_loopback, load
 from .gpu_order import record_after_compute
 from .kv_reader import KVReader
-from .layerwise.protocol import MODE_PARAM, LayerwiseMetadata, TransferMode
+from .layerwise.protocol import MODE_PARAM, LayerwiseMetadata, TransferMode, requested_mode
 from .layerwise.pulls import PullOutcomes
 from .layerwise.scheduler import LayerwiseScheduler
 from .layerwise.sender import LayerwiseSender
@@ -148,8 +148,11 @@ class SchedulerExtension:
     def _warn_if_layerwise_asked(self, request: Request) -> None:
         """Without MOONCAKE_LAYERWISE, upstream's post-hoc path sends every request;
         a request asking for layer-wise is told once (in P's log), never failed."""
-        params = getattr(request, "kv_transfer_params", None) or {}
-        if params.get(MODE_PARAM) == TransferMode.LAYERWISE and not self._warned_no_layerwise:
+        try:
+            asked = requested_mode(getattr(request, "kv_transfer_params", None))
+        except ValueError:
+            asked = None
+        if asked is TransferMode.LAYERWISE and not self._warned_no_layerwise:
             self._warned_no_layerwise = True
             logger.warning(
                 "Request %s asks for %s=layerwise but this prefill instance runs without "

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import re
 import time
 
-import httpx
+from harness.metrics import samples, scrape
 
-_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", re.M)
+USAGE = "vllm:kv_cache_usage_perc"
 
 
 def kv_usage(url: str) -> float:
     """Fraction of the instance's KV blocks held by requests (cached free blocks excluded)."""
-    m = _USAGE.search(httpx.get(url + "/metrics", timeout=10).text)
-    if not m:
-        raise RuntimeError(f"vllm:kv_cache_usage_perc not in {url}/metrics")
-    return float(m.group(1))
+    found = samples(scrape(url), USAGE)
+    if not found:
+        raise RuntimeError(f"{USAGE} not in {url}/metrics")
+    return found[0]
 
 
 def wait_no_blocks_in_use(*urls: str, timeout: float = 60, poll: float = 1.0) -> tuple[float, ...]:

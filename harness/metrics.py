@@ -1,8 +1,8 @@
-"""Prometheus /metrics of a running vLLM instance: histogram sums and counts.
+"""Prometheus /metrics of a running vLLM instance: one reader for gauges and histograms.
 
-Used to read what the engine itself measured for one request (e.g. TTFT from
-its arrival in the engine to its first token) as the difference of a
-histogram's sum and count around that request.
+Used for the KV usage (harness/kv_usage.py) and to read what the engine itself
+measured for one request (e.g. TTFT from its arrival in the engine to its first
+token) as the difference of a histogram's sum and count around that request.
 """
 
 from __future__ import annotations
@@ -12,15 +12,25 @@ import re
 import httpx
 
 
+def scrape(url: str, timeout: float = 10.0) -> str:
+    """The instance's /metrics text."""
+    return httpx.get(url + "/metrics", timeout=timeout).text
+
+
+def samples(text: str, name: str) -> list[float]:
+    """The values of metric ``name`` in a /metrics text, one per label set."""
+    pat = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", re.M)
+    return [float(v) for v in pat.findall(text)]
+
+
 def histogram(url: str, name: str, timeout: float = 10.0) -> tuple[float, float]:
     """(sum, count) of histogram ``name`` (e.g. "vllm:time_to_first_token_seconds"),
     added over its label sets."""
-    text = httpx.get(url + "/metrics", timeout=timeout).text
-    total = {"sum": 0.0, "count": 0.0}
-    for kind in total:
-        pat = re.compile(rf"^{re.escape(name)}_{kind}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", re.M)
-        found = pat.findall(text)
+    text = scrape(url, timeout)
+    total = []
+    for kind in ("sum", "count"):
+        found = samples(text, f"{name}_{kind}")
         if not found:
             raise RuntimeError(f"{name}_{kind} not in {url}/metrics")
-        total[kind] = sum(float(v) for v in found)
-    return total["sum"], total["count"]
+        total.append(sum(found))
+    return total[0], total[1]

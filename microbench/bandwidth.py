@@ -63,20 +63,13 @@ class WriteLayout:
 
 
 def parse_cpus(spec: str | None) -> frozenset[int] | None:
-    """"0", "0-1", "0,2-3" -> CPU set; None or "" -> None (no pinning)."""
+    """"0", "0-1", "0,2-3" -> CPU set (the connector's parse_cpu_list, which reads
+    MOONCAKE_IO_CPUS); None or "" -> None (no pinning)."""
     if not spec:
         return None
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        try:
-            a, b = int(lo), int(hi or lo)
-        except ValueError:
-            raise ValueError(f"CPU list {spec!r}: {part!r} is not N or N-M") from None
-        if a < 0 or b < a:
-            raise ValueError(f"CPU list {spec!r}: bad range {part!r}")
-        cpus.update(range(a, b + 1))
-    return frozenset(cpus)
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import parse_cpu_list
+
+    return parse_cpu_list(spec, "CPU list")
 
 
 def _apply_transport_defaults(protocol: str) -> None:
@@ -149,7 +142,9 @@ def _writer_main(conn: Any, layout: WriteLayout, peer: str, dst_base: int, proto
                  cpus: frozenset[int] | None, nice: int) -> None:
     """Writer process: on each ("write", v) fills its buffer with v and writes it."""
     try:
-        from connector.push.writer import LowPriorityWriter  # stdlib only: no vLLM import
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.writer import (
+            LowPriorityWriter,
+        )
 
         _pin(cpus)
         e = _new_engine(protocol)
@@ -191,7 +186,9 @@ def placed_write_bandwidth(layout: WriteLayout, *, src_cpus: str | None, dst_cpu
                            protocol: str = "tcp", reps: int = 3, nice: int = 19) -> dict:
     """Write ``layout`` from a process on ``src_cpus`` into one on ``dst_cpus``,
     ``reps`` times, through the push's low-priority writer at ``nice``."""
-    from connector.push.writer import WRITER_NICE
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.writer import (
+        WRITER_NICE,
+    )
 
     _apply_transport_defaults(protocol)  # inherited by the children
     src_set, dst_set = parse_cpus(src_cpus), parse_cpus(dst_cpus)

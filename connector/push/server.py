@@ -74,7 +74,6 @@ class PushServer:
                  reader: ReadFn | None = None):
         self.sync = sync
         self.reader = reader  # proof of write: source bytes at D's probes
-        self.write_fn = write_fn
         # the engine's sync write busy-polls on its caller: at nice 19 (writer.py)
         self._writer = LowPriorityWriter(write_fn)
         self.base_addrs = list(base_addrs)

@@ -32,6 +32,7 @@ per target, and draws a PNG.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -46,12 +47,11 @@ from harness.prompts import PromptSource
 from microbench.common import DEFAULT_RESULTS_DIR, finish, machine_info, model_facts, stamp
 from microbench.load import DecodeLoad
 
-from .measure import measure, one_layer_transfer_s
+from .measure import BLOCK_SIZE, measure, one_layer_transfer_s
 from .plan import LAYERWISE, POSTHOC, TRANSFER_ARMS, Progress, Step, plan
 from .report import TABLE, build_rows, plot, summary_lines, table_rows, targets
 
 REQUEST_TIMEOUT_S = float(os.environ.get("VMP_MB7_REQUEST_TIMEOUT_S", "180"))
-BLOCK_SIZE = 128
 QUICK = {"sizes": "512,1024,2048", "reps": 3, "load": "0,8"}
 FULL = {"sizes": "512,1024,2048,4096", "reps": 5, "load": "0,8"}
 HELD_WAIT_S = 30.0
@@ -176,20 +176,17 @@ def run_cluster(args, facts: dict, log_dir: Path, io_on: bool, steps: dict[int, 
         progress.note("P and D ready")
         warm = warm_up(p, d, pm, dm, prompts, progress)
         for load, load_steps in steps.items():
-            streams = ((DecodeLoad(p.url, pm, load, facts["vocab_size"], seed=args.seed + 1),
-                        DecodeLoad(d.url, dm, load, facts["vocab_size"], seed=args.seed + 2))
-                       if load else ())
-            for s in streams:
-                s.__enter__()
-            try:
+            with contextlib.ExitStack() as streams:
+                if load:
+                    streams.enter_context(DecodeLoad(p.url, pm, load, facts["vocab_size"],
+                                                     seed=args.seed + 1))
+                    streams.enter_context(DecodeLoad(d.url, dm, load, facts["vocab_size"],
+                                                     seed=args.seed + 2))
                 phase = []
                 for step in load_steps:
                     sample = measure(step, p, d, pm, dm, prompts, REQUEST_TIMEOUT_S)
                     phase.append(sample)
                     progress.step_done(step, describe(sample))
-            finally:
-                for s in streams:
-                    s.__exit__(None, None, None)
             try:
                 timelines = transfer_timelines(p.bootstrap_url)
             except (httpx.HTTPError, KeyError) as e:

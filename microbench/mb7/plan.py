@@ -63,10 +63,6 @@ class Progress:
         self.t0 = clock()
         self.out = out
 
-    def extend(self, steps: list[Step]) -> None:
-        self.total += sum(s.weight for s in steps)
-        self.count += len(steps)
-
     def eta_s(self) -> float | None:
         if not self.done_weight:
             return None
