@@ -13,18 +13,23 @@ MOONCAKE_LAYERWISE_MIN_TOKENS=N        256      shorter prompts go post-hoc (sam
                                                 a request's kv_transfer_params
                                                 {"mooncake_mode": "layerwise"|"posthoc"} on P
                                                 override this per request
-MOONCAKE_LAYERWISE_TIMEOUT_S           VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
-                                                P's wait for D's request, and for all of a
-                                                transfer's writes once D asked
+MOONCAKE_LAYERWISE_TIMEOUT_S           see →    P's wait for D's request, and for all of a
+                                                transfer's writes once D asked; default:
+                                                VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, capped so
+                                                that it + the write bound + 5 s ends before D
+                                                gives up (that timeout + 60 s)
 MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S    60       P fails D's request for a transfer P has not
                                                 scheduled within this (a queue longer than
                                                 this on P needs a larger value)
 MOONCAKE_IO_CPUS=LIST                  unset    CPU backend: transfer threads on these CPUs
 MOONCAKE_PUSH_MATCH_TIMEOUT_S          5        D's total wait for C's /match_blocks
 MOONCAKE_PUSH_TIMEOUT_S                30       C must start a push's write within this
-                                                (the request's deadline); D waits for the
-                                                answer until deadline + hold margin
-MOONCAKE_PUSH_CLOCK_SKEW_S             5        allowance for clock skew between D and C
+                                                (the request's deadline and budget); D waits
+                                                for the answer until the hold has passed
+                                                (ExtConfig.push_hold_for_s)
+MOONCAKE_PUSH_CLOCK_SKEW_S             5        largest clock skew between D and C: D
+                                                measures it on each /match_blocks and
+                                                prefills locally beyond it
 MOONCAKE_PUSH_SOURCES=URL,...          empty    D: the only push_from sources D pushes from
                                                 (empty: no prefix push; local prefill)
 MOONCAKE_PUSH_MAX_TOKENS               131072   C and D: longest prompt a push may name
@@ -42,15 +47,27 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PREFIX = "MOONCAKE_"
-# Mooncake's per-transfer timeout: a batch_transfer_sync_* call returns (with
-# an error) once a slice has made no progress for this long. Our bounds on
-# "no write after the end" rely on it; transport_env.py sets it where unset.
+# Mooncake's per-call timeout (0.3.13, TransferEnginePy): a batch_transfer_sync_*
+# call gives up after max(5, atoi(MC_TRANSFER_TIMEOUT)) seconds plus 1 ns per
+# byte, counted after the segment handshake; transport_env.py sets it where
+# unset. Giving up is not an end: the batch's slices stay queued and can land
+# seconds later, so this series never writes with those calls (engine_write.py).
 MC_TRANSFER_TIMEOUT = "MC_TRANSFER_TIMEOUT"
-DEFAULT_ENGINE_TRANSFER_TIMEOUT_S = 30.0
+DEFAULT_ENGINE_TRANSFER_TIMEOUT_S = 30
+ENGINE_TIMEOUT_FLOOR_S = 5
+# Mooncake's TCP transport fails a connection's slices after about this long
+# without progress (its no-progress watchdog, separate from the call's timeout).
+ENGINE_NO_PROGRESS_S = 30
+# Time allowed for the segment handshake of a first write to a peer (it has no
+# timeout of its own in the engine).
+ENGINE_HANDSHAKE_ALLOWANCE_S = 5
+# The engine's own throughput assumption (its timeout grows by 1 ns per byte).
+ENGINE_NS_PER_BYTE = 1
 
 
 class ConfigError(ValueError):
@@ -129,7 +146,7 @@ class ExtConfig:
     push_match_timeout_s: float = 5.0
     push_timeout_s: float = 30.0
     push_clock_skew_s: float = 5.0
-    engine_transfer_timeout_s: float = DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
+    engine_transfer_timeout_s: int = DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
     # empty engine steps while finished requests hold blocks: at most one per this
     idle_step_interval_s: float = 0.001
     push_sources: tuple[str, ...] = ()
@@ -149,17 +166,34 @@ class ExtConfig:
         """A push body: the prompt (<= 21 bytes a token in JSON) and D's block list."""
         return 64 * 1024 + 48 * self.push_max_tokens
 
-    @property
-    def push_hold_s(self) -> float:
-        """How long D keeps a push's blocks when C never answers: after the
-        deadline C starts no write, and a write started before it returns
-        within the engine's transfer timeout; plus clock skew."""
-        return self.push_timeout_s + self.engine_transfer_timeout_s + self.push_clock_skew_s
+    def engine_write_bound_s(self, nbytes: int) -> float:
+        """The one bound on how long a write of ``nbytes`` may stay in flight.
 
-    @property
-    def layerwise_quiesce_s(self) -> float:
-        """How long an ended layer-wise transfer may wait for its in-flight write."""
-        return self.engine_transfer_timeout_s + 5.0
+        From the engine's own rule (0.3.13, TCP): the segment handshake
+        (ENGINE_HANDSHAKE_ALLOWANCE_S), then the call's timeout
+        (``max(5, atoi(MC_TRANSFER_TIMEOUT))`` s + 1 ns per byte), then the
+        transport's no-progress watchdog, which fails the slices still queued
+        on a stalled connection. engine_write.py waits for every slice to be
+        terminal; past this bound it logs the write as overdue and keeps
+        waiting (its blocks stay out of use). A peer that holds blocks for
+        someone else's write uses this bound, computed with the *writer's*
+        MC_TRANSFER_TIMEOUT."""
+        return (ENGINE_HANDSHAKE_ALLOWANCE_S + self.engine_transfer_timeout_s
+                + nbytes * ENGINE_NS_PER_BYTE * 1e-9 + ENGINE_NO_PROGRESS_S)
+
+    def push_hold_for_s(self, nbytes: int, source_engine_timeout_s: int | None = None
+                        ) -> float:
+        """How long D keeps a push's blocks when C never answers. C starts no write
+        once the push's budget (push_timeout_s, from when C received the request)
+        or its deadline (D's wall clock + push_timeout_s, read on C's clock, which
+        D measured within push_clock_skew_s) has passed; a write started by then
+        ends within C's engine_write_bound_s for the ``nbytes`` asked for,
+        computed with C's MC_TRANSFER_TIMEOUT (``source_engine_timeout_s``, from
+        C's /match_blocks answer; None: this instance's own)."""
+        source = self if source_engine_timeout_s is None else replace(
+            self, engine_transfer_timeout_s=source_engine_timeout_s)
+        return (self.push_timeout_s + source.engine_write_bound_s(nbytes)
+                + self.push_clock_skew_s)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ExtConfig:
@@ -200,20 +234,28 @@ class ExtConfig:
             delay_write_prompt_len=delay_len,
             delay_write_s=delay_s,
         )
+        engine_timeout = engine_timeout_s(env)
+        # D's pull socket gives up after VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s
+        # (upstream) and then frees the blocks; P must have answered by then. P
+        # answers after its timeout once the in-flight write is terminal, which the
+        # engine's rule bounds (engine_write_bound_s; the byte term is a layer's
+        # write, small against the rest).
+        d_gives_up = abort_timeout + 60
+        write_bound = cls(engine_transfer_timeout_s=engine_timeout).engine_write_bound_s(0)
+        default_layerwise_timeout = max(0.1, min(abort_timeout, d_gives_up - write_bound - 5))
         cfg = cls(
             layerwise=_flag(env, "MOONCAKE_LAYERWISE"),
             layerwise_min_tokens=int(_number(env, "MOONCAKE_LAYERWISE_MIN_TOKENS", 256,
                                              integer=True)),
-            layerwise_timeout_s=_number(env, "MOONCAKE_LAYERWISE_TIMEOUT_S", abort_timeout,
-                                        minimum=0.1),
+            layerwise_timeout_s=_number(env, "MOONCAKE_LAYERWISE_TIMEOUT_S",
+                                        default_layerwise_timeout, minimum=0.1),
             layerwise_unknown_timeout_s=_number(env, "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S", 60.0,
                                                 minimum=0.1),
             io_cpus=io_cpus,
             push_match_timeout_s=_number(env, "MOONCAKE_PUSH_MATCH_TIMEOUT_S", 5.0, minimum=0.1),
             push_timeout_s=_number(env, "MOONCAKE_PUSH_TIMEOUT_S", 30.0, minimum=0.1),
             push_clock_skew_s=_number(env, "MOONCAKE_PUSH_CLOCK_SKEW_S", 5.0),
-            engine_transfer_timeout_s=_number(env, MC_TRANSFER_TIMEOUT,
-                                              DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, minimum=1),
+            engine_transfer_timeout_s=engine_timeout,
             push_sources=tuple(normalize_source(u) for u in
                                env.get("MOONCAKE_PUSH_SOURCES", "").split(",") if u.strip()),
             push_max_tokens=int(_number(env, "MOONCAKE_PUSH_MAX_TOKENS", 131072, minimum=1,
@@ -225,18 +267,24 @@ class ExtConfig:
             bootstrap_insecure=_flag(env, "MOONCAKE_BOOTSTRAP_INSECURE"),
             faults=faults,
         )
-        # D's pull socket gives up after VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s
-        # (upstream) and then frees the blocks; P must have answered by then, which
-        # it does at the latest after its timeout plus its wait for an in-flight write.
-        d_gives_up = abort_timeout + 60
-        if cfg.layerwise_timeout_s + cfg.layerwise_quiesce_s >= d_gives_up:
+        if cfg.layerwise_timeout_s + write_bound >= d_gives_up:
             raise ConfigError(
-                f"MOONCAKE_LAYERWISE_TIMEOUT_S={cfg.layerwise_timeout_s:g} + the wait for an "
-                f"in-flight write ({cfg.layerwise_quiesce_s:g} s, from MC_TRANSFER_TIMEOUT) must "
+                f"MOONCAKE_LAYERWISE_TIMEOUT_S={cfg.layerwise_timeout_s:g} + the bound on an "
+                f"in-flight write ({write_bound:g} s, from MC_TRANSFER_TIMEOUT) must "
                 f"stay below the decode side's {d_gives_up:g} s "
                 "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, or raise "
                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both instances")
         return cfg
+
+
+def engine_timeout_s(env: Mapping[str, str]) -> int:
+    """MC_TRANSFER_TIMEOUT as Mooncake reads it: ``max(5, atoi(value))`` seconds,
+    30 when unset (so "1" means 5, "7.9" means 7, "abc" means 5)."""
+    raw = env.get(MC_TRANSFER_TIMEOUT)
+    if raw is None:
+        return DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
+    m = re.match(r"\s*([+-]?\d+)", raw)
+    return max(ENGINE_TIMEOUT_FLOOR_S, int(m.group(1)) if m else 0)
 
 
 def is_loopback(host: str) -> bool:

@@ -35,6 +35,7 @@ from ..hashsync.sync import SchedulerHashSync, WorkerHashSync
 from ..hashsync.sync import register_routes as register_hashsync_routes
 from .auth import EndpointGuard
 from .config import ExtConfig, is_loopback, load
+from .engine_write import WriteFn, terminal_write_fn
 from .gpu_order import record_after_compute
 from .kv_reader import KVReader
 from .layerwise.protocol import MODE_PARAM, LayerwiseMetadata, TransferMode, requested_mode
@@ -207,27 +208,39 @@ class WorkerExtension:
         self.push_receiver: PushReceiver | None = None  # D
         self._event_tensor: torch.Tensor | None = None
         self._serving: set[asyncio.Task] = set()  # layer-wise answers to D in progress
+        self._write: WriteFn | None = None  # every engine write of this worker
 
     def on_kv_caches_registered(self, kv: RegisteredKV) -> None:
         cfg = self.config
+        # Every write (layer-wise, push, upstream's post-hoc send) returns only
+        # once none of its bytes can still land (engine_write.py).
+        write_fn = self._write = terminal_write_fn(kv.write_fn, cfg)
         self._event_tensor = next(iter(kv.kv_caches.values()), None)
         fingerprint = local_fingerprint(self.vllm_config, kv.block_len, len(kv.base_addrs))
         kv_reader = KVReader.for_kv_caches(kv.kv_caches, kv.split_k_and_v, kv.block_len,
                                            kv.num_blocks)
         if not self.is_consumer and self.enable_prefix_caching:
             self.hashsync = WorkerHashSync(kv.block_size)
-            self.push_server = PushServer(self.hashsync, kv.write_fn, kv.base_addrs,
+            self.push_server = PushServer(self.hashsync, write_fn, kv.base_addrs,
                                           kv.block_len, fingerprint, kv.session, cfg,
                                           reader=kv_reader.read)
             self.hashsync.stats_provider = lambda: dict(self.push_server.stats)  # type: ignore[union-attr]
         if cfg.layerwise and not self.is_consumer:
             self.sender = LayerwiseSender.for_kv_caches(
-                kv.write_fn, kv.kv_caches, kv.split_k_and_v, kv.base_addrs, kv.block_len,
+                write_fn, kv.kv_caches, kv.split_k_and_v, kv.base_addrs, kv.block_len,
                 kv.block_size, cfg)
             logger.info("Mooncake layer-wise KV push enabled (MOONCAKE_LAYERWISE)")
         self.push_receiver = PushReceiver(kv.session, kv.base_addrs, kv.block_len,
                                           kv.block_size, kv.num_blocks, fingerprint, cfg,
                                           kv=kv_reader)
+
+    def write_blocks(self, session: str, src: list[int], dst: list[int], lens: list[int]
+                     ) -> int:
+        """Upstream's post-hoc send (patch 0013): the same terminal write as ours,
+        so a failed send's blocks are freed only once none of its bytes can land."""
+        if self._write is None:
+            raise RuntimeError("write_blocks before the KV caches were registered")
+        return self._write(session, src, dst, lens)
 
     @property
     def bootstrap_host(self) -> str:
@@ -346,6 +359,8 @@ class WorkerExtension:
     def shutdown(self) -> None:
         if self.sender is not None:
             self.sender.shutdown()
+        if self.push_receiver is not None:
+            self.push_receiver.shutdown()
 
 
 def keeps_engine_stepping() -> bool:

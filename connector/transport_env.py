@@ -7,16 +7,16 @@ transfer is one entry per (layer, K/V, run of contiguous blocks): a 2048-token
 prompt of a 48-layer model is ~12k entries, which the transport rejects at once
 (``batch_transfer_sync_write`` returns -1 without a log line), and under CPU
 load a smaller batch waits longer than 1 s for admission and fails the same way.
-Both were seen on this project's CPU machine (issue 4); the raw engine moves the
+Both were seen on this project's CPU machine; the raw engine moves the
 same 12k-entry batch in ~0.5 s once the limits are raised.
 
 Timeouts and the "no byte after the end" bounds (config.py): a write waiting
 for admission longer than ``MC_TCP_ADMISSION_TIMEOUT_MS`` fails without moving
-bytes; once admitted, a call returns within ``MC_TRANSFER_TIMEOUT``. The
-admission timeout (20 s) is below a push's deadline (MOONCAKE_PUSH_TIMEOUT_S,
-30 s) and D keeps a push's blocks until deadline + MC_TRANSFER_TIMEOUT + clock
-skew when C does not answer, so a write C started can never land in blocks D
-has given to another request.
+bytes; the admission timeout (20 s) is below a push's deadline
+(MOONCAKE_PUSH_TIMEOUT_S, 30 s). Every write of this series waits until the
+engine reports each of its entries done or failed (engine_write.py); the
+bound peers hold blocks for is ``ExtConfig.engine_write_bound_s``, computed
+from the writer's MC_TRANSFER_TIMEOUT (C reports it to D in /match_blocks).
 
 The defaults below apply only to the ``tcp`` protocol and only where the user
 has not set the variable: an explicit setting always wins. They must be in the
@@ -40,7 +40,7 @@ TCP_TRANSPORT_DEFAULTS: dict[str, str] = {
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
     # below the push deadline (config.ExtConfig.push_timeout_s)
     "MC_TCP_ADMISSION_TIMEOUT_MS": "20000",
-    # explicit, because config.ExtConfig.push_hold_s is computed from it
+    # explicit, because config.ExtConfig.engine_write_bound_s is computed from it
     MC_TRANSFER_TIMEOUT: str(int(DEFAULT_ENGINE_TRANSFER_TIMEOUT_S)),
 }
 

@@ -58,7 +58,7 @@ NORMAL_LEN = 1024  # layer-wise, no fault hook
 LAYERWISE_MIN_TOKENS = 256
 POSTHOC_LEN = 200  # below LAYERWISE_MIN_TOKENS: upstream's post-hoc pull
 LAYERWISE_TIMEOUT_S = 20.0
-ENGINE_TIMEOUT_S = 10  # MC_TRANSFER_TIMEOUT: one engine write gives up after this
+ENGINE_TIMEOUT_S = 5  # MC_TRANSFER_TIMEOUT: the engine's sync call gives up after this
 ABORT_TIMEOUT_S = 20  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
 PUSH_TIMEOUT_S = 10.0
 # the longest any request may take under these faults: D's pull socket gives up at
@@ -66,6 +66,11 @@ PUSH_TIMEOUT_S = 10.0
 REQUEST_DEADLINE_S = ABORT_TIMEOUT_S + 60 + 60
 SHORT_DOWN_S = 4.0  # < ENGINE_TIMEOUT_S: the writes resume where they stopped
 LONG_DOWN_S = 30.0  # > ENGINE_TIMEOUT_S and > LAYERWISE_TIMEOUT_S: the transfer fails
+# > ENGINE_TIMEOUT_S, < the transport's 30 s no-progress watchdog, and short enough that
+# the transfer still ends within LAYERWISE_TIMEOUT_S (TCP's retransmission back-off
+# adds up to ~4 s after the link is up): the window in which the engine's own call
+# returned -1 while its bytes were still on their way.
+ENGINE_TIMEOUT_DOWN_S = 9.0
 
 FAULT_ENV = {
     "MOONCAKE_LAYERWISE": "1",
@@ -264,12 +269,25 @@ class FaultBench:
         up = time.monotonic()
         out.must_succeed = resumes
         self.settle(out, fut, ids, from_peer=resumes)
+        # P reports a transfer's end only after its last write returned
+        t = self.layerwise_transfers().get(xfer, {})
+        if t.get("ended_at") is None or (t.get("last_write_end") or 0) > t["ended_at"]:
+            out.record("wrong", f"P reported the transfer's end before its last write: {t}")
         self.baseline(out, self.p, self.d)
         self.recover(out, up)
 
     def link_down_short(self, out: Outcome) -> None:
         """P's link down for SHORT_DOWN_S while it writes a transfer, then up."""
         self._link_down(out, SHORT_DOWN_S, resumes=True)
+
+    def link_down_engine_timeout(self, out: Outcome) -> None:
+        """P's link down for ENGINE_TIMEOUT_DOWN_S: longer than MC_TRANSFER_TIMEOUT,
+        shorter than the transport's no-progress watchdog. A write is in flight
+        until the engine reports it done or failed, never just because the call's
+        own timeout passed: the writes resume once the link is up, the transfer
+        completes and D decodes from P's KV. (Ended on the engine's -1 instead, P
+        would answer D "failed" while the bytes were still on their way.)"""
+        self._link_down(out, ENGINE_TIMEOUT_DOWN_S, resumes=True)
 
     def link_down_long(self, out: Outcome) -> None:
         """P's link down for LONG_DOWN_S (past the engine's and the transfer's timeouts)."""
@@ -394,6 +412,7 @@ NEEDS_NETEM = {"packet_loss", "link_delay"}
 SCENARIOS: dict[str, Callable[[FaultBench, Outcome], None]] = {
     "no_fault": FaultBench.no_fault,
     "link_down_short": FaultBench.link_down_short,
+    "link_down_engine_timeout": FaultBench.link_down_engine_timeout,
     "link_down_long": FaultBench.link_down_long,
     "bandwidth_limit": FaultBench.bandwidth_limit,
     "packet_loss": FaultBench.packet_loss,
@@ -417,16 +436,16 @@ def run_fault(bench: FaultBench, name: str, runs: int = 1) -> Outcome:
 
 
 def render(outcomes: list[Outcome]) -> str:
-    head = (f"{'fault':<18} {'runs':>4} {'reqs':>4} {'ok':>3} {'err':>3} {'lost':>4} "
+    head = (f"{'fault':<24} {'runs':>4} {'reqs':>4} {'ok':>3} {'err':>3} {'lost':>4} "
             f"{'wrong':>5} {'stranded':>8}  recovery s (min/med/max)  holds")
     lines = [head, "-" * len(head)]
     for o in outcomes:
         if o.skipped:
-            lines.append(f"{o.fault:<18} skipped: {o.skipped}")
+            lines.append(f"{o.fault:<24} skipped: {o.skipped}")
             continue
         rec = sorted(o.recovery_s)
         rec_s = (f"{rec[0]:.1f} / {rec[len(rec) // 2]:.1f} / {rec[-1]:.1f}" if rec else "-")
-        lines.append(f"{o.fault:<18} {o.runs:>4} {o.requests:>4} {o.ok:>3} "
+        lines.append(f"{o.fault:<24} {o.runs:>4} {o.requests:>4} {o.ok:>3} "
                      f"{o.ended_with_error:>3} {o.lost:>4} {o.wrong:>5} {o.stranded_runs:>8}  "
                      f"{rec_s:<24}  {'yes' if o.holds else 'NO'}")
     return "\n".join(lines)

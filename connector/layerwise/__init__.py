@@ -12,6 +12,7 @@ P's worker over ZMQ (MooncakeXferMetadata) and waits for FINISH. On P:
 
   scheduler.py   P's scheduler: which blocks each step computes (protocol.py)
   tracker.py     pure state machine of every transfer (no I/O, unit-tested)
-  sender.py      P's worker: the owner of all transfers and their writers (one per D)
+  sender.py      P's worker: the owner of all transfers and their writers (one per D
+                 session with work; idle ones retire)
   pulls.py       D's worker: each pull reported to D's scheduler exactly once
 """

@@ -16,8 +16,10 @@ flight (sender.py), so D reuses blocks only when no write into them can come.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
+from collections.abc import Callable
 
 from vllm.logger import init_logger
 
@@ -27,9 +29,12 @@ ENDED_KEPT_S = 3600.0  # how long an ended pull's id is remembered (double repor
 
 
 class PullOutcomes:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
-        self._ended: dict[str, float] = {}  # D request id -> when
+        # D request id -> when it ended, oldest first (pruned from the front:
+        # O(1) amortized per pull however many are remembered)
+        self._ended: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._cleanup: set[str] = set()
         self._finished: set[str] = set()  # failed pulls to report in finished_recving
         self._invalid: set[int] = set()  # their blocks (get_block_ids_with_load_errors)
@@ -45,10 +50,13 @@ class PullOutcomes:
         to be reported to the scheduler."""
         if d_req_id in self._ended:
             return False
-        now = time.monotonic()
+        now = self._clock()
+        while self._ended:
+            oldest, when = next(iter(self._ended.items()))
+            if now - when < ENDED_KEPT_S:
+                break
+            del self._ended[oldest]
         self._ended[d_req_id] = now
-        if len(self._ended) > 4096:
-            self._ended = {k: v for k, v in self._ended.items() if now - v < ENDED_KEPT_S}
         if d_req_id in self._cleanup:
             self._cleanup.discard(d_req_id)
             return False

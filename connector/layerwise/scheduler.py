@@ -83,6 +83,19 @@ class LayerwiseScheduler:
         meta, self._pending = self._pending, LayerwiseMetadata()
         if not self._reqs:
             return meta
+        # Preempted: its blocks went back to the pool in this very schedule and
+        # this step may compute other requests' KV into them, so its transfer
+        # fails now (D prefills locally). A request resumed without having been
+        # listed as preempted (reset_prefix_cache preempts outside a step) lost
+        # its blocks the same way. Either way the request is not sent per layer
+        # any more; it is still reported when it finishes (request_finished).
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id in (getattr(scheduler_output, "preempted_req_ids", None) or ()):
+            if (t := self._reqs.pop(req_id, None)) is not None:
+                meta.preempted.append(t.transfer_id)
+        for req_id in cached.resumed_req_ids:
+            if (t := self._reqs.pop(req_id, None)) is not None:
+                meta.preempted.append(t.transfer_id)
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             t = self._reqs.get(new.req_id)
@@ -92,15 +105,12 @@ class LayerwiseScheduler:
             computed = new.num_computed_tokens + num_scheduled.get(new.req_id, 0)
             meta.steps.append(ComputedStep(t.transfer_id, new.req_id, tuple(t.block_ids),
                                            computed, t.prompt_len))
-        cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self._reqs.get(req_id)
             if t is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                t.block_ids = single_group(new_ids, req_id) if new_ids else []
-            elif new_ids:
+            if new_ids:
                 t.block_ids += single_group(new_ids, req_id)
             computed = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
             if computed > t.prompt_len:

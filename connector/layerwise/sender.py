@@ -16,10 +16,26 @@ No byte after the end (the invariant this class owns):
   and no further write of it can start. The writer admits each write through
   ``tracker.start_writes`` under ``self._lock`` (which drops the queued writes
   of an ended transfer), and every way a transfer ends (completion, timeout,
-  abort, expiry, write error) takes that same lock; ``tracker.pop_finished``
-  only returns transfers with no write in flight. On a timeout D is answered
-  once the in-flight write has returned (bounded by the engine's transfer
-  timeout), never before.
+  abort, preemption, expiry, write error) takes that same lock;
+  ``tracker.pop_finished`` only returns transfers with no write in flight. The
+  write function returns only once none of its bytes can still land
+  (engine_write.py), so "returned" means "ended". There is no other way out: on
+  a timeout D is answered when the in-flight write has returned, however long
+  that takes; a write in flight past ``ExtConfig.engine_write_bound_s`` is
+  logged as an error while D's answer keeps waiting for it.
+
+Only ids P's scheduler handed over are reported: a transfer is created by the
+scheduler's metadata, never by D's request; a destination for an id P has not
+scheduled waits at most MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S in a bounded
+table and then leaves no trace (a request P schedules later under that id runs
+as if it had never been named), and poll() reports only P request ids whose
+blocks the scheduler handed over (:class:`~.protocol.FinishedRequest`).
+
+Bounded state: at most MAX_TRANSFERS_PER_REQUEST transfers are served from one
+of D's requests and MAX_UNKNOWN destinations wait for unannounced ids; a
+writer thread serves one decode session while it has work and retires after
+``writer_idle_s`` idle (MAX_PEERS counts sessions with work); the forward
+thread's per-step calls cost O(transfers the step names or that ended).
 
 GPU ordering: on CUDA the attention kernels run asynchronously. Each write
 waits, before the engine reads P's blocks, on the event recorded after the
@@ -62,8 +78,14 @@ WriteFn = Callable[[str, list[int], list[int], list[int]], int]
 Reply = Callable[[list[str], dict[str, str], bool], Awaitable[None]]
 
 STATS_KEPT = 256
-MAX_PEERS = 64  # writer threads (decode sessions) at once
+MAX_PEERS = 64  # decode sessions with queued or running writes at once
 MAX_UNKNOWN = 1024  # destinations waiting for a transfer this instance has not seen
+# Transfers served from one of D's requests (D sends one per P worker and step:
+# at most its max_num_seqs); the rest of a larger one is refused at once.
+MAX_TRANSFERS_PER_REQUEST = 1024
+# How often D's answer, waiting for an in-flight write, checks it against the
+# engine's bound (only to log; the answer itself comes when the write returns).
+OVERDUE_CHECK_S = 1.0
 
 
 def slots_by_layer(kv_caches: dict[str, torch.Tensor], split_k_and_v: bool
@@ -91,6 +113,26 @@ def slots_by_layer(kv_caches: dict[str, torch.Tensor], split_k_and_v: bool
 class _Batch:
     ops: list[WriteOp]
     events: tuple[ComputeEvent, ...]  # wait for these before reading P's blocks
+
+
+@dataclass(eq=False)
+class _Writer:
+    """The writer thread of one decode session and its FIFO."""
+
+    session: str
+    queue: queue.Queue[_Batch | None]
+    # batches queued or being handled; changed under LayerwiseSender._writers_lock
+    # (with every put), so 0 means nothing is queued and nothing is in flight
+    pending: int = 0
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """The engine write one writer is in (for the overdue log)."""
+
+    started: float
+    nbytes: int
+    transfer_ids: frozenset[str]
 
 
 @dataclass
@@ -122,6 +164,9 @@ class _Totals:
 class LayerwiseSender:
     """Pushes a prefill worker's KV to decode instances layer by layer."""
 
+    # A decode session's writer thread retires after this long without work.
+    writer_idle_s: float = 30.0
+
     def __init__(
         self,
         write_fn: WriteFn,
@@ -144,10 +189,17 @@ class LayerwiseSender:
         self.tracker = LayerwiseTracker(len(self.local_base_addrs), block_size)
         self._lock = threading.Lock()
         self._writers_lock = threading.Lock()
-        self._writers: dict[str, queue.Queue[_Batch | None]] = {}  # decode session -> queue
+        self._writers: dict[str, _Writer] = {}  # decode session -> its writer (with work)
+        self._writers_started = 0
+        self._in_flight: dict[str, _InFlight] = {}  # decode session -> its engine write
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._results: dict[str, tuple[float, str | None]] = {}  # ended: (when, error)
-        self._deadlines: dict[str, float] = {}  # finished on P, no destination yet
+        # ended: (when, error), in order of time (pruned from the front)
+        self._results: collections.OrderedDict[str, tuple[float, str | None]] = \
+            collections.OrderedDict()
+        # finished on P, no destination yet: deadline, in order of deadline (one timeout)
+        self._deadlines: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # P requests whose blocks the scheduler keeps until we report them
+        self._handed_over: set[str] = set()
         self._slot_events: list[ComputeEvent | None] = [None] * len(self.local_base_addrs)
         self._step_active = False
         self._step_final: list[str] = []  # transfers whose prompt completes this step
@@ -171,15 +223,22 @@ class LayerwiseSender:
         ops: list[WriteOp] = []
         now = self._clock()
         with self._lock:
+            # Before this step's forward: a preempted request's blocks may be
+            # computed into for another request by it; its queued writes must
+            # not read them (start_writes drops them once the transfer ended).
+            for transfer_id in meta.preempted:
+                self.tracker.fail(transfer_id,
+                                  "the request was preempted on the prefill instance")
             for transfer_id in meta.aborted:
-                self.tracker.fail(transfer_id, "the request was aborted on the prefill instance")
-                self.tracker.release(transfer_id, "", 0, holds_blocks=False)
+                self.tracker.release(transfer_id, "", 0, holds_blocks=False,
+                                     reason="the request was aborted on the prefill instance")
             for fin in meta.finished:
+                self._handed_over.add(fin.p_req_id)
                 st = self._stat(fin.transfer_id, fin.prompt_len)
                 if fin.aborted:
-                    self.tracker.fail(fin.transfer_id,
-                                      "the request was aborted on the prefill instance")
-                    self.tracker.release(fin.transfer_id, fin.p_req_id, fin.prompt_len)
+                    self.tracker.release(fin.transfer_id, fin.p_req_id, fin.prompt_len,
+                                         reason="the request was aborted on the prefill "
+                                                "instance")
                     continue
                 if st.prefill_end is None:
                     st.prefill_end = now  # post-hoc: the prompt was computed by now
@@ -188,6 +247,7 @@ class LayerwiseSender:
                 t = self.tracker.get(fin.transfer_id)
                 if t is not None and t.destination is None and not t.done:
                     self._deadlines[fin.transfer_id] = now + self.timeout_s
+                    self._deadlines.move_to_end(fin.transfer_id)
             ops += self.tracker.begin_step(meta.steps)
             self._step_active = bool(meta.steps)
             self._step_final = [s.transfer_id for s in meta.steps
@@ -220,25 +280,37 @@ class LayerwiseSender:
         self._submit(ops, (event,))
 
     def poll(self) -> set[str]:
-        """Expire transfers D never asked for; return P requests whose blocks can be freed."""
+        """Expire transfers D never asked for; return P requests whose blocks can be freed.
+
+        Costs O(expired + ended): deadlines and results are kept in time order."""
         now = self._clock()
         with self._lock:
-            for transfer_id, deadline in list(self._deadlines.items()):
+            while self._deadlines:
+                transfer_id, deadline = next(iter(self._deadlines.items()))
+                if now <= deadline:
+                    break
+                del self._deadlines[transfer_id]
                 t = self.tracker.get(transfer_id)
                 if t is None or t.done or t.destination is not None:
-                    del self._deadlines[transfer_id]
-                elif now > deadline:
-                    del self._deadlines[transfer_id]
-                    logger.warning("Layer-wise transfer %s: the decode instance did not ask for "
-                                   "the KV within %.0fs; freeing the blocks.", transfer_id,
-                                   self.timeout_s)
-                    self.tracker.fail(transfer_id, "expired: the decode instance never asked")
-            for transfer_id, (when, _) in list(self._results.items()):
-                if now - when > 2 * self.timeout_s:
-                    del self._results[transfer_id]
+                    continue
+                logger.warning("Layer-wise transfer %s: the decode instance did not ask for "
+                               "the KV within %.0fs; freeing the blocks.", transfer_id,
+                               self.timeout_s)
+                self.tracker.fail(transfer_id, "expired: the decode instance never asked")
+            while self._results:
+                transfer_id, (when, _) = next(iter(self._results.items()))
+                if now - when <= 2 * self.timeout_s:
+                    break
+                del self._results[transfer_id]
         self._dispatch()
         with self._lock:
             out, self._finished_sending = self._finished_sending, set()
+            stray = out - self._handed_over
+            out -= stray
+            self._handed_over -= out
+        if stray:  # never reaches vLLM's scheduler, which knows only its own requests
+            logger.error("Layer-wise push: not reporting %d request ids the scheduler never "
+                         "handed over: %s", len(stray), sorted(stray)[:8])
         return out
 
     # ---- sender event loop (ZMQ) -----------------------------------------------
@@ -267,21 +339,45 @@ class LayerwiseSender:
             if reason is None:
                 return fut.result()
             with self._lock:
+                if self.tracker.drop_pending(transfer_id):
+                    # Never scheduled here: nothing was written and nothing of
+                    # it stays (a request scheduled later under this id runs
+                    # as if it had never been named).
+                    return reason
                 self.tracker.fail(transfer_id, reason)
             self._dispatch()
-            # The end is handed out once no write of it is in flight; an
-            # admitted write returns within the engine's transfer timeout.
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), self.config.layerwise_quiesce_s)
-            except asyncio.TimeoutError:
-                logger.error("Layer-wise transfer %s: a write was still in flight %.0fs after "
-                             "its timeout (the transfer engine did not return within "
-                             "MC_TRANSFER_TIMEOUT)", transfer_id, self.config.layerwise_quiesce_s)
-                return (f"layer-wise transfer {transfer_id} timed out; a write is still in "
-                        "flight")
+            return await self._answer_when_written(transfer_id, dest.session, fut)
         finally:
             with self._lock:
                 self._waiters.pop(transfer_id, None)
+
+    async def _answer_when_written(self, transfer_id: str, session: str,
+                                   fut: asyncio.Future) -> str | None:
+        """The ended transfer's answer, once no write of it is in flight. There
+        is no timeout: until the engine's write returns, its bytes may land in
+        D's blocks. A write in flight past the engine's bound is logged (once)."""
+        logged = False
+        while True:
+            wait = OVERDUE_CHECK_S
+            if not logged:
+                with self._lock:
+                    w = self._in_flight.get(session)
+                if w is not None and transfer_id in w.transfer_ids:
+                    age = self._clock() - w.started
+                    bound = self.config.engine_write_bound_s(w.nbytes)
+                    if age > bound:
+                        logged = True
+                        logger.error(
+                            "Layer-wise transfer %s ended, but its write to %s (%d bytes) is "
+                            "still in flight %.0f s after it started, past the engine's bound "
+                            "(%.0f s); the decode instance is answered once it returns",
+                            transfer_id, session, w.nbytes, age, bound)
+                    else:
+                        wait = min(wait, bound - age + 0.01)
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), wait)
+            except asyncio.TimeoutError:
+                continue
 
     async def _wait_or_timeout(self, transfer_id: str, fut: asyncio.Future) -> str | None:
         """Wait for the transfer's end (None), or return why it must be failed: P
@@ -313,12 +409,20 @@ class LayerwiseSender:
         """P side of upstream's pull protocol, served from layer-wise pushes.
 
         One reply per batch of transfers that ended (CONTINUE), the last one
-        FINISH; each transfer is answered exactly once."""
+        FINISH; each transfer is answered exactly once. Transfers beyond
+        MAX_TRANSFERS_PER_REQUEST are refused in the first reply, before
+        anything is created for them."""
+        items = list(req_blocks.items())
+        refused = {d_req_id: (f"one request named {len(items)} transfers; a prefill worker "
+                              f"serves at most {MAX_TRANSFERS_PER_REQUEST} per request")
+                   for d_req_id, _ in items[MAX_TRANSFERS_PER_REQUEST:]}
         tasks = {
             asyncio.create_task(self.push(transfer_id, Destination(session, list(base_addrs),
                                                                    list(block_ids)))): d_req_id
-            for d_req_id, (transfer_id, block_ids) in req_blocks.items()
+            for d_req_id, (transfer_id, block_ids) in items[:MAX_TRANSFERS_PER_REQUEST]
         }
+        if refused:
+            await reply([], refused, not tasks)
         pending = set(tasks)
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -331,7 +435,7 @@ class LayerwiseSender:
                     errs[tasks[task]] = e
             await reply(ok, errs, not pending)
 
-    # ---- writer threads (one per decode peer) ---------------------------------
+    # ---- writer threads (one per decode peer with work) ------------------------
     def _submit(self, ops: list[WriteOp], events: tuple[ComputeEvent | None, ...] | None) -> None:
         """Queue the writes to their destination's writer (one FIFO per decode peer)."""
         if not ops:
@@ -344,59 +448,92 @@ class LayerwiseSender:
         for op in ops:
             by_session.setdefault(op.session, []).append(op)
         for session, sops in by_session.items():
-            writer = self._writer_for(session)
+            with self._writers_lock:  # the put too: a writer retires only with nothing queued
+                writer = self._writer_for(session)
+                if writer is not None:
+                    writer.pending += 1
+                    writer.queue.put(_Batch(sops, uniq))
             if writer is None:
                 with self._lock:
                     for tid in {op.transfer_id for op in sops}:
-                        self.tracker.fail(tid, f"more than {MAX_PEERS} decode peers at once; "
-                                          f"refusing a writer for {session}")
+                        self.tracker.fail(tid, f"more than {MAX_PEERS} decode peers with "
+                                          f"writes at once; refusing a writer for {session}")
                 self._dispatch()
-                continue
-            writer.put(_Batch(sops, uniq))
 
-    def _writer_for(self, session: str) -> queue.Queue[_Batch | None] | None:
-        """The queue of the writer thread serving ``session``, started on first use:
-        a dead or slow decode peer stalls only the transfers to it."""
+    def _writer_for(self, session: str) -> _Writer | None:
+        """The writer serving ``session``, started on first use (a dead or slow
+        decode peer stalls only the transfers to it). Caller holds _writers_lock.
+        At MAX_PEERS, writers with nothing to do are retired to make room: the
+        cap counts sessions with work, not every session seen."""
+        w = self._writers.get(session)
+        if w is not None:
+            return w
+        if len(self._writers) >= MAX_PEERS:
+            for idle in [w for w in self._writers.values() if w.pending == 0]:
+                del self._writers[idle.session]
+                idle.queue.put(None)
+            if len(self._writers) >= MAX_PEERS:
+                return None
+        w = self._writers[session] = _Writer(session, queue.Queue())
+        self._writers_started += 1
+        threading.Thread(target=self._writer_loop, args=(w,), daemon=True,
+                         name=f"vllm-mooncake-layerwise-{self._writers_started}").start()
+        return w
+
+    def num_writers(self) -> int:
+        """Writer threads serving a decode session now (tests, observability)."""
         with self._writers_lock:
-            q = self._writers.get(session)
-            if q is None:
-                if len(self._writers) >= MAX_PEERS:
-                    return None
-                q = self._writers[session] = queue.Queue()
-                threading.Thread(target=self._writer_loop, args=(session, q), daemon=True,
-                                 name=f"vllm-mooncake-layerwise-{len(self._writers)}").start()
-            return q
+            return len(self._writers)
 
     def idle(self) -> bool:
         """No queued batch and no write in flight (tests)."""
         with self._writers_lock:
-            queues = list(self._writers.values())
+            queued = any(w.pending for w in self._writers.values())
         with self._lock:
-            inflight = any(t.inflight for t in self.tracker.transfers.values())
-        return not inflight and all(q.empty() for q in queues)
+            inflight = self.tracker.inflight
+        return not inflight and not queued
 
-    def _writer_loop(self, session: str, q: queue.Queue[_Batch | None]) -> None:
+    def _writer_loop(self, w: _Writer) -> None:
         """One decode peer's writer: admits each batch's writes (dropping those of
-        ended transfers), waits for the compute they read, writes, reports."""
+        ended transfers), waits for the compute they read, writes, reports.
+        Retires once it had nothing to do for writer_idle_s."""
         move_current_thread_to_io_cpus(self.config.io_cpus)
         deprioritize_current_poller(self.config.io_cpus)  # the engine's sync write busy-polls
-        while (batch := q.get()) is not None:
-            with self._lock:
-                run, dropped = self.tracker.start_writes(batch.ops)
-                now = self._clock()
-                for op in dropped:
-                    self.totals.writes_dropped += 1
-                    self._stat(op.transfer_id).writes_dropped += 1
-                prompt_lens: dict[int, int] = {}  # prompt length -> writes done (faults)
-                for op in run:
-                    st = self._stat(op.transfer_id)
-                    if st.first_write_start is None:
-                        st.first_write_start = now
-                    prompt_lens[self.tracker.transfers[op.transfer_id].prompt_len] = st.writes
-            if run:
-                wait_all(batch.events)
-                self._write(session, run, prompt_lens)
+        while True:
+            try:
+                batch = w.queue.get(timeout=self.writer_idle_s)
+            except queue.Empty:
+                with self._writers_lock:
+                    if w.pending == 0:
+                        if self._writers.get(w.session) is w:
+                            del self._writers[w.session]
+                        return
+                continue
+            if batch is None:
+                return
+            try:
+                self._run_batch(w.session, batch)
+            finally:
+                with self._writers_lock:
+                    w.pending -= 1
             self._dispatch()
+
+    def _run_batch(self, session: str, batch: _Batch) -> None:
+        with self._lock:
+            run, dropped = self.tracker.start_writes(batch.ops)
+            now = self._clock()
+            for op in dropped:
+                self.totals.writes_dropped += 1
+                self._stat(op.transfer_id).writes_dropped += 1
+            prompt_lens: dict[int, int] = {}  # prompt length -> writes done (faults)
+            for op in run:
+                st = self._stat(op.transfer_id)
+                if st.first_write_start is None:
+                    st.first_write_start = now
+                prompt_lens[self.tracker.transfers[op.transfer_id].prompt_len] = st.writes
+        if run:
+            wait_all(batch.events)
+            self._write(session, run, prompt_lens)
 
     def _write(self, session: str, ops: list[WriteOp], prompt_lens: dict[int, int]) -> None:
         src, dst, lens = [], [], []
@@ -410,6 +547,9 @@ class LayerwiseSender:
                 lens.append(n * self.block_len)
             op_bytes.append(sum(lens[n0:]))
         err = None
+        with self._lock:
+            self._in_flight[session] = _InFlight(self._clock(), sum(lens),
+                                                 frozenset(op.transfer_id for op in ops))
         if self.config.faults.armed:  # tests only
             for plen, writes_done in prompt_lens.items():
                 err = err or write_fault(self.config.faults, plen, writes_done)
@@ -421,6 +561,7 @@ class LayerwiseSender:
         except Exception as e:  # never let the writer thread die
             err = f"transfer engine raised {e!r} writing to {session}"
         with self._lock:
+            self._in_flight.pop(session, None)
             self.tracker.writes_done(ops, err is None, err)
             now = self._clock()
             self.totals.writes += len(src)
@@ -438,8 +579,9 @@ class LayerwiseSender:
 
     def shutdown(self) -> None:
         with self._writers_lock:
-            for q in self._writers.values():
-                q.put(None)
+            for w in self._writers.values():
+                w.queue.put(None)
+            self._writers.clear()
 
     # ---- completion ------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -462,7 +604,7 @@ class LayerwiseSender:
                     resolved.append((*waiter, err))
                 if err is not None:
                     logger.warning("Layer-wise transfer %s failed: %s", t.transfer_id, err)
-            for t in self.tracker.releasable():
+            for t in self.tracker.pop_releasable():
                 if t.holds_blocks:
                     self._finished_sending.add(t.p_req_id)
                 self.tracker.forget(t.transfer_id)

@@ -19,7 +19,14 @@ Vocabulary
   prefill; whatever is ready by then is issued at once, the rest as computed.
 
 Each transfer ends exactly once: completed (every slot written up to the last
-block) or failed (abort, expiry, a write error, an inconsistent destination).
+block) or failed (abort, preemption, expiry, a write error, an inconsistent
+destination).
+
+Only P's scheduler creates transfers (a step, a finished or an aborted
+request). A destination for an id it has not announced waits in a bounded
+side table; if it is given up (:meth:`drop_pending`) nothing of it remains,
+so a request P schedules later under the same id starts a transfer of its own
+and is reported under its own P request id.
 
 Invariant "no byte after the end" (enforced here, relied on by sender.py):
 - a write runs only if :meth:`start_writes` admitted it, which it does only
@@ -28,6 +35,9 @@ Invariant "no byte after the end" (enforced here, relied on by sender.py):
   too, so once a transfer has ended none of its queued writes can start;
 - :meth:`pop_finished` hands out an ended transfer (its end is reported to D,
   its P blocks may be freed) only once no write of it is in flight.
+
+Cost: the per-step calls touch only the transfers they name (the step's
+requests, the ended ones); nothing scans every transfer.
 """
 
 from __future__ import annotations
@@ -107,11 +117,6 @@ class Transfer:
     def done(self) -> bool:
         return self.state is not TransferState.ACTIVE
 
-    @property
-    def quiescent(self) -> bool:
-        """Ended, and no write of it is in flight or can start any more."""
-        return self.done and self.inflight == 0
-
 
 class LayerwiseTracker:
     """All layer-wise transfers of one prefill worker."""
@@ -122,8 +127,10 @@ class LayerwiseTracker:
         self.transfers: dict[str, Transfer] = {}
         self._step: list[str] = []  # transfers computed by the current forward step
         self._finished: list[Transfer] = []  # ended, not yet collected
+        self._releasable: dict[str, Transfer] = {}  # end reported and P request done
         # D's addresses that arrived before P's scheduler announced the transfer.
         self._pending: dict[str, Destination] = {}
+        self.inflight = 0  # writes in flight, all transfers
 
     # ---- prefill side events -------------------------------------------------
     def begin_step(self, steps: Iterable[ComputedStep]) -> list[WriteOp]:
@@ -211,6 +218,7 @@ class LayerwiseTracker:
                 dropped.append(op)
                 continue
             t.inflight += 1
+            self.inflight += 1
             admitted.append(op)
         return admitted, dropped
 
@@ -224,6 +232,7 @@ class LayerwiseTracker:
                 raise AssertionError(f"writes_done for transfer {op.transfer_id} with no write "
                                      "in flight: every op must go through start_writes")
             t.inflight -= 1
+            self.inflight -= 1
             if t.done or op.epoch != t.epoch:
                 continue
             if not ok:
@@ -242,7 +251,7 @@ class LayerwiseTracker:
         whole KV at once: the post-hoc path.
         """
         t = self._get_or_create(transfer_id, p_req_id, prompt_len)
-        t.request_finished = True
+        self._mark_request_finished(t)
         if t.done:
             return []
         if block_ids[: len(t.block_ids)] != t.block_ids:
@@ -259,29 +268,34 @@ class LayerwiseTracker:
         return ops
 
     def release(self, transfer_id: str, p_req_id: str, prompt_len: int,
-                holds_blocks: bool = True) -> None:
+                holds_blocks: bool = True,
+                reason: str = "the request ended on the prefill instance") -> None:
         """P's request ended without completing (abort): nothing more to send; its
         blocks can be released once the transfer has ended (see pop_finished).
-        holds_blocks=False: the scheduler freed them already (never report it)."""
+        holds_blocks=False: the scheduler freed them already (never report it).
+
+        A destination still waiting for the transfer to be announced is taken
+        over by it, so whoever serves D answers at once instead of timing out."""
         t = self._get_or_create(transfer_id, p_req_id, prompt_len)
-        t.request_finished = True
+        self._pending.pop(transfer_id, None)
         t.holds_blocks = t.holds_blocks and holds_blocks
-        if not t.done:
-            self._fail(t, "the request ended on the prefill instance")
+        self._mark_request_finished(t)
+        self._fail(t, reason)
 
     def fail(self, transfer_id: str, reason: str) -> None:
-        """Abort or expiry: stop issuing; the transfer ends failed (if not ended yet).
-
-        A destination still waiting for the transfer to be announced ends failed
-        too, so whoever serves D answers at once instead of timing out.
-        """
-        pending = self._pending.pop(transfer_id, None)
+        """Abort, preemption or expiry: stop issuing; the transfer ends failed (if
+        not ended yet). An id P's scheduler has not announced is left alone: only
+        the scheduler creates transfers (see drop_pending)."""
         t = self.transfers.get(transfer_id)
-        if t is None and pending is not None:
-            t = self._get_or_create(transfer_id, "", 0)
-            t.destination = pending
         if t is not None:
             self._fail(t, reason)
+
+    def drop_pending(self, transfer_id: str) -> bool:
+        """Give up a destination whose transfer P's scheduler never announced
+        (stale, or forged on P's unauthenticated socket). True if there was one.
+        Nothing of it remains: no write of it ever existed, and a request P
+        schedules later under the same id starts afresh."""
+        return self._pending.pop(transfer_id, None) is not None
 
     # ---- results -------------------------------------------------------------
     def pop_finished(self) -> list[Transfer]:
@@ -295,13 +309,17 @@ class LayerwiseTracker:
         self._finished = [t for t in self._finished if t.inflight > 0]
         for t in out:
             t.end_reported = True
+            if t.request_finished:
+                self._releasable[t.transfer_id] = t
         return out
 
-    def releasable(self) -> list[Transfer]:
-        """Ended and reported transfers whose P request is done: P may free their
-        blocks (if it holds any) and forget them."""
-        return [t for t in self.transfers.values()
-                if t.end_reported and t.request_finished and t.quiescent]
+    def pop_releasable(self) -> list[Transfer]:
+        """Ended and reported transfers whose P request is done, each returned
+        once: P may free their blocks (if it holds any) and forget them. Costs
+        O(returned): the set is kept as transfers reach that state."""
+        out = list(self._releasable.values())
+        self._releasable.clear()
+        return out
 
     def forget(self, transfer_id: str) -> None:
         """Drop all state of a transfer (P's request is gone, no write in flight)."""
@@ -310,6 +328,7 @@ class LayerwiseTracker:
             raise AssertionError(f"forget({transfer_id}) with {t.inflight} writes in flight")
         self.transfers.pop(transfer_id, None)
         self._pending.pop(transfer_id, None)
+        self._releasable.pop(transfer_id, None)
         if transfer_id in self._step:
             self._step.remove(transfer_id)
 
@@ -326,11 +345,19 @@ class LayerwiseTracker:
 
     # ---- internals -----------------------------------------------------------
     def _get_or_create(self, transfer_id: str, p_req_id: str, prompt_len: int) -> Transfer:
+        """The transfer P's scheduler announces (a step, or the request's end)."""
         t = self.transfers.get(transfer_id)
         if t is None:
             t = Transfer(transfer_id, p_req_id, prompt_len, self.block_size, self.num_slots)
             self.transfers[transfer_id] = t
+        elif p_req_id and not t.p_req_id:
+            t.p_req_id = p_req_id
         return t
+
+    def _mark_request_finished(self, t: Transfer) -> None:
+        t.request_finished = True
+        if t.end_reported:
+            self._releasable[t.transfer_id] = t
 
     def _attach_pending(self, t: Transfer) -> list[WriteOp]:
         dest = self._pending.pop(t.transfer_id, None)

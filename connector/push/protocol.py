@@ -9,10 +9,17 @@ Shape errors become :class:`PushRequestError` naming the field; consistency
 with the serving instance is checked by :func:`validate`. Either way nothing
 is written and the handler answers 422.
 
-Deadline: a push request carries ``deadline_unix_ms`` (D's wall clock). C
-refuses to start the write past it; D keeps the destination blocks out of
-the free pool until the deadline plus the engine's transfer timeout plus a
-clock-skew allowance when C does not answer (config.ExtConfig.push_hold_s).
+Deadline: C's /match_blocks answer carries its wall clock (``now_unix_ms``)
+and its engine's timeout (``engine_timeout_s``, MC_TRANSFER_TIMEOUT as its
+engine reads it). D measures the clock skew from that exchange (C's clock
+against the midpoint of D's send and receive, the round trip as the
+uncertainty) and pushes only within MOONCAKE_PUSH_CLOCK_SKEW_S. A push request
+carries an absolute deadline (``deadline_unix_ms``, D's wall clock) and a
+relative budget (``budget_ms``, from when C received it); C starts no write
+once either has passed, so a skewed clock cannot extend the window. D keeps
+the destination blocks out of the free pool, when C does not answer, for the
+budget plus C's bound on a write of the bytes asked for (with C's engine
+timeout) plus the skew allowance (config.ExtConfig.push_hold_for_s).
 """
 
 from __future__ import annotations
@@ -80,6 +87,11 @@ class MatchBlocksResponse(_Strict):
     matched_tokens: StrictInt
     total_full_blocks: StrictInt
     fingerprint: KVFingerprint  # C's: D compares it with its own before asking for a push
+    # what D's hold for a push from C needs: C's engine timeout (MC_TRANSFER_TIMEOUT
+    # as C's engine reads it, s) and C's wall clock when it answered (ms since the
+    # epoch; D measures the clock skew with it)
+    engine_timeout_s: StrictInt
+    now_unix_ms: StrictInt
 
 
 class PushBlocksRequest(_Strict):
@@ -97,8 +109,10 @@ class PushBlocksRequest(_Strict):
     first_block: StrictInt = 0
     block_len: StrictInt | None = None  # bytes per block per KV tensor; checked if given
     request_id: StrictStr | None = None
-    # C starts no write after this instant (D's wall clock, ms since the epoch)
+    # C starts no write after this instant (D's wall clock, ms since the epoch) ...
     deadline_unix_ms: StrictInt
+    # ... nor this long after it received the request (None: the deadline alone)
+    budget_ms: StrictInt | None = None
     # D's KV cache: every destination block id is below this, every destination
     # address inside [base, base + dst_num_blocks * block_len) of its tensor
     dst_num_blocks: StrictInt
@@ -210,6 +224,8 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
         raise PushRequestError("dst_block_ids", "duplicate block ids")
     if req.deadline_unix_ms <= 0:
         raise PushRequestError("deadline_unix_ms", "must be positive")
+    if req.budget_ms is not None and req.budget_ms <= 0:
+        raise PushRequestError("budget_ms", "must be positive")
     if len(req.probes) > MAX_PROBES:
         raise PushRequestError("probes", f"at most {MAX_PROBES}")
     for i, slot, offset in req.probes:
@@ -244,6 +260,9 @@ class PushJob:
     lora_name: str | None
     first_block: int
     dst_block_ids: tuple[int, ...]
+    # C's engine timeout from its /match_blocks answer (the hold is computed with
+    # it); None only where no answer was asked for (then this instance's own)
+    source_engine_timeout_s: int | None = None
 
 
 @dataclass

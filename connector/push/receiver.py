@@ -10,13 +10,21 @@ with the number of leading blocks that landed in the worker metadata
 (scheduler.py cuts back the rest, which D prefills itself).
 
 No byte after the end: the request carries a deadline (now +
-MOONCAKE_PUSH_TIMEOUT_S, D's wall clock) past which C starts no write. A push
-ends when C answered (its write has returned: nothing more can arrive) or,
-if C never answers, when the hold has passed (deadline + the engine's
-transfer timeout + clock skew, config.ExtConfig.push_hold_s): a write C
-started before the deadline has returned or failed by then. Until the push
-has ended, its blocks stay with the request; the request cannot prefill
-locally into them nor give them back to the pool.
+MOONCAKE_PUSH_TIMEOUT_S, D's wall clock) and a budget (what is left of that
+timeout when it is sent, counted by C from its receipt); C starts no write
+once either has passed. A push ends when C answered (its write has returned:
+nothing more can arrive), when it was never sent (its start deadline passed
+while it waited for one of its source's threads: C was never asked), or, if C
+never answers, when the hold has passed: the timeout, plus C's bound on a
+write of the bytes asked for (with C's engine timeout, from its /match_blocks
+answer), plus the clock-skew allowance the scheduler measured C within
+(config.ExtConfig.push_hold_for_s). Until the push has ended, its blocks stay
+with the request; the request cannot prefill locally into them nor give them
+back to the pool.
+
+Each source has its own threads and connections, every call one deadline
+(the hold) and a cap on the answer's size (client.py): a slow source delays
+only its own pushes.
 """
 
 from __future__ import annotations
@@ -25,19 +33,19 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-import httpx
 
 from vllm.logger import init_logger
 
 from ..auth import client_headers
 from ..config import ExtConfig
 from ..kv_reader import PROBE_BYTES, KVReader
+from .client import SourceLanes
 from .protocol import KVFingerprint, PushBlocksRequest, PushBlocksResponse, PushJob, PushOutcome
 
 logger = init_logger(__name__)
+
+PUSH_THREADS_PER_SOURCE = 4
 
 
 @dataclass
@@ -48,6 +56,7 @@ class PushTransfer:
     started: float  # monotonic
     deadline_unix_ms: int  # C starts no write after this (sent to C)
     hold_until: float  # monotonic: no write of C can land after this
+    send_by: float = float("inf")  # monotonic: the request is not sent after this
     landed: int | None = None  # C's answer: leading blocks written (0: none)
     ended: bool = False
     probes: list[tuple[int, int, int]] = field(default_factory=list)
@@ -92,27 +101,39 @@ class PushReceiver:
         self._rng = random.SystemRandom()
         self._clock = clock
         self._wall_clock = wall_clock
-        self._pool: ThreadPoolExecutor | None = None
-        # keep-alive, one SSL context; the read timeout is re-set per request
-        self._http = httpx.Client(timeout=config.push_hold_s)
+        # per source: its threads and connections; every call bounded in time and bytes
+        self._lanes = SourceLanes("mooncake-push-recv", PUSH_THREADS_PER_SOURCE)
         self._lock = threading.Lock()
         self._transfers: dict[str, PushTransfer] = {}
         self._outcome: dict[str, int] = {}  # reported in finished_recving, not yet in meta
 
+    def hold_s(self, job: PushJob) -> float:
+        """How long this push's blocks are kept if C never answers."""
+        nbytes = len(job.dst_block_ids) * self.block_len * len(self.base_addrs)
+        return self.config.push_hold_for_s(nbytes, job.source_engine_timeout_s)
+
     def start(self, jobs: list[PushJob]) -> None:
         if not jobs:
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(4, thread_name_prefix="mooncake-push-recv")
         now, wall = self._clock(), self._wall_clock()
         cfg = self.config
         for job in jobs:
             t = PushTransfer(job, now, int((wall + cfg.push_timeout_s) * 1000),
-                             now + cfg.push_hold_s, probes=self.make_probes(job))
+                             now + self.hold_s(job), now + cfg.push_timeout_s,
+                             probes=self.make_probes(job))
             t.canaries = self.plant_canaries(job, t.probes)
             with self._lock:
                 self._transfers[job.req_id] = t
-            self._pool.submit(self._run, t)
+            try:
+                self._lanes.submit(job.source, self._run, t)
+            except RuntimeError as e:  # shut down: never sent
+                logger.warning("push for %s from %s not sent: %s", job.req_id, job.source, e)
+                with self._lock:
+                    t.answered(0)
+
+    def shutdown(self) -> None:
+        """Cancel queued pushes, abort running calls, close the connections."""
+        self._lanes.shutdown()
 
     def make_probes(self, job: PushJob) -> list[tuple[int, int, int]]:
         """Random positions in the blocks asked for, the first block always among
@@ -135,25 +156,38 @@ class PushReceiver:
             canaries.append(c)
         return canaries
 
-    def request(self, t: PushTransfer) -> PushBlocksRequest:
+    def request(self, t: PushTransfer, budget_ms: int) -> PushBlocksRequest:
         job = t.job
         return PushBlocksRequest(
             token_ids=list(job.token_ids), cache_salt=job.cache_salt, lora_name=job.lora_name,
             block_size=self.block_size, dst_session=self.session,
             dst_kv_base_addrs=self.base_addrs, dst_block_ids=list(job.dst_block_ids),
             first_block=job.first_block, block_len=self.block_len, request_id=job.req_id,
-            deadline_unix_ms=t.deadline_unix_ms, dst_num_blocks=self.num_blocks,
-            fingerprint=self.fingerprint, probes=t.probes)
+            deadline_unix_ms=t.deadline_unix_ms, budget_ms=budget_ms,
+            dst_num_blocks=self.num_blocks, fingerprint=self.fingerprint, probes=t.probes)
 
     def _run(self, t: PushTransfer) -> None:
         job, landed = t.job, 0
+        with self._lock:
+            now = self._clock()
+            budget_ms = int((t.send_by - now) * 1000)
+            if t.ended or budget_ms <= 0:
+                # It waited for a thread (its source's other pushes are slow) until
+                # its start deadline, or its end: C is never asked, nothing lands.
+                t.answered(0)
+                logger.warning("push for %s from %s not sent: %s", job.req_id, job.source,
+                               "it already ended" if t.ended else
+                               f"its start deadline passed {-budget_ms} ms ago while it "
+                               "waited for the source's earlier pushes")
+                return
+        # the call's deadline is the hold: past it the push has ended anyway
+        deadline = time.monotonic() + max(0.0, t.hold_until - now)
         try:
-            remaining = max(0.1, t.hold_until - self._clock())
-            r = self._http.post(f"{job.source}/push_blocks",
-                                content=self.request(t).model_dump_json(),
-                                headers=client_headers(self.config), timeout=remaining)
-            if r.status_code == 200:
-                resp = PushBlocksResponse.model_validate_json(r.content[:1 << 20])
+            r = self._lanes.post(job.source, "/push_blocks",
+                                 self.request(t, budget_ms).model_dump_json().encode(),
+                                 client_headers(self.config), deadline)
+            if r.status == 200:
+                resp = PushBlocksResponse.model_validate_json(r.body)
                 if resp.status == "ok":
                     landed = self.proven_blocks(job, resp, t.probes, t.canaries)
                     logger.debug("push for %s: %d blocks in %.3f s", job.req_id, landed,
@@ -163,7 +197,7 @@ class PushReceiver:
                                    resp.status, resp.message)
             else:
                 logger.warning("push for %s from %s: HTTP %d %s", job.req_id, job.source,
-                               r.status_code, r.text[:300])
+                               r.status, r.text())
         except Exception as e:
             # No answer, or one we cannot read: C may still be writing. The
             # push ends when its hold has passed (try_end), not now.

@@ -13,26 +13,36 @@ how many landed. If fewer landed than promised (C evicted them, the write
 failed, C is unreachable, a timeout), the request's computed tokens are cut
 back to what landed *before* vLLM caches the blocks, so the rest is prefilled
 locally whatever ``kv_load_failure_policy`` says: never lost, never stuck.
-A failed or slow ``/match_blocks`` means no push at all.
+A failed or slow ``/match_blocks`` means no push at all, and so does a
+source whose clock is off by more than MOONCAKE_PUSH_CLOCK_SKEW_S: D measures
+the skew on each answer (C's clock against the midpoint of D's send and
+receive, give or take half the round trip), since its hold for the push
+relies on C reading D's deadline within that allowance. C's engine timeout,
+from the same answer, goes with the job: the worker's hold is computed with
+it (config.ExtConfig.push_hold_for_s).
+
+Each source has its own threads and connections and every call one deadline
+(client.py): a slow source delays only its own requests.
 
 A request that finishes while its push is in flight keeps its blocks until
 the worker reports the push ended, which it does only once C can no longer
-write into them (receiver.py).
+write into them (receiver.py); one that finishes before its job reached the
+worker frees them at once (C was never asked).
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import httpx
 
 from vllm.logger import init_logger
 
 from ..auth import client_headers
 from ..config import ConfigError, ExtConfig, normalize_source
+from .client import SourceLanes
 from .protocol import KVFingerprint, MatchBlocksRequest, MatchBlocksResponse, PushJob, PushOutcome
 
 if TYPE_CHECKING:
@@ -42,6 +52,19 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 PARAM_PUSH_FROM = "push_from"
+MATCH_THREADS_PER_SOURCE = 4
+# an engine timeout no source is configured with: such an answer is not believed
+SOURCE_ENGINE_TIMEOUT_MAX_S = 3600
+
+
+class ClockSkewError(RuntimeError):
+    """The source's clock is too far from this instance's for a bounded hold."""
+
+
+@dataclass(frozen=True)
+class _Match:
+    blocks: int  # leading full blocks of the prompt the source holds
+    engine_timeout_s: int  # the source's
 
 
 def push_source(request: "Request") -> str | None:
@@ -66,50 +89,78 @@ class _Inflight:
     asked: float  # first get_num_new_matched_tokens
     matched: float  # /match_blocks answered
     allocated: float = field(default_factory=time.monotonic)
+    finished: bool = False  # request_finished while the push was in flight
 
 
 class PushScheduler:
-    def __init__(self, block_size: int, config: ExtConfig, fingerprint: KVFingerprint):
+    def __init__(self, block_size: int, config: ExtConfig, fingerprint: KVFingerprint,
+                 wall_clock: Callable[[], float] = time.time):
         self.block_size = block_size
         self.config = config
         self.fingerprint = fingerprint  # this instance's (scheduler-side fields)
         self.match_timeout_s = config.push_match_timeout_s
-        self._pool: ThreadPoolExecutor | None = None
-        # one client for all queries: keep-alive, and httpx builds an SSL
-        # context per client (tens of ms)
-        self._http: httpx.Client | None = None
-        self._matches: dict[str, Future] = {}  # req id -> matched blocks (or raises)
+        self._wall_clock = wall_clock
+        # per source: its threads and connections; every call bounded in time and bytes
+        self._lanes = SourceLanes("mooncake-push-match", MATCH_THREADS_PER_SOURCE)
+        self._matches: dict[str, Future] = {}  # req id -> _Match (or raises)
         self._times: dict[str, tuple[float, float]] = {}  # req id -> (asked, matched)
-        self._planned: dict[str, tuple[str, int, int]] = {}  # req id -> (source, first, n)
+        # req id -> (source, first, n, the source's engine timeout)
+        self._planned: dict[str, tuple[str, int, int, int]] = {}
         self._inflight: dict[str, _Inflight] = {}
         # pushes that ended: vLLM asks again when a request is back to 0 computed
-        # tokens (nothing landed); it must then prefill locally, not push again
+        # tokens (nothing landed); it must then prefill locally, not push again.
+        # Emptied by request_finished, or, for a request that finished before
+        # its push ended, at the next step (nothing asks about it any more).
         self._ended: set[str] = set()
+        self._ended_finished: list[str] = []
         self._jobs: list[PushJob] = []
         self.stats = {"requests": 0, "pushed_blocks": 0, "fallback_blocks": 0, "match_failed": 0,
-                      "refused_sources": 0}
+                      "refused_sources": 0, "refused_clock_skew": 0}
 
     def handles(self, request: "Request") -> bool:
         return push_source(request) is not None
 
+    def shutdown(self) -> None:
+        """Cancel queued queries, abort running ones, close the connections."""
+        self._lanes.shutdown()
+
     # ---- get_num_new_matched_tokens ----------------------------------------------
-    def _query(self, source: str, request: "Request") -> int:
-        if self._http is None:
-            self._http = httpx.Client(timeout=self.match_timeout_s)
+    def _query(self, source: str, request: "Request", deadline: float) -> _Match:
         body = MatchBlocksRequest(token_ids=list(request.prompt_token_ids or []),
                                   cache_salt=request.cache_salt, lora_name=lora_name(request))
-        r = self._http.post(f"{source}/match_blocks", content=body.model_dump_json(),
-                            headers=client_headers(self.config), timeout=self.match_timeout_s)
-        if r.status_code != 200:
-            raise RuntimeError(f"{source}/match_blocks answered {r.status_code}: {r.text[:300]}")
-        resp = MatchBlocksResponse.model_validate_json(r.content[:1 << 20])
+        sent = self._wall_clock()
+        r = self._lanes.post(source, "/match_blocks", body.model_dump_json().encode(),
+                             client_headers(self.config), deadline)
+        received = self._wall_clock()
+        if r.status != 200:
+            raise RuntimeError(f"{source}/match_blocks answered {r.status}: {r.text()}")
+        resp = MatchBlocksResponse.model_validate_json(r.body)
         diff = self.fingerprint.differences(resp.fingerprint, "this instance", source)
         if diff:
             raise RuntimeError("its KV cache is incompatible with this instance's: "
                                + "; ".join(diff))
-        return resp.matched_blocks
+        # C read its clock between D's send and receive: the skew is C's clock minus
+        # the midpoint, give or take half the round trip
+        skew = resp.now_unix_ms / 1000 - (sent + received) / 2
+        uncertainty = max(0.0, received - sent) / 2
+        allowance = self.config.push_clock_skew_s
+        if abs(skew) + uncertainty > allowance:
+            raise ClockSkewError(
+                f"its clock is {abs(skew):.1f} s {'ahead of' if skew > 0 else 'behind'} this "
+                f"instance's (measured give or take {uncertainty:.3f} s), more than "
+                f"MOONCAKE_PUSH_CLOCK_SKEW_S={allowance:g} allows: this instance could not "
+                "bound how long the source may write into its blocks. Synchronize the "
+                "clocks (NTP), or raise MOONCAKE_PUSH_CLOCK_SKEW_S on this instance (it "
+                "lengthens how long a push's blocks are held when the source does not "
+                "answer)")
+        if not 0 < resp.engine_timeout_s <= SOURCE_ENGINE_TIMEOUT_MAX_S:
+            raise RuntimeError(f"it reports an engine timeout of {resp.engine_timeout_s} s "
+                               f"(believed: 1 .. {SOURCE_ENGINE_TIMEOUT_MAX_S})")
+        return _Match(resp.matched_blocks, resp.engine_timeout_s)
 
     def _allowed(self, rid: str, source: str) -> bool:
+        """Only an allowed source gets a lane (threads, connections): their number
+        is bounded by the allowlist."""
         try:
             ok = normalize_source(source) in self.config.push_sources
         except ConfigError:
@@ -132,24 +183,30 @@ class PushScheduler:
             self._ended.add(rid)
             return 0, False
         if fut is None:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(4, thread_name_prefix="mooncake-push-match")
-            self._matches[rid] = self._pool.submit(self._query, source, request)
-            self._times[rid] = (time.monotonic(), 0.0)
+            asked = time.monotonic()
+            try:
+                self._matches[rid] = self._lanes.submit(source, self._query, source, request,
+                                                        asked + self.match_timeout_s)
+            except RuntimeError as e:  # shut down
+                logger.warning("Prefix push for %s: %s; prefilling locally", rid, e)
+                self._ended.add(rid)
+                return 0, False
+            self._times[rid] = (asked, 0.0)
             return None, False  # asked again next step
+        match: _Match | None = None
         if not fut.done():
             if time.monotonic() - self._times[rid][0] < self.match_timeout_s:
                 return None, False
-            # a total deadline (httpx's timeouts are per read): stop waiting
+            # the query's own deadline ends it (client.py); stop waiting for it now
             fut.cancel()
             logger.warning("Prefix push for %s: %s/match_blocks did not answer within %.1f s; "
                            "prefilling locally", rid, source, self.match_timeout_s)
             self.stats["match_failed"] += 1
-            matched = 0
         else:
-            matched = self._match_result(fut, rid, source)
+            match = self._match_result(fut, rid, source)
         full_blocks = len(request.prompt_token_ids or []) // self.block_size
-        matched = max(0, min(matched, full_blocks))  # never more than the prompt holds
+        # never more than the prompt holds
+        matched = max(0, min(match.blocks, full_blocks)) if match is not None else 0
         asked = self._times.get(rid, (time.monotonic(), 0.0))[0]
         self._times[rid] = (asked, time.monotonic())
         first = num_computed_tokens // self.block_size
@@ -158,17 +215,22 @@ class PushScheduler:
             self._planned.pop(rid, None)
             self._times.pop(rid, None)
             return 0, False
-        self._planned[rid] = (source, first, n)
+        assert match is not None
+        self._planned[rid] = (source, first, n, match.engine_timeout_s)
         return n * self.block_size, True
 
-    def _match_result(self, fut: Future, rid: str, source: str) -> int:
+    def _match_result(self, fut: Future, rid: str, source: str) -> _Match | None:
         try:
             return fut.result()
+        except ClockSkewError as e:
+            logger.warning("Prefix push for %s from %s refused: %s; prefilling locally",
+                           rid, source, e)
+            self.stats["refused_clock_skew"] += 1
         except Exception as e:
             logger.warning("Prefix push for %s: no match from %s (%s); prefilling locally",
                            rid, source, e)
             self.stats["match_failed"] += 1
-            return 0
+        return None
 
     # ---- allocation -> job ---------------------------------------------------------
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -178,7 +240,7 @@ class PushScheduler:
         self._matches.pop(rid, None)
         if plan is None or num_external_tokens == 0:
             return
-        source, first, n = plan
+        source, first, n, source_timeout = plan
         assert num_external_tokens == n * self.block_size, (num_external_tokens, n)
         block_ids = blocks.get_block_ids()[0]
         dst = list(block_ids[first:first + n])
@@ -186,10 +248,14 @@ class PushScheduler:
         asked, matched_at = self._times.pop(rid, (time.monotonic(), time.monotonic()))
         self._inflight[rid] = _Inflight(request, source, first, n, asked, matched_at)
         self._jobs.append(PushJob(rid, source, tuple(request.prompt_token_ids or ()),
-                                  request.cache_salt, lora_name(request), first, tuple(dst)))
+                                  request.cache_salt, lora_name(request), first, tuple(dst),
+                                  source_engine_timeout_s=source_timeout))
         self.stats["requests"] += 1
 
     def take_jobs(self) -> list[PushJob]:
+        """Once a step: the jobs for the worker."""
+        self._ended.difference_update(self._ended_finished)
+        self._ended_finished = []
         jobs, self._jobs = self._jobs, []
         return jobs
 
@@ -203,6 +269,8 @@ class PushScheduler:
             if inf is None:
                 continue
             self._ended.add(rid)
+            if inf.finished:
+                self._ended_finished.append(rid)
             landed = max(0, min(landed, inf.n_blocks))
             self.stats["pushed_blocks"] += landed
             now = time.monotonic()
@@ -230,4 +298,13 @@ class PushScheduler:
         fut = self._matches.pop(rid, None)
         if fut is not None:
             fut.cancel()
-        return rid in self._inflight
+        inf = self._inflight.get(rid)
+        if inf is None:
+            return False
+        queued = [j for j in self._jobs if j.req_id == rid]
+        if queued:  # its job never reached the worker: C was not asked, nothing can land
+            self._jobs = [j for j in self._jobs if j.req_id != rid]
+            del self._inflight[rid]
+            return False
+        inf.finished = True  # nothing is kept of it once its outcome came in
+        return True

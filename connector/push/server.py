@@ -5,12 +5,13 @@ Runs in the worker process that owns the KV caches (the bootstrap server's
 thread), next to the block-hash mirror (hashsync/); the scheduler and the
 model are not involved. A push: validate (nothing is written on a 4xx), hash
 the prompt as the scheduler does, match the longest cached prefix and
-snapshot its blocks' generations, refuse to start past the request's
-deadline, write blocks ``first_block ..`` into D's blocks with one
-``batch_transfer_sync_write`` (on a thread at nice 19: the call busy-polls,
-see writer.py), then check that none of the read blocks was
-evicted or reused meanwhile (else the push is reported ``failed``: D must
-not use those bytes). The answer is sent only after the engine call
+snapshot its blocks' generations, refuse to start once the request's
+deadline (D's wall clock) or its budget (from when this server received it,
+on this instance's monotonic clock) has passed, write blocks
+``first_block ..`` into D's blocks with one ``batch_transfer_sync_write``
+(on a thread at nice 19: the call busy-polls, see writer.py), then check
+that none of the read blocks was evicted or reused meanwhile (else the push
+is reported ``failed``: D must not use those bytes). The answer is sent only after the engine call
 returned: once D has it, no byte of this push can still arrive.
 
 Verified on the CPU backend over TCP only. With CUDA the KV lives in device
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,7 +73,7 @@ class PushServer:
                  block_len: int, fingerprint: KVFingerprint, local_session: str,
                  config: ExtConfig = ExtConfig(),
                  wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
-                 reader: ReadFn | None = None):
+                 reader: ReadFn | None = None, clock: Callable[[], float] = time.monotonic):
         self.sync = sync
         self.reader = reader  # proof of write: source bytes at D's probes
         # the engine's sync write busy-polls on its caller: at nice 19 (writer.py)
@@ -84,6 +86,10 @@ class PushServer:
         self.faults: FaultConfig = config.faults
         self.guard = EndpointGuard(config)
         self._now_ms = wall_clock_ms
+        self.clock = clock  # monotonic: a push's budget runs from its receipt
+        # what D's hold needs (protocol.MatchBlocksResponse): the engine reads
+        # MC_TRANSFER_TIMEOUT as whole seconds
+        self.engine_timeout_s = math.ceil(config.engine_transfer_timeout_s)
         self._slots = threading.BoundedSemaphore(config.push_max_concurrent)
         self._lock = threading.Lock()
         self._destinations: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = \
@@ -140,10 +146,15 @@ class PushServer:
         return 200, MatchBlocksResponse(matched_blocks=len(block_ids),
                                         matched_tokens=len(block_ids) * bs,
                                         total_full_blocks=total,
-                                        fingerprint=self.fingerprint).model_dump()
+                                        fingerprint=self.fingerprint,
+                                        engine_timeout_s=self.engine_timeout_s,
+                                        now_unix_ms=self._now_ms()).model_dump()
 
-    def push(self, payload: Any) -> tuple[int, dict[str, Any]]:
-        """Serve one /push_blocks body; returns (HTTP status, JSON body)."""
+    def push(self, payload: Any, received: float | None = None) -> tuple[int, dict[str, Any]]:
+        """Serve one /push_blocks body received at ``received`` (this server's
+        clock; None: now); returns (HTTP status, JSON body)."""
+        if received is None:
+            received = self.clock()
         try:
             req = parse_push_request(payload)
             validate(req, block_size=self.sync.block_size, num_kv_tensors=len(self.base_addrs),
@@ -174,10 +185,16 @@ class PushServer:
         src, dst, lens = block_entries(self.base_addrs, req.dst_kv_base_addrs, self.block_len,
                                        src_blocks, req.dst_block_ids[:n])
         late_ms = self._now_ms() - req.deadline_unix_ms
+        what = "deadline"
+        if req.budget_ms is not None:
+            # whichever ends first: a clock behind D's cannot extend the window
+            over_ms = int((self.clock() - received) * 1000) - req.budget_ms
+            if over_ms > late_ms:
+                late_ms, what = over_ms, f"budget of {req.budget_ms} ms"
         if late_ms > 0:
             # D may already have given these blocks to another request.
             resp.status = "failed"
-            resp.message = (f"the push's deadline passed {late_ms} ms before the write could "
+            resp.message = (f"the push's {what} passed {late_ms} ms before the write could "
                             "start; nothing written")
             self.stats["failed"] += 1
             self.stats["past_deadline"] += 1
@@ -238,12 +255,13 @@ def register_routes(app: Any, get_server: Callable[[], PushServer | None]) -> No
     get_server() returns None while the worker is not ready (503). (Request is
     imported at module level: FastAPI resolves annotations by name.)"""
 
-    def route(method: Callable[[PushServer, bytes], tuple[int, dict[str, Any]]], *,
+    def route(method: Callable[[PushServer, bytes, float], tuple[int, dict[str, Any]]], *,
               limited: bool):
         async def handler(request: Request) -> JSONResponse:
             server = get_server()
             if server is None:
                 return JSONResponse({"detail": "KV caches not registered yet; retry"}, 503)
+            received = server.clock()  # a push's budget runs from here
             if (denied := server.guard.check(request.headers.get("authorization"))) is not None:
                 return JSONResponse({"detail": denied[1]}, denied[0])
             body = await read_capped(request, server.config.push_max_body_bytes)
@@ -255,7 +273,7 @@ def register_routes(app: Any, get_server: Callable[[], PushServer | None]) -> No
                     f"{server.config.push_max_concurrent} pushes in progress; retry later")}, 429)
             try:
                 # hashing and the write block (the engine releases the GIL): off the event loop
-                code, out = await asyncio.to_thread(method, server, body)
+                code, out = await asyncio.to_thread(method, server, body, received)
             finally:
                 if limited:
                     server.end()
@@ -263,5 +281,6 @@ def register_routes(app: Any, get_server: Callable[[], PushServer | None]) -> No
 
         return handler
 
-    app.post("/match_blocks")(route(PushServer.match, limited=False))
-    app.post("/push_blocks")(route(PushServer.push, limited=True))
+    app.post("/match_blocks")(route(lambda s, body, _: s.match(body), limited=False))
+    app.post("/push_blocks")(route(lambda s, body, received: s.push(body, received),
+                                   limited=True))

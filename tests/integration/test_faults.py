@@ -1,7 +1,8 @@
 """Faults on two hosts (network namespaces), with real instances and the real engine.
 
 The CI subset of harness/faults.py's matrix: each capability across the link, P's
-link down for less and for more than the transfer timeout, P killed mid-transfer
+link down for less and for more than the transfer timeout and past the engine's
+call timeout, P killed mid-transfer
 and restarted, and 20 client disconnects mid layer-wise transfer. After each: every
 request ended within its deadline, no wrong answer, no KV block left allocated on a
 surviving instance, and a fresh P->D request served (the restarted peer too, D never
@@ -51,6 +52,14 @@ def test_capabilities_across_hosts(bench):
 def test_link_down_shorter_than_the_timeouts(bench):
     out = run_fault(bench, "link_down_short")
     assert out.ok == 1, out  # the writes resumed: the request succeeded, from right KV
+    assert_held(out, errors_allowed=False)
+
+
+def test_link_down_past_the_engines_call_timeout_is_not_an_end(bench):
+    """Cut between MC_TRANSFER_TIMEOUT and the transport's no-progress watchdog: the
+    window in which the engine's own call returns -1 while its bytes still land."""
+    out = run_fault(bench, "link_down_engine_timeout")
+    assert out.requests == 1 and out.ok == 1, out  # from P's KV, the transfer completed
     assert_held(out, errors_allowed=False)
 
 

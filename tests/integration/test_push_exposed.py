@@ -81,7 +81,8 @@ class FakeSource:
                     if fake.mode == "mismatch":
                         fp["block_size"] = 16
                     body = {"matched_blocks": matched, "matched_tokens": matched * BLOCK,
-                            "total_full_blocks": full, "fingerprint": fp}
+                            "total_full_blocks": full, "fingerprint": fp,
+                            "engine_timeout_s": 30, "now_unix_ms": int(time.time() * 1000)}
                 else:  # /push_blocks: claims success, writes nothing
                     n_blocks = len(req.get("dst_block_ids", []))
                     fp = fake.fingerprint

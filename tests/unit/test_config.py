@@ -12,9 +12,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import (
 def test_defaults_and_derived_bounds():
     cfg = ExtConfig.from_env({})
     assert not cfg.layerwise and cfg.layerwise_min_tokens == 256
-    assert cfg.layerwise_timeout_s == 480  # upstream's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
+    # upstream's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (480), capped so that it plus the
+    # bound on an in-flight write (5 + 30 + 30) plus 5 s ends before D gives up (540)
+    assert cfg.layerwise_timeout_s == 470
     assert cfg.push_timeout_s == 30 and cfg.engine_transfer_timeout_s == 30
-    assert cfg.push_hold_s == 30 + 30 + 5
+    # D's hold for a push C never answers: push timeout + C's bound for the bytes
+    # (handshake 5 + C's MC_TRANSFER_TIMEOUT + 1 ns/byte + watchdog 30) + skew
+    assert cfg.push_hold_for_s(0) == 30 + (5 + 30 + 0 + 30) + 5
+    assert cfg.push_hold_for_s(2 * 10**9, source_engine_timeout_s=60) == 30 + (5 + 60 + 2 + 30) + 5
     assert not cfg.faults.armed
 
 
@@ -25,7 +30,7 @@ def test_values_are_read():
                               "MOONCAKE_FAULT_HOLD_WRITE": "1500:10:4.5",
                               "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "100"})
     assert cfg.layerwise and cfg.layerwise_timeout_s == 100
-    assert cfg.push_hold_s == 14
+    assert cfg.push_hold_for_s(0) == 3 + (5 + 10 + 30) + 1
     assert (cfg.faults.delay_write_prompt_len, cfg.faults.delay_write_s) == (600, 12.0)
     f = cfg.faults
     assert (f.hold_write_prompt_len, f.hold_write_after, f.hold_write_s) == (1500, 10, 4.5)
@@ -46,12 +51,14 @@ def test_bad_values_name_the_variable(env, name):
 
 def test_layerwise_timeout_must_end_before_the_decode_side_gives_up():
     """D frees a pull's blocks VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s after asking;
-    P must have answered (timeout + wait for its in-flight write) before that."""
-    assert ExtConfig.from_env({"MOONCAKE_LAYERWISE_TIMEOUT_S": "500"})  # 500 + 35 < 540
+    P must have answered (timeout + the bound on its in-flight write) before that."""
+    assert ExtConfig.from_env({"MOONCAKE_LAYERWISE_TIMEOUT_S": "470"})  # 470 + 65 < 540
     with pytest.raises(ConfigError, match="MOONCAKE_LAYERWISE_TIMEOUT_S"):
-        ExtConfig.from_env({"MOONCAKE_LAYERWISE_TIMEOUT_S": "520"})  # 520 + 35 >= 540
+        ExtConfig.from_env({"MOONCAKE_LAYERWISE_TIMEOUT_S": "480"})  # 480 + 65 >= 540
     with pytest.raises(ConfigError, match="MC_TRANSFER_TIMEOUT"):
         ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "600"})
+    with pytest.raises(ConfigError, match="MC_TRANSFER_TIMEOUT"):  # no default fits
+        ExtConfig.from_env({"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "1"})
 
 
 @pytest.mark.parametrize("bind,upstream,expected", [

@@ -261,6 +261,56 @@ def test_layerwise_end_and_free_wait_for_the_in_flight_write(loop, how):
     sender.shutdown()
 
 
+class SlowEngineConfig(ExtConfig):
+    """Short bounds, so a test can outlast them: the old wait for an in-flight
+    write (layerwise_quiesce_s) and the engine's bound on one write."""
+
+    @property
+    def layerwise_quiesce_s(self) -> float:
+        return 0.2
+
+    def engine_write_bound_s(self, nbytes: int) -> float:
+        return 0.3
+
+
+def test_layerwise_timed_out_transfer_is_answered_only_once_its_write_returned(loop):
+    """The write of a timed-out transfer stays in the engine far past every
+    bound: D is not answered (so it does not reuse the blocks the write lands
+    in) until the write returned; meanwhile P logs the overdue write."""
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
+        sender as sender_module,
+    )
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    sender_module.logger.addHandler(handler)
+    engine = GatedEngine()
+    cfg = SlowEngineConfig(layerwise=True, layerwise_timeout_s=0.3, engine_transfer_timeout_s=5)
+    sender = LayerwiseSender(engine, {"l0": [0, 1]}, [10_000, 20_000], 64, BS, cfg,
+                             event_factory=lambda t: None)
+    try:
+        gate_b = engine.gate("dB:1")
+        fb = loop.submit(sender.push("B", dest("dB:1", 200)))
+        assert wait_until(lambda: "B" in sender.tracker._pending)
+        sender.on_metadata(LayerwiseMetadata(steps=[step("B", (3, 4))]))
+        sender.layer_saved("l0", KV)
+        assert engine.entered["dB:1"].wait(5)
+        time.sleep(2.0)  # timeout 0.3 s + old quiesce 0.2 s + engine bound 0.3 s, well past
+        assert not fb.done(), f"D was answered while B's write was in flight: {fb.result()!r}"
+        overdue = [r for r in records if "still in flight" in r.getMessage()]
+        assert len(overdue) == 1, [r.getMessage() for r in records]
+        released = time.monotonic()
+        gate_b.set()
+        err = fb.result(5)
+        assert time.monotonic() >= released and err and "timed out" in err
+    finally:
+        sender_module.logger.removeHandler(handler)
+        sender.shutdown()
+
+
 # ---- prefix push over real HTTP ---------------------------------------------------
 
 NBLK, BLEN, SLOTS = 8, 64, 2
@@ -366,14 +416,15 @@ def test_push_not_started_past_its_deadline_writes_nothing(c_server):
 
 def test_push_with_no_answer_ends_only_after_the_hold(c_server):
     """C unreachable after the request was sent (here: nothing listens): D ends
-    the push only once its hold (deadline + engine timeout + skew) has passed."""
+    the push only once its hold (budget + C's bound on the write + skew) has passed."""
     cfg = ExtConfig(push_timeout_s=0.3, engine_transfer_timeout_s=0.4, push_clock_skew_s=0.1)
     now = [100.0]
     recv = PushReceiver("d:1", [1, 2], BLEN, BS, NBLK, FP, cfg, clock=lambda: now[0])
-    recv.start([PushJob("r3", f"http://127.0.0.1:{free_port()}", tuple(TOKENS), None, None, 0,
-                        (3, 4, 7))])
+    job = PushJob("r3", f"http://127.0.0.1:{free_port()}", tuple(TOKENS), None, None, 0,
+                  (3, 4, 7))
+    recv.start([job])
     time.sleep(0.5)  # the POST failed at once (connection refused)
-    now[0] += cfg.push_hold_s - 0.01
+    now[0] += recv.hold_s(job) - 0.01
     assert recv.merge_finished(None) is None
     now[0] += 0.02
     assert recv.merge_finished(None) == {"r3"}

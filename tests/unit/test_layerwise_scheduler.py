@@ -48,12 +48,45 @@ def test_chunked_prefill_steps_carry_growing_block_lists():
     assert m3.steps == []
 
 
-def test_preempted_request_resumes_with_new_blocks():
+def output_with_preempted(preempted=(), **kw):
+    out = output(**kw)
+    out.preempted_req_ids = set(preempted)
+    return out
+
+
+def test_a_preempted_request_fails_its_transfer_and_is_not_pushed_any_more():
+    """Preemption frees the request's blocks in the same schedule that may give
+    them to another request: its transfer fails (D prefills locally) instead of
+    writes reading blocks that are no longer the request's; the request is
+    still reported when it finishes."""
+    from vllm.v1.request import RequestStatus
+
+    s = LayerwiseScheduler(min_tokens=0)
+    s.track(request("r", 300), "x")
+    s.track(request("o", 300), "y")
+    s.build(output_with_preempted(new=[("r", [1, 2], 0), ("o", [3], 0)],
+                                  num_scheduled={"r": 128, "o": 128}))
+    m = s.build(output_with_preempted(preempted=["r"], cached=[("o", [4], 128)],
+                                      num_scheduled={"o": 172}))
+    assert m.preempted == ["x"] and bool(m)
+    assert [st.transfer_id for st in m.steps] == ["y"]
+    m = s.build(output_with_preempted(cached=[("r", [7, 8, 9], 0)], resumed=["r"],
+                                      num_scheduled={"r": 300}))
+    assert m.steps == [] and m.preempted == []
+    assert s.request_finished(request("r", 300, RequestStatus.FINISHED_LENGTH_CAPPED),
+                              [7, 8, 9], "x")
+    assert s.build(output_with_preempted()).finished == [
+        FinishedRequest("x", "r", (7, 8, 9), 300, aborted=False)]
+
+
+def test_a_request_resumed_without_a_preemption_notice_fails_its_transfer():
+    """reset_prefix_cache preempts running requests outside a step: the request
+    only shows up resumed, with other blocks."""
     s = LayerwiseScheduler(min_tokens=0)
     s.track(request("r", 300), "x")
     s.build(output(new=[("r", [1, 2], 0)], num_scheduled={"r": 128}))
     m = s.build(output(cached=[("r", [7, 8, 9], 0)], resumed=["r"], num_scheduled={"r": 300}))
-    assert m.steps == [ComputedStep("x", "r", (7, 8, 9), 300, 300)]
+    assert m.preempted == ["x"] and m.steps == []
 
 
 def test_short_prompts_take_the_posthoc_path():

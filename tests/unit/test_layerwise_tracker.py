@@ -177,11 +177,59 @@ def test_preemption_restarts_progress_with_new_blocks():
 def test_abort_on_prefill_releases_blocks_and_answers_a_waiting_decode():
     tr = LayerwiseTracker(SLOTS, BS)
     tr.set_destination("t", dest(2))  # D waits; P aborted before scheduling it
-    tr.fail("t", "aborted")
+    tr.release("t", "", 0, holds_blocks=False, reason="aborted")
     [t] = tr.pop_finished()
-    assert t.state is TransferState.FAILED and t.destination is not None
+    assert t.state is TransferState.FAILED and t.error == "aborted" and not t.holds_blocks
+    assert tr.num_unannounced() == 0
     tr2 = LayerwiseTracker(SLOTS, BS)
     tr2.begin_step([step("t", "p", [1, 2], 4, 8)])
     tr2.release("t", "p", 8)  # aborted mid-prefill, blocks held until released
     [t2] = tr2.pop_finished()
     assert t2.state is TransferState.FAILED and t2.request_finished
+
+
+def test_a_given_up_destination_leaves_nothing_a_later_request_could_inherit():
+    """D's destination for an id P never scheduled is given up (unknown timeout,
+    or forged): the request P schedules later under that id is a transfer of its
+    own, reported under its own P request id."""
+    tr = LayerwiseTracker(SLOTS, BS)
+    tr.set_destination("x", dest(2))
+    tr.fail("x", "never scheduled")  # only the scheduler creates transfers
+    assert tr.get("x") is None and tr.num_unannounced() == 1
+    assert tr.drop_pending("x") and not tr.drop_pending("x")
+    assert tr.get("x") is None and tr.num_unannounced() == 0 and tr.pop_finished() == []
+    tr.begin_step([step("x", "px", [1, 2], 8, 8)])
+    run_layers(tr)  # no destination: nothing to write
+    tr.request_finished("x", "px", [1, 2], 8)
+    tr.fail("x", "expired: the decode instance never asked")
+    [t] = tr.pop_finished()
+    assert t.p_req_id == "px"
+    assert [r.p_req_id for r in tr.pop_releasable()] == ["px"]
+
+
+def test_an_aborted_request_whose_decode_already_asked_is_released_under_its_own_id():
+    """A post-hoc request (never stepped) whose D asked during its prefill is
+    aborted on P: the transfer P reports is the request's, never an anonymous one."""
+    tr = LayerwiseTracker(SLOTS, BS)
+    tr.set_destination("t", dest(2))
+    tr.fail("t", "aborted")
+    tr.release("t", "p", 8, reason="aborted")
+    [t] = tr.pop_finished()
+    assert (t.p_req_id, t.error, t.holds_blocks) == ("p", "aborted", True)
+    assert [r.p_req_id for r in tr.pop_releasable()] == ["p"]
+
+
+def test_releasable_transfers_are_collected_without_scanning_every_transfer():
+    """Only ended transfers whose request is done are handed out, each once,
+    while thousands of others are in progress."""
+    tr = LayerwiseTracker(SLOTS, BS)
+    tr.begin_step([step(f"a{i}", f"pa{i}", [i], 4, 4) for i in range(3000)])
+    tr.set_destination("done", dest(1))
+    tr.begin_step([step("done", "pd", [7], 4, 4)])
+    finish_all(tr, run_layers(tr))
+    assert [t.transfer_id for t in tr.pop_finished()] == ["done"]
+    assert tr.pop_releasable() == []  # P's request still runs
+    tr.request_finished("done", "pd", [7], 4)
+    assert [t.p_req_id for t in tr.pop_releasable()] == ["pd"]
+    assert tr.pop_releasable() == []
+    assert tr.inflight == 0

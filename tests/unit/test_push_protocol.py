@@ -6,6 +6,7 @@ import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
+    MatchBlocksResponse,
     PushBlocksRequest,
     PushBlocksResponse,
     PushRequestError,
@@ -53,6 +54,7 @@ def test_valid_request():
     check(body(dst_session="[::1]:5000", cache_salt="s", lora_name="l"))
     minimal = {k: v for k, v in body().items() if k not in ("cache_salt", "lora_name", "request_id")}
     check(minimal)
+    check(body(budget_ms=30_000))  # the relative budget beside the deadline (optional)
 
 
 @pytest.mark.parametrize(
@@ -82,6 +84,10 @@ def test_valid_request():
         ({"lora_name": ["x"]}, "lora_name"),
         ({"request_id": 12}, "request_id"),
         ({"unexpected": 1}, "unexpected"),
+        ({"budget_ms": 0}, "budget_ms"),
+        ({"budget_ms": -5}, "budget_ms"),
+        ({"budget_ms": "5000"}, "budget_ms"),
+        ({"budget_ms": 5000.0}, "budget_ms"),
     ],
 )
 def test_invalid_names_field(over, field):
@@ -135,3 +141,15 @@ def test_block_len_must_match_when_given():
     with pytest.raises(PushRequestError) as e:
         validate(req, block_size=BS, num_kv_tensors=NT, block_len=8192)
     assert e.value.field == "block_len"
+
+
+def test_match_answer_must_carry_what_the_hold_needs():
+    answer = {"matched_blocks": 3, "matched_tokens": 48, "total_full_blocks": 3,
+              "fingerprint": FP.model_dump(), "engine_timeout_s": 30,
+              "now_unix_ms": 1_700_000_000_000}
+    assert MatchBlocksResponse.model_validate(answer).engine_timeout_s == 30
+    for missing in ("engine_timeout_s", "now_unix_ms"):
+        with pytest.raises(ValueError):
+            MatchBlocksResponse.model_validate({k: v for k, v in answer.items() if k != missing})
+    with pytest.raises(ValueError):
+        MatchBlocksResponse.model_validate({**answer, "engine_timeout_s": 30.0})

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.client import Answer
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
     PushJob,
@@ -46,25 +47,24 @@ class Blocks:
 
 
 def http_answer(code, body):
-    """What httpx returns: the raw JSON body in .content."""
-    content = json.dumps(body).encode()
-    return SimpleNamespace(status_code=code, content=content, text=content.decode(),
-                           headers={"content-type": "application/json"})
+    """What D's client returns (client.py): the status and the raw JSON body."""
+    return Answer(code, json.dumps(body).encode())
 
 
 def matched(sched, r, local_tokens=0, answer=4):
     """C's /match_blocks answers `answer` held blocks (or raises it)."""
-    def post(url, content, headers, timeout):
-        assert url == SRC + "/match_blocks"
+    def post(source, path, content, headers, deadline):
+        assert source + path == SRC + "/match_blocks"
         assert json.loads(content) == {"token_ids": r.prompt_token_ids, "cache_salt": r.cache_salt,
                                        "lora_name": None}
         if isinstance(answer, Exception):
             raise answer
         full = len(r.prompt_token_ids) // BS
         return http_answer(200, {"matched_blocks": answer, "matched_tokens": answer * BS,
-                                 "total_full_blocks": full, "fingerprint": C_FP.model_dump()})
+                                 "total_full_blocks": full, "fingerprint": C_FP.model_dump(),
+                                 "engine_timeout_s": 30, "now_unix_ms": int(time.time() * 1000)})
 
-    sched._http = SimpleNamespace(post=post)
+    sched._lanes.post = post
     assert sched.get_num_new_matched_tokens(r, local_tokens) == (None, False)
     deadline = time.monotonic() + 5
     while not sched._matches[r.request_id].done() and time.monotonic() < deadline:
@@ -125,7 +125,7 @@ def test_blocks_that_did_not_land_are_prefilled_locally():
     assert s.take_jobs() == []
     assert s.request_finished(r) is False
     assert s.stats == {"requests": 1, "pushed_blocks": 1, "fallback_blocks": 3, "match_failed": 0,
-                       "refused_sources": 0}
+                       "refused_sources": 0, "refused_clock_skew": 0}
 
 
 def test_full_landing_changes_nothing():
@@ -167,9 +167,9 @@ CONFIG = ExtConfig(push_timeout_s=1.0)
 def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, landed):
     posted = threading.Event()
 
-    def post(url, content, headers, timeout):
+    def post(source, path, content, headers, deadline):
         body = json.loads(content)
-        assert url == SRC + "/push_blocks" and body["dst_session"] == "d:1"
+        assert source + path == SRC + "/push_blocks" and body["dst_session"] == "d:1"
         assert body["first_block"] == 1 and body["dst_block_ids"] == [5, 6, 7]
         assert body["deadline_unix_ms"] == int((WALL + CONFIG.push_timeout_s) * 1000)
         assert body["dst_num_blocks"] == 16 and body["fingerprint"] == C_FP.model_dump()
@@ -181,17 +181,18 @@ def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, 
     clock = Clock()
     rec = PushReceiver("d:1", [100, 200], 64, BS, 16, C_FP, CONFIG, clock=clock,
                        wall_clock=lambda: WALL)
-    monkeypatch.setattr(rec._http, "post", post)
-    rec.start([PushJob("r1", SRC, tuple(range(80)), None, None, 1, (5, 6, 7))])
+    monkeypatch.setattr(rec._lanes, "post", post)
+    job = PushJob("r1", SRC, tuple(range(80)), None, None, 1, (5, 6, 7))
+    rec.start([job])
     assert posted.wait(5)
     if isinstance(answer, Exception):
         # No answer from C: it may still write until the hold has passed; the
         # push must not end before that, however long the test waits.
         time.sleep(0.2)
-        clock.now += CONFIG.push_hold_s - 0.5  # binary-exact steps: 1000 + 35.5 + 0.5
+        clock.now += rec.hold_s(job) - 0.5
         assert rec.merge_finished({"other"}) == {"other"}
         assert rec.take_outcome() is None
-        clock.now += 0.5  # the hold has passed
+        clock.now += 1.0  # the hold has passed
     deadline = time.monotonic() + 5
     finished = None
     while time.monotonic() < deadline and not finished:
@@ -201,3 +202,27 @@ def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, 
     assert finished == {"other", "r1"}
     assert rec.take_outcome().landed == {"r1": landed}
     assert rec.take_outcome() is None and rec.merge_finished(None) is None
+
+
+def test_a_push_whose_request_finished_keeps_no_state_once_it_ended():
+    """An aborted request's push ends later (its outcome): nothing of it may stay
+    in the scheduler, or every aborted push would be kept for ever."""
+    s = scheduler()
+    r = req()
+    matched(s, r)
+    s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), 4 * BS)
+    s.take_jobs()
+    assert s.request_finished(r) is True  # C may still be writing: keep the blocks
+    s.on_worker_meta(PushOutcome({"r1": 0}))
+    s.take_jobs()  # the next step
+    assert (s._ended, s._inflight, s._matches, s._times, s._planned) == (set(), {}, {}, {}, {})
+
+
+def test_a_request_finished_before_its_job_reached_the_worker_frees_its_blocks_at_once():
+    s = scheduler()
+    r = req()
+    matched(s, r)
+    s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), 4 * BS)
+    assert s.request_finished(r) is False  # C was never asked: nothing can land
+    assert s.take_jobs() == [], "the worker would post a push for a finished request"
+    assert s._inflight == {} and s._ended == set()

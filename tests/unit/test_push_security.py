@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import (
     is_loopback,
     normalize_source,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.client import Answer
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
     PushBlocksResponse,
@@ -965,7 +966,7 @@ class HostileC:
 
         async def match_blocks(request: Request):
             self.seen.append(("match", dict(request.headers), await request.body()))
-            return Response(self.match[1], self.match[0], media_type="application/json")
+            return Response(fresh(self.match[1]), self.match[0], media_type="application/json")
 
         async def push_blocks(request: Request):
             self.seen.append(("push", dict(request.headers), await request.body()))
@@ -1005,11 +1006,18 @@ def ask(sched: PushScheduler, r, local_tokens=0, timeout=10):
     return sched.get_num_new_matched_tokens(r, local_tokens)
 
 
+NOW = Raw("@@NOW@@")  # C's clock in an answer: the time it is sent (fresh())
+
+
 def match_answer(**over):
     b = {"matched_blocks": 4, "matched_tokens": 4 * BS, "total_full_blocks": 5,
-         "fingerprint": FP.model_dump()}
+         "fingerprint": FP.model_dump(), "engine_timeout_s": 30, "now_unix_ms": NOW}
     b.update(over)
     return dumps({k: v for k, v in b.items() if v is not ...})
+
+
+def fresh(body: bytes) -> bytes:
+    return body.replace(b"@@NOW@@", str(int(time.time() * 1000)).encode())
 
 
 def fp_with(**over):
@@ -1125,7 +1133,8 @@ def test_hostile_push_answer_lands_nothing_it_cannot_prove(hostile, name, status
                     bootstrap_token=TOKEN)
     clock = Clock()
     rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, cfg, clock=clock)
-    rec.start([PushJob("r1", hostile.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))])
+    job = PushJob("r1", hostile.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
+    rec.start([job])
     assert hostile.answered.wait(5)
     assert hostile.seen[0][1].get("authorization") == f"Bearer {TOKEN}"
     sent = json.loads(hostile.seen[0][2])
@@ -1137,7 +1146,7 @@ def test_hostile_push_answer_lands_nothing_it_cannot_prove(hostile, name, status
         time.sleep(0.01)
     if not answered:
         assert finished is None, "an unreadable answer ended the push before the hold"
-        clock.now += cfg.push_hold_s
+        clock.now += rec.hold_s(job)
         finished = rec.merge_finished(None)
     assert finished == {"r1"}
     assert rec.take_outcome().landed == {"r1": landed}
@@ -1165,11 +1174,11 @@ def allowlist_scheduler(sources=(ALLOWED,)):
                           SCHED_FP)
     calls = []
 
-    def post(url, content, headers, timeout):
-        calls.append(url)
-        return SimpleNamespace(status_code=200, content=match_answer(), text="")
+    def post(source, path, content, headers, deadline):
+        calls.append(source + path)
+        return Answer(200, fresh(match_answer()))
 
-    sched._http = SimpleNamespace(post=post)
+    sched._lanes.post = post
     return sched, calls
 
 
@@ -1187,7 +1196,7 @@ def test_push_from_outside_the_allowlist_is_refused_without_a_call(source):
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)  # asked again: still nothing
     time.sleep(0.05)
-    assert calls == [] and sched._pool is None and sched._http.post is not None
+    assert calls == [] and sched._lanes.sources() == []  # no thread, no connection made
     assert sched.stats["refused_sources"] == 1 and sched.take_jobs() == []
 
 

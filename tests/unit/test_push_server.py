@@ -221,3 +221,32 @@ def test_stats_count_entries_and_write_seconds_of_ok_pushes():
     assert server.stats["ok"] == 2 and server.stats["bytes"] == 2 * 3 * SLOTS * BLEN
     assert server.stats["entries"] == SLOTS + 3 * SLOTS
     assert server.stats["write_seconds"] > 0
+
+
+@pytest.mark.parametrize("now_ms,received_ago_s,budget_ms,writes", [
+    (NOW_MS, 0.4, 500, True),  # within both
+    (NOW_MS, 0.6, 500, False),  # the budget passed, the deadline (C's clock) far ahead
+    (DEADLINE_MS + 1, 0.0, 500, False),  # the deadline passed, the budget not
+    (NOW_MS, 100.0, None, True),  # no budget sent: the deadline alone
+])
+def test_the_write_starts_only_within_both_the_deadline_and_the_budget(
+        now_ms, received_ago_s, budget_ms, writes):
+    server, c, d, log = make()
+    server._now_ms = lambda: now_ms
+    server.clock = lambda: 500.0
+    over = {} if budget_ms is None else {"budget_ms": budget_ms}
+    code, resp = server.push(body(d, **over), received=500.0 - received_ago_s)
+    assert code == 200 and (resp["status"] == "ok") == writes, resp
+    assert bool(log) == writes and any(t.any() for t in d.kv) == writes
+    if not writes:
+        what = "budget of 500 ms" if received_ago_s else "deadline"
+        assert f"the push's {what} passed" in resp["message"] and "nothing written" in \
+            resp["message"]
+        assert server.stats["past_deadline"] == 1
+
+
+def test_match_reports_the_engine_timeout_and_the_clock():
+    server, _, _, _ = make()
+    code, out = server.match({"token_ids": TOKENS})
+    assert code == 200 and out["now_unix_ms"] == NOW_MS
+    assert out["engine_timeout_s"] == ExtConfig().engine_transfer_timeout_s

@@ -1,0 +1,319 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's calls to a push source (C's ``/match_blocks`` and ``/push_blocks``),
+bounded in time, in bytes and per source.
+
+- Time: a call has one deadline (monotonic), not a timeout per read. Every
+  connect, write and read on its connection waits at most until that deadline
+  (:class:`_DeadlineBackend` clamps each one), so a source that trickles a byte
+  every half second, in its headers or its body, is cut off at the deadline
+  like a silent one. (httpx's timeouts restart at every read.)
+- Bytes: an answer is streamed and refused once it exceeds its cap (a declared
+  length above the cap is refused before reading); D never holds more.
+- Sources: each source has its own few threads and its own connections
+  (:class:`SourceLanes`), so a slow source delays only its own calls, never a
+  healthy source's. Only allowlisted sources get a lane: their number is
+  bounded by MOONCAKE_PUSH_SOURCES.
+- No proxy: D connects straight to the source it names. httpcore reads no
+  environment (an httpx client with trust_env left on would route these calls
+  through HTTP_PROXY/HTTPS_PROXY/ALL_PROXY).
+- ``shutdown()``: queued calls are cancelled, in-flight ones aborted (their
+  sockets shut down), the threads joined. The threads are daemons: none of
+  them keeps the process from exiting.
+
+The URL is parsed by httpx (as the allowlist test checks: no parser
+differential), the request headers are httpx's; httpcore sends them.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import httpcore
+import httpx
+
+from ..config import ConfigError, normalize_source
+
+# The largest answer D reads from a source (its answers are a few hundred bytes;
+# a push answer with its probes a few KiB).
+MAX_ANSWER_BYTES = 1 << 20
+
+
+class DeadlinePassed(TimeoutError):
+    """The call did not get its whole answer before its deadline."""
+
+
+class AnswerTooLarge(ValueError):
+    """The answer is larger than D reads; the rest was not read."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+
+    def text(self, limit: int = 300) -> str:
+        return self.body[:limit].decode("utf-8", "replace")
+
+
+class _Calls(threading.local):
+    deadline: float | None = None  # monotonic: the current thread's call
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A connection whose every wait ends at the current call's deadline."""
+
+    def __init__(self, inner: httpcore.NetworkStream, backend: _DeadlineBackend):
+        self._inner = inner
+        self._backend = backend
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, self._backend.wait(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, self._backend.wait(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._backend.forget(self)
+        self._inner.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        inner = self._inner.start_tls(ssl_context, server_hostname,
+                                      self._backend.wait(timeout, httpcore.ConnectTimeout))
+        self._backend.forget(self)
+        return self._backend.track(inner)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+    def abort(self) -> None:
+        """Wake a read or write blocked on this connection (from another thread)."""
+        sock = self._inner.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    def __init__(self) -> None:
+        self._inner = httpcore.SyncBackend()
+        self.calls = _Calls()
+        self._lock = threading.Lock()
+        self._open: set[_DeadlineStream] = set()
+        self.closed = False
+
+    def wait(self, timeout: float | None, error: type[Exception]) -> float | None:
+        if self.closed:
+            raise error("shut down")
+        deadline = self.calls.deadline
+        if deadline is None:
+            return timeout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise error("the call's deadline passed")
+        return left if timeout is None else min(timeout, left)
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None, socket_options: Any = None
+                    ) -> httpcore.NetworkStream:
+        return self.track(self._inner.connect_tcp(
+            host, port, self.wait(timeout, httpcore.ConnectTimeout), local_address,
+            socket_options))
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Any = None) -> httpcore.NetworkStream:
+        return self.track(self._inner.connect_unix_socket(
+            path, self.wait(timeout, httpcore.ConnectTimeout), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+    def track(self, inner: httpcore.NetworkStream) -> _DeadlineStream:
+        stream = _DeadlineStream(inner, self)
+        with self._lock:
+            if not self.closed:
+                self._open.add(stream)
+                return stream
+        inner.close()
+        raise httpcore.ConnectError("shut down")
+
+    def forget(self, stream: _DeadlineStream) -> None:
+        with self._lock:
+            self._open.discard(stream)
+
+    def abort_all(self) -> None:
+        with self._lock:
+            self.closed = True
+            streams = list(self._open)
+        for s in streams:
+            s.abort()
+
+
+class _SourceClient:
+    """One source's connections (keep-alive; an https source's one SSL context:
+    building one takes tens of ms)."""
+
+    def __init__(self, connections: int, max_answer_bytes: int, tls: bool):
+        self.backend = _DeadlineBackend()
+        self.max_answer_bytes = max_answer_bytes
+        self.pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context() if tls else None,
+            max_connections=connections, max_keepalive_connections=connections,
+            network_backend=self.backend)
+
+    def post(self, url: str, content: bytes, headers: dict[str, str], deadline: float
+             ) -> Answer:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlinePassed(f"POST {url}: the deadline passed before the call")
+        req = httpx.Request("POST", url, content=content, headers=headers)
+        u = req.url
+        target = httpcore.URL(scheme=u.raw_scheme, host=u.raw_host, port=u.port,
+                              target=u.raw_path)
+        cap = self.max_answer_bytes
+        self.backend.calls.deadline = deadline
+        try:
+            with self.pool.stream("POST", target, headers=req.headers.raw, content=content,
+                                  extensions={"timeout": {"pool": left}}) as r:
+                declared = dict((k.lower(), v) for k, v in r.headers).get(b"content-length")
+                if declared is not None and declared.isdigit() and int(declared) > cap:
+                    raise AnswerTooLarge(f"POST {url}: an answer of {int(declared)} bytes, "
+                                         f"more than the {cap} this instance reads; refused "
+                                         "unread")
+                body = bytearray()
+                for chunk in r.iter_stream():
+                    body += chunk
+                    if len(body) > cap:
+                        raise AnswerTooLarge(f"POST {url}: an answer of more than the {cap} "
+                                             "bytes this instance reads; refused")
+                    if time.monotonic() >= deadline:
+                        raise DeadlinePassed(f"POST {url}: no whole answer within the "
+                                             "call's deadline")
+                return Answer(r.status, bytes(body))
+        except httpcore.TimeoutException as e:
+            raise DeadlinePassed(f"POST {url}: no whole answer within the call's deadline "
+                                 f"({e})") from None
+        finally:
+            self.backend.calls.deadline = None
+
+    def close(self) -> None:
+        self.backend.abort_all()
+        try:
+            self.pool.close()
+        except Exception:  # a connection another thread was using: already aborted
+            pass
+
+
+_STOP = object()
+
+
+class _Lane:
+    """One source's threads (daemons) and connections; made on the source's first call."""
+
+    def __init__(self, name: str, threads: int, max_answer_bytes: int, tls: bool):
+        self.name = name
+        self.client = _SourceClient(threads, max_answer_bytes, tls)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:  # handed to the caller through the future
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+    def shutdown(self) -> list[threading.Thread]:
+        """Cancel what is queued, abort what runs; returns the threads to join."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        self.client.close()
+        return self._threads
+
+
+class SourceLanes:
+    """Per push source: its own ``threads`` threads and as many connections.
+
+    ``submit(source, fn, ...)`` runs ``fn`` on one of that source's threads;
+    ``post(source, path, ...)`` (called there) sends one bounded POST to it."""
+
+    def __init__(self, name: str, threads: int, max_answer_bytes: int = MAX_ANSWER_BYTES):
+        self.name = name
+        self.threads = threads
+        self.max_answer_bytes = max_answer_bytes
+        self._lock = threading.Lock()
+        self._lanes: dict[str, _Lane] = {}
+        self._closed = False
+
+    @staticmethod
+    def key(source: str) -> str:
+        try:
+            return normalize_source(source)
+        except ConfigError:
+            return source
+
+    def _lane(self, source: str) -> _Lane:
+        key = self.key(source)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: shut down")
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _Lane(f"{self.name}:{key.split('//', 1)[-1]}",
+                                                self.threads, self.max_answer_bytes,
+                                                key.startswith("https:"))
+            return lane
+
+    def submit(self, source: str, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._lane(source).submit(fn, *args)
+
+    def post(self, source: str, path: str, content: bytes, headers: dict[str, str],
+             deadline: float) -> Answer:
+        """POST ``source + path``; the whole answer by ``deadline`` (monotonic) or
+        DeadlinePassed, at most the cap or AnswerTooLarge."""
+        return self._lane(source).client.post(source + path, content, headers, deadline)
+
+    def sources(self) -> list[str]:
+        with self._lock:
+            return list(self._lanes)
+
+    def shutdown(self, join_s: float = 5.0) -> None:
+        with self._lock:
+            self._closed = True
+            lanes, self._lanes = list(self._lanes.values()), {}
+        threads = [t for lane in lanes for t in lane.shutdown()]
+        end = time.monotonic() + join_s
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))

@@ -1,0 +1,85 @@
+"""Two real Mooncake transfer engines in two processes, for tests of the engine's
+failure semantics (tests/integration/test_engine_write.py).
+
+    python -m harness.engine_peer receiver NBYTES
+        registers NBYTES of zeros, prints "READY <rpc_port> <addr>", then answers
+        each line "count" on stdin with "COUNT <landed>": how many of the buffer's
+        64 KiB chunks hold the writer's bytes (their last byte is non-zero).
+    python -m harness.engine_peer writer PORT ADDR NBYTES MODE
+        registers NBYTES of 0xAB, makes a 1-byte write to open the segment
+        (the handshake; at offset 0, which no count looks at), prints "READY", waits for a line on stdin, then writes the
+        whole buffer with MODE "sync" (the engine's batch_transfer_sync_write) or
+        "terminal" (this series' TerminalWriter) and prints "RETURNED <rc>".
+
+Both bind the engine to 127.0.0.1 (P2PHANDSHAKE, TCP).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+CHUNK = 64 << 10
+
+
+def _engine():
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit("engine_peer: the transfer engine did not start")
+    return engine
+
+
+def receiver(nbytes: int) -> None:
+    engine = _engine()
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    if engine.register_memory(buf.ctypes.data, nbytes) != 0:
+        raise SystemExit("engine_peer: register_memory failed")
+    print(f"READY {engine.get_rpc_port()} {buf.ctypes.data}", flush=True)
+    last = np.arange(CHUNK - 1, nbytes, CHUNK)
+    for line in sys.stdin:
+        if line.strip() == "count":
+            print(f"COUNT {int(np.count_nonzero(buf[last]))}", flush=True)
+
+
+def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
+    engine = _engine()
+    src = np.full(nbytes, 0xAB, dtype=np.uint8)
+    if engine.register_memory(src.ctypes.data, nbytes) != 0:
+        raise SystemExit("engine_peer: register_memory failed")
+    session = f"127.0.0.1:{port}"
+    # The segment handshake has no timeout of ours: do it while the peer runs.
+    if engine.transfer_sync_write(session, src.ctypes.data, addr, 1) != 0:
+        raise SystemExit("engine_peer: the first write (handshake) failed")
+    if mode == "terminal":
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.engine_write import (
+            TerminalWriter,
+        )
+
+        write = TerminalWriter(engine, ExtConfig.from_env())
+    elif mode == "sync":
+        write = engine.batch_transfer_sync_write
+    else:
+        raise SystemExit(f"engine_peer: unknown mode {mode!r}")
+    # Entries of 32 MiB, as a KV write has many entries.
+    step = 32 << 20
+    offs = list(range(0, nbytes, step))
+    srcs = [src.ctypes.data + o for o in offs]
+    dsts = [addr + o for o in offs]
+    lens = [min(step, nbytes - o) for o in offs]
+    print("READY", flush=True)
+    sys.stdin.readline()
+    rc = write(session, srcs, dsts, lens)
+    print(f"RETURNED {rc}", flush=True)
+    sys.stdin.readline()  # stay alive (the engine's threads) until told
+
+
+if __name__ == "__main__":
+    kind = sys.argv[1]
+    if kind == "receiver":
+        receiver(int(sys.argv[2]))
+    else:
+        writer(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

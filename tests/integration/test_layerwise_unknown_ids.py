@@ -1,0 +1,127 @@
+"""A transfer id named on P's ZMQ socket before P schedules it cannot harm the
+request P later runs under that id.
+
+P's worker socket is upstream's unauthenticated ZMQ protocol: anyone who can
+reach it may send a MooncakeXferMetadata naming any transfer id. One such
+message names transfer X; P answers it with an error after
+MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S. P then runs a real request with transfer
+id X whose decode side never asks for it: P must stay up (an anonymous
+transfer reported to vLLM's scheduler in finished_sending kills EngineCore),
+the request must complete, its transfer must expire the normal way after
+MOONCAKE_LAYERWISE_TIMEOUT_S and its blocks be freed; a normal P->D request is
+byte-exact afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from harness.correctness import compare, reference_completion
+from harness.kv_usage import kv_usage, wait_no_blocks_in_use
+from harness.launcher import Cluster, InstanceSpec
+from harness.model import ModelShape, ensure_model
+from harness.pd_client import bootstrap_headers, complete, model_name, pd_generate
+from harness.prompts import random_prompt as prompt
+
+pytestmark = pytest.mark.integration
+
+UNKNOWN_TIMEOUT_S = 2
+TRANSFER_TIMEOUT_S = 20
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = str(ensure_model(ModelShape()))
+    common = dict(model=model, kv_cache_gib=2, max_model_len=4096, max_num_batched_tokens=256,
+                  extra_args=["--enable-prompt-tokens-details"],
+                  env={"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
+                       "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": str(UNKNOWN_TIMEOUT_S),
+                       "MOONCAKE_LAYERWISE_TIMEOUT_S": str(TRANSFER_TIMEOUT_S)})
+    specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
+             InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
+    with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
+        yield c
+
+
+def worker_addr(bootstrap_url: str) -> str:
+    """P's worker ZMQ address, as D learns it (GET /query on P's bootstrap server)."""
+    q = httpx.get(bootstrap_url + "/query", timeout=10).json()
+    addr = next(iter(next(iter(q.values()))["worker_addr"].values()))
+    return addr if isinstance(addr, str) else next(iter(addr.values()))
+
+
+def forge_pull(addr: str, transfer_id: str, timeout_s: float):
+    """Send D's pull request for ``transfer_id`` (encoded as D encodes it) and
+    return P's answers until the last one."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+        MooncakeXferMetadata,
+        MooncakeXferResponse,
+        MooncakeXferResponseStatus,
+    )
+
+    meta = MooncakeXferMetadata(
+        remote_hostname="127.0.0.1", remote_port=1, remote_tp_size=1, remote_tp_rank=0,
+        req_blocks={"forged-req": (transfer_id, [1, 2])}, kv_caches_base_addr=[4096] * 4)
+    decoder = msgspec.msgpack.Decoder(MooncakeXferResponse)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        sock.send(msgspec.msgpack.Encoder().encode(meta))
+        answers = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sock.poll(500):
+                answers.append(decoder.decode(sock.recv()))
+                if answers[-1].status != MooncakeXferResponseStatus.CONTINUE:
+                    return answers
+        raise AssertionError(f"P did not answer the pull for {transfer_id} in {timeout_s}s")
+    finally:
+        ctx.destroy(linger=0)  # never leave a socket open: Context.__del__ would block
+
+
+@pytest.mark.parametrize("n", [100, 400], ids=["posthoc", "layerwise"])
+def test_a_forged_pull_for_a_future_transfer_id_leaves_its_request_unharmed(cluster, n):
+    p, d = cluster["prefill"], cluster["decode"]
+    transfer_id = f"xfer-named-early-{n}-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    answers = forge_pull(worker_addr(p.bootstrap_url), transfer_id, UNKNOWN_TIMEOUT_S + 30)
+    assert answers[-1].err_reqs == ["forged-req"], answers
+    assert "never scheduled" in (answers[-1].err_msg or ""), answers
+    assert time.monotonic() - started < UNKNOWN_TIMEOUT_S + 15
+
+    # P runs the real request named X; its decode side never asks for the KV.
+    ids = prompt(n, seed=7000 + n)
+    r = complete(p.url, ids, max_tokens=1, logprobs=None, model=model_name(p.url),
+                 kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id},
+                 timeout=120)
+    assert r.prompt_tokens == n
+    # P keeps serving: a normal P->D request right after, byte-exact.
+    other = prompt(300, seed=7100 + n)
+    pd = pd_generate(p.url, p.bootstrap_url, d.url, other, max_tokens=3, logprobs=5,
+                     timeout=120)
+    check = compare(pd.decode, reference_completion(p.url, other, max_tokens=3),
+                    expected_cached_tokens=299)
+    assert check.ok, check.problems
+    assert httpx.get(p.url + "/health", timeout=10).status_code == 200
+    # X expires the normal way and its blocks are freed (under its real request id).
+    usage = wait_no_blocks_in_use(p.url, d.url, timeout=TRANSFER_TIMEOUT_S + 60)
+    assert usage == (0.0, 0.0), f"KV blocks still allocated (P, D usage): {usage}"
+    assert httpx.get(p.url + "/health", timeout=10).status_code == 200
+    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10,
+                      headers=bootstrap_headers()).json()
+    (t,) = [t for t in stats["transfers"] if t["transfer_id"] == transfer_id]
+    assert t["outcome"] and t["outcome"].startswith("expired"), t
+    assert t["bytes_written"] == 0, t
+    assert stats["totals"]["waiting_unknown"] == 0, stats["totals"]
+    log = p.log_path.read_text(errors="replace")
+    assert "EngineCore encountered a fatal error" not in log
+    assert "AssertionError" not in log
+    assert kv_usage(p.url) == 0.0

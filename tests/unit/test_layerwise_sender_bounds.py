@@ -1,0 +1,399 @@
+"""Bounded state and work of layer-wise push, and ids only P's scheduler hands over.
+
+P's sender (connector/layerwise/sender.py) serves D's requests on an
+unauthenticated ZMQ socket and runs part of its work on the forward thread:
+- a transfer id P never scheduled, once given up, leaves nothing that a
+  request P schedules later under the same id could inherit, and only P
+  request ids the scheduler handed over are ever reported in finished_sending
+  (vLLM's scheduler asserts it knows each one: EngineCore would die);
+- forged requests, however many, leave the sender at its baseline;
+- the per-step calls do not touch every known transfer;
+- writer threads retire when idle, so sessions seen once do not use up the cap.
+D's PullOutcomes (pulls.py) prunes the pulls it remembers in O(1) amortized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import pulls
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
+    sender as sender_module,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import tracker
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    ComputedStep,
+    FinishedRequest,
+    LayerwiseMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.sender import (
+    LayerwiseSender,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.tracker import (
+    Destination,
+)
+
+BS = 4
+KV = torch.zeros(1)  # layer_saved only needs a tensor (CPU: no event)
+D_BASES = [1_000_000, 2_000_000]
+WRITER_PREFIX = "vllm-mooncake-layerwise-"
+
+
+class Engine:
+    """write_fn stub: counts writes per session; a gated session blocks in the engine."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.writes: dict[str, int] = {}
+        self.gates: dict[str, threading.Event] = {}
+        self.entered: dict[str, threading.Event] = {}
+
+    def gate(self, session):
+        self.entered[session] = threading.Event()
+        self.gates[session] = threading.Event()
+        return self.gates[session]
+
+    def __call__(self, session, src, dst, lens):
+        if session in self.gates:
+            self.entered[session].set()
+            assert self.gates[session].wait(10), "test gate never opened"
+        with self.lock:
+            self.writes[session] = self.writes.get(session, 0) + 1
+        return 0
+
+
+class Loop:
+    """An asyncio loop in a thread, as P's sender loop."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def loop():
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+def make_sender(engine=None, timeout_s=30.0, unknown_s=60.0):
+    cfg = ExtConfig(layerwise=True, layerwise_timeout_s=timeout_s,
+                    layerwise_unknown_timeout_s=unknown_s, engine_transfer_timeout_s=5)
+    return LayerwiseSender(engine or Engine(), {"l0": [0, 1]}, [10_000, 20_000], 64, BS, cfg,
+                           event_factory=lambda t: None)
+
+
+def dest(session="d:1", first=100):
+    return Destination(session, D_BASES, [first, first + 1])
+
+
+def step(tid, p_req_id=None, blocks=(1, 2), tokens=8):
+    return ComputedStep(tid, p_req_id or "p" + tid, tuple(blocks), tokens, tokens)
+
+
+def finished(tid, p_req_id=None, blocks=(1, 2), tokens=8, aborted=False):
+    return FinishedRequest(tid, p_req_id or "p" + tid, tuple(blocks), tokens, aborted)
+
+
+def wait_until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def poll_until(sender, want, timeout=5.0) -> set[str]:
+    """Everything poll() reports until ``want`` was seen (or the timeout)."""
+    seen: set[str] = set()
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not want <= seen:
+        seen |= sender.poll()
+        time.sleep(0.01)
+    return seen
+
+
+def state_sizes(sender) -> dict[str, int]:
+    """Everything the sender keeps per transfer id."""
+    return {"transfers": len(sender.tracker.transfers),
+            "pending": sender.tracker.num_unannounced(),
+            "waiters": len(sender._waiters), "results": len(sender._results),
+            "deadlines": len(sender._deadlines), "stats": len(sender._stats)}
+
+
+BASELINE = {"transfers": 0, "pending": 0, "waiters": 0, "results": 0, "deadlines": 0,
+            "stats": 0}
+
+
+# ---- ids P's scheduler never handed over ------------------------------------------
+
+
+def test_an_unknown_id_that_timed_out_is_later_reported_under_the_real_request_id(loop):
+    """D's request (or a forged one) names transfer X long before P schedules it
+    and is answered with an error after the unknown timeout. When P then runs X
+    and D never asks again, X expires the normal way and its blocks are freed
+    under X's real P request id; the empty id never reaches vLLM's scheduler."""
+    sender = make_sender(timeout_s=0.5, unknown_s=0.2)
+    err = loop.submit(sender.push("X", dest())).result(5)
+    assert err and "never scheduled" in err
+    sender.on_metadata(LayerwiseMetadata(steps=[step("X", "req-X")]))
+    sender.layer_saved("l0", KV)
+    sender.on_metadata(LayerwiseMetadata(finished=[finished("X", "req-X")]))
+    reported = poll_until(sender, {"req-X"})
+    assert "" not in reported, "an empty request id reached finished_sending"
+    assert reported == {"req-X"}
+    assert wait_until(lambda: state_sizes(sender)["transfers"] == 0)
+    sender.shutdown()
+
+
+def test_a_refused_id_does_not_stop_the_real_decode_from_pulling_it_later(loop):
+    sender = make_sender(unknown_s=0.2)
+    assert "never scheduled" in loop.submit(sender.push("X", dest("forged:1", 500))).result(5)
+    sender.on_metadata(LayerwiseMetadata(steps=[step("X", "req-X")]))
+    real = loop.submit(sender.push("X", dest("d:1", 100)))  # the real D asks now
+    sender.layer_saved("l0", KV)
+    assert real.result(5) is None
+    assert sender.write_fn.writes == {"d:1": 1}
+    sender.on_metadata(LayerwiseMetadata(finished=[finished("X", "req-X")]))
+    assert poll_until(sender, {"req-X"}) == {"req-X"}
+    sender.shutdown()
+
+
+def test_an_aborted_request_whose_decode_asked_early_is_released_under_its_id(loop):
+    """A post-hoc request (never stepped) is aborted on P while D's request for
+    it waits: D hears of the abort, and P frees the blocks under the request's
+    own id."""
+    sender = make_sender()
+    fut = loop.submit(sender.push("X", dest()))
+    assert wait_until(lambda: sender.tracker.num_unannounced() == 1)
+    sender.on_metadata(LayerwiseMetadata(finished=[finished("X", "req-X", aborted=True)]))
+    assert "aborted" in fut.result(5)
+    reported = poll_until(sender, {"req-X"}, timeout=1)
+    assert reported == {"req-X"}, reported
+    sender.shutdown()
+
+
+def test_poll_reports_only_requests_the_scheduler_handed_over():
+    sender = make_sender()
+    sender.on_metadata(LayerwiseMetadata(finished=[finished("A", "req-A", aborted=True)]))
+    with sender._lock:  # an id nobody handed over, by whatever way
+        sender._finished_sending |= {"", "req-stray"}
+    assert sender.poll() == {"req-A"}
+    assert sender.poll() == set()
+    sender.shutdown()
+
+
+def forged(prefix, n):
+    """One of D's requests as a forger sends it: n transfer ids P never scheduled."""
+    return {f"{prefix}-r{i}": (f"{prefix}-t{i}", [1, 2]) for i in range(n)}
+
+
+class Replies:
+    def __init__(self):
+        self.answers: list[tuple[list[str], dict[str, str], bool]] = []
+
+    async def __call__(self, ok, errs, last):
+        self.answers.append((ok, errs, last))
+
+    def answered(self) -> list[str]:
+        return [d for ok, errs, _ in self.answers for d in [*ok, *errs]]
+
+
+def test_ten_thousand_forged_transfer_ids_leave_the_sender_at_baseline(loop):
+    """Ten thousand transfer ids P never scheduled, in ten requests (forged on
+    P's unauthenticated socket): each is answered with an error, and once they
+    are answered the sender holds nothing of them."""
+    sender = make_sender(unknown_s=0.3)
+    replies = Replies()
+    futs = [loop.submit(sender.serve("forged:1", D_BASES, forged(f"m{k}", 1000), replies))
+            for k in range(10)]
+    for f in futs:
+        f.result(10)
+    answered = replies.answered()
+    assert len(answered) == len(set(answered)) == 10_000
+    assert all(not ok for ok, _, _ in replies.answers)
+    assert sum(last for _, _, last in replies.answers) == 10  # one FINISH per request
+    assert state_sizes(sender) == BASELINE
+    sender.shutdown()
+
+
+def test_one_request_holds_at_most_max_transfers_per_request_waiters(loop, monkeypatch):
+    """The transfers of one request beyond MAX_TRANSFERS_PER_REQUEST are refused
+    in its first reply, before anything is created for them."""
+    monkeypatch.setattr(sender_module, "MAX_TRANSFERS_PER_REQUEST", 100, raising=False)
+    sender = make_sender(unknown_s=0.3)
+    replies = Replies()
+    fut = loop.submit(sender.serve("forged:1", D_BASES, forged("big", 5000), replies))
+    assert wait_until(lambda: len(replies.answers) >= 1)
+    first_ok, first_errs, last = replies.answers[0]
+    assert (first_ok, len(first_errs), last) == ([], 4900, False)
+    assert "at most 100 per request" in next(iter(first_errs.values()))
+    assert sender.tracker.num_unannounced() <= 100 and len(sender._waiters) <= 100
+    fut.result(10)
+    assert sorted(replies.answered()) == sorted(forged("big", 5000))
+    assert state_sizes(sender) == BASELINE
+    sender.shutdown()
+
+
+# ---- no scan over every transfer on the forward thread -------------------------------
+
+
+class _Touches:
+    n = 0
+
+
+class CountingTransfer(tracker.Transfer):
+    """A Transfer that counts every attribute read (how many transfers a call touches)."""
+
+    def __getattribute__(self, name):
+        _Touches.n += 1
+        return super().__getattribute__(name)
+
+
+def test_per_step_calls_touch_only_the_transfers_they_concern():
+    """30,000 transfers in progress (10,000 of them finished on P, waiting for D):
+    a step with no layer-wise work and poll() touch none of them; a transfer
+    that ends is collected without scanning the rest."""
+    sender = make_sender()
+    n = 30_000
+    sender.on_metadata(LayerwiseMetadata(steps=[step(f"t{i}", blocks=(i,), tokens=4)
+                                                for i in range(n)]))
+    sender.on_metadata(LayerwiseMetadata(finished=[finished(f"t{i}", blocks=(i,), tokens=4)
+                                                   for i in range(10_000)]))
+    assert sender.poll() == set()
+    for t in sender.tracker.transfers.values():
+        t.__class__ = CountingTransfer
+    _Touches.n = 0
+    rounds = 20
+    for _ in range(rounds):
+        sender.on_metadata(LayerwiseMetadata())
+        sender.layer_saved("l0", KV)
+        assert sender.poll() == set()
+    idle_touches = _Touches.n
+    # one request P finished (its transfer expires without D) is collected alone
+    sender.on_metadata(LayerwiseMetadata(
+        finished=[finished(f"t{n - 1}", blocks=(n - 1,), tokens=4, aborted=True)]))
+    assert sender.poll() == {f"pt{n - 1}"}
+    touches_one_end = _Touches.n - idle_touches
+    assert idle_touches <= 10 * rounds, \
+        f"{rounds} idle steps touched {idle_touches} transfers ({n} known)"
+    assert touches_one_end <= 200, f"ending one transfer touched {touches_one_end} transfers"
+    assert len(sender.tracker.transfers) == n - 1
+    sender.shutdown()
+
+
+# ---- writers: one per decode session with work ---------------------------------------
+
+
+def writer_threads() -> int:
+    return sum(t.name.startswith(WRITER_PREFIX) for t in threading.enumerate())
+
+
+def one_transfer(sender, loop, tid, session):
+    fut = loop.submit(sender.push(tid, dest(session)))
+    assert wait_until(lambda: sender.tracker.num_unannounced() == 1 or fut.done())
+    sender.on_metadata(LayerwiseMetadata(steps=[step(tid)]))
+    sender.layer_saved("l0", KV)
+    err = fut.result(5)
+    sender.on_metadata(LayerwiseMetadata(finished=[finished(tid)]))
+    sender.poll()
+    return err
+
+
+def test_a_hundred_decode_sessions_one_after_another_all_succeed(loop):
+    """Each restart of D has a new transfer-engine session: P must not count
+    every session it ever served against MAX_PEERS."""
+    sender = make_sender()
+    errors = [one_transfer(sender, loop, f"t{i}", f"d{i}:{9000 + i}") for i in range(100)]
+    failed = {i: e for i, e in enumerate(errors) if e is not None}
+    assert not failed, f"{len(failed)} of 100 transfers failed, first: {next(iter(failed.items()))}"
+    assert sender.num_writers() <= sender_module.MAX_PEERS
+    sender.shutdown()
+
+
+def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(loop, monkeypatch):
+    before = writer_threads()
+    engine = Engine()
+    sender = make_sender(engine)
+    sender.writer_idle_s = 0.1
+    for i in range(5):
+        assert one_transfer(sender, loop, f"t{i}", f"d{i}:1") is None
+    assert wait_until(lambda: writer_threads() == before), \
+        f"{writer_threads() - before} writer threads still alive after being idle"
+    assert sender.num_writers() == 0
+    # a writer busy in the engine is not retired, however long its write takes
+    gate = engine.gate("slow:1")
+    fut = loop.submit(sender.push("S", dest("slow:1")))
+    assert wait_until(lambda: sender.tracker.num_unannounced() == 1)
+    sender.on_metadata(LayerwiseMetadata(steps=[step("S")]))
+    sender.layer_saved("l0", KV)
+    assert engine.entered["slow:1"].wait(5)
+    time.sleep(0.5)
+    assert sender.num_writers() == 1
+    # at the cap, a new session is refused while every writer has work ...
+    monkeypatch.setattr(sender_module, "MAX_PEERS", 1)
+    assert "decode peers" in one_transfer(sender, loop, "N1", "new:1")
+    gate.set()
+    assert fut.result(5) is None
+    # ... and served as soon as one has none
+    sender.writer_idle_s = 30.0
+    assert wait_until(lambda: sender.idle())
+    assert one_transfer(sender, loop, "N2", "new:2") is None
+    sender.shutdown()
+
+
+# ---- D: each pull's end remembered, pruned in O(1) amortized -------------------------
+
+
+class CountedId(str):
+    """A request id that counts how often it is hashed (dict work per id)."""
+
+    hashes = 0
+
+    def __hash__(self):
+        CountedId.hashes += 1
+        return str.__hash__(self)
+
+
+def test_remembering_ended_pulls_costs_constant_work_per_pull(monkeypatch):
+    """Past 4096 remembered pulls, ending one more must not rebuild the table."""
+    outcomes = pulls.PullOutcomes()
+    n = 4096 + 300
+    ids = [CountedId(f"req-{i}") for i in range(n)]
+    CountedId.hashes = 0
+    for i, rid in enumerate(ids):
+        if i % 2:
+            assert outcomes.completed(rid)
+        else:
+            outcomes.failed(rid, [i], "test")
+    per_pull = CountedId.hashes / n
+    assert per_pull <= 10, f"{per_pull:.0f} dict operations per pull ({n} pulls)"
+    assert not outcomes.completed(ids[-1])  # still remembered: reported once
+
+
+def test_ended_pulls_are_forgotten_after_an_hour():
+    now = [1000.0]
+    outcomes = pulls.PullOutcomes(clock=lambda: now[0])
+    for i in range(5000):
+        assert outcomes.completed(f"old-{i}")
+    now[0] += pulls.ENDED_KEPT_S + 1
+    for i in range(5000):
+        assert outcomes.completed(f"new-{i}")
+    assert len(outcomes._ended) <= 5000 + 1
+    assert not outcomes.completed("new-4999")

@@ -1,0 +1,273 @@
+"""How long D keeps a push's blocks when C does not answer, and what makes
+that bound hold: C's clock measured by D, a relative budget next to the
+absolute deadline, C's own engine timeout and the bytes of the write.
+
+C is a real PushServer on 127.0.0.1 (uvicorn in a thread) whose transfer
+engine is a logging memmove (test_push_security's set-up); D is the real
+PushScheduler and PushReceiver."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from fastapi import FastAPI
+from test_push_security import (
+    BLEN,
+    BS,
+    C_BLOCKS,
+    D_SESSION,
+    FP,
+    HCFG,
+    NBLK,
+    SCHED_FP,
+    TOKENS,
+    CServer,
+    ask,
+    d_request,
+    serve,
+)
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import PushJob
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
+    PushServer,
+    register_routes,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
+    hash_prompt_blocks,
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
+    HashDelta,
+    HashEventKind,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def c_server():
+    made = []
+
+    def make(config: ExtConfig | None = None) -> CServer:
+        made.append(CServer(config or ExtConfig(bootstrap_host="127.0.0.1")))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def c_request(url: str, rid: str = "r1") -> SimpleNamespace:
+    """A request D pushes from C: TOKENS, whose 3 full blocks C holds."""
+    r = d_request(rid, source=url)
+    r.prompt_token_ids = list(TOKENS)
+    return r
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+# ---- D measures C's clock ------------------------------------------------------------
+
+@pytest.mark.parametrize("offset_s", [60, -60])
+def test_a_source_whose_clock_is_a_minute_off_is_refused_and_nothing_is_written(
+        c_server, caplog, offset_s):
+    c = c_server()
+    c.server._now_ms = lambda: int((time.time() + offset_s) * 1000)
+    d = c.destination()
+    sched = PushScheduler(BS, ExtConfig(push_sources=(c.url,)), SCHED_FP)
+    r = c_request(c.url)
+    with caplog.at_level(logging.WARNING):
+        got = ask(sched, r)
+    assert got == (0, False), "D pushes from a source whose clock is a minute off"
+    assert sched.take_jobs() == [] and c.engine.log == [] and d.untouched()
+    (warning,) = [w for w in warnings_of(caplog) if r.request_id in w]
+    assert "MOONCAKE_PUSH_CLOCK_SKEW_S" in warning, warning
+    assert re.search(r"\b(59\.9|60\.0|60\.1) s\b", warning), warning
+    assert ("ahead of" if offset_s > 0 else "behind") in warning
+    assert sched.stats["refused_clock_skew"] == 1 and sched.stats["match_failed"] == 0
+
+
+def test_a_source_within_the_allowance_is_pushed_from(c_server):
+    c = c_server()
+    c.server._now_ms = lambda: int((time.time() + 3) * 1000)
+    sched = PushScheduler(BS, ExtConfig(push_sources=(c.url,)), SCHED_FP)
+    assert ask(sched, c_request(c.url)) == (3 * BS, True)
+    assert sched.stats["refused_clock_skew"] == 0
+
+
+def test_the_round_trip_counts_against_the_allowance():
+    """C's clock is 2 s ahead. Answered in 1 ms: within 5 s. Answered after 7 s
+    (C read its clock somewhere in that round trip, so it could be 5.5 s
+    off): no push."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.client import Answer
+
+    wall = [1_700_000_000.0]
+
+    def ask_with_round_trip(round_trip_s):
+        sched = PushScheduler(BS, ExtConfig(push_sources=("http://c:9000",),
+                                            push_clock_skew_s=5), SCHED_FP,
+                              wall_clock=lambda: wall[0])
+
+        def post(source, path, content, headers, deadline):
+            c_now = wall[0] + round_trip_s / 2 + 2
+            wall[0] += round_trip_s
+            return Answer(200, json.dumps({
+                "matched_blocks": 4, "matched_tokens": 4 * BS, "total_full_blocks": 5,
+                "fingerprint": FP.model_dump(), "engine_timeout_s": 30,
+                "now_unix_ms": int(c_now * 1000)}).encode())
+
+        sched._lanes.post = post
+        try:
+            return ask(sched, d_request()), sched.stats["refused_clock_skew"]
+        finally:
+            sched.shutdown()
+
+    assert ask_with_round_trip(0.001) == ((4 * BS, True), 0)
+    assert ask_with_round_trip(7.0) == ((0, False), 1)
+
+
+# ---- C: the budget next to the deadline ----------------------------------------------
+
+def test_c_with_a_clock_a_minute_behind_starts_no_write_once_the_budget_passed(c_server):
+    """C's clock runs 60 s behind D's and C takes longer than the push's timeout
+    to get to the write (here: its match is slow). By its own clock the deadline
+    is far ahead; by D's it has passed and D may have given the blocks away. C
+    must not write."""
+    c = c_server()
+    c.server._now_ms = lambda: int((time.time() - 60) * 1000)
+    match = c.server.sync.match
+
+    def slow_match(*args):
+        time.sleep(1.5)
+        return match(*args)
+
+    c.server.sync.match = slow_match
+    d = c.destination()
+    cfg = ExtConfig(push_timeout_s=0.5, push_clock_skew_s=0.2)
+    rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, cfg)
+    rec.start([PushJob("r1", c.url, tuple(TOKENS), None, None, 0, (3, 4, 7))])
+    end = time.monotonic() + 10
+    while not rec.merge_finished(None) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert c.engine.log == [] and d.untouched(), "C wrote after the push's budget had passed"
+    assert rec.take_outcome().landed == {"r1": 0}
+    assert c.server.stats["past_deadline"] == 1
+    getattr(rec, "shutdown", lambda: None)()
+
+
+# ---- the hold: C's engine timeout and the bytes -------------------------------------
+
+BIG_BLEN = 1 << 30  # bytes per block per KV tensor: 3 blocks x 2 tensors = 6 GiB
+
+
+def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
+    """C runs with MC_TRANSFER_TIMEOUT=60, D with 5; the push asks for 6 GiB. C
+    takes the request and does not answer (its write hangs). D must keep the
+    blocks for its budget + C's bound on a 6 GiB write with C's 60 s (handshake,
+    timeout, 1 ns a byte, no-progress watchdog) + the skew allowance, not for
+    its own 5 s."""
+    fp = FP.model_copy(update={"block_len": BIG_BLEN})
+    c_cfg = ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "60", "MOONCAKE_BOOTSTRAP_HOST":
+                                "127.0.0.1", "MOONCAKE_LAYERWISE_TIMEOUT_S": "300"})
+    sync = WorkerHashSync(BS)
+    hashes = hash_prompt_blocks(TOKENS, BS, HCFG.hash_algo, HCFG.none_hash)
+    sync.on_metadata(HashDelta(events=[(HashEventKind.STORED, to_pool_key(h), b)
+                                       for h, b in zip(hashes, C_BLOCKS)], hash_config=HCFG))
+    sync.after_step()
+    gate, writing = threading.Event(), threading.Event()
+
+    def hanging_write(session, src, dst, lens):  # never touches the (fake) addresses
+        writing.set()
+        gate.wait(60)
+        return -1
+
+    server = PushServer(sync, hanging_write, [1 << 40, 2 << 40], BIG_BLEN, fp, "127.0.0.1:1",
+                        c_cfg)
+    app = FastAPI()
+    register_routes(app, lambda: server)
+    url, stop = serve(app)
+    d_cfg = ExtConfig(push_timeout_s=2, push_clock_skew_s=1, engine_transfer_timeout_s=5,
+                      push_sources=(url,))
+    sched = PushScheduler(BS, d_cfg, SCHED_FP)
+    clock = Clock()
+    rec = PushReceiver(D_SESSION, [3 << 40, 4 << 40], BIG_BLEN, BS, NBLK, fp, d_cfg, clock=clock)
+    try:
+        r = c_request(url)
+        assert ask(sched, r) == (3 * BS, True)
+        sched.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([3, 4, 7],)),
+                                       3 * BS)
+        (job,) = sched.take_jobs()
+        rec.start([job])
+        assert writing.wait(10), "C did not start the write"
+        nbytes = 3 * 2 * BIG_BLEN
+        c_bound = ExtConfig(engine_transfer_timeout_s=60).engine_write_bound_s(nbytes)
+        hold = 2 + c_bound + 1
+        assert hold > 2 + 60 + 6 + 1  # the bytes term and C's timeout are in it
+        clock.now += hold - 0.25
+        assert rec.merge_finished(None) is None, (
+            "D ended the push (freeing its blocks) while C's write could still land")
+        clock.now += 0.5
+        assert rec.merge_finished(None) == {"r1"}
+        assert rec.take_outcome().landed == {"r1": 0}
+    finally:
+        gate.set()
+        time.sleep(0.2)
+        for x in (sched, rec):
+            getattr(x, "shutdown", lambda: None)()
+        stop()
+
+
+def test_c_reports_its_engine_timeout_and_clock():
+    c = CServer(ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "45", "MOONCAKE_BOOTSTRAP_HOST":
+                                    "127.0.0.1"}))
+    try:
+        before = int(time.time() * 1000)
+        out = c.post("/match_blocks", {"token_ids": TOKENS}).json()
+        after = int(time.time() * 1000)
+        assert out["engine_timeout_s"] == 45 and before <= out["now_unix_ms"] <= after
+    finally:
+        c.close()
+
+
+def test_the_push_request_carries_its_budget_beside_the_deadline():
+    seen = []
+    c = CServer(ExtConfig(bootstrap_host="127.0.0.1"))
+    push = c.server.push
+
+    def spy(payload, *args, **kw):
+        seen.append(json.loads(payload))
+        return push(payload, *args, **kw)
+
+    c.server.push = spy
+    d = c.destination()
+    rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, ExtConfig(push_timeout_s=30),
+                       clock=Clock())
+    try:
+        rec.start([PushJob("r1", c.url, tuple(TOKENS), None, None, 0, (3, 4, 7))])
+        end = time.monotonic() + 10
+        while not rec.merge_finished(None) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert rec.take_outcome().landed == {"r1": 3}
+        (body,) = seen
+        assert body["budget_ms"] == 30_000 and body["deadline_unix_ms"] > 0
+    finally:
+        rec.shutdown()
+        c.close()

@@ -1,0 +1,388 @@
+"""D's calls to push sources that are slow, huge, or behind an environment proxy.
+
+A slow source (a raw socket server on 127.0.0.1 that trickles its answer one
+byte every 0.5 s, so no single read ever times out) must pin only its own
+threads and only until each call's deadline: a healthy source (a real
+PushServer, test_push_security's set-up) is answered at once meanwhile, and
+the process can exit. An answer is never read past its cap. D connects to the
+source it names, never to a proxy from its environment. A push queued behind
+a slow source's pushes is never sent once it has ended."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from test_push_security import (
+    BLEN,
+    BS,
+    D_SESSION,
+    DST_BLOCKS,
+    FP,
+    NBLK,
+    SCHED_FP,
+    TOKENS,
+    CServer,
+    ask,
+    d_request,
+    serve,
+)
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import PushJob
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
+
+ROOT = Path(__file__).resolve().parents[2]
+TRICKLE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 4096\r\n\r\n"
+           + b" " * 4096)
+
+
+class RawSource:
+    """A source on 127.0.0.1 answering every request with ``answer(conn)``
+    (a thread per connection). Counts connections, open ones and bytes sent."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.lock = threading.Lock()
+        self.conns: list[socket.socket] = []
+        self.open = 0
+        self.sent = 0
+        self.paths: list[str] = []
+        self.stopped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.conns.append(conn)
+                self.open += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                head += chunk
+            self.paths.append(head.split(b" ", 2)[1].decode())
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            body = head.split(b"\r\n\r\n", 1)[1]
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.answer(self, conn)
+        except OSError:
+            pass
+        finally:
+            with self.lock:
+                self.open -= 1
+            conn.close()
+
+    def send(self, conn, data: bytes) -> None:
+        conn.sendall(data)
+        with self.lock:
+            self.sent += len(data)
+
+    def stop(self):
+        self.stopped.set()
+        self.sock.close()
+        with self.lock:
+            for c in self.conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def trickle(src: RawSource, conn) -> None:
+    """One byte every 0.5 s, headers first: never a read that waits long."""
+    for b in TRICKLE:
+        if src.stopped.is_set():
+            return
+        src.send(conn, bytes([b]))
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def sources():
+    made = []
+
+    def make(answer=trickle) -> RawSource:
+        made.append(RawSource(answer))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+@pytest.fixture
+def healthy():
+    c = CServer(ExtConfig(bootstrap_host="127.0.0.1"))
+    yield c
+    c.close()
+
+
+def wait_until(cond, timeout):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def push_threads(url: str) -> list[str]:
+    """D's threads that serve calls to the source at ``url``."""
+    where = url.split("//", 1)[1]
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith("mooncake-push") and where in t.name]
+
+
+def shutdown(*parts):
+    for p in parts:
+        getattr(p, "shutdown", lambda: None)()
+
+
+# ---- a slow source pins only itself, and only until its deadline --------------------
+
+def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(sources, healthy):
+    slow = sources()
+    sched = PushScheduler(BS, ExtConfig(push_match_timeout_s=3,
+                                        push_sources=(slow.url, healthy.url)), SCHED_FP)
+    try:
+        slow_reqs = [d_request(f"s{i}", source=slow.url) for i in range(6)]
+        for r in slow_reqs:
+            assert sched.get_num_new_matched_tokens(r, 0) == (None, False)
+        assert wait_until(lambda: slow.open >= 4, 5)
+        t0 = time.monotonic()
+        r = d_request("h", source=healthy.url, n_tokens=len(TOKENS))
+        r.prompt_token_ids = list(TOKENS)
+        got = ask(sched, r, timeout=10)
+        took = time.monotonic() - t0
+        assert got == (3 * BS, True) and took < 1.5, (
+            f"a healthy source answered after {took:.1f} s ({got}) behind a slow one")
+        # each slow call ends at its deadline (3 s after it was asked), not per read
+        assert wait_until(lambda: all(sched._matches[q.request_id].done() for q in slow_reqs),
+                          3 + 2), "slow /match_blocks calls outlived their deadline"
+        assert wait_until(lambda: slow.open == 0, 2)
+        for q in slow_reqs:
+            assert sched.get_num_new_matched_tokens(q, 0) == (0, False)
+    finally:
+        shutdown(sched)
+    assert wait_until(lambda: not push_threads(slow.url), 5), push_threads(slow.url)
+
+
+def test_a_slow_source_at_the_push_phase_does_not_delay_a_healthy_one(sources, healthy):
+    slow = sources()
+    d = healthy.destination()
+    rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, ExtConfig(push_timeout_s=5))
+    try:
+        rec.start([PushJob(f"s{i}", slow.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
+                   for i in range(6)])
+        assert wait_until(lambda: slow.open >= 4, 5)
+        t0 = time.monotonic()
+        rec.start([PushJob("h", healthy.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))])
+        ended: set[str] = set()
+
+        def healthy_ended():
+            ended.update(rec.merge_finished(None) or ())
+            return "h" in ended
+
+        wait_until(healthy_ended, 10)
+        took = time.monotonic() - t0
+        assert "h" in ended and took < 1.5, (
+            f"the push from a healthy source ended after {took:.1f} s behind a slow one")
+        assert rec.take_outcome().landed["h"] == 3
+        assert healthy.engine.log, "the healthy source was never asked"
+    finally:
+        t1 = time.monotonic()
+        shutdown(rec)
+    # shutdown aborts the slow calls (their deadline, the hold, is a minute away)
+    assert wait_until(lambda: not push_threads(slow.url), 5), push_threads(slow.url)
+    assert time.monotonic() - t1 < 5
+    assert wait_until(lambda: slow.open == 0, 2)
+
+
+def test_the_process_exits_while_calls_to_a_slow_source_are_in_flight(sources):
+    slow = sources()
+    script = textwrap.dedent(f"""
+        import time
+        from types import SimpleNamespace
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+            KVFingerprint, PushJob)
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import (
+            PushReceiver)
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import (
+            PushScheduler)
+        fp = KVFingerprint(model="m", dtype="d", block_size=4, tp_size=1)
+        url = {slow.url!r}
+        s = PushScheduler(4, ExtConfig(push_match_timeout_s=600, push_sources=(url,)), fp)
+        r = SimpleNamespace(request_id="r", prompt_token_ids=list(range(9)), cache_salt=None,
+                            kv_transfer_params={{"push_from": url}}, lora_request=None)
+        s.get_num_new_matched_tokens(r, 0)
+        rec = PushReceiver("127.0.0.1:2", [1 << 20], 64, 4, 16, fp,
+                           ExtConfig(push_timeout_s=600))
+        rec.start([PushJob("p", url, tuple(range(9)), None, None, 0, (1, 2))])
+        time.sleep(2)
+        print("exiting", flush=True)
+    """)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=os.environ.copy(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail("D's process did not exit: its push threads wait on a slow source")
+    assert proc.returncode == 0 and "exiting" in out, err[-2000:]
+    assert slow.open == 0 or wait_until(lambda: slow.open == 0, 2)
+    assert time.monotonic() - t0 < 60
+
+
+# ---- a push queued behind a slow source's pushes ------------------------------------
+
+class GatedSource:
+    """A source whose /push_blocks answers only once the gate opens."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.pushes: list[str] = []
+        app = FastAPI()
+
+        async def push_blocks(request: Request):
+            import asyncio
+            import json as _json
+
+            self.pushes.append(_json.loads(await request.body())["request_id"])
+            await asyncio.to_thread(self.gate.wait, 30)
+            return Response(b'{"status": "failed", "message": "gated"}', 200,
+                            media_type="application/json")
+
+        app.post("/push_blocks")(push_blocks)
+        self.url, self.stop = serve(app)
+
+
+def test_a_push_that_ended_while_queued_is_never_sent():
+    """Four pushes to a source hang; a fifth waits for one of their threads. Its
+    hold passes (the injected clock): the push ends with nothing landed and its
+    blocks go back to the pool. When the four return, the fifth must not be
+    sent: C would write into blocks that other requests now use."""
+    src = GatedSource()
+    clock = SimpleNamespace(now=1000.0)
+    rec = PushReceiver(D_SESSION, [1 << 20, 2 << 20], BLEN, BS, NBLK, FP,
+                       ExtConfig(push_timeout_s=1), clock=lambda: clock.now)
+    try:
+        rec.start([PushJob(f"a{i}", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
+                   for i in range(4)])
+        assert wait_until(lambda: len(src.pushes) == 4, 5)
+        rec.start([PushJob("late", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))])
+        time.sleep(0.2)
+        clock.now += 3600  # every hold has passed
+        assert rec.merge_finished(None) == {"a0", "a1", "a2", "a3", "late"}
+        assert rec.take_outcome().landed["late"] == 0
+        src.gate.set()
+        time.sleep(1.0)
+        assert src.pushes.count("late") == 0, "D sent a push after it had ended"
+    finally:
+        src.gate.set()
+        shutdown(rec)
+        src.stop()
+
+
+# ---- answers are read up to a cap ---------------------------------------------------
+
+HUGE = 400 << 20
+
+
+def huge_answer(declared: bool):
+    def answer(src: RawSource, conn) -> None:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        head += (b"content-length: %d\r\n" % HUGE) if declared else b"connection: close\r\n"
+        src.send(conn, head + b"\r\n")
+        chunk = b" " * (1 << 20)
+        for _ in range(HUGE // len(chunk)):
+            src.send(conn, chunk)
+    return answer
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "until-close"])
+@pytest.mark.parametrize("phase", ["match", "push"])
+def test_a_400_mib_answer_is_not_read(sources, phase, declared):
+    """The source answers 400 MiB of JSON whitespace. D must stop reading at its
+    cap (the bytes the source got out are an upper bound on what D read: the
+    kernel's socket buffers hold a few MiB)."""
+    src = sources(huge_answer(declared))
+    t0 = time.monotonic()
+    if phase == "match":
+        sched = PushScheduler(BS, ExtConfig(push_match_timeout_s=20, push_sources=(src.url,)),
+                              SCHED_FP)
+        try:
+            assert ask(sched, d_request(source=src.url), timeout=30) == (0, False)
+            assert sched.stats["match_failed"] == 1
+        finally:
+            shutdown(sched)
+    else:
+        rec = PushReceiver(D_SESSION, [1 << 20, 2 << 20], BLEN, BS, NBLK, FP,
+                           ExtConfig(push_timeout_s=20))
+        try:
+            rec.start([PushJob("r1", src.url, tuple(TOKENS), None, None, 0,
+                               tuple(DST_BLOCKS))])
+            # the answer is refused (the source's connection is gone), unread: no
+            # end before the hold (C may still write)
+            assert wait_until(lambda: src.paths and src.open == 0, 30)
+            assert rec.merge_finished(None) is None
+        finally:
+            shutdown(rec)
+    assert wait_until(lambda: src.open == 0, 5)
+    assert src.sent < 64 << 20, f"D read up to {src.sent >> 20} MiB of a 400 MiB answer"
+    assert time.monotonic() - t0 < 30
+
+
+# ---- no proxy from the environment --------------------------------------------------
+
+def test_d_ignores_proxies_from_its_environment(monkeypatch, sources, healthy):
+    proxy = sources(lambda src, conn: None)  # takes the request, answers nothing
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                "all_proxy"):
+        monkeypatch.setenv(var, proxy.url)
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    sched = PushScheduler(BS, ExtConfig(push_match_timeout_s=3, push_sources=(healthy.url,)),
+                          SCHED_FP)
+    d = healthy.destination()
+    rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, ExtConfig(push_timeout_s=3))
+    try:
+        r = d_request(source=healthy.url, n_tokens=len(TOKENS))
+        r.prompt_token_ids = list(TOKENS)
+        assert ask(sched, r) == (3 * BS, True)
+        rec.start([PushJob("r1", healthy.url, tuple(TOKENS), None, None, 0,
+                           tuple(DST_BLOCKS))])
+        assert wait_until(lambda: rec.merge_finished(None) == {"r1"}, 10)
+        assert rec.take_outcome().landed == {"r1": 3}
+        assert proxy.paths == [], f"D went through the proxy: {proxy.paths}"
+    finally:
+        shutdown(sched, rec)
