@@ -1,5 +1,5 @@
 """Two real Mooncake transfer engines in two processes, for tests of the engine's
-failure semantics (tests/integration/test_engine_write.py).
+failure semantics (tests/integration/test_engine_failure_semantics.py).
 
     python -m harness.engine_peer receiver NBYTES
         registers NBYTES of zeros, prints "READY <rpc_port> <addr>", then answers
