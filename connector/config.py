@@ -46,6 +46,7 @@ MOONCAKE_FAULT_*                       unset    fault injection, tests only (fau
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -142,6 +143,9 @@ class ExtConfig:
     layerwise_min_tokens: int = 256
     layerwise_timeout_s: float = 480.0
     layerwise_unknown_timeout_s: float = 60.0
+    # D: its pull socket gives up (and D frees the pull's blocks) this long after
+    # asking (upstream: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s)
+    pull_give_up_s: float = 540.0
     io_cpus: frozenset[int] | None = None
     push_match_timeout_s: float = 5.0
     push_timeout_s: float = 30.0
@@ -194,6 +198,31 @@ class ExtConfig:
             self, engine_transfer_timeout_s=source_engine_timeout_s)
         return (self.push_timeout_s + source.engine_write_bound_s(nbytes)
                 + self.push_clock_skew_s)
+
+    def decode_limits(self) -> dict[str, float]:
+        """D: what it tells P with each pull request (MooncakeXferMetadata.ext)."""
+        return {"pull_give_up_s": float(self.pull_give_up_s)}
+
+    def layerwise_refusal(self, decode_limits: Mapping[str, float] | None) -> str | None:
+        """P: why it cannot serve a decode instance with these limits layer-wise
+        without risking a write after D gave up (None: it can, or D sent none).
+        P answers after its timeout once the in-flight write ended, which the
+        engine's rule bounds; D must still be waiting then."""
+        give_up = (decode_limits or {}).get("pull_give_up_s")
+        if give_up is None:
+            return None
+        if not isinstance(give_up, (int, float)) or not math.isfinite(give_up) or give_up <= 0:
+            return f"the decode instance sent an invalid pull timeout {give_up!r}"
+        needed = self.layerwise_timeout_s + self.engine_write_bound_s(0)
+        if needed >= give_up:
+            return (f"this prefill instance may answer up to {needed:g} s after a pull "
+                    f"(MOONCAKE_LAYERWISE_TIMEOUT_S={self.layerwise_timeout_s:g} + the bound on "
+                    f"an in-flight write, {self.engine_write_bound_s(0):g} s from its "
+                    f"MC_TRANSFER_TIMEOUT), but the decode instance gives up after "
+                    f"{give_up:g} s (its VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower the "
+                    "prefill's MOONCAKE_LAYERWISE_TIMEOUT_S or raise the decode's "
+                    "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT")
+        return None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ExtConfig:
@@ -251,6 +280,7 @@ class ExtConfig:
                                         default_layerwise_timeout, minimum=0.1),
             layerwise_unknown_timeout_s=_number(env, "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S", 60.0,
                                                 minimum=0.1),
+            pull_give_up_s=d_gives_up,
             io_cpus=io_cpus,
             push_match_timeout_s=_number(env, "MOONCAKE_PUSH_MATCH_TIMEOUT_S", 5.0, minimum=0.1),
             push_timeout_s=_number(env, "MOONCAKE_PUSH_TIMEOUT_S", 30.0, minimum=0.1),

@@ -209,6 +209,7 @@ class WorkerExtension:
         self._event_tensor: torch.Tensor | None = None
         self._serving: set[asyncio.Task] = set()  # layer-wise answers to D in progress
         self._write: WriteFn | None = None  # every engine write of this worker
+        self._warned: set[str] = set()  # warnings logged once
 
     def on_kv_caches_registered(self, kv: RegisteredKV) -> None:
         cfg = self.config
@@ -335,6 +336,16 @@ class WorkerExtension:
                 err_msg=(f"layer-wise push needs equal TP sizes (prefill {tp_size}, "
                          f"decode {meta.remote_tp_size}); unset MOONCAKE_LAYERWISE")))
             return
+        limits = getattr(meta, "ext", None)
+        if (refusal := self.config.layerwise_refusal(limits)) is not None:
+            self._warn_once(f"limits:{refusal}", "Layer-wise push refused: %s", refusal)
+            await send(MooncakeXferResponse(status=MooncakeXferResponseStatus.ERROR,
+                                            err_msg=refusal))
+            return
+        if limits is None:
+            self._warn_once("no-limits", "A decode instance's pull request carries no pull "
+                            "timeout (an instance without this series' hooks): this prefill "
+                            "instance cannot check that it answers before the decode gives up")
 
         async def reply(ok: list[str], errs: dict[str, str], last: bool) -> None:
             status = (MooncakeXferResponseStatus.FINISH if last
@@ -350,6 +361,17 @@ class WorkerExtension:
             dict(meta.req_blocks), reply))
         self._serving.add(task)
         task.add_done_callback(self._served)
+
+    def xfer_request_fields(self) -> dict[str, Any]:
+        """D: this series' fields of each pull request (MooncakeXferMetadata.ext),
+        checked by P in serve_xfer_request."""
+        return dict(self.config.decode_limits())
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            if len(self._warned) < 64:
+                self._warned.add(key)
+            logger.warning(msg, *args)
 
     def _served(self, task: asyncio.Task) -> None:
         self._serving.discard(task)

@@ -338,13 +338,14 @@ class FaultBench:
         self.d.restart(self.cluster.push_sources)
         self.recover(out, time.monotonic())
 
-    def kill_push_source(self, out: Outcome) -> None:
-        """SIGKILL C (= P) while D waits for its /push_blocks; D must fall back."""
+    def _push_in_delayed_write(self) -> tuple[list[int], cf.Future]:
+        """Turn 1 on C (= P), then turn 2 on D with push_from C; returns once C took
+        the push and sits in its write's fault delay (PUSH_DELAY_S before the
+        engine call): (turn 2, D's pending answer)."""
         turn1 = self.prompt(PUSH_TURN1)
         complete(self.p.url, turn1, max_tokens=1, logprobs=None, timeout=120)
         wait_for_matched_blocks(self.p.bootstrap_url, turn1, PUSH_TURN1 // BLOCK)
         turn2 = turn1 + self.prompt(PUSH_TURN2 - PUSH_TURN1)
-        out.must_succeed = True  # D prefills locally
         pushes = self.push_stats()["pushes"]
         fut = self.pool.submit(complete, self.d.url, turn2, max_tokens=4, logprobs=5,
                                timeout=REQUEST_DEADLINE_S,
@@ -354,6 +355,12 @@ class FaultBench:
             if time.monotonic() > deadline:
                 raise TimeoutError("C never started the push")
             time.sleep(0.05)
+        return turn2, fut
+
+    def kill_push_source(self, out: Outcome) -> None:
+        """SIGKILL C (= P) while D waits for its /push_blocks; D must fall back."""
+        out.must_succeed = True  # D prefills locally
+        turn2, fut = self._push_in_delayed_write()
         self.p.kill()
         try:
             got = fut.result(timeout=REQUEST_DEADLINE_S + 10)
@@ -366,6 +373,35 @@ class FaultBench:
         self.baseline(out, self.d)
         self.p.restart(self.cluster.push_sources)
         self.recover(out, time.monotonic())
+
+    def push_link_down_engine_timeout(self, out: Outcome) -> None:
+        """C's link down from inside its /push_blocks (during the write's fault delay)
+        until past MC_TRANSFER_TIMEOUT after the engine write started: the write is
+        in flight until the engine reports it done or failed, so it resumes once the
+        link is up, C answers ok and D decodes from the pushed KV. (Ended on the
+        engine's -1, C would answer "failed" while its bytes were still on their way
+        and D would prefill locally.)"""
+        out.must_succeed = True
+        turn2, fut = self._push_in_delayed_write()
+        self.topology.link_down("prefill")
+        time.sleep(PUSH_DELAY_S + ENGINE_TIMEOUT_S + 2)
+        self.topology.link_up("prefill")
+        up = time.monotonic()
+        try:
+            got = fut.result(timeout=REQUEST_DEADLINE_S + 10)
+        except cf.TimeoutError:
+            out.record("lost", "D's push request never ended after C's link came back")
+        except RequestFailed as exc:
+            out.record("error", str(exc))
+        else:
+            pushed = (PUSH_TURN1 // BLOCK) * BLOCK
+            if (got.cached_tokens or 0) < pushed:
+                out.record("wrong", f"the push's KV did not come over: cached_tokens "
+                           f"{got.cached_tokens} < {pushed}")
+            else:
+                self.check(out, got, turn2, self.d)
+        self.baseline(out, self.p, self.d)
+        self.recover(out, up)
 
     def abort_decode(self, out: Outcome, times: int = 20) -> None:
         """The client drops D's request mid layer-wise transfer, ``times`` in a row."""
@@ -420,6 +456,7 @@ SCENARIOS: dict[str, Callable[[FaultBench, Outcome], None]] = {
     "kill_prefill": FaultBench.kill_prefill,
     "kill_decode": FaultBench.kill_decode,
     "kill_push_source": FaultBench.kill_push_source,
+    "push_link_down_engine_timeout": FaultBench.push_link_down_engine_timeout,
     "abort_decode_x20": FaultBench.abort_decode,
 }
 

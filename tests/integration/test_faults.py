@@ -63,6 +63,13 @@ def test_link_down_past_the_engines_call_timeout_is_not_an_end(bench):
     assert_held(out, errors_allowed=False)
 
 
+def test_push_source_link_down_past_the_engines_call_timeout_is_not_an_end(bench):
+    """The same window for C's /push_blocks write: the push completes, D uses it."""
+    out = run_fault(bench, "push_link_down_engine_timeout")
+    assert out.requests == 1 and out.ok == 1, out
+    assert_held(out, errors_allowed=False)
+
+
 def test_link_down_longer_than_the_timeouts(bench):
     out = run_fault(bench, "link_down_long")
     assert out.requests == 1, out  # ended: recomputed on D (ok) or a clear error

@@ -56,9 +56,10 @@ def worker_addr(bootstrap_url: str) -> str:
     return addr if isinstance(addr, str) else next(iter(addr.values()))
 
 
-def forge_pull(addr: str, transfer_id: str, timeout_s: float):
-    """Send D's pull request for ``transfer_id`` (encoded as D encodes it) and
-    return P's answers until the last one."""
+def forge_pull(addr: str, transfer_id: str, timeout_s: float,
+               limits: dict[str, float] | None = None):
+    """Send D's pull request for ``transfer_id`` (encoded as D encodes it, with the
+    decode side's ``limits``) and return P's answers until the last one."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
         MooncakeXferMetadata,
         MooncakeXferResponse,
@@ -67,7 +68,8 @@ def forge_pull(addr: str, transfer_id: str, timeout_s: float):
 
     meta = MooncakeXferMetadata(
         remote_hostname="127.0.0.1", remote_port=1, remote_tp_size=1, remote_tp_rank=0,
-        req_blocks={"forged-req": (transfer_id, [1, 2])}, kv_caches_base_addr=[4096] * 4)
+        req_blocks={"forged-req": (transfer_id, [1, 2])}, kv_caches_base_addr=[4096] * 4,
+        ext=limits)
     decoder = msgspec.msgpack.Decoder(MooncakeXferResponse)
     ctx = zmq.Context()
     try:
@@ -125,3 +127,38 @@ def test_a_forged_pull_for_a_future_transfer_id_leaves_its_request_unharmed(clus
     assert "EngineCore encountered a fatal error" not in log
     assert "AssertionError" not in log
     assert kv_usage(p.url) == 0.0
+
+
+@pytest.mark.parametrize("give_up_s", [50.0, float("nan"), -1.0])
+def test_a_decode_that_gives_up_before_the_prefill_may_answer_is_refused(cluster, give_up_s):
+    """P may answer a pull up to MOONCAKE_LAYERWISE_TIMEOUT_S + the bound on an
+    in-flight write (20 + 65 s here) after it: a decode side that gives up (and
+    frees the blocks) after 50 s, or says nonsense, is refused at once, naming
+    the values; P keeps serving."""
+    p = cluster["prefill"]
+    started = time.monotonic()
+    answers = forge_pull(worker_addr(p.bootstrap_url), f"xfer-limits-{uuid.uuid4().hex}", 30,
+                         limits={"pull_give_up_s": give_up_s})
+    assert time.monotonic() - started < 10, "refused at once, not after a timeout"
+    msg = answers[-1].err_msg or ""
+    if give_up_s > 0:
+        assert "gives up after 50 s" in msg and "MOONCAKE_LAYERWISE_TIMEOUT_S=20" in msg, answers
+    else:
+        assert "invalid pull timeout" in msg, answers
+    assert httpx.get(p.url + "/health", timeout=10).status_code == 200
+    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10,
+                      headers=bootstrap_headers()).json()
+    assert stats["totals"]["waiting_unknown"] == 0, stats["totals"]
+
+
+def test_a_decode_within_the_limits_is_served_and_real_decodes_send_their_limits(cluster):
+    """The real D sends its limits (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 = 540 s)
+    with every pull; P accepts them and the transfer is byte-exact."""
+    p, d = cluster["prefill"], cluster["decode"]
+    ids = prompt(400, seed=7300)
+    pd = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120)
+    check = compare(pd.decode, reference_completion(p.url, ids, max_tokens=3),
+                    expected_cached_tokens=399)
+    assert check.ok, check.problems
+    log = p.log_path.read_text(errors="replace")
+    assert "carries no pull timeout" not in log, "the decode instance sent no limits"

@@ -79,3 +79,18 @@ def test_worker_registers_where_the_bootstrap_server_listens(bind, upstream, exp
 
     fake = SimpleNamespace(config=ExtConfig.from_env({"MOONCAKE_BOOTSTRAP_HOST": bind}))
     assert WorkerExtension.registration_host(fake, upstream) == expected
+
+
+def test_a_prefill_refuses_a_decode_that_gives_up_before_it_may_answer():
+    """P answers a layer-wise pull at the latest after MOONCAKE_LAYERWISE_TIMEOUT_S + the
+    bound on an in-flight write; the decode side frees its blocks when it gives up."""
+    d = ExtConfig.from_env({"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "20"})
+    assert d.decode_limits() == {"pull_give_up_s": 80.0}
+    p = ExtConfig.from_env({"MOONCAKE_LAYERWISE_TIMEOUT_S": "60", "MC_TRANSFER_TIMEOUT": "5"})
+    why = p.layerwise_refusal(d.decode_limits())  # 60 + (5 + 5 + 30) = 100 >= 80
+    assert why and "100 s" in why and "80 s" in why and "MOONCAKE_LAYERWISE_TIMEOUT_S" in why
+    assert p.layerwise_refusal({"pull_give_up_s": 101.0}) is None
+    assert ExtConfig.from_env({}).layerwise_refusal(ExtConfig.from_env({}).decode_limits()) is None
+    assert p.layerwise_refusal(None) is None  # a decode without the hook: not checkable
+    for bad in (float("nan"), float("inf"), 0.0, -5.0, "x"):
+        assert "invalid" in p.layerwise_refusal({"pull_give_up_s": bad})
