@@ -1,25 +1,72 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Who may call this series' endpoints on the bootstrap server.
+"""Who may call this series' endpoints on the bootstrap server, and how a call proves it.
 
 ``/push_blocks`` makes this instance write memory (its transfer engine into a
 peer's registered buffers); ``/match_blocks`` and ``/hashsync`` tell what its
 prefix cache holds. Upstream's bootstrap server binds 0.0.0.0 and has no
 authentication, so these endpoints need their own:
 
-- ``MOONCAKE_BOOTSTRAP_TOKEN`` set: every call must carry
+- ``MOONCAKE_BOOTSTRAP_TOKEN`` set: a shared secret, the same on every instance,
+  never sent on ``POST /match_blocks`` and ``POST /push_blocks``. D signs each of
+  those requests (:func:`request_headers`)::
+
+      Authorization: Mooncake-HMAC-SHA256 t=<unix ms>,n=<nonce>,s=<signature>
+      signature = hex HMAC-SHA256(key=token, "mooncake-push-v1" LF method LF path
+                                  LF t LF nonce LF hex SHA-256(body))
+
+  (the nonce: 32 random hex digits). The body names ``dst_session`` and the
+  push's deadline, so neither can be changed without the secret. C
+  (:meth:`EndpointGuard.verify`) recomputes the signature and compares it in
+  constant time (401 if it differs), refuses a timestamp more than
+  MOONCAKE_PUSH_CLOCK_SKEW_S + MOONCAKE_PUSH_TIMEOUT_S from its own clock
+  (401: stale, or from the future), and refuses a nonce it has already
+  accepted (409: a replay). A nonce is remembered until its timestamp would be
+  refused as stale anyway, at most :data:`NONCES_KEPT` at once (beyond that,
+  503 until some expire), so a captured request can be neither replayed nor
+  altered. A bad signature is refused before its nonce is looked at: an
+  unauthenticated caller cannot fill the nonce memory. ``Authorization:
+  Bearer`` is refused on these two routes.
+  The GET routes (``/hashsync``, ``/layerwise/transfers``; read-only) take
   ``Authorization: Bearer <token>`` (compared in constant time), else 401.
-  D sends it on its /match_blocks and /push_blocks calls (same variable).
+  That header is the secret itself: send it only over loopback or TLS (below).
 - no token, server bound to loopback (``MOONCAKE_BOOTSTRAP_HOST=127.0.0.1``):
   open; only local processes can reach it.
 - no token, bound to anything else: closed (403, saying what to set), unless
   ``MOONCAKE_BOOTSTRAP_INSECURE=1`` says the network is trusted (logged loudly).
+
+What the signature does not do: every holder of the secret is trusted alike
+(any instance may name any destination session), and a request may be
+replayed once to *another* instance that shares the secret within its window
+(each instance remembers only the nonces it accepted; such a replay writes the
+same prompt's blocks into the same blocks, before the push's deadline). The
+bodies travel in clear: an observer learns prompts' token ids and D's layout.
+
+TLS (optional, not built in): the bootstrap server is upstream's plain-HTTP
+server. To encrypt, bind it to loopback (``MOONCAKE_BOOTSTRAP_HOST=127.0.0.1``)
+with ``MOONCAKE_BOOTSTRAP_TOKEN`` set, and put a TLS-terminating reverse proxy
+in front of it on the host's address (nginx ``proxy_pass
+http://127.0.0.1:<bootstrap port>``, stunnel, an Envoy sidecar), forwarding
+the path and the ``Authorization`` header unchanged (the path is signed).
+List the sources as ``https://host:port`` in D's MOONCAKE_PUSH_SOURCES; D
+verifies the proxy's certificate against the system's CA store
+(``push/client.py``; no proxy variables are read). The signatures then also
+keep working end to end, and the GET routes' bearer token no longer travels
+in clear.
 
 Upstream's own ``/register`` and ``/query`` are left as upstream has them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import hmac
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
@@ -28,16 +75,105 @@ from .config import ExtConfig
 logger = init_logger(__name__)
 
 HEADER = "authorization"
+SCHEME = "Mooncake-HMAC-SHA256"
+CONTEXT = b"mooncake-push-v1"
+# nonces remembered at once (32 hex digits each): with the default window of 35 s,
+# about 1900 signed requests a second
+NONCES_KEPT = 1 << 16
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_MS = re.compile(r"[0-9]{1,16}")
+
+
+def signature(token: str, method: str, target: str, timestamp_ms: str, nonce: str,
+              body: bytes) -> str:
+    """The hex HMAC-SHA256 of one request (see the module docstring)."""
+    msg = b"\n".join([CONTEXT, method.upper().encode(), target.encode("latin-1"),
+                      timestamp_ms.encode(), nonce.encode(),
+                      hashlib.sha256(body).hexdigest().encode()])
+    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def sign(token: str, method: str, target: str, body: bytes, now_ms: int | None = None,
+         nonce: str | None = None) -> str:
+    """The Authorization value of one signed request."""
+    t = str(int(time.time() * 1000) if now_ms is None else now_ms)
+    n = secrets.token_hex(16) if nonce is None else nonce
+    return f"{SCHEME} t={t},n={n},s={signature(token, method, target, t, n, body)}"
+
+
+def parse_signed(authorization: str | None) -> tuple[str, str, str] | None:
+    """(timestamp, nonce, signature) of a well-formed signed Authorization value."""
+    scheme, _, params = (authorization or "").partition(" ")
+    if scheme.lower() != SCHEME.lower():
+        return None
+    fields: dict[str, str] = {}
+    for part in params.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key in fields:
+            return None
+        fields[key] = value
+    if fields.keys() != {"t", "n", "s"}:
+        return None
+    t, n, s = fields["t"], fields["n"], fields["s"]
+    if not (_MS.fullmatch(t) and _HEX32.fullmatch(n) and _HEX64.fullmatch(s)):
+        return None
+    return t, n, s
+
+
+class NonceMemory:
+    """Nonces of accepted requests, each until it expires (bounded)."""
+
+    def __init__(self, capacity: int = NONCES_KEPT):
+        self.capacity = capacity
+        self._expiry: dict[str, int] = {}
+        self._heap: list[tuple[int, str]] = []
+        self._lock = threading.Lock()
+
+    def add(self, nonce: str, expires_ms: int, now_ms: int) -> str | None:
+        """Remember ``nonce``; None if new, else "replay" or "full"."""
+        with self._lock:
+            while self._heap and self._heap[0][0] <= now_ms:
+                _, old = heapq.heappop(self._heap)
+                self._expiry.pop(old, None)
+            if nonce in self._expiry:
+                return "replay"
+            if len(self._expiry) >= self.capacity:
+                return "full"
+            self._expiry[nonce] = expires_ms
+            heapq.heappush(self._heap, (expires_ms, nonce))
+            return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._expiry)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What :meth:`EndpointGuard.verify` found: ``denied`` (HTTP status, reason) or
+    None; ``signed_ms``: the signed timestamp of an authenticated request (None when
+    the endpoints are open)."""
+
+    denied: tuple[int, str] | None = None
+    signed_ms: int | None = None
 
 
 class EndpointGuard:
-    def __init__(self, config: ExtConfig):
+    def __init__(self, config: ExtConfig,
+                 wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+                 nonces: NonceMemory | None = None):
         self._token = config.bootstrap_token
         self.host = config.bootstrap_host
         self.open = self._token is None and (config.bootstrap_loopback or config.bootstrap_insecure)
         self.closed = self._token is None and not self.open
         self._insecure = config.bootstrap_insecure and self._token is None \
             and not config.bootstrap_loopback
+        # a signed request is accepted this long either side of this instance's clock
+        self.window_ms = int(1000 * (config.push_clock_skew_s + config.push_timeout_s))
+        self._now_ms = wall_clock_ms
+        self.nonces = nonces if nonces is not None else NonceMemory()
 
     def log_at_start(self) -> None:
         if self._insecure:
@@ -52,13 +188,16 @@ class EndpointGuard:
                 "push endpoints are closed (403). Set the same MOONCAKE_BOOTSTRAP_TOKEN on every "
                 "instance, or MOONCAKE_BOOTSTRAP_HOST=127.0.0.1 for a single host.", self.host)
 
+    def _closed(self) -> tuple[int, str]:
+        return 403, (f"prefix push endpoints are closed: the bootstrap server binds "
+                     f"{self.host} and no MOONCAKE_BOOTSTRAP_TOKEN is set on this instance")
+
     def check(self, authorization: str | None) -> tuple[int, str] | None:
-        """None if the call may proceed, else (HTTP status, reason)."""
+        """GET routes: None if the call may proceed, else (HTTP status, reason)."""
         if self.open:
             return None
         if self.closed:
-            return 403, (f"prefix push endpoints are closed: the bootstrap server binds "
-                         f"{self.host} and no MOONCAKE_BOOTSTRAP_TOKEN is set on this instance")
+            return self._closed()
         scheme, _, given = (authorization or "").partition(" ")
         assert self._token is not None
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(),
@@ -66,10 +205,75 @@ class EndpointGuard:
             return 401, "missing or wrong token (Authorization: Bearer <MOONCAKE_BOOTSTRAP_TOKEN>)"
         return None
 
+    def check_signed_header(self, authorization: str | None) -> tuple[int, str] | None:
+        """Signed routes, before the body is read: None if the header may carry a
+        valid signature (:meth:`verify` decides once the body is in)."""
+        if self.open:
+            return None
+        if self.closed:
+            return self._closed()
+        if parse_signed(authorization) is None:
+            return 401, (f"this route takes signed requests only (Authorization: {SCHEME} "
+                         "t=<unix ms>,n=<32 hex>,s=<HMAC-SHA256 with MOONCAKE_BOOTSTRAP_TOKEN>; "
+                         "auth.py); a bearer token is not accepted here")
+        return None
+
+    def verify(self, method: str, target: str, authorization: str | None, body: bytes
+               ) -> Verified:
+        """Signed routes, once the body is read: the signature over the method, the
+        path (``target``, as sent: path and query), the timestamp, the nonce and the
+        body; then the timestamp's age; then the nonce (remembered only now)."""
+        if self.open:
+            return Verified()
+        if (denied := self.check_signed_header(authorization)) is not None:
+            return Verified(denied)
+        assert self._token is not None
+        parsed = parse_signed(authorization)
+        assert parsed is not None
+        t, nonce, given = parsed
+        expected = signature(self._token, method, target, t, nonce, body)
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            return Verified((401, "wrong signature: another MOONCAKE_BOOTSTRAP_TOKEN, or the "
+                                  "request was changed on its way"))
+        now, signed = self._now_ms(), int(t)
+        if abs(now - signed) > self.window_ms:
+            return Verified((401, (
+                f"the request was signed {(now - signed) / 1000:+.1f} s from this instance's "
+                f"clock, outside the {self.window_ms / 1000:g} s accepted "
+                "(MOONCAKE_PUSH_CLOCK_SKEW_S + MOONCAKE_PUSH_TIMEOUT_S): a stale or replayed "
+                "request, or clocks out of sync (NTP)")))
+        seen = self.nonces.add(nonce, signed + self.window_ms, now)
+        if seen == "replay":
+            return Verified((409, "this request was already received (same nonce): a replay "
+                                  "is refused; every request needs a new nonce"))
+        if seen == "full":
+            return Verified((503, f"{self.nonces.capacity} signed requests within "
+                                  f"{self.window_ms / 1000:g} s; retry later"))
+        return Verified(None, signed)
+
+
+def signed_target(scope: dict) -> str:
+    """The path (and query) of a request as its client sent it (an ASGI scope): what
+    the signature covers."""
+    path = scope.get("raw_path") or scope.get("path", "").encode()
+    query = scope.get("query_string") or b""
+    return (path + (b"?" + query if query else b"")).decode("latin-1")
+
 
 def client_headers(config: ExtConfig) -> dict[str, str]:
-    """Headers D sends with its calls to a push source."""
+    """Headers for the GET routes (``/hashsync``, ``/layerwise/transfers``): the
+    bearer token. D's POSTs are signed instead (:func:`request_headers`)."""
     headers = {"content-type": "application/json"}
     if config.bootstrap_token:
         headers["authorization"] = f"Bearer {config.bootstrap_token}"
+    return headers
+
+
+def request_headers(config: ExtConfig, method: str, target: str, body: bytes
+                    ) -> dict[str, str]:
+    """Headers D sends with one call to a push source: signed when a token is set
+    (make them right before sending: the signature's timestamp starts its window)."""
+    headers = {"content-type": "application/json"}
+    if config.bootstrap_token:
+        headers["authorization"] = sign(config.bootstrap_token, method, target, body)
     return headers

@@ -36,10 +36,15 @@ MOONCAKE_PUSH_MAX_TOKENS               131072   C and D: longest prompt a push m
 MOONCAKE_PUSH_MAX_CONCURRENT           4        C: pushes served at once (429 beyond)
 MOONCAKE_BOOTSTRAP_HOST                0.0.0.0  bind address of the bootstrap server
                                                 (upstream's; 127.0.0.1 keeps it local)
-MOONCAKE_BOOTSTRAP_TOKEN               unset    shared secret for this series' endpoints
-                                                (Authorization: Bearer ...), sent by D
+MOONCAKE_BOOTSTRAP_TOKEN               unset    shared secret for this series' endpoints: D
+                                                signs its POSTs with it, never sends it
+                                                (auth.py); the GET routes take it as Bearer
 MOONCAKE_BOOTSTRAP_INSECURE=1          off      serve them without a token on a non-loopback
                                                 bind (trusted network only; logged loudly)
+MOONCAKE_MODEL_ID=NAME                 unset    names the weights in the KV fingerprint instead
+                                                of sampling the weight files (fingerprint.py):
+                                                equal on instances serving the same weights,
+                                                changed whenever the weights change
 MOONCAKE_FAULT_*                       unset    fault injection, tests only (fault_injection.py)
 """
 
@@ -141,7 +146,7 @@ class FaultConfig:
 class ExtConfig:
     layerwise: bool = False
     layerwise_min_tokens: int = 256
-    layerwise_timeout_s: float = 480.0
+    layerwise_timeout_s: float = 470.0  # as from_env computes it with the defaults
     layerwise_unknown_timeout_s: float = 60.0
     # D: its pull socket gives up (and D frees the pull's blocks) this long after
     # asking (upstream: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s)
@@ -159,6 +164,7 @@ class ExtConfig:
     bootstrap_host: str = "0.0.0.0"
     bootstrap_token: str | None = None
     bootstrap_insecure: bool = False
+    model_id: str | None = None
     faults: FaultConfig = FaultConfig()
 
     @property
@@ -295,6 +301,7 @@ class ExtConfig:
             bootstrap_host=env.get("MOONCAKE_BOOTSTRAP_HOST", "").strip() or "0.0.0.0",
             bootstrap_token=env.get("MOONCAKE_BOOTSTRAP_TOKEN") or None,
             bootstrap_insecure=_flag(env, "MOONCAKE_BOOTSTRAP_INSECURE"),
+            model_id=_model_id(env),
             faults=faults,
         )
         if cfg.layerwise_timeout_s + write_bound >= d_gives_up:
@@ -342,6 +349,21 @@ def normalize_source(url: str) -> str:
         raise ConfigError(f"MOONCAKE_PUSH_SOURCES: {url!r} is not http(s)://host:port")
     host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
     return f"{u.scheme}://{host}:{port}"
+
+
+MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,128}")
+
+
+def _model_id(env: Mapping[str, str]) -> str | None:
+    """MOONCAKE_MODEL_ID: one printable word (it is shown in the fingerprint and in
+    every mismatch warning)."""
+    raw = env.get("MOONCAKE_MODEL_ID", "").strip()
+    if not raw:
+        return None
+    if not MODEL_ID_PATTERN.fullmatch(raw):
+        raise ConfigError(f"MOONCAKE_MODEL_ID must be 1 to 128 characters of A-Z a-z 0-9 "
+                          f"._:/@+=- (no spaces), got {raw[:160]!r}")
+    return raw
 
 
 def _opt_int(env: Mapping[str, str], name: str) -> int | None:

@@ -36,6 +36,13 @@ from ..hashsync.sync import register_routes as register_hashsync_routes
 from .auth import EndpointGuard
 from .config import ExtConfig, is_loopback, load
 from .engine_write import WriteFn, terminal_write_fn
+from .fingerprint import (
+    WarnLimiter,
+    attention_backend_name,
+    handshake_refusal,
+    kv_layout,
+    local_fingerprint,
+)
 from .gpu_order import record_after_compute
 from .kv_reader import KVReader
 from .layerwise.protocol import MODE_PARAM, LayerwiseMetadata, TransferMode, requested_mode
@@ -83,26 +90,14 @@ class RegisteredKV:
     tp_size: int
 
 
-def local_fingerprint(vllm_config: VllmConfig, block_len: int | None = None,
-                      num_kv_tensors: int | None = None) -> KVFingerprint:
-    """This instance's KV fingerprint. The model is named by what shapes its KV
-    (architecture and dimensions, hashed), not by its path, which differs across hosts."""
-    import hashlib
-    import json
-
-    mc = vllm_config.model_config
-    hf = mc.hf_config
-    shape = {k: getattr(hf, k, None) for k in (
-        "architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "vocab_size", "kv_lora_rank")}
-    digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()
-    arch = (shape["architectures"] or ["?"])[0]
-    return KVFingerprint(
-        model=f"{arch}:{digest[:16]}",
-        dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}".replace("torch.", ""),
-        block_size=vllm_config.cache_config.block_size,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        block_len=block_len, num_kv_tensors=num_kv_tensors)
+def _drop_generated_docs(app: Any) -> None:
+    """Remove the routes FastAPI adds for its API description and turn them off."""
+    urls = ("openapi_url", "docs_url", "redoc_url", "swagger_ui_oauth2_redirect_url")
+    generated = {u for u in (getattr(app, a, None) for a in urls) if u}
+    app.router.routes[:] = [r for r in app.router.routes
+                            if getattr(r, "path", None) not in generated]
+    for a in urls[:3]:
+        setattr(app, a, None)
 
 
 def _roles(vllm_config: VllmConfig) -> tuple[bool, bool]:
@@ -117,7 +112,7 @@ class SchedulerExtension:
         cache = vllm_config.cache_config
         self.layerwise = LayerwiseScheduler(cfg.layerwise_min_tokens) if cfg.layerwise else None
         self._warned_no_layerwise = False
-        self.push = PushScheduler(cache.block_size, cfg, local_fingerprint(vllm_config))
+        self.push = PushScheduler(cache.block_size, cfg, local_fingerprint(vllm_config, cfg))
         self.hashsync = (SchedulerHashSync(cache.prefix_caching_hash_algo)
                          if not is_consumer and cache.enable_prefix_caching else None)
 
@@ -209,7 +204,8 @@ class WorkerExtension:
         self._event_tensor: torch.Tensor | None = None
         self._serving: set[asyncio.Task] = set()  # layer-wise answers to D in progress
         self._write: WriteFn | None = None  # every engine write of this worker
-        self._warned: set[str] = set()  # warnings logged once
+        self._warnings = WarnLimiter(logger)
+        self.fingerprint: KVFingerprint | None = None  # once the KV caches are registered
 
     def on_kv_caches_registered(self, kv: RegisteredKV) -> None:
         cfg = self.config
@@ -217,7 +213,11 @@ class WorkerExtension:
         # once none of its bytes can still land (engine_write.py).
         write_fn = self._write = terminal_write_fn(kv.write_fn, cfg)
         self._event_tensor = next(iter(kv.kv_caches.values()), None)
-        fingerprint = local_fingerprint(self.vllm_config, kv.block_len, len(kv.base_addrs))
+        layout = kv_layout(kv.kv_caches, kv.split_k_and_v,
+                           attention_backend_name(self.vllm_config))
+        fingerprint = self.fingerprint = local_fingerprint(
+            self.vllm_config, cfg, kv.block_len, len(kv.base_addrs), layout)
+        logger.info("KV fingerprint of this instance: %s", fingerprint)
         kv_reader = KVReader.for_kv_caches(kv.kv_caches, kv.split_k_and_v, kv.block_len,
                                            kv.num_blocks)
         if not self.is_consumer and self.enable_prefix_caching:
@@ -260,10 +260,13 @@ class WorkerExtension:
 
     def register_routes(self, app: Any) -> None:
         """Our routes on the bootstrap server (served by the first worker), each
-        behind the endpoint guard (auth.py)."""
+        behind the endpoint guard (auth.py). FastAPI's generated API description
+        (/docs, /redoc, /openapi.json) is removed: nothing needs it, and it would
+        list every endpoint and body to anyone who can reach the port."""
         self.guard.log_at_start()
+        _drop_generated_docs(app)
         register_hashsync_routes(app, lambda: self.hashsync, self.guard)
-        register_push_routes(app, lambda: self.push_server)
+        register_push_routes(app, lambda: self.push_server, self.enable_prefix_caching)
         register_layerwise_routes(app, lambda: self.sender, self.guard)
 
     # ---- every step -------------------------------------------------------------------
@@ -342,10 +345,20 @@ class WorkerExtension:
             await send(MooncakeXferResponse(status=MooncakeXferResponseStatus.ERROR,
                                             err_msg=refusal))
             return
+        # D's KV cache must be this instance's in all but its number of blocks: P
+        # writes its own blocks (block_len bytes at block ids) at D's addresses
+        kv_refusal = handshake_refusal(self.fingerprint, limits, len(meta.kv_caches_base_addr))
+        if kv_refusal is not None:
+            self._warn_once(f"kv:{kv_refusal}", "Layer-wise push refused: %s", kv_refusal)
+            await send(MooncakeXferResponse(status=MooncakeXferResponseStatus.ERROR,
+                                            err_msg=kv_refusal))
+            return
         if limits is None:
-            self._warn_once("no-limits", "A decode instance's pull request carries no pull "
-                            "timeout (an instance without this series' hooks): this prefill "
-                            "instance cannot check that it answers before the decode gives up")
+            session = f"{meta.remote_hostname}:{meta.remote_port}"[:80]
+            self._warn_once(f"no-limits:{session}", "The pull request of decode instance %s "
+                            "carries no pull timeout (an instance without this series' "
+                            "hooks): this prefill instance cannot check that it answers "
+                            "before the decode gives up", session)
 
         async def reply(ok: list[str], errs: dict[str, str], last: bool) -> None:
             status = (MooncakeXferResponseStatus.FINISH if last
@@ -364,14 +377,15 @@ class WorkerExtension:
 
     def xfer_request_fields(self) -> dict[str, Any]:
         """D: this series' fields of each pull request (MooncakeXferMetadata.ext),
-        checked by P in serve_xfer_request."""
-        return dict(self.config.decode_limits())
+        checked by P in serve_xfer_request: the pull timeout and D's KV fingerprint."""
+        fields: dict[str, Any] = dict(self.config.decode_limits())
+        if self.fingerprint is not None:
+            fields["fingerprint"] = self.fingerprint.model_dump()
+        return fields
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._warned:
-            if len(self._warned) < 64:
-                self._warned.add(key)
-            logger.warning(msg, *args)
+        """Once per key and interval (fingerprint.WarnLimiter)."""
+        self._warnings.warn(key, msg, *args)
 
     def _served(self, task: asyncio.Task) -> None:
         self._serving.discard(task)

@@ -2,17 +2,18 @@
 """Read a few bytes of this instance's registered KV blocks (proof of write).
 
 A push source answering "ok" is believed only if it proves the write: D
-plants random canaries at random probe positions (KV tensor, block, byte
-offset) of the blocks it asks for, which it owns and nobody reads until the
-push ended, and sends the positions with the push; C answers the bytes of
-its source blocks there, read after its write returned; D checks that its
-memory now holds exactly those bytes and no longer its canary. A source that
-did not write can neither make D's memory hold its bytes nor guess the
-canaries (push/receiver.py).
+plants random canaries at secret random probe positions (KV tensor, block,
+byte offset) of the blocks it asks for, which it owns and nobody reads until
+the push ended; once C has answered, D reads its memory there, and only then
+sends the positions (POST /push_proof); C answers the bytes of its source
+blocks there; D checks that what it read is exactly those bytes and no
+longer its canary. A source that did not write everywhere cannot know where
+D looks, nor fix D's memory once told (push/receiver.py).
 
-Reads go through torch, so they work for CPU and CUDA tensors alike (on
-CUDA each read is a small device-to-host copy, after the transfer has
-completed). Verified on the CPU backend only.
+Reads and writes go through torch, so they work for CPU and CUDA tensors
+alike. On CUDA a write (a canary) is a copy queued on the current stream:
+the caller orders what follows after it with an event (gpu_order.py); a read
+is a small device-to-host copy. Verified on the CPU backend only.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-PROBE_BYTES = 8
+from .push.protocol import PROBE_BYTES  # the wire's probe size
 ReadFn = Callable[[int, int, int], bytes]  # (slot, block id, offset) -> PROBE_BYTES bytes
 WriteFn = Callable[[int, int, int, bytes], None]  # (slot, block id, offset, PROBE_BYTES bytes)
 
@@ -45,6 +46,12 @@ class KVReader:
                     seen.add(t.data_ptr())
                     tensors.append(t)
         return cls(tensors, block_len, num_blocks)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """One of the KV tensors: an event recorded on its device's current stream
+        completes after the writes queued so far (gpu_order.record_after_compute)."""
+        return self._flat[0]
 
     def _start(self, slot: int, block: int, offset: int) -> int:
         if not (0 <= slot < len(self._flat) and 0 <= block < self.num_blocks

@@ -27,10 +27,11 @@ once, at construction). RDMA is untouched (verified only over TCP here).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from vllm.logger import init_logger
 
-from .config import DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT, load
+from .config import DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT, is_loopback, load
 
 logger = init_logger(__name__)
 
@@ -58,4 +59,24 @@ def apply_transport_env_defaults(protocol: str, environ: dict[str, str] | None =
     env.update(applied)
     if applied:
         logger.info("Mooncake TCP transport defaults (unset by the user): %s", applied)
+    log_engine_listeners(env)
     return applied
+
+
+def engine_listen_note(env: Mapping[str, str]) -> str:
+    """Where Mooncake's engine (0.3.13, TCP, P2PHANDSHAKE) listens, whatever
+    MC_TCP_BIND_ADDRESS says: that variable only picks the advertised address
+    (tests/integration/test_engine_listeners.py)."""
+    lo, hi = env.get("MC_MIN_RPC_PORT", "15000"), env.get("MC_MAX_RPC_PORT", "17000")
+    return (f"Mooncake's transfer engine listens on ALL interfaces (handshake 0.0.0.0, data *) "
+            f"on TCP ports {lo}-{hi}, whatever MC_TCP_BIND_ADDRESS says; a peer that reaches "
+            "them can read and write this instance's registered KV. Allow those ports only "
+            "from the other instances (firewall; MC_MIN_RPC_PORT/MC_MAX_RPC_PORT pin the range) "
+            "or run the instance in a network namespace")
+
+
+def log_engine_listeners(env: Mapping[str, str]) -> None:
+    """Say it at start: loudly where the operator asked for a local instance."""
+    host = env.get("MC_TCP_BIND_ADDRESS") or load().bootstrap_host
+    log = logger.warning if is_loopback(host) else logger.info
+    log("%s.", engine_listen_note(env))

@@ -16,9 +16,20 @@ Both bind the engine to 127.0.0.1 (P2PHANDSHAKE, TCP).
 
 from __future__ import annotations
 
+import os
+import queue
+import signal
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
+
+from harness.runtime_env import vllm_env
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CHUNK = 64 << 10
 
@@ -75,6 +86,47 @@ def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
     rc = write(session, srcs, dsts, lens)
     print(f"RETURNED {rc}", flush=True)
     sys.stdin.readline()  # stay alive (the engine's threads) until told
+
+
+class EnginePeer:
+    """This module run as a subprocess, driven line by line (tests)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 prefix: list[str] | None = None):
+        """``env``: added to the environment; ``prefix``: a command the Python
+        process runs under (e.g. a new network namespace)."""
+        env = {**vllm_env(), "MC_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), **(env or {})}
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m",
+                                      "harness.engine_peer", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.put(line.strip())
+
+    def expect(self, prefix: str, timeout: float) -> tuple[str, float]:
+        """The next line starting with prefix, and when it was read."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} line within {timeout} s") from None
+            if line.startswith(prefix):
+                return line, time.monotonic()
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(timeout=10)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from harness.launcher import Cluster, Instance, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.netns import netem_available
 from harness.pd_client import (
+    Completion,
     RequestFailed,
     bootstrap_headers,
     complete,
@@ -246,12 +247,7 @@ class FaultBench:
         for n in (POSTHOC_LEN, NORMAL_LEN):
             ids = self.prompt(n)
             self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids, from_peer=True)
-        turn1 = self.prompt(PUSH_TURN1)
-        complete(self.p.url, turn1, max_tokens=1, logprobs=None, timeout=120)
-        wait_for_matched_blocks(self.p.bootstrap_url, turn1, PUSH_TURN1 // BLOCK)
-        turn2 = turn1 + self.prompt(40)
-        got = complete(self.d.url, turn2, max_tokens=4, logprobs=5, timeout=120,
-                       kv_transfer_params={"push_from": self.p.bootstrap_url})
+        turn2, got = self.push_turn2()
         if (got.cached_tokens or 0) < (PUSH_TURN1 // BLOCK) * BLOCK:
             out.record("wrong", f"push moved nothing: cached_tokens {got.cached_tokens}")
         else:
@@ -338,6 +334,16 @@ class FaultBench:
         self.d.restart(self.cluster.push_sources)
         self.recover(out, time.monotonic())
 
+    def push_turn2(self) -> tuple[list[int], Completion]:
+        """A session's turn 1 on C (= P), then turn 2 on D with push_from C (not
+        delayed by the fault hooks): (turn 2, D's answer)."""
+        turn1 = self.prompt(PUSH_TURN1)
+        complete(self.p.url, turn1, max_tokens=1, logprobs=None, timeout=120)
+        wait_for_matched_blocks(self.p.bootstrap_url, turn1, PUSH_TURN1 // BLOCK)
+        turn2 = turn1 + self.prompt(40)
+        return turn2, complete(self.d.url, turn2, max_tokens=4, logprobs=5, timeout=120,
+                               kv_transfer_params={"push_from": self.p.bootstrap_url})
+
     def _push_in_delayed_write(self) -> tuple[list[int], cf.Future]:
         """Turn 1 on C (= P), then turn 2 on D with push_from C; returns once C took
         the push and sits in its write's fault delay (PUSH_DELAY_S before the
@@ -382,6 +388,9 @@ class FaultBench:
         engine's -1, C would answer "failed" while its bytes were still on their way
         and D would prefill locally.)"""
         out.must_succeed = True
+        # C's engine has a connection to D before the cut (a first write opens the
+        # segment; a handshake over a cut link fails at once, before any byte moves)
+        self.push_turn2()
         turn2, fut = self._push_in_delayed_write()
         self.topology.link_down("prefill")
         time.sleep(PUSH_DELAY_S + ENGINE_TIMEOUT_S + 2)

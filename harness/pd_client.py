@@ -12,6 +12,7 @@ bootstrap server, ZMQ and the transfer engine, then decodes.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import time
 import uuid
@@ -27,12 +28,20 @@ class RequestFailed(RuntimeError):
     pass
 
 
-def bootstrap_headers() -> dict[str, str]:
-    """Headers for our endpoints on a bootstrap server (/match_blocks, /hashsync,
-    /layerwise/transfers, /push_blocks): the bearer token the instances were started
-    with (MOONCAKE_BOOTSTRAP_TOKEN; set by the launcher for clusters off loopback)."""
+def bootstrap_headers(method: str = "GET", path: str = "", body: bytes = b"") -> dict[str, str]:
+    """Headers for our endpoints on a bootstrap server, with the token the instances
+    were started with (MOONCAKE_BOOTSTRAP_TOKEN; set by the launcher for clusters off
+    loopback): the GET routes (/hashsync, /layerwise/transfers) take it as a bearer
+    token; the POST routes (/match_blocks, /push_blocks) a signature of the request
+    (``method``, ``path``, ``body``; connector/auth.py), never the token itself."""
     token = os.environ.get("MOONCAKE_BOOTSTRAP_TOKEN")
-    return {"authorization": f"Bearer {token}"} if token else {}
+    if not token:
+        return {}
+    if method.upper() == "GET":
+        return {"authorization": f"Bearer {token}"}
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.auth import sign
+
+    return {"authorization": sign(token, method, path, body)}
 
 
 def _post(url: str, body: dict, timeout: float, headers: dict | None = None) -> dict:
@@ -176,9 +185,17 @@ def pd_generate(
 def match_blocks(bootstrap_url: str, token_ids: list[int], cache_salt: str | None = None,
                  timeout: float = 30.0) -> dict:
     """An instance's POST /match_blocks: how many leading full blocks of the prompt it holds."""
-    return _post(bootstrap_url + "/match_blocks",
-                 {"token_ids": token_ids, "cache_salt": cache_salt}, timeout,
-                 headers=bootstrap_headers())
+    url = bootstrap_url + "/match_blocks"
+    body = json.dumps({"token_ids": token_ids, "cache_salt": cache_salt}).encode()
+    try:
+        r = httpx.post(url, content=body, timeout=timeout, headers={
+            "content-type": "application/json",
+            **bootstrap_headers("POST", "/match_blocks", body)})
+    except httpx.HTTPError as e:
+        raise RequestFailed(f"POST {url} failed: {e!r}") from e
+    if r.status_code != 200:
+        raise RequestFailed(f"POST {url} returned {r.status_code}: {r.text[:500]}")
+    return r.json()
 
 
 def wait_for_matched_blocks(bootstrap_url: str, token_ids: list[int], at_least: int,

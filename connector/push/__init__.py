@@ -3,7 +3,7 @@
 
   protocol.py   every message: HTTP bodies (shared by client and server),
                 scheduler -> worker jobs, worker -> scheduler outcomes
-  server.py     C (the source): POST /match_blocks, POST /push_blocks
+  server.py     C (the source): POST /match_blocks, /push_blocks, /push_proof
   scheduler.py  D's scheduler: ask C, count the held blocks as external tokens
   receiver.py   D's worker: one PushTransfer per push, ended exactly once
 """

@@ -20,6 +20,13 @@ bounded in time, in bytes and per source.
   sockets shut down), the threads joined. The threads are daemons: none of
   them keeps the process from exiting.
 
+- URLs: D builds every URL from a source's normalised origin
+  (``scheme://host:port``, :func:`source_origin`) and a path of its own; a
+  push_from with a path other than "" or "/", a query, a fragment, userinfo,
+  a backslash, whitespace or a non-ASCII character is refused, so a client
+  cannot point D's calls at another route of an allowed source
+  (``http://c:9000/push_blocks?`` would have made D's /match_blocks a push).
+
 The URL is parsed by httpx (as the allowlist test checks: no parser
 differential), the request headers are httpx's; httpcore sends them.
 """
@@ -39,6 +46,24 @@ import httpcore
 import httpx
 
 from ..config import ConfigError, normalize_source
+
+def source_origin(url: str) -> str:
+    """A push_from value's normalised origin, ``scheme://host:port``, the only part
+    D uses; ValueError (naming what is wrong) unless the value is just that origin,
+    optionally with a trailing "/"."""
+    if not isinstance(url, str):
+        raise ValueError(f"not a string: {type(url).__name__}")
+    if not url.isascii() or any(c.isspace() or not c.isprintable() or c in "\\?#" for c in url):
+        raise ValueError("a query, fragment, backslash, whitespace, control or non-ASCII "
+                         "character")
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if not sep or "@" in netloc:
+        raise ValueError("not scheme://host:port (userinfo is refused)")
+    if slash and path:
+        raise ValueError(f"a path ({'/' + path[:60]!r}): only an origin is accepted")
+    return normalize_source(url)
+
 
 # The largest answer D reads from a source (its answers are a few hundred bytes;
 # a push answer with its probes a few KiB).
@@ -301,9 +326,11 @@ class SourceLanes:
 
     def post(self, source: str, path: str, content: bytes, headers: dict[str, str],
              deadline: float) -> Answer:
-        """POST ``source + path``; the whole answer by ``deadline`` (monotonic) or
-        DeadlinePassed, at most the cap or AnswerTooLarge."""
-        return self._lane(source).client.post(source + path, content, headers, deadline)
+        """POST ``path`` at ``source``'s origin (ValueError if ``source`` is more than
+        an origin); the whole answer by ``deadline`` (monotonic) or DeadlinePassed,
+        at most the cap or AnswerTooLarge."""
+        return self._lane(source).client.post(source_origin(source) + path, content, headers,
+                                              deadline)
 
     def sources(self) -> list[str]:
         with self._lock:

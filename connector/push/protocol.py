@@ -20,18 +20,27 @@ once either has passed, so a skewed clock cannot extend the window. D keeps
 the destination blocks out of the free pool, when C does not answer, for the
 budget plus C's bound on a write of the bytes asked for (with C's engine
 timeout) plus the skew allowance (config.ExtConfig.push_hold_for_s).
+
+Proof of write, in two calls: an "ok" /push_blocks answer carries a
+``push_id``; D then posts /push_proof with that id and positions in the pushed
+blocks that it chose before the push and sent nowhere until C had answered,
+and C answers its source bytes there (push/receiver.py has the argument,
+push/server.py what C remembers and for how long).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 PushStatus = Literal["ok", "no_match", "failed"]
+PROBE_BYTES = 8  # bytes at each probe of a proof of write (as kv_reader.py reads them)
+MAX_PROBES = 16  # probes in one proof
+PUSH_ID_MAX_CHARS = 64
 
 
 class PushRequestError(ValueError):
@@ -63,6 +72,9 @@ class KVFingerprint(_Strict):
     tp_size: StrictInt
     block_len: StrictInt | None = None  # bytes per block per KV tensor (worker side)
     num_kv_tensors: StrictInt | None = None
+    # the KV cache's layout as the worker allocated it: attention backend, split K/V,
+    # element type, dimensions and their order in memory (fingerprint.kv_layout)
+    layout: StrictStr | None = None
 
     def differences(self, peer: KVFingerprint, here: str = "here", there: str = "peer"
                     ) -> list[str]:
@@ -117,9 +129,6 @@ class PushBlocksRequest(_Strict):
     # address inside [base, base + dst_num_blocks * block_len) of its tensor
     dst_num_blocks: StrictInt
     fingerprint: KVFingerprint  # D's; C refuses (409) unless equal to its own
-    # proof of write: (index into dst_block_ids, KV tensor, byte offset) positions
-    # whose source bytes C returns after its write (kv_reader.py)
-    probes: list[tuple[StrictInt, StrictInt, StrictInt]] = []
 
 
 class PushBlocksResponse(_Strict):
@@ -131,8 +140,26 @@ class PushBlocksResponse(_Strict):
     bytes: StrictInt = 0
     seconds: float = 0.0
     message: str = ""
-    # hex of the source bytes at each probe whose block was pushed (None otherwise)
-    probe_values: list[StrictStr | None] = []
+    # an "ok" push C can prove: name it in POST /push_proof (None: C cannot)
+    push_id: StrictStr | None = None
+
+
+Probe = tuple[StrictInt, StrictInt, StrictInt]  # (index among the pushed blocks, KV tensor, offset)
+
+
+class PushProofRequest(_Strict):
+    """POST /push_proof: C's source bytes (PROBE_BYTES at each probe) of a push
+    that has been answered. D chose the positions before the push and reveals
+    them only now, after it read what its own blocks hold there."""
+
+    push_id: Annotated[StrictStr, Field(min_length=1, max_length=PUSH_ID_MAX_CHARS)]
+    probes: Annotated[list[Probe], Field(min_length=1, max_length=MAX_PROBES)]
+
+
+class PushProofResponse(_Strict):
+    status: Literal["ok", "failed"]  # failed: a pushed source block changed since the write
+    probe_values: list[StrictStr] = []  # hex of C's source bytes at each probe, in order
+    message: str = ""
 
 
 def _parse(model: type[BaseModel], payload: Any) -> Any:
@@ -156,6 +183,10 @@ def parse_match_request(payload: Any) -> MatchBlocksRequest:
     return _parse(MatchBlocksRequest, payload)
 
 
+def parse_proof_request(payload: Any) -> PushProofRequest:
+    return _parse(PushProofRequest, payload)
+
+
 def _check_session(session: str) -> None:
     host, sep, port = session.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -163,7 +194,6 @@ def _check_session(session: str) -> None:
 
 
 ADDRESS_LIMIT = 1 << 64
-MAX_PROBES = 16
 
 
 def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
@@ -226,13 +256,6 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
         raise PushRequestError("deadline_unix_ms", "must be positive")
     if req.budget_ms is not None and req.budget_ms <= 0:
         raise PushRequestError("budget_ms", "must be positive")
-    if len(req.probes) > MAX_PROBES:
-        raise PushRequestError("probes", f"at most {MAX_PROBES}")
-    for i, slot, offset in req.probes:
-        if not (0 <= i < n and 0 <= slot < num_kv_tensors and offset >= 0
-                and (block_len is None or offset + 8 <= block_len)):
-            raise PushRequestError("probes", f"probe ({i}, {slot}, {offset}) outside the pushed "
-                                   "blocks")
     if req.dst_num_blocks <= 0:
         raise PushRequestError("dst_num_blocks", "must be positive")
     if max(req.dst_block_ids) >= req.dst_num_blocks:
@@ -245,6 +268,18 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
             raise PushRequestError("dst_kv_base_addrs", "a KV tensor ends beyond 2**64")
         if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
             raise PushRequestError("dst_kv_base_addrs", "the destination's KV tensors overlap")
+
+
+def validate_probes(probes: list[tuple[int, int, int]], *, pushed_blocks: int,
+                    num_kv_tensors: int, block_len: int) -> None:
+    """Every probe lies inside one of the ``pushed_blocks`` blocks a push wrote;
+    raise ``PushRequestError`` (422) naming the first that does not."""
+    for i, slot, offset in probes:
+        if not (0 <= i < pushed_blocks and 0 <= slot < num_kv_tensors
+                and 0 <= offset <= block_len - PROBE_BYTES):
+            raise PushRequestError("probes", f"probe ({i}, {slot}, {offset}) is outside the "
+                                   f"{pushed_blocks} blocks of {num_kv_tensors} KV tensors of "
+                                   f"{block_len} bytes this push wrote")
 
 
 # ---- inside D: scheduler <-> worker -------------------------------------------------

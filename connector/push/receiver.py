@@ -25,6 +25,49 @@ back to the pool.
 Each source has its own threads and connections, every call one deadline
 (the hold) and a cap on the answer's size (client.py): a slow source delays
 only its own pushes.
+
+Proof of write: C's "ok" counts only for blocks it shows it wrote.
+
+1. Before the push (:meth:`PushReceiver.start`, on the model runner's
+   thread) D picks ``num_probes`` distinct random 8-byte positions (block,
+   KV tensor, offset) in the blocks it asks for, the first block always
+   among them, keeps them to itself and plants random canaries there. On
+   CUDA the canary copies are queued on the compute stream behind the step's
+   kernels: an event recorded after them is waited on before /push_blocks
+   goes out. Else C's write could land before a canary (a false rejection),
+   or a canary overwrite pushed KV after the proof passed.
+2. /push_blocks names no position; C writes and answers "ok" with a push id.
+3. Once C has answered (its write has returned), D reads its own bytes at
+   the positions inside the blocks C says it wrote. A canary still there: no
+   block counts.
+4. Only then does D post /push_proof (the push id, those positions); C
+   answers its source bytes there, unless a pushed source block was evicted
+   or reused since the write. The blocks count only if every answer equals
+   what D read in step 3.
+
+A source learns the positions only after D has read its memory, so a write
+aimed at them, before (it cannot know them) or after (any peer that knows
+D's session can write into its registered memory at any time), cannot make a
+partial write pass.
+
+What this does not cover (residual risk):
+
+- Sampling. The check reads ``num_probes`` (16) words of 8 bytes. A source
+  that leaves a fraction m of the pushed bytes unwritten, spread as it
+  likes, passes with probability about (1 - m) ** j, where j is the number
+  of positions in the blocks it claims (all 16 when it claims every block
+  asked for; at most (1 - m) ** (j - 1) for gaps kept out of the first
+  block, which always holds one). With j = 16: m = 96 % (64 of 1536 bytes
+  written) about 1e-22, m = 50 % 1.5e-5, m = 10 % 0.19, one 8-byte word
+  left out of a 1536-byte push 0.92. A small gap in a large push is likely
+  to pass.
+- Wrong KV. A source that writes every byte, but not the KV of the prompt
+  (and answers those bytes), passes: only recomputing the prefix could tell.
+  The proof shows that the source wrote, not what it computed; D trusts its
+  allowlisted sources for the content.
+- Later writes. Mooncake lets any peer that knows D's session write into
+  its registered memory at any time; the proof says nothing of bytes that
+  arrive after it.
 """
 
 from __future__ import annotations
@@ -37,11 +80,21 @@ from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
 
-from ..auth import client_headers
+from ..auth import request_headers
 from ..config import ExtConfig
+from ..gpu_order import ComputeEvent, EventFactory, record_after_compute, wait_all
 from ..kv_reader import PROBE_BYTES, KVReader
 from .client import SourceLanes
-from .protocol import KVFingerprint, PushBlocksRequest, PushBlocksResponse, PushJob, PushOutcome
+from .protocol import (
+    MAX_PROBES,
+    KVFingerprint,
+    PushBlocksRequest,
+    PushBlocksResponse,
+    PushJob,
+    PushOutcome,
+    PushProofRequest,
+    PushProofResponse,
+)
 
 logger = init_logger(__name__)
 
@@ -59,8 +112,11 @@ class PushTransfer:
     send_by: float = float("inf")  # monotonic: the request is not sent after this
     landed: int | None = None  # C's answer: leading blocks written (0: none)
     ended: bool = False
+    # proof of write: secret positions (index into the job's blocks, KV tensor,
+    # offset), the canaries planted there, and an event after their copies
     probes: list[tuple[int, int, int]] = field(default_factory=list)
-    canaries: list[bytes] = field(default_factory=list)  # planted at the probes
+    canaries: list[bytes] = field(default_factory=list)
+    planted: ComputeEvent | None = None
 
     def answered(self, landed: int) -> None:
         if self.landed is None:
@@ -87,7 +143,8 @@ class PushReceiver:
                  num_blocks: int, fingerprint: KVFingerprint, config: ExtConfig,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, kv: KVReader | None = None,
-                 num_probes: int = 8):
+                 num_probes: int = MAX_PROBES,
+                 event_factory: EventFactory = record_after_compute):
         self.session = session
         self.base_addrs = list(base_addrs)
         self.block_len = block_len
@@ -97,7 +154,8 @@ class PushReceiver:
         self.config = config
         # proof of write (kv_reader.py); None only in tests that fake the bytes' path
         self.kv = kv
-        self.num_probes = num_probes
+        self.num_probes = min(num_probes, MAX_PROBES)
+        self._event_factory = event_factory  # CUDA: ordered after the canary copies
         self._rng = random.SystemRandom()
         self._clock = clock
         self._wall_clock = wall_clock
@@ -122,6 +180,8 @@ class PushReceiver:
                              now + self.hold_s(job), now + cfg.push_timeout_s,
                              probes=self.make_probes(job))
             t.canaries = self.plant_canaries(job, t.probes)
+            if t.probes and self.kv is not None:
+                t.planted = self._event_factory(self.kv.tensor)
             with self._lock:
                 self._transfers[job.req_id] = t
             try:
@@ -136,14 +196,22 @@ class PushReceiver:
         self._lanes.shutdown()
 
     def make_probes(self, job: PushJob) -> list[tuple[int, int, int]]:
-        """Random positions in the blocks asked for, the first block always among
-        them (whatever C pushes starts there)."""
+        """Distinct random positions in the blocks asked for, the first block
+        always among them (whatever C pushes starts there). They leave this
+        instance only after C answered and D read its bytes there (_proof)."""
         if self.kv is None or not job.dst_block_ids:
             return []
         n, slots = len(job.dst_block_ids), len(self.base_addrs)
-        offsets = (self.block_len - PROBE_BYTES) // PROBE_BYTES
-        pick = lambda i: (i, self._rng.randrange(slots), PROBE_BYTES * self._rng.randrange(offsets + 1))  # noqa: E731
-        return [pick(0)] + [pick(self._rng.randrange(n)) for _ in range(self.num_probes - 1)]
+        words = self.block_len // PROBE_BYTES
+        want = min(self.num_probes, n * slots * words)
+        rng = self._rng
+        probes: list[tuple[int, int, int]] = []
+        while len(probes) < want:
+            p = (rng.randrange(n) if probes else 0, rng.randrange(slots),
+                 PROBE_BYTES * rng.randrange(words))
+            if p not in probes:
+                probes.append(p)
+        return probes
 
     def plant_canaries(self, job: PushJob, probes: list[tuple[int, int, int]]) -> list[bytes]:
         """Random bytes at the probes, in blocks this request owns and nothing reads
@@ -164,10 +232,21 @@ class PushReceiver:
             dst_kv_base_addrs=self.base_addrs, dst_block_ids=list(job.dst_block_ids),
             first_block=job.first_block, block_len=self.block_len, request_id=job.req_id,
             deadline_unix_ms=t.deadline_unix_ms, budget_ms=budget_ms,
-            dst_num_blocks=self.num_blocks, fingerprint=self.fingerprint, probes=t.probes)
+            dst_num_blocks=self.num_blocks, fingerprint=self.fingerprint)
 
     def _run(self, t: PushTransfer) -> None:
         job, landed = t.job, 0
+        try:
+            # The canaries are in memory before C may write (their copies were
+            # queued on the compute stream, CUDA): else C's write could land
+            # first, or a canary overwrite pushed KV after the proof.
+            wait_all([t.planted])
+        except Exception as e:  # not sent: nothing of C can land
+            logger.warning("push for %s from %s not sent: waiting for its canaries failed: %r",
+                           job.req_id, job.source, e)
+            with self._lock:
+                t.answered(0)
+            return
         with self._lock:
             now = self._clock()
             budget_ms = int((t.send_by - now) * 1000)
@@ -182,17 +261,15 @@ class PushReceiver:
                 return
         # the call's deadline is the hold: past it the push has ended anyway
         deadline = time.monotonic() + max(0.0, t.hold_until - now)
+        resp: PushBlocksResponse | None = None
         try:
-            r = self._lanes.post(job.source, "/push_blocks",
-                                 self.request(t, budget_ms).model_dump_json().encode(),
-                                 client_headers(self.config), deadline)
+            content = self.request(t, budget_ms).model_dump_json().encode()
+            r = self._lanes.post(job.source, "/push_blocks", content,
+                                 request_headers(self.config, "POST", "/push_blocks", content),
+                                 deadline)
             if r.status == 200:
                 resp = PushBlocksResponse.model_validate_json(r.body)
-                if resp.status == "ok":
-                    landed = self.proven_blocks(job, resp, t.probes, t.canaries)
-                    logger.debug("push for %s: %d blocks in %.3f s", job.req_id, landed,
-                                 resp.seconds)
-                else:
+                if resp.status != "ok":
                     logger.warning("push for %s from %s: %s %s", job.req_id, job.source,
                                    resp.status, resp.message)
             else:
@@ -203,15 +280,18 @@ class PushReceiver:
             # push ends when its hold has passed (try_end), not now.
             logger.warning("push for %s from %s failed: %r", job.req_id, job.source, e)
             return
+        if resp is not None and resp.status == "ok":  # C's write has returned: prove it
+            landed = self.proven_blocks(job, resp, t, deadline)
+            logger.debug("push for %s: %d blocks in %.3f s", job.req_id, landed, resp.seconds)
         with self._lock:
             t.answered(landed)
 
     def proven_blocks(self, job: PushJob, resp: PushBlocksResponse,
-                      probes: list[tuple[int, int, int]] | None = None,
-                      canaries: list[bytes] | None = None) -> int:
+                      t: PushTransfer | None = None, deadline: float | None = None) -> int:
         """Blocks an "ok" answer accounts for: never more than asked, only if the
-        bytes it reports are exactly those blocks', and only if this instance's
-        blocks hold the source's bytes at every probe (else none: D recomputes)."""
+        bytes it reports are exactly those blocks', and, when this instance
+        planted canaries for the push (``t``), only if C proves its write (else
+        none: D recomputes). ``deadline``: monotonic, the push's own (the hold)."""
         n = resp.pushed_blocks
         expected_bytes = n * self.block_len * len(self.base_addrs)
         if not 0 <= n <= len(job.dst_block_ids) or resp.bytes != expected_bytes:
@@ -220,24 +300,48 @@ class PushReceiver:
                            job.req_id, job.source, n, resp.bytes, len(job.dst_block_ids),
                            self.block_len * len(self.base_addrs))
             return 0
-        if n and probes and self.kv is not None:
-            values = resp.probe_values
-            canaries = canaries or [b""] * len(probes)
-            ok = len(values) == len(probes)
-            for (i, slot, off), value, canary in zip(probes, values, canaries) if ok else ():
-                if i >= n:
-                    continue
-                held = self.kv.read(slot, job.dst_block_ids[i], off)
-                if value != held.hex() or held == canary:
-                    ok = False
-                    break
-            if not ok:
+        if n and t is not None and t.probes and self.kv is not None:
+            try:
+                why = self._proof(t, resp, n, deadline)
+            except Exception as e:  # no proof, or one we cannot read
+                why = f"asking it for the proof failed: {e!r}"
+            if why is not None:
                 logger.warning("push for %s from %s: the answer says %d blocks were written, "
-                               "but this instance's blocks do not hold the source's bytes at "
-                               "the probed positions; prefilling locally", job.req_id,
-                               job.source, n)
+                               "but %s; prefilling locally", job.req_id, job.source, n, why)
                 return 0
         return n
+
+    def _proof(self, t: PushTransfer, resp: PushBlocksResponse, n: int,
+               deadline: float | None) -> str | None:
+        """None if C proves it wrote the first ``n`` blocks, else why not."""
+        assert self.kv is not None
+        job = t.job
+        # C's write has returned: the call needs no more than a match does, and the
+        # push's blocks wait for it (never past the hold: the push has ended then)
+        deadline = min(time.monotonic() + max(0.0, t.hold_until - self._clock())
+                       if deadline is None else deadline,
+                       time.monotonic() + self.config.push_match_timeout_s)
+        checked = [(p, c) for p, c in zip(t.probes, t.canaries) if p[0] < n]
+        # D's bytes now, before any position leaves this instance: C's write has
+        # returned, and nothing C does once it learns them can change what counts.
+        held = [self.kv.read(slot, job.dst_block_ids[i], off) for (i, slot, off), _ in checked]
+        if any(h == c for h, (_, c) in zip(held, checked)):
+            return "a canary planted in them is still there"
+        if resp.push_id is None:
+            return "it names no push to prove"
+        content = PushProofRequest(push_id=resp.push_id, probes=[p for p, _ in checked]
+                                   ).model_dump_json().encode()
+        r = self._lanes.post(job.source, "/push_proof", content,
+                             request_headers(self.config, "POST", "/push_proof", content),
+                             deadline)
+        if r.status != 200:
+            return f"/push_proof answered HTTP {r.status} {r.text()}"
+        proof = PushProofResponse.model_validate_json(r.body)
+        if proof.status != "ok":
+            return f"/push_proof answered {proof.status}: {proof.message}"
+        if proof.probe_values != [h.hex() for h in held]:
+            return "this instance's blocks do not hold the source's bytes at the probed positions"
+        return None
 
     def merge_finished(self, finished_recving: set[str] | None) -> set[str] | None:
         """Add the pushes that ended since the last step to vLLM's finished_recving."""

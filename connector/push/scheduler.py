@@ -2,10 +2,14 @@
 """D's scheduler side of prefix push migration (C's POST /push_blocks, server.py).
 
 A request whose ``kv_transfer_params`` hold ``{"push_from": "<C's bootstrap
-URL>"}`` (and no ``do_remote_prefill``) asks C, in a background thread, how
-many leading full blocks of its prompt C's prefix cache holds
-(``/match_blocks``); until the answer is in, ``get_num_new_matched_tokens``
-returns ``None`` (vLLM keeps the request waiting and asks again next step).
+URL>"}`` (and neither ``do_remote_prefill`` nor ``do_remote_decode``: those are
+upstream's P/D path) asks C, in a background thread, how many leading full
+blocks of its prompt C's prefix cache holds (``/match_blocks``); until the
+answer is in, ``get_num_new_matched_tokens`` returns ``None`` (vLLM keeps the
+request waiting and asks again next step). C matches by token ids alone, so a
+request whose KV depends on more (images or other multimodal input, prompt
+embeddings, a LoRA adapter, whose contents neither side can name) is
+prefilled locally, with one warning per kind and interval.
 The held blocks beyond D's own prefix hit are counted as external tokens and
 loaded asynchronously: D's worker posts ``/push_blocks`` with the blocks
 vLLM allocated (receiver.py) and reports, through the worker metadata,
@@ -40,9 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from ..auth import client_headers
-from ..config import ConfigError, ExtConfig, normalize_source
-from .client import SourceLanes
+from ..auth import request_headers
+from ..config import ExtConfig
+from ..fingerprint import WarnLimiter
+from .client import SourceLanes, source_origin
 from .protocol import KVFingerprint, MatchBlocksRequest, MatchBlocksResponse, PushJob, PushOutcome
 
 if TYPE_CHECKING:
@@ -59,6 +64,24 @@ SOURCE_ENGINE_TIMEOUT_MAX_S = 3600
 
 class ClockSkewError(RuntimeError):
     """The source's clock is too far from this instance's for a bounded hold."""
+
+
+class IncompatibleSourceError(RuntimeError):
+    """The source's KV cache differs from this instance's (its fingerprint)."""
+
+
+def unpushable(request: "Request") -> str | None:
+    """What makes a request's KV depend on more than its token ids, which are all a
+    source matches by (its hashes carry no image, audio or embeddings, and a LoRA
+    adapter only by name): such a request is prefilled locally (None: none)."""
+    if getattr(request, "mm_features", None):
+        kinds = sorted({str(getattr(f, "modality", "multimodal")) for f in request.mm_features})
+        return f"{'/'.join(kinds)} input"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    if getattr(request, "lora_request", None) is not None:
+        return "a LoRA adapter"
+    return None
 
 
 @dataclass(frozen=True)
@@ -116,8 +139,15 @@ class PushScheduler:
         self._jobs: list[PushJob] = []
         self.stats = {"requests": 0, "pushed_blocks": 0, "fallback_blocks": 0, "match_failed": 0,
                       "refused_sources": 0, "refused_clock_skew": 0}
+        self._warnings = WarnLimiter(logger)
 
     def handles(self, request: "Request") -> bool:
+        """A request naming a push source, unless it belongs to upstream's P/D path
+        (do_remote_decode: P's send; do_remote_prefill: D's pull): owning it would
+        skip upstream's bookkeeping of that transfer."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if params.get("do_remote_decode") or params.get("do_remote_prefill"):
+            return False
         return push_source(request) is not None
 
     def shutdown(self) -> None:
@@ -129,16 +159,18 @@ class PushScheduler:
         body = MatchBlocksRequest(token_ids=list(request.prompt_token_ids or []),
                                   cache_salt=request.cache_salt, lora_name=lora_name(request))
         sent = self._wall_clock()
-        r = self._lanes.post(source, "/match_blocks", body.model_dump_json().encode(),
-                             client_headers(self.config), deadline)
+        content = body.model_dump_json().encode()
+        r = self._lanes.post(source, "/match_blocks", content,
+                             request_headers(self.config, "POST", "/match_blocks", content),
+                             deadline)
         received = self._wall_clock()
         if r.status != 200:
             raise RuntimeError(f"{source}/match_blocks answered {r.status}: {r.text()}")
         resp = MatchBlocksResponse.model_validate_json(r.body)
         diff = self.fingerprint.differences(resp.fingerprint, "this instance", source)
         if diff:
-            raise RuntimeError("its KV cache is incompatible with this instance's: "
-                               + "; ".join(diff))
+            raise IncompatibleSourceError("its KV cache is incompatible with this "
+                                          "instance's: " + "; ".join(diff))
         # C read its clock between D's send and receive: the skew is C's clock minus
         # the midpoint, give or take half the round trip
         skew = resp.now_unix_ms / 1000 - (sent + received) / 2
@@ -161,15 +193,19 @@ class PushScheduler:
     def _allowed(self, rid: str, source: str) -> bool:
         """Only an allowed source gets a lane (threads, connections): their number
         is bounded by the allowlist."""
-        try:
-            ok = normalize_source(source) in self.config.push_sources
-        except ConfigError:
-            ok = False
+        try:  # an origin and nothing else: D builds every URL from it (client.py)
+            origin, why = source_origin(source), "is not in"
+        except ValueError as e:
+            origin, why = None, f"is not a bare scheme://host:port ({e}), so not in"
+        ok = origin is not None and origin in self.config.push_sources
         if not ok:
             self.stats["refused_sources"] += 1
-            logger.warning("Prefix push for %s: push_from %r is not in MOONCAKE_PUSH_SOURCES "
-                           "(%s); prefilling locally", rid, source,
-                           ", ".join(self.config.push_sources) or "empty: no push source allowed")
+            # any client names push_from: at most one warning per source per interval
+            self._warnings.warn(
+                f"refused:{origin or str(source)[:100]}", "Prefix push for %s (and later "
+                "requests from this source for a while): push_from %r %s "
+                "MOONCAKE_PUSH_SOURCES (%s); prefilling locally", rid, str(source)[:100], why,
+                ", ".join(self.config.push_sources) or "empty: no push source allowed")
         return ok
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
@@ -179,6 +215,13 @@ class PushScheduler:
         if rid in self._inflight or rid in self._ended:
             return 0, False
         fut = self._matches.get(rid)
+        if fut is None and (why := unpushable(request)) is not None:
+            self._warnings.warn(
+                f"unpushable:{why}", "Prefix push for %s (and any other request with %s): "
+                "prefilling locally; a source matches a prompt by its token ids alone, "
+                "which do not describe this request's KV", rid, why)
+            self._ended.add(rid)
+            return 0, False
         if fut is None and not self._allowed(rid, source):
             self._ended.add(rid)
             return 0, False
@@ -226,6 +269,12 @@ class PushScheduler:
             logger.warning("Prefix push for %s from %s refused: %s; prefilling locally",
                            rid, source, e)
             self.stats["refused_clock_skew"] += 1
+        except IncompatibleSourceError as e:
+            # every request from this source meets it: one warning per interval
+            self._warnings.warn(f"incompatible:{source}:{e}", "Prefix push for %s (and later "
+                                "requests while this lasts) refused: %s %s; prefilling locally",
+                                rid, source, e)
+            self.stats["match_failed"] += 1
         except Exception as e:
             logger.warning("Prefix push for %s: no match from %s (%s); prefilling locally",
                            rid, source, e)

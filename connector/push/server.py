@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""C side of prefix push: ``POST /match_blocks`` and ``POST /push_blocks``.
+"""C side of prefix push: ``POST /match_blocks``, ``/push_blocks`` and ``/push_proof``.
 
 Runs in the worker process that owns the KV caches (the bootstrap server's
 thread), next to the block-hash mirror (hashsync/); the scheduler and the
@@ -19,13 +19,26 @@ memory registered with the engine and the write is the same call; a block
 is matchable only after the event recorded after the step that computed it
 has completed (hashsync/table.py), so the engine never reads KV still being
 computed. Tensor parallelism: one worker answers, so only TP=1 is supported.
+
+Proof of write (``POST /push_proof``): an "ok" answer names the push by a
+random id, under which the written source blocks and their generations are
+remembered until the push's hold has passed (:meth:`PushServer.proof_kept_s`),
+for at most PROOFS_KEPT pushes and PROOF_BLOCKS_KEPT blocks (the oldest are
+forgotten first). D then asks once, with at most MAX_PROBES positions, for
+the source bytes there; they are answered only if every position lies inside
+the blocks that push wrote and none of those blocks was evicted or reused
+since (else "failed"). An id is good for one proof: the first call naming it
+forgets it, whatever the answer. Nothing outside the pushed source blocks is
+ever read.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +50,7 @@ from fastapi.responses import JSONResponse
 from vllm.logger import init_logger
 
 from ...hashsync.sync import WorkerHashSync
-from ..auth import EndpointGuard
+from ..auth import EndpointGuard, signed_target
 from ..block_runs import block_entries
 from ..config import ExtConfig, FaultConfig
 from ..fault_injection import write_fault
@@ -46,16 +59,60 @@ from .protocol import (
     KVFingerprint,
     MatchBlocksResponse,
     PushBlocksResponse,
+    PushProofResponse,
     PushRequestError,
     parse_match_request,
+    parse_proof_request,
     parse_push_request,
     validate,
+    validate_probes,
 )
+from .destination import Destinations, OwnEngine
 from .writer import LowPriorityWriter, WriteFn
 
 logger = init_logger(__name__)
 
-DESTINATIONS_KEPT = 1024
+PROOFS_KEPT = 1024  # pushes remembered for /push_proof ...
+PROOF_BLOCKS_KEPT = 1 << 18  # ... and their source blocks in all (16 bytes each)
+PROOF_MAX_BODY_BYTES = 4096  # a /push_proof body: an id and at most MAX_PROBES probes
+
+
+class _Pushed:
+    """What C remembers of an "ok" push until it is proven or expires."""
+
+    __slots__ = ("blocks", "gens", "expires")
+
+    def __init__(self, blocks: Sequence[int], gens: Sequence[int], expires: float):
+        self.blocks = array.array("q", blocks)
+        self.gens = array.array("q", gens)
+        self.expires = expires  # this server's monotonic clock
+
+
+NO_PREFIX_CACHING = (
+    "this instance serves no prefix pushes: prefix caching is off on it, so it holds no "
+    "prefix to match or push; retrying will not help (start it with --enable-prefix-caching "
+    "to serve /match_blocks and /push_blocks)")
+
+
+class Counters(dict):
+    """Counters several threads update: each push's in one step (:meth:`add`, under a
+    lock), so a copy (``dict(counters)``, one step under the GIL) never shows half a
+    push, and no update is lost."""
+
+    def __init__(self, **initial: float):
+        super().__init__(initial)
+        self._lock = threading.Lock()
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            dict.update(self, {k: self[k] + v for k, v in deltas.items()})
+
+
+def log_id(value: Any) -> str:
+    """A requester's id as this instance logs it: printable ASCII, at most 64 characters
+    (control and non-ASCII characters escaped)."""
+    text = value if isinstance(value, str) else repr(value)
+    return ascii(text[:64])[1:-1][:64]
 
 
 class PushServer:
@@ -65,9 +122,10 @@ class PushServer:
     one (fingerprint: model, dtype, block size, bytes per block, KV tensors,
     TP=1 on both sides), never into this instance's own session, only block
     ids below the destination's block count and addresses inside its KV
-    tensors. A destination session's layout (block count, base addresses) is
-    recorded on its first push; a later push naming the same session with
-    another layout is refused (409)."""
+    tensors. A destination's layout (block count, base addresses) is recorded
+    on its first push; a later push with another layout is refused (409)
+    unless it is authenticated and signed later (a restarted destination;
+    destination.py)."""
 
     def __init__(self, sync: WorkerHashSync, write_fn: WriteFn, base_addrs: Sequence[int],
                  block_len: int, fingerprint: KVFingerprint, local_session: str,
@@ -91,38 +149,25 @@ class PushServer:
         # MC_TRANSFER_TIMEOUT as whole seconds
         self.engine_timeout_s = math.ceil(config.engine_transfer_timeout_s)
         self._slots = threading.BoundedSemaphore(config.push_max_concurrent)
-        self._lock = threading.Lock()
-        self._destinations: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = \
-            collections.OrderedDict()
-        self.stats = {"pushes": 0, "ok": 0, "failed": 0, "no_match": 0, "past_deadline": 0,
-                      "refused": 0, "busy": 0, "bytes": 0, "entries": 0, "write_seconds": 0.0}
+        # never into this instance's own engine, by address; each destination's layout
+        self.destinations = Destinations(OwnEngine(local_session))
+        self.stats = Counters(pushes=0, ok=0, failed=0, no_match=0, past_deadline=0, refused=0,
+                              busy=0, bytes=0, entries=0, write_seconds=0.0,
+                              proofs_ok=0, proofs_failed=0, proofs_refused=0)
+        # proof of write: push id -> what it wrote, oldest first
+        self._pushed: collections.OrderedDict[str, _Pushed] = collections.OrderedDict()
+        self._pushed_blocks = 0
+        self._pushed_lock = threading.Lock()
 
     def try_begin(self) -> bool:
         """Take one of the concurrent-push slots (False: all busy, answer 429)."""
         if self._slots.acquire(blocking=False):
             return True
-        self.stats["busy"] += 1
+        self.stats.add(busy=1)
         return False
 
     def end(self) -> None:
         self._slots.release()
-
-    def _check_destination(self, session: str, num_blocks: int, base_addrs: list[int]) -> None:
-        if session == self.local_session:
-            raise PushRequestError("dst_session", "names this instance's own transfer engine: "
-                                   "a push never writes into its source", 409)
-        layout = (num_blocks, tuple(base_addrs))
-        with self._lock:
-            known = self._destinations.get(session)
-            if known is not None and known != layout:
-                raise PushRequestError(
-                    "dst_session", f"{session} was registered with {known[0]} blocks at other "
-                    "base addresses; a destination's layout cannot change (restart it under "
-                    "a new session)", 409)
-            self._destinations[session] = layout
-            self._destinations.move_to_end(session)
-            while len(self._destinations) > DESTINATIONS_KEPT:
-                self._destinations.popitem(last=False)
 
     def match(self, payload: Any) -> tuple[int, dict[str, Any]]:
         """Serve one /match_blocks body; returns (HTTP status, JSON body)."""
@@ -150,9 +195,11 @@ class PushServer:
                                         engine_timeout_s=self.engine_timeout_s,
                                         now_unix_ms=self._now_ms()).model_dump()
 
-    def push(self, payload: Any, received: float | None = None) -> tuple[int, dict[str, Any]]:
+    def push(self, payload: Any, received: float | None = None, signed_ms: int | None = None
+             ) -> tuple[int, dict[str, Any]]:
         """Serve one /push_blocks body received at ``received`` (this server's
-        clock; None: now); returns (HTTP status, JSON body)."""
+        clock; None: now), authenticated with a signature of ``signed_ms`` (None:
+        not signed); returns (HTTP status, JSON body)."""
         if received is None:
             received = self.clock()
         try:
@@ -160,10 +207,11 @@ class PushServer:
             validate(req, block_size=self.sync.block_size, num_kv_tensors=len(self.base_addrs),
                      block_len=self.block_len, fingerprint=self.fingerprint,
                      max_tokens=self.config.push_max_tokens)
-            self._check_destination(req.dst_session, req.dst_num_blocks, req.dst_kv_base_addrs)
+            self.destinations.check(req.dst_session, req.dst_num_blocks, req.dst_kv_base_addrs,
+                                    signed_ms)
         except PushRequestError as e:
             if e.status == 409:
-                self.stats["refused"] += 1
+                self.stats.add(refused=1)
                 logger.warning("push_blocks %s refused: %s", payload_request_id(payload), e)
             return e.status, {"detail": e.detail()}
         try:
@@ -176,11 +224,11 @@ class PushServer:
         n = len(src_blocks)
         resp = PushBlocksResponse(status="no_match", matched_blocks=len(c_blocks),
                                   matched_tokens=len(c_blocks) * bs, total_full_blocks=total)
-        self.stats["pushes"] += 1
+        self.stats.add(pushes=1)
         if n == 0:
             resp.message = (f"this instance holds {len(c_blocks)} leading blocks of the prompt, "
                             f"none from block {lo}")
-            self.stats["no_match"] += 1
+            self.stats.add(no_match=1)
             return 200, resp.model_dump()
         src, dst, lens = block_entries(self.base_addrs, req.dst_kv_base_addrs, self.block_len,
                                        src_blocks, req.dst_block_ids[:n])
@@ -196,9 +244,8 @@ class PushServer:
             resp.status = "failed"
             resp.message = (f"the push's {what} passed {late_ms} ms before the write could "
                             "start; nothing written")
-            self.stats["failed"] += 1
-            self.stats["past_deadline"] += 1
-            logger.warning("push_blocks %s: %s", req.request_id, resp.message)
+            self.stats.add(failed=1, past_deadline=1)
+            logger.warning("push_blocks %s: %s", log_id(req.request_id), resp.message)
             return 200, resp.model_dump()
         t0 = time.perf_counter()
         err = write_fault(self.faults, len(req.token_ids)) if self.faults.armed else None
@@ -214,27 +261,80 @@ class PushServer:
             err = "a source block was evicted or reused during the push; its bytes are not valid"
         if err is not None:
             resp.status, resp.message = "failed", err
-            self.stats["failed"] += 1
-            logger.warning("push_blocks %s: %s", req.request_id, err)
+            self.stats.add(failed=1)
+            logger.warning("push_blocks %s: %s", log_id(req.request_id), err)
             return 200, resp.model_dump()
         resp.status, resp.pushed_blocks, resp.bytes = "ok", n, sum(lens)
         if self.reader is not None:
-            resp.probe_values = [self.reader(slot, src_blocks[i], off).hex() if i < n else None
-                                 for i, slot, off in req.probes]
+            resp.push_id = self._remember(src_blocks, src_gens,
+                                          received + self.proof_kept_s(resp.bytes))
         if n < len(req.dst_block_ids):
             resp.message = f"{n} of {len(req.dst_block_ids)} requested blocks held"
-        self.stats["ok"] += 1
-        self.stats["bytes"] += resp.bytes
-        self.stats["entries"] += len(lens)
-        self.stats["write_seconds"] += resp.seconds
+        self.stats.add(ok=1, bytes=resp.bytes, entries=len(lens), write_seconds=resp.seconds)
         logger.info("push_blocks %s: %d blocks (%.1f MiB, %d entries) to %s in %.3f s "
-                    "(%.2f GB/s)", req.request_id, n, resp.bytes / 2**20, len(lens),
+                    "(%.2f GB/s)", log_id(req.request_id), n, resp.bytes / 2**20, len(lens),
                     req.dst_session, resp.seconds, resp.bytes / max(resp.seconds, 1e-9) / 1e9)
         return 200, resp.model_dump()
 
+    def proof_kept_s(self, nbytes: int) -> float:
+        """How long after its receipt a push of ``nbytes`` can be proven: its hold
+        (config.ExtConfig.push_hold_for_s, with this instance's engine timeout),
+        past which D no longer waits for anything of it."""
+        return self.config.push_hold_for_s(nbytes)
+
+    def _remember(self, blocks: Sequence[int], gens: Sequence[int], expires: float) -> str:
+        push_id = secrets.token_urlsafe(18)
+        with self._pushed_lock:
+            self._pushed[push_id] = _Pushed(blocks, gens, expires)
+            self._pushed_blocks += len(blocks)
+            now = self.clock()
+            while self._pushed and (len(self._pushed) > PROOFS_KEPT
+                                    or self._pushed_blocks > PROOF_BLOCKS_KEPT
+                                    or next(iter(self._pushed.values())).expires <= now):
+                self._forget(next(iter(self._pushed)))
+        return push_id
+
+    def _forget(self, push_id: str) -> _Pushed | None:
+        pushed = self._pushed.pop(push_id, None)
+        if pushed is not None:
+            self._pushed_blocks -= len(pushed.blocks)
+        return pushed
+
+    def proof(self, payload: Any, received: float | None = None) -> tuple[int, dict[str, Any]]:
+        """Serve one /push_proof body; returns (HTTP status, JSON body)."""
+        now = self.clock() if received is None else received
+        try:
+            req = parse_proof_request(payload)
+        except PushRequestError as e:
+            self.stats.add(proofs_refused=1)
+            return e.status, {"detail": e.detail()}
+        with self._pushed_lock:
+            pushed = self._forget(req.push_id)  # one proof per push, whatever the answer
+        if pushed is None or pushed.expires <= now:
+            self.stats.add(proofs_refused=1)
+            return 404, {"detail": {"field": "push_id", "message": (
+                "no push to prove under this id: never issued, already proven, or expired "
+                "(a push is kept until its hold has passed, MOONCAKE_PUSH_TIMEOUT_S + the "
+                "write bound + MOONCAKE_PUSH_CLOCK_SKEW_S after it was received)")}}
+        try:
+            validate_probes(req.probes, pushed_blocks=len(pushed.blocks),
+                            num_kv_tensors=len(self.base_addrs), block_len=self.block_len)
+        except PushRequestError as e:
+            self.stats.add(proofs_refused=1)
+            return e.status, {"detail": e.detail()}
+        assert self.reader is not None  # no id is issued without one
+        if not self.sync.table.generations_unchanged(pushed.blocks, pushed.gens):
+            self.stats.add(proofs_failed=1)
+            return 200, PushProofResponse(status="failed", message=(
+                "a pushed source block was evicted or reused since the write; its bytes can "
+                "no longer be shown")).model_dump()
+        values = [self.reader(slot, pushed.blocks[i], off).hex() for i, slot, off in req.probes]
+        self.stats.add(proofs_ok=1)
+        return 200, PushProofResponse(status="ok", probe_values=values).model_dump()
+
 
 def payload_request_id(payload: Any) -> str:
-    return "(request)" if not isinstance(payload, dict) else str(payload.get("request_id"))[:64]
+    return "(request)" if not isinstance(payload, dict) else log_id(payload.get("request_id"))
 
 
 async def read_capped(request: Any, limit: int) -> bytes | None:
@@ -250,30 +350,43 @@ async def read_capped(request: Any, limit: int) -> bytes | None:
     return bytes(body)
 
 
-def register_routes(app: Any, get_server: Callable[[], PushServer | None]) -> None:
-    """Add POST /match_blocks and POST /push_blocks to a FastAPI app.
-    get_server() returns None while the worker is not ready (503). (Request is
-    imported at module level: FastAPI resolves annotations by name.)"""
+def register_routes(app: Any, get_server: Callable[[], PushServer | None],
+                    prefix_caching: bool = True) -> None:
+    """Add POST /match_blocks, /push_blocks and /push_proof to a FastAPI app.
+    get_server() returns None while the worker is not ready (503, retry), or for
+    good on an instance without prefix caching (``prefix_caching`` False: 503
+    saying so). Requests are signed (auth.py): a header that cannot be a
+    signature is refused before the body is read, the signature once it is.
+    (Request is imported at module level: FastAPI resolves annotations by name.)"""
 
-    def route(method: Callable[[PushServer, bytes, float], tuple[int, dict[str, Any]]], *,
-              limited: bool):
+    def route(method: Callable[[PushServer, bytes, float, int | None],
+                               tuple[int, dict[str, Any]]], *, limited: bool,
+              max_body: int | None = None):
         async def handler(request: Request) -> JSONResponse:
             server = get_server()
             if server is None:
-                return JSONResponse({"detail": "KV caches not registered yet; retry"}, 503)
+                return JSONResponse({"detail": NO_PREFIX_CACHING if not prefix_caching else
+                                     "KV caches not registered yet; retry"}, 503)
             received = server.clock()  # a push's budget runs from here
-            if (denied := server.guard.check(request.headers.get("authorization"))) is not None:
+            authorization = request.headers.get("authorization")
+            if (denied := server.guard.check_signed_header(authorization)) is not None:
                 return JSONResponse({"detail": denied[1]}, denied[0])
-            body = await read_capped(request, server.config.push_max_body_bytes)
+            cap = server.config.push_max_body_bytes if max_body is None else max_body
+            body = await read_capped(request, cap)
             if body is None:
                 return JSONResponse({"detail": {"field": "body", "message": (
-                    f"larger than {server.config.push_max_body_bytes} bytes")}}, 413)
+                    f"larger than {cap} bytes")}}, 413)
+            verified = server.guard.verify(request.method, signed_target(request.scope),
+                                           authorization, body)
+            if verified.denied is not None:
+                return JSONResponse({"detail": verified.denied[1]}, verified.denied[0])
             if limited and not server.try_begin():
                 return JSONResponse({"detail": (
                     f"{server.config.push_max_concurrent} pushes in progress; retry later")}, 429)
             try:
                 # hashing and the write block (the engine releases the GIL): off the event loop
-                code, out = await asyncio.to_thread(method, server, body, received)
+                code, out = await asyncio.to_thread(method, server, body, received,
+                                                    verified.signed_ms)
             finally:
                 if limited:
                     server.end()
@@ -281,6 +394,8 @@ def register_routes(app: Any, get_server: Callable[[], PushServer | None]) -> No
 
         return handler
 
-    app.post("/match_blocks")(route(lambda s, body, _: s.match(body), limited=False))
-    app.post("/push_blocks")(route(lambda s, body, received: s.push(body, received),
-                                   limited=True))
+    app.post("/match_blocks")(route(lambda s, body, _, __: s.match(body), limited=False))
+    app.post("/push_blocks")(route(lambda s, body, received, signed_ms: s.push(
+        body, received, signed_ms), limited=True))
+    app.post("/push_proof")(route(lambda s, body, received, _: s.proof(body, received),
+                                  limited=False, max_body=PROOF_MAX_BODY_BYTES))

@@ -17,71 +17,30 @@ any more.
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from harness.runtime_env import vllm_env
+from harness.engine_peer import EnginePeer
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 NBYTES = 256 << 20
 CHUNKS = NBYTES // (64 << 10)
 STOP_S = 9
 ENGINE_TIMEOUT_S = 5
-
-
-class Peer:
-    def __init__(self, *args: str):
-        env = {**vllm_env(), "MC_LOG_LEVEL": "ERROR", "MC_TRANSFER_TIMEOUT": str(ENGINE_TIMEOUT_S),
-               "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.engine_peer", *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            self.lines.put(line.strip())
-
-    def expect(self, prefix: str, timeout: float) -> tuple[str, float]:
-        """The next line starting with prefix, and when it was read."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no {prefix!r} line within {timeout} s") from None
-            if line.startswith(prefix):
-                return line, time.monotonic()
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-        self.proc.wait(timeout=10)
+ENV = {"MC_TRANSFER_TIMEOUT": str(ENGINE_TIMEOUT_S)}
 
 
 def write_to_a_stopped_receiver(mode: str) -> dict:
     """Returns the writer's rc, when it returned relative to the stop and to the
     resume, and the receiver's landed chunks at the writer's return and 3 s later."""
-    recv = Peer("receiver", str(NBYTES))
+    recv = EnginePeer("receiver", str(NBYTES), env=ENV)
     writer = None
     try:
         _, port, addr = recv.expect("READY", 60)[0].split()
-        writer = Peer("writer", port, addr, str(NBYTES), mode)
+        writer = EnginePeer("writer", port, addr, str(NBYTES), mode, env=ENV)
         writer.expect("READY", 120)
         os.kill(recv.proc.pid, signal.SIGSTOP)
         t_stop = time.monotonic()

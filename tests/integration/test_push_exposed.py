@@ -1,12 +1,15 @@
 """Prefix push is safe to expose: two real instances, the real Mooncake engine.
 
 C and D share a token (MOONCAKE_BOOTSTRAP_TOKEN). Checked here across the wire:
-- nothing unauthenticated: no or a wrong token -> 401 on every endpoint of ours;
-- fuzzing C's /push_blocks and /match_blocks with the token (so inputs reach
+- nothing unauthenticated: no or a wrong token -> 401 on every endpoint of ours,
+  and the token itself (a bearer header) does not open the POST routes, which
+  take signed requests only (connector/auth.py);
+- fuzzing C's /push_blocks and /match_blocks with signed requests (so inputs reach
   validation): only 4xx, C writes nothing (its push counters), both keep serving
   and D's next answer is correct;
-- destinations C refuses: its own session, a session's second layout, block ids
-  beyond the destination's cache, a mismatched fingerprint;
+- destinations C refuses: its own session, a session's second layout signed
+  earlier than its first, block ids beyond the destination's cache, a mismatched
+  fingerprint;
 - limits: an oversized body, a million-token push, 200 concurrent pushes at a
   black-hole session: 413/429 at once and a legitimate push still completes;
 - hostile or slow sources (a fake C in this process, on D's allowlist): absurd
@@ -27,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.auth import sign
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
@@ -83,14 +87,16 @@ class FakeSource:
                     body = {"matched_blocks": matched, "matched_tokens": matched * BLOCK,
                             "total_full_blocks": full, "fingerprint": fp,
                             "engine_timeout_s": 30, "now_unix_ms": int(time.time() * 1000)}
+                elif self.path == "/push_proof":  # bytes guessed as zeros
+                    body = {"status": "ok", "probe_values": ["00" * 8 for _ in req["probes"]]}
                 else:  # /push_blocks: claims success, writes nothing
                     n_blocks = len(req.get("dst_block_ids", []))
                     fp = fake.fingerprint
                     consistent = n_blocks * fp["block_len"] * fp["num_kv_tensors"]
                     body = {"status": "ok", "pushed_blocks": n_blocks, "matched_blocks": n_blocks,
-                            # ok_unwritten: numbers that add up, probe bytes guessed as zeros
+                            # ok_unwritten: numbers that add up, a push id to prove it by
                             "bytes": consistent if fake.mode == "ok_unwritten" else 123,
-                            "probe_values": ["00" * 8 for _ in req.get("probes", [])]}
+                            "push_id": "guessed"}
                 data = json.dumps(body).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
@@ -132,8 +138,18 @@ def env(tmp_path_factory):
 ENV_X64: list = []
 
 
-def post(url, body, headers=AUTH, timeout=30):
-    return httpx.post(url, json=body, headers=headers, timeout=timeout)
+def signed(url: str, content: bytes, at_ms: int | None = None) -> dict:
+    """Headers of a POST to one of our routes, signed as D signs (at ``at_ms``: now)."""
+    return {"authorization": sign(TOKEN, "POST", httpx.URL(url).raw_path.decode(), content,
+                                  now_ms=at_ms), "content-type": "application/json"}
+
+
+def post(url, body, headers=None, timeout=30, at_ms=None):
+    """POST ``body`` as JSON: signed, unless ``headers`` are given."""
+    content = json.dumps(body).encode()
+    if headers is None:
+        headers = signed(url, content, at_ms)
+    return httpx.post(url, content=content, headers=headers, timeout=timeout)
 
 
 def cached_on_c(c, ids):
@@ -185,6 +201,10 @@ def test_every_endpoint_needs_the_token(env):
         assert post(c.bootstrap_url + "/push_blocks", {}, headers).status_code == 401
         assert httpx.get(c.bootstrap_url + "/hashsync", headers=headers).status_code == 401
     assert httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH).status_code == 200
+    # the token as a bearer header opens only the GET routes
+    assert post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}, AUTH).status_code == 401
+    # signed, it passes (503 until C's first step has sent its hash configuration)
+    assert post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}).status_code in (200, 503)
 
 
 def valid_push(c, ids, fingerprint, **over):
@@ -234,7 +254,7 @@ def test_fuzzing_the_source_writes_nothing_and_both_keep_serving(env):
                        ("/match_blocks", {"token_ids": ids, "cache_salt": None})):
         for raw in mutations(rng, body):
             r = httpx.post(c.bootstrap_url + path, content=raw, timeout=30,
-                           headers={**AUTH, "content-type": "application/json"})
+                           headers=signed(c.bootstrap_url + path, raw))
             codes[r.status_code] = codes.get(r.status_code, 0) + 1
             tried += 1
             assert r.status_code < 500, f"{path} answered {r.status_code} to {raw[:200]!r}"
@@ -266,10 +286,14 @@ def test_destinations_the_source_refuses(env):
         r = post(c.bootstrap_url + "/push_blocks", body)
         assert r.status_code == code, (name, r.status_code, r.text)
     # a session's layout is fixed by its first push (here: a black hole, nothing listens)
-    first = post(c.bootstrap_url + "/push_blocks", valid_push(c, ids, fp, dst_session="127.0.0.1:2"))
+    # against any push signed before it; one signed later re-registers (a restart)
+    now = int(time.time() * 1000)
+    first = post(c.bootstrap_url + "/push_blocks", valid_push(c, ids, fp, dst_session="127.0.0.1:2"),
+                 at_ms=now)
     assert first.status_code == 200 and first.json()["status"] == "failed", first.text
     other = post(c.bootstrap_url + "/push_blocks",
-                 valid_push(c, ids, fp, dst_session="127.0.0.1:2", dst_num_blocks=65))
+                 valid_push(c, ids, fp, dst_session="127.0.0.1:2", dst_num_blocks=65),
+                 at_ms=now - 1000)
     assert other.status_code == 409, other.text
     assert push_stats(c)["bytes"] == before["bytes"]
 
@@ -282,7 +306,7 @@ def test_limits_answer_at_once_and_a_legitimate_push_still_completes(env):
     big = b"[" + b"1," * 4_000_000 + b"1]"  # 8 MB: above the body limit
     try:
         r = httpx.post(c.bootstrap_url + "/push_blocks", content=big,
-                       headers={**AUTH, "content-type": "application/json"}, timeout=60)
+                       headers=signed(c.bootstrap_url + "/push_blocks", big), timeout=60)
         assert r.status_code == 413, r.text
     except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
         pass  # the server answered 413 and closed before the whole body was sent

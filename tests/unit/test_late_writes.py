@@ -16,15 +16,14 @@ tests/integration/test_no_late_bytes.py.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
-import socket
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from helpers import filled_mirror, free_port, serve_push, wait_until
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
@@ -43,20 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
     PushJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
-    PushServer,
-    register_routes,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
-    hash_prompt_blocks,
-    to_pool_key,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
-    HashDelta,
-    HashEventKind,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
 
 BS = 4
 KV = torch.zeros(1)  # layer_saved only needs a tensor (CPU: no event)
@@ -92,29 +79,6 @@ class GatedEngine:
             return [t for t, s, _ in self.log if s == session]
 
 
-class Loop:
-    """An asyncio loop in a thread, as P's sender loop."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-@pytest.fixture
-def loop():
-    lp = Loop()
-    yield lp
-    lp.close()
-
-
 def make_sender(engine, timeout_s=0.3):
     cfg = ExtConfig(layerwise=True, layerwise_timeout_s=timeout_s, engine_transfer_timeout_s=5)
     return LayerwiseSender(engine, {"l0": [0, 1]}, [10_000, 20_000], 64, BS, cfg,
@@ -136,15 +100,6 @@ def by_transfer(session, dst):
 
 def step(tid, blocks=(1, 2), tokens=8):
     return ComputedStep(tid, "p" + tid, tuple(blocks), tokens, tokens)
-
-
-def wait_until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def start_a_blocked_then_b_queued(sender, engine, loop):
@@ -341,40 +296,21 @@ class MemEngine(GatedEngine):
         return rc
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def c_server():
-    """C: a filled KV cache, its hash mirror holding TOKENS' blocks, /push_blocks on HTTP."""
-    import uvicorn
-    from fastapi import FastAPI
-
+def gated_c():
+    """C: a filled KV cache, its hash mirror holding TOKENS' blocks, /push_blocks on
+    HTTP; its engine is a gated memmove."""
     c_kv = buffers(0xAA)
-    sync = WorkerHashSync(BS)
-    hashes = hash_prompt_blocks(TOKENS, BS, CFG.hash_algo, CFG.none_hash)
-    sync.table.apply(HashDelta(events=[(HashEventKind.STORED, to_pool_key(h, 0), b)
-                                       for h, b in zip(hashes, C_BLOCKS)], hash_config=CFG))
-    sync.table.commit_pending()
+    sync = filled_mirror(BS, TOKENS, C_BLOCKS, CFG)
     engine = MemEngine()
     server = PushServer(sync, engine, [addr(b) for b in c_kv], BLEN, FP, "c:1", C_CONFIG)
-    app = FastAPI()
-    register_routes(app, lambda: server)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    th = threading.Thread(target=uv.run, daemon=True)
-    th.start()
-    assert wait_until(lambda: uv.started, 10)
-    yield f"http://127.0.0.1:{port}", engine, server, c_kv
-    uv.should_exit = True
-    th.join(5)
+    url, stop = serve_push(server)
+    yield url, engine, server, c_kv
+    stop()
 
 
-def test_push_blocks_stay_with_the_request_until_c_can_no_longer_write(c_server):
-    url, engine, server, _ = c_server
+def test_push_blocks_stay_with_the_request_until_c_can_no_longer_write(gated_c):
+    url, engine, server, _ = gated_c
     d_kv = buffers(0)
     cfg = ExtConfig(push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2)
     recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, NBLK, FP, cfg)
@@ -399,8 +335,8 @@ def test_push_blocks_stay_with_the_request_until_c_can_no_longer_write(c_server)
     assert recv.take_outcome().landed == {"r1": 3}
 
 
-def test_push_not_started_past_its_deadline_writes_nothing(c_server):
-    url, engine, server, _ = c_server
+def test_push_not_started_past_its_deadline_writes_nothing(gated_c):
+    url, engine, server, _ = gated_c
     d_kv = buffers(0)
     cfg = ExtConfig(push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2)
     # D's wall clock runs 10 s behind: the deadline it sends is already past for C
@@ -414,7 +350,7 @@ def test_push_not_started_past_its_deadline_writes_nothing(c_server):
     assert all((b == 0).all() for b in d_kv)
 
 
-def test_push_with_no_answer_ends_only_after_the_hold(c_server):
+def test_push_with_no_answer_ends_only_after_the_hold(gated_c):
     """C unreachable after the request was sent (here: nothing listens): D ends
     the push only once its hold (budget + C's bound on the write + skew) has passed."""
     cfg = ExtConfig(push_timeout_s=0.3, engine_transfer_timeout_s=0.4, push_clock_skew_s=0.1)

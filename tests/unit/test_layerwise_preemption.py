@@ -11,13 +11,12 @@ writes are dropped.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from types import SimpleNamespace as NS
 
-import pytest
 import torch
+from helpers import wait_until
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.scheduler import (
@@ -56,16 +55,6 @@ class Engine:
         return 0
 
 
-@pytest.fixture
-def loop():
-    lp = asyncio.new_event_loop()
-    th = threading.Thread(target=lp.run_forever, daemon=True)
-    th.start()
-    yield lp
-    lp.call_soon_threadsafe(lp.stop)
-    th.join(5)
-
-
 def request(req_id, prompt_len, status=None):
     return NS(request_id=req_id, num_prompt_tokens=prompt_len, status=status,
               kv_transfer_params=None)
@@ -85,15 +74,6 @@ def output(new=(), cached=(), resumed=(), preempted=(), num_scheduled=None):
     )
 
 
-def wait_until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return False
-
-
 def test_preemption_after_the_last_chunk_with_a_lagging_writer_fails_the_transfer(loop):
     from vllm.v1.request import RequestStatus
 
@@ -105,10 +85,8 @@ def test_preemption_after_the_last_chunk_with_a_lagging_writer_fails_the_transfe
     sched.track(request("ra", 8), "A")
     sched.track(request("rb", 8), "B")
     # D asked for both; A's blocks on D are 100.., B's 200..
-    fa = asyncio.run_coroutine_threadsafe(
-        sender.push("A", Destination("d:1", D_BASES, [100, 101])), loop)
-    fb = asyncio.run_coroutine_threadsafe(
-        sender.push("B", Destination("d:1", D_BASES, [200, 201])), loop)
+    fa = loop.submit(sender.push("A", Destination("d:1", D_BASES, [100, 101])))
+    fb = loop.submit(sender.push("B", Destination("d:1", D_BASES, [200, 201])))
     assert wait_until(lambda: sender.tracker.num_unannounced() == 2)
     # step 1: A's whole prompt (its last chunk); its write is held in the engine
     sender.on_metadata(sched.build(output(new=[("ra", [1, 2], 0)], num_scheduled={"ra": 8})))

@@ -14,12 +14,11 @@ D's PullOutcomes (pulls.py) prunes the pulls it remembers in O(1) amortized.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
-import pytest
 import torch
+from helpers import wait_until
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import pulls
@@ -68,29 +67,6 @@ class Engine:
         return 0
 
 
-class Loop:
-    """An asyncio loop in a thread, as P's sender loop."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-@pytest.fixture
-def loop():
-    lp = Loop()
-    yield lp
-    lp.close()
-
-
 def make_sender(engine=None, timeout_s=30.0, unknown_s=60.0):
     cfg = ExtConfig(layerwise=True, layerwise_timeout_s=timeout_s,
                     layerwise_unknown_timeout_s=unknown_s, engine_transfer_timeout_s=5)
@@ -108,15 +84,6 @@ def step(tid, p_req_id=None, blocks=(1, 2), tokens=8):
 
 def finished(tid, p_req_id=None, blocks=(1, 2), tokens=8, aborted=False):
     return FinishedRequest(tid, p_req_id or "p" + tid, tuple(blocks), tokens, aborted)
-
-
-def wait_until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def poll_until(sender, want, timeout=5.0) -> set[str]:

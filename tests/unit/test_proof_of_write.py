@@ -11,12 +11,11 @@ torch tensors standing in for the two KV caches.
 from __future__ import annotations
 
 import ctypes
-import socket
-import threading
 import time
 
 import pytest
 import torch
+from helpers import filled_mirror, serve_push
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.kv_reader import KVReader
@@ -25,20 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
     PushJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
-    PushServer,
-    register_routes,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
-    hash_prompt_blocks,
-    to_pool_key,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
-    HashDelta,
-    HashEventKind,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
 
 BS, NBLK, BLEN, SLOTS = 4, 8, 64, 2
 CFG = HashConfig("sha256", b"\x03" * 32)
@@ -54,12 +41,6 @@ def kv(seed):
             for _ in range(SLOTS)]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Engine:
     def __init__(self, writes=True):
         self.writes = writes
@@ -73,32 +54,19 @@ class Engine:
         return 0  # "ok" either way
 
 
-def serve(engine, c_kv):
-    import uvicorn
-    from fastapi import FastAPI
-
-    sync = WorkerHashSync(BS)
-    hashes = hash_prompt_blocks(TOKENS, BS, CFG.hash_algo, CFG.none_hash)
-    sync.table.apply(HashDelta(events=[(HashEventKind.STORED, to_pool_key(h, 0), b)
-                                       for h, b in zip(hashes, C_BLOCKS)], hash_config=CFG))
-    sync.table.commit_pending()
+def serve_c(engine, c_kv):
+    """C on HTTP, its hash mirror holding TOKENS' blocks, reading proofs from c_kv:
+    (url, stop)."""
+    sync = filled_mirror(BS, TOKENS, C_BLOCKS, CFG)
     reader = KVReader(c_kv, BLEN, NBLK)
     server = PushServer(sync, engine, [t.data_ptr() for t in c_kv], BLEN, FP, "c:1",
                         ExtConfig(bootstrap_host="127.0.0.1"), reader=reader.read)
-    app = FastAPI()
-    register_routes(app, lambda: server)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    threading.Thread(target=uv.run, daemon=True).start()
-    end = time.monotonic() + 10
-    while not uv.started and time.monotonic() < end:
-        time.sleep(0.01)
-    return uv, f"http://127.0.0.1:{port}"
+    return serve_push(server)
 
 
 def push_once(engine, proof=True):
     c_kv, d_kv = kv(1), kv(2)
-    uv, url = serve(engine, c_kv)
+    url, stop = serve_c(engine, c_kv)
     try:
         recv = PushReceiver("d:1", [t.data_ptr() for t in d_kv], BLEN, BS, NBLK, FP,
                             ExtConfig(push_timeout_s=5), kv=KVReader(d_kv, BLEN, NBLK) if proof
@@ -110,7 +78,7 @@ def push_once(engine, proof=True):
             time.sleep(0.01)
         return recv.take_outcome().landed["r"], c_kv, d_kv, dst
     finally:
-        uv.should_exit = True
+        stop()
 
 
 def test_a_real_write_is_proven():

@@ -3,7 +3,7 @@ that bound hold: C's clock measured by D, a relative budget next to the
 absolute deadline, C's own engine timeout and the bytes of the write.
 
 C is a real PushServer on 127.0.0.1 (uvicorn in a thread) whose transfer
-engine is a logging memmove (test_push_security's set-up); D is the real
+engine is a logging memmove (helpers.CServer); D is the real
 PushScheduler and PushReceiver."""
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from fastapi import FastAPI
-from test_push_security import (
+from helpers import (
     BLEN,
     BS,
     C_BLOCKS,
@@ -27,50 +26,19 @@ from test_push_security import (
     NBLK,
     SCHED_FP,
     TOKENS,
+    Clock,
     CServer,
     ask,
     d_request,
-    serve,
+    filled_mirror,
+    serve_push,
 )
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import PushJob
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
-    PushServer,
-    register_routes,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
-    hash_prompt_blocks,
-    to_pool_key,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
-    HashDelta,
-    HashEventKind,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-@pytest.fixture
-def c_server():
-    made = []
-
-    def make(config: ExtConfig | None = None) -> CServer:
-        made.append(CServer(config or ExtConfig(bootstrap_host="127.0.0.1")))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
 
 
 def c_request(url: str, rid: str = "r1") -> SimpleNamespace:
@@ -187,11 +155,7 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
     fp = FP.model_copy(update={"block_len": BIG_BLEN})
     c_cfg = ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "60", "MOONCAKE_BOOTSTRAP_HOST":
                                 "127.0.0.1", "MOONCAKE_LAYERWISE_TIMEOUT_S": "300"})
-    sync = WorkerHashSync(BS)
-    hashes = hash_prompt_blocks(TOKENS, BS, HCFG.hash_algo, HCFG.none_hash)
-    sync.on_metadata(HashDelta(events=[(HashEventKind.STORED, to_pool_key(h), b)
-                                       for h, b in zip(hashes, C_BLOCKS)], hash_config=HCFG))
-    sync.after_step()
+    sync = filled_mirror(BS, TOKENS, C_BLOCKS, HCFG)
     gate, writing = threading.Event(), threading.Event()
 
     def hanging_write(session, src, dst, lens):  # never touches the (fake) addresses
@@ -201,9 +165,7 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
 
     server = PushServer(sync, hanging_write, [1 << 40, 2 << 40], BIG_BLEN, fp, "127.0.0.1:1",
                         c_cfg)
-    app = FastAPI()
-    register_routes(app, lambda: server)
-    url, stop = serve(app)
+    url, stop = serve_push(server)
     d_cfg = ExtConfig(push_timeout_s=2, push_clock_skew_s=1, engine_transfer_timeout_s=5,
                       push_sources=(url,))
     sched = PushScheduler(BS, d_cfg, SCHED_FP)

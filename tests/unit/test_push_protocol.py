@@ -119,7 +119,7 @@ def test_response_model():
                            total_full_blocks=3, message="")
     assert r.model_dump() == {"status": "ok", "matched_blocks": 3, "matched_tokens": 48,
                               "pushed_blocks": 0, "total_full_blocks": 3, "bytes": 0,
-                              "seconds": 0.0, "message": "", "probe_values": []}
+                              "seconds": 0.0, "message": "", "push_id": None}
     with pytest.raises(ValueError):
         PushBlocksResponse(status="maybe")
     assert PushBlocksRequest.model_json_schema()["required"]

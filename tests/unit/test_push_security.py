@@ -18,7 +18,6 @@ destination's bytes are unchanged.
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import json
 import random
@@ -34,11 +33,31 @@ import numpy as np
 import pytest
 from fastapi import FastAPI, Request  # module level: FastAPI resolves annotations by name
 from fastapi.responses import Response
+from helpers import (
+    BLEN,
+    BS,
+    C_BLOCKS,
+    C_SESSION,
+    D_SESSION,
+    DST_BLOCKS,
+    FP,
+    KV,
+    NBLK,
+    SCHED_FP,
+    SLOTS,
+    TOKENS,
+    Clock,
+    CServer,
+    ask,
+    d_request,
+    serve,
+)
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import auth
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.auth import (
     EndpointGuard,
     client_headers,
+    request_headers,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import (
     ConfigError,
@@ -57,180 +76,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
-    register_routes as register_push_routes,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
-    hash_prompt_blocks,
-    to_pool_key,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
-    HashDelta,
-    HashEventKind,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import (
-    register_routes as register_hashsync_routes,
-)
 
-BS, SLOTS, NBLK, BLEN = 4, 2, 16, 64
-HCFG = HashConfig("sha256", b"\x01" * 32)
-TOKENS = list(range(500, 500 + 3 * BS + 1))  # 3 full blocks + 1 token
-C_BLOCKS = [5, 2, 6]  # where C holds them
-DST_BLOCKS = [3, 4, 7]  # where D wants them
-FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="float32/auto", block_size=BS,
-                   tp_size=1, block_len=BLEN, num_kv_tensors=SLOTS)
-C_SESSION = "127.0.0.1:17001"  # C's own transfer engine
-D_SESSION = "127.0.0.1:17002"
 TOKEN = "tok-3f9c2a7e51"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 # ---- shared pieces ------------------------------------------------------------------
 
-class KV:
-    """One instance's KV cache: SLOTS tensors of NBLK blocks of BLEN bytes."""
-
-    def __init__(self, fill: bool):
-        self.kv = [np.zeros(NBLK * BLEN, dtype=np.uint8) for _ in range(SLOTS)]
-        if fill:
-            for s, t in enumerate(self.kv):
-                for b in range(NBLK):
-                    t[b * BLEN:(b + 1) * BLEN] = (s * NBLK + b) % 251 + 1
-        self.bases = [t.ctypes.data for t in self.kv]
-
-    def block(self, slot: int, b: int) -> np.ndarray:
-        return self.kv[slot][b * BLEN:(b + 1) * BLEN]
-
-    def snapshot(self) -> bytes:
-        return b"".join(t.tobytes() for t in self.kv)
-
-    def untouched(self) -> bool:
-        return not any(t.any() for t in self.kv)
-
-
 def changed_bytes(before: bytes, after: bytes) -> int:
     return int(np.count_nonzero(np.frombuffer(before, np.uint8) != np.frombuffer(after, np.uint8)))
 
 
-class MemEngine:
-    """write_fn: logs every call; copies only into memory registered for the session
-    (anything else: -1, nothing copied). gate(): writes wait until it opens."""
-
-    def __init__(self):
-        self.log: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-        self.regions: dict[str, list[tuple[int, int]]] = {}
-        self.lock = threading.Lock()
-        self._gate: threading.Event | None = None
-        self.entered = 0
-
-    def register(self, session: str, kv: KV) -> None:
-        self.regions[session] = [(t.ctypes.data, t.nbytes) for t in kv.kv]
-
-    def gate(self) -> threading.Event:
-        self._gate = threading.Event()
-        return self._gate
-
-    def bytes_logged(self) -> int:
-        with self.lock:
-            return sum(sum(lens) for _, _, lens in self.log)
-
-    def __call__(self, session, src, dst, lens) -> int:
-        with self.lock:
-            self.log.append((session, tuple(dst), tuple(lens)))
-            self.entered += 1
-        if self._gate is not None:
-            assert self._gate.wait(30), "test gate never opened"
-        regions = self.regions.get(session, [])
-        for d, n in zip(dst, lens):
-            if not any(lo <= d and d + n <= lo + size for lo, size in regions):
-                return -1
-        for s, d, n in zip(src, dst, lens):
-            ctypes.memmove(d, s, n)
-        return 0
-
-
-def serve(app) -> tuple[str, callable]:
-    """Run a FastAPI app on 127.0.0.1 (a socket bound here: no port race)."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    end = time.monotonic() + 10
-    while not uv.started and time.monotonic() < end:
-        time.sleep(0.01)
-    assert uv.started, "uvicorn did not start"
-
-    def stop():
-        uv.should_exit = True
-        th.join(5)
-        sock.close()
-
-    return f"http://127.0.0.1:{port}", stop
-
-
-class CServer:
-    """C: a filled KV cache whose hash mirror holds TOKENS' 3 blocks, serving
-    /push_blocks, /match_blocks (push.server) and /hashsync (hashsync.sync) over HTTP."""
-
-    def __init__(self, config: ExtConfig, fingerprint: KVFingerprint = FP):
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.sender import (
-            register_routes as register_layerwise_routes,
-        )
-
-        self.config = config
-        self.c = KV(fill=True)
-        self.sync = WorkerHashSync(BS)
-        hashes = hash_prompt_blocks(TOKENS, BS, HCFG.hash_algo, HCFG.none_hash)
-        self.sync.on_metadata(HashDelta(events=[(HashEventKind.STORED, to_pool_key(h), b)
-                                                for h, b in zip(hashes, C_BLOCKS)],
-                                        hash_config=HCFG))
-        self.sync.after_step()
-        self.engine = MemEngine()
-        self.server = PushServer(self.sync, self.engine, self.c.bases, BLEN, fingerprint,
-                                 C_SESSION, config)
-        app = FastAPI()
-        register_push_routes(app, lambda: self.server)
-        register_hashsync_routes(app, lambda: self.sync, self.server.guard)
-        register_layerwise_routes(app, lambda: None, self.server.guard)
-        self.url, self._stop = serve(app)
-        self.port = int(self.url.rsplit(":", 1)[1])
-        self.headers = client_headers(config)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
-
-    def destination(self, session: str = D_SESSION) -> KV:
-        d = KV(fill=False)
-        self.engine.register(session, d)
-        return d
-
-    def post(self, path: str, body, headers=None, **kw) -> httpx.Response:
-        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        return self.http.post(path, content=content,
-                              headers=self.headers if headers is None else headers, **kw)
-
-    def close(self):
-        self.http.close()
-        self._stop()
-
-
 @pytest.fixture
-def c_servers():
-    made: list[CServer] = []
+def c_servers(c_server):
+    """conftest's c_server, but a C without a config of its own requires TOKEN and
+    takes at most 64 tokens."""
 
     def make(config: ExtConfig | None = None, fingerprint: KVFingerprint = FP) -> CServer:
-        cfg = config or ExtConfig(bootstrap_token=TOKEN, push_max_tokens=64)
-        made.append(CServer(cfg, fingerprint))
-        return made[-1]
+        return c_server(config or ExtConfig(bootstrap_token=TOKEN, push_max_tokens=64),
+                        fingerprint)
 
-    yield make
-    for c in made:
-        c.close()
+    return make
 
 
 def push_body(d: KV, session: str = D_SESSION, **over) -> dict:
@@ -652,6 +518,8 @@ def run_fuzz(c: CServer, path: str, gen, n: int) -> dict:
     tried, codes, by_kind, bad = 0, Counter(), Counter(), []
     for _ in range(n):
         kind, headers, content = gen.one()
+        if headers == AUTH:  # valid credentials: signed as D signs
+            headers = request_headers(c.config, "POST", path, content)
         tried += 1
         by_kind[kind] += 1
         try:
@@ -769,7 +637,9 @@ def test_own_session_is_refused(c_servers):
 
 
 def test_a_known_session_cannot_change_its_layout(c_servers):
-    c = c_servers()
+    """Without authentication (an open C). An authenticated push signed later may
+    re-register a layout: tests/unit/test_push_hygiene.py."""
+    c = c_servers(ExtConfig(bootstrap_host="127.0.0.1", push_max_tokens=64))
     d = c.destination()
     assert_push_ok(c, d, c.post("/push_blocks", push_body(d)))
     other = KV(fill=False)
@@ -885,25 +755,26 @@ def test_body_above_the_cap_is_413(c_servers):
     def chunks():
         yield padded[:1000]
         yield padded[1000:]
-    r = c.http.post("/push_blocks", content=chunks(), headers=AUTH)
+    signed = auth.sign(TOKEN, "POST", "/push_blocks", padded)  # passes until the body's size
+    r = c.http.post("/push_blocks", content=chunks(), headers={"authorization": signed})
     assert r.status_code == 413 and "content-length" not in r.request.headers
 
     # lying content-length, too large: refused at once, the body is never waited for
-    head = (f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+    head = (f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: {signed}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {10**15}\r\n\r\n").encode()
     out, took = raw_http(c.port, head, valid)
     assert statuses(out)[:1] == [413] and took < 3, (out[:200], took)
 
     # lying content-length, too small: only that many bytes are the body; the rest is
     # not a request. Nothing is written and nothing answers 200 or 5xx.
-    head = (f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+    head = (f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: {signed}\r\n"
             f"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n").encode()
     out, _ = raw_http(c.port, head, padded, timeout=3)
     codes = statuses(out)
     assert codes and all(400 <= s < 500 for s in codes), out[:300]
     # an invalid content-length header never reaches the handler
     for value in ["-1", "abc", "1e3", "\u00b2".encode().decode("latin-1"), "10, 20", ""]:
-        head = (f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        head = (f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: {signed}\r\n"
                 f"Content-Length: {value}\r\n\r\n").encode("latin-1")
         out, _ = raw_http(c.port, head, valid, timeout=3)
         codes = statuses(out)
@@ -922,8 +793,9 @@ def test_concurrent_pushes_beyond_the_limit_are_429(c_servers):
 
     def one(i):
         session, d = dests[i]
-        r = httpx.post(c.url + "/push_blocks", content=json.dumps(push_body(d, session=session)),
-                       headers=c.headers, timeout=30)
+        content = json.dumps(push_body(d, session=session)).encode()
+        r = httpx.post(c.url + "/push_blocks", content=content, timeout=30,
+                       headers=request_headers(c.config, "POST", "/push_blocks", content))
         done[i] = (r.status_code, r.json(), time.monotonic() - t0)
 
     with ThreadPoolExecutor(20) as pool:
@@ -983,27 +855,6 @@ def hostile():
     h = HostileC()
     yield h
     h.stop()
-
-
-SCHED_FP = KVFingerprint(model=FP.model, dtype=FP.dtype, block_size=BS, tp_size=1)
-
-
-def d_request(rid="r1", n_tokens=5 * BS + 3, source="http://c:9000"):
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n_tokens)),
-                           kv_transfer_params={"push_from": source}, cache_salt=None,
-                           lora_request=None, num_computed_tokens=0,
-                           num_external_computed_tokens=0)
-
-
-def ask(sched: PushScheduler, r, local_tokens=0, timeout=10):
-    first = sched.get_num_new_matched_tokens(r, local_tokens)
-    if first != (None, False):
-        return first
-    fut = sched._matches[r.request_id]
-    end = time.monotonic() + timeout
-    while not fut.done() and time.monotonic() < end:
-        time.sleep(0.005)
-    return sched.get_num_new_matched_tokens(r, local_tokens)
 
 
 NOW = Raw("@@NOW@@")  # C's clock in an answer: the time it is sent (fresh())
@@ -1072,21 +923,14 @@ def test_hostile_match_answer_is_clamped_or_ignored(hostile, name, status, body,
     got = ask(sched, r, local)  # never raises
     assert got == expected, (name, got, sched.stats)
     assert [s[0] for s in hostile.seen] == ["match"]
-    assert hostile.seen[0][1].get("authorization") == f"Bearer {TOKEN}"
+    assert hostile.seen[0][1].get("authorization").startswith("Mooncake-HMAC-SHA256 ")
+    assert TOKEN not in json.dumps(hostile.seen[0][1])  # signed: the token is never sent
     assert sched.stats["match_failed"] == (0 if got[1] or name in ("negative", "-10**18") else 1)
     if got[1]:  # the push asks for at most the prompt's full blocks
         sched.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: (
             list(range(100, 105)),)), got[0])
         (job,) = sched.take_jobs()
         assert job.first_block + len(job.dst_block_ids) <= 5
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def push_answer(**over):
@@ -1136,7 +980,8 @@ def test_hostile_push_answer_lands_nothing_it_cannot_prove(hostile, name, status
     job = PushJob("r1", hostile.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
     rec.start([job])
     assert hostile.answered.wait(5)
-    assert hostile.seen[0][1].get("authorization") == f"Bearer {TOKEN}"
+    assert hostile.seen[0][1].get("authorization").startswith("Mooncake-HMAC-SHA256 ")
+    assert TOKEN not in json.dumps(hostile.seen[0][1])  # signed: the token is never sent
     sent = json.loads(hostile.seen[0][2])
     assert sent["dst_num_blocks"] == NBLK and sent["fingerprint"] == FP.model_dump()
     end = time.monotonic() + (5 if answered else 0.5)
@@ -1187,7 +1032,8 @@ def allowlist_scheduler(sources=(ALLOWED,)):
     "http://c:9000@evil:80", "http://evil:80#@c:9000", "http://evil:80?@c:9000",
     "http://evil:80/@c:9000", "http://c:9000 @evil:80", "c:9000", "http://c",
     "file:///etc/passwd", "gopher://c:9000", "//c:9000", "http://:9000",
-    "http://c:9000\n@evil", 12345, ["http://c:9000"],
+    "http://c:9000\n@evil", 12345, ["http://c:9000"], "http://user:pw@c:9000",
+    "http://c:9000/push_blocks?", "http://c:9000/x",
 ])
 def test_push_from_outside_the_allowlist_is_refused_without_a_call(source):
     sched, calls = allowlist_scheduler()
@@ -1218,7 +1064,7 @@ def test_unparsable_push_from_is_refused_not_raised(source):
 
 
 @pytest.mark.parametrize("source", ["http://c:9000", "HTTP://C:9000/", "http://c:9000//",
-                                    "Http://c:9000", "http://user:pw@c:9000"])
+                                    "Http://c:9000"])
 def test_push_from_equivalent_to_an_allowed_source_is_queried(source):
     sched, calls = allowlist_scheduler()
     assert ask(sched, d_request(source=source)) == (4 * BS, True)

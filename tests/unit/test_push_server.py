@@ -11,15 +11,12 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import KV, filled_mirror
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import KVFingerprint
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
-    hash_prompt_blocks,
-    to_pool_key,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
     HashDelta,
     HashEventKind,
@@ -38,17 +35,9 @@ FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="float32/auto", block_si
 C_SESSION = "127.0.0.1:4321"  # C's own transfer engine (never a destination)
 
 
-class Instance:
-    def __init__(self, fill: bool):
-        self.kv = [np.zeros(NBLK * BLEN, dtype=np.uint8) for _ in range(SLOTS)]
-        if fill:
-            for s, t in enumerate(self.kv):
-                for b in range(NBLK):
-                    t[b * BLEN:(b + 1) * BLEN] = (s * NBLK + b) % 251 + 1
-        self.bases = [t.ctypes.data for t in self.kv]
-
-    def block(self, slot, b):
-        return self.kv[slot][b * BLEN:(b + 1) * BLEN]
+def instance(fill: bool) -> KV:
+    """C's or D's KV cache in this module's layout."""
+    return KV(fill, slots=SLOTS, nblk=NBLK, blen=BLEN)
 
 
 def memmove_write(log):
@@ -61,12 +50,8 @@ def memmove_write(log):
 
 
 def make(held=C_BLOCKS, salt=None, write=None, log=None):
-    c, d = Instance(True), Instance(False)
-    sync = WorkerHashSync(BS)
-    hashes = hash_prompt_blocks(TOKENS, BS, CFG.hash_algo, CFG.none_hash, cache_salt=salt)
-    events = [(HashEventKind.STORED, to_pool_key(h), b) for h, b in zip(hashes, held)]
-    sync.on_metadata(HashDelta(events=events, hash_config=CFG))
-    sync.after_step()
+    c, d = instance(True), instance(False)
+    sync = filled_mirror(BS, TOKENS, held, CFG, cache_salt=salt)
     log = [] if log is None else log
     server = PushServer(sync, write or memmove_write(log), c.bases, BLEN, FP, C_SESSION,
                         config=ExtConfig(), wall_clock_ms=lambda: NOW_MS)
@@ -175,7 +160,7 @@ def test_block_evicted_during_the_write_reports_failed():
 
 
 def test_before_the_first_step_is_503():
-    c, d = Instance(True), Instance(False)
+    c, d = instance(True), instance(False)
     server = PushServer(WorkerHashSync(BS), memmove_write([]), c.bases, BLEN, FP, C_SESSION,
                         wall_clock_ms=lambda: NOW_MS)
     assert server.push(body(d))[0] == 503

@@ -3,7 +3,7 @@
 A slow source (a raw socket server on 127.0.0.1 that trickles its answer one
 byte every 0.5 s, so no single read ever times out) must pin only its own
 threads and only until each call's deadline: a healthy source (a real
-PushServer, test_push_security's set-up) is answered at once meanwhile, and
+PushServer, helpers.CServer) is answered at once meanwhile, and
 the process can exit. An answer is never read past its cap. D connects to the
 source it names, never to a proxy from its environment. A push queued behind
 a slow source's pushes is never sent once it has ended."""
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from test_push_security import (
+from helpers import (
     BLEN,
     BS,
     D_SESSION,
@@ -32,7 +32,6 @@ from test_push_security import (
     NBLK,
     SCHED_FP,
     TOKENS,
-    CServer,
     ask,
     d_request,
     serve,
@@ -138,10 +137,8 @@ def sources():
 
 
 @pytest.fixture
-def healthy():
-    c = CServer(ExtConfig(bootstrap_host="127.0.0.1"))
-    yield c
-    c.close()
+def healthy(c_server):
+    return c_server()
 
 
 def wait_until(cond, timeout):

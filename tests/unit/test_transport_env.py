@@ -97,3 +97,21 @@ def test_real_engine_rejects_a_large_batch_with_mooncake_defaults_and_moves_it_w
     pytest.importorskip("mooncake.engine")
     assert run_engine(env_defaults=False) == "RESULT -1 False"  # the premise of the defaults
     assert run_engine(env_defaults=True) == "RESULT 0 True"
+
+
+def test_the_start_log_says_the_engine_listens_everywhere_and_names_the_ports(caplog):
+    """MC_TCP_BIND_ADDRESS does not confine Mooncake's listeners: say so, loudly where
+    the operator asked for a loopback instance, with the ports to firewall."""
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.transport_env import (
+        log_engine_listeners,
+    )
+
+    with caplog.at_level(logging.INFO):
+        log_engine_listeners({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_MIN_RPC_PORT": "21000",
+                              "MC_MAX_RPC_PORT": "21019"})
+        log_engine_listeners({"MC_TCP_BIND_ADDRESS": "10.0.0.5"})
+    (local, other) = [r for r in caplog.records if "listens on ALL interfaces" in r.getMessage()]
+    assert local.levelno == logging.WARNING and "21000-21019" in local.getMessage()
+    assert other.levelno == logging.INFO and "15000-17000" in other.getMessage()

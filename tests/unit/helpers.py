@@ -1,0 +1,253 @@
+"""Builders and stubs several unit test modules use, imported by name
+(``from helpers import ...``); the fixtures built on them are in conftest.py.
+
+- waiting: wait_until
+- prefix push, C's side: a KV cache of numpy buffers (KV), a transfer engine
+  that copies between them (MemEngine), a hash mirror holding a prompt's blocks
+  (filled_mirror), a FastAPI app on 127.0.0.1 in a thread (serve, serve_push),
+  and all of it together over real HTTP (CServer);
+- prefix push, D's side: a request (d_request), a match asked until answered
+  (ask), a clock a test moves by hand (Clock).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+from fastapi import FastAPI
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.auth import (
+    client_headers,
+    request_headers,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import KVFingerprint
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
+    register_routes as register_push_routes,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
+    hash_prompt_blocks,
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
+    HashDelta,
+    HashEventKind,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import (
+    register_routes as register_hashsync_routes,
+)
+
+
+def wait_until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+# ---- prefix push: C and D alike (CServer's layout) ------------------------------------
+
+BS, SLOTS, NBLK, BLEN = 4, 2, 16, 64
+HCFG = HashConfig("sha256", b"\x01" * 32)
+TOKENS = list(range(500, 500 + 3 * BS + 1))  # 3 full blocks + 1 token
+C_BLOCKS = [5, 2, 6]  # where C holds them
+DST_BLOCKS = [3, 4, 7]  # where D wants them
+FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="float32/auto", block_size=BS,
+                   tp_size=1, block_len=BLEN, num_kv_tensors=SLOTS)
+C_SESSION = "127.0.0.1:17001"  # C's own transfer engine
+D_SESSION = "127.0.0.1:17002"
+SCHED_FP = KVFingerprint(model=FP.model, dtype=FP.dtype, block_size=BS, tp_size=1)
+
+
+class KV:
+    """One instance's KV cache: ``slots`` tensors of ``nblk`` blocks of ``blen``
+    bytes (SLOTS, NBLK, BLEN unless a test has a layout of its own). Filled, each
+    block of each tensor holds a byte of its own."""
+
+    def __init__(self, fill: bool, slots: int = SLOTS, nblk: int = NBLK, blen: int = BLEN):
+        self.blen = blen
+        self.kv = [np.zeros(nblk * blen, dtype=np.uint8) for _ in range(slots)]
+        if fill:
+            for s, t in enumerate(self.kv):
+                for b in range(nblk):
+                    t[b * blen:(b + 1) * blen] = (s * nblk + b) % 251 + 1
+        self.bases = [t.ctypes.data for t in self.kv]
+
+    def block(self, slot: int, b: int) -> np.ndarray:
+        return self.kv[slot][b * self.blen:(b + 1) * self.blen]
+
+    def snapshot(self) -> bytes:
+        return b"".join(t.tobytes() for t in self.kv)
+
+    def untouched(self) -> bool:
+        return not any(t.any() for t in self.kv)
+
+
+class MemEngine:
+    """write_fn: logs every call; copies only into memory registered for the session
+    (anything else: -1, nothing copied). gate(): writes wait until it opens."""
+
+    def __init__(self):
+        self.log: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.regions: dict[str, list[tuple[int, int]]] = {}
+        self.lock = threading.Lock()
+        self._gate: threading.Event | None = None
+        self.entered = 0
+
+    def register(self, session: str, kv: KV) -> None:
+        self.regions[session] = [(t.ctypes.data, t.nbytes) for t in kv.kv]
+
+    def gate(self) -> threading.Event:
+        self._gate = threading.Event()
+        return self._gate
+
+    def bytes_logged(self) -> int:
+        with self.lock:
+            return sum(sum(lens) for _, _, lens in self.log)
+
+    def __call__(self, session, src, dst, lens) -> int:
+        with self.lock:
+            self.log.append((session, tuple(dst), tuple(lens)))
+            self.entered += 1
+        if self._gate is not None:
+            assert self._gate.wait(30), "test gate never opened"
+        regions = self.regions.get(session, [])
+        for d, n in zip(dst, lens):
+            if not any(lo <= d and d + n <= lo + size for lo, size in regions):
+                return -1
+        for s, d, n in zip(src, dst, lens):
+            ctypes.memmove(d, s, n)
+        return 0
+
+
+def filled_mirror(block_size: int, tokens: list[int], blocks: list[int], hash_config: HashConfig,
+                  cache_salt: str | None = None) -> WorkerHashSync:
+    """A worker's hash mirror whose published blocks ``blocks`` hold the full
+    blocks of ``tokens``, in order."""
+    sync = WorkerHashSync(block_size)
+    hashes = hash_prompt_blocks(tokens, block_size, hash_config.hash_algo, hash_config.none_hash,
+                                cache_salt=cache_salt)
+    sync.on_metadata(HashDelta(events=[(HashEventKind.STORED, to_pool_key(h), b)
+                                       for h, b in zip(hashes, blocks)], hash_config=hash_config))
+    sync.after_step()
+    return sync
+
+
+def free_port() -> int:
+    """A port nothing listens on (for a source that is not there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(app) -> tuple[str, callable]:
+    """Run a FastAPI app on 127.0.0.1 (a socket bound here: no port race)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    end = time.monotonic() + 10
+    while not uv.started and time.monotonic() < end:
+        time.sleep(0.01)
+    assert uv.started, "uvicorn did not start"
+
+    def stop():
+        uv.should_exit = True
+        th.join(5)
+        sock.close()
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def serve_push(server: PushServer) -> tuple[str, callable]:
+    """C's /push_blocks and /match_blocks (push.server) on 127.0.0.1: (url, stop)."""
+    app = FastAPI()
+    register_push_routes(app, lambda: server)
+    return serve(app)
+
+
+class CServer:
+    """C: a filled KV cache whose hash mirror holds TOKENS' 3 blocks, serving
+    /push_blocks, /match_blocks (push.server) and /hashsync (hashsync.sync) over HTTP."""
+
+    def __init__(self, config: ExtConfig, fingerprint: KVFingerprint = FP):
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.sender import (
+            register_routes as register_layerwise_routes,
+        )
+
+        self.config = config
+        self.c = KV(fill=True)
+        self.sync = filled_mirror(BS, TOKENS, C_BLOCKS, HCFG)
+        self.engine = MemEngine()
+        self.server = PushServer(self.sync, self.engine, self.c.bases, BLEN, fingerprint,
+                                 C_SESSION, config)
+        app = FastAPI()
+        register_push_routes(app, lambda: self.server)
+        register_hashsync_routes(app, lambda: self.sync, self.server.guard)
+        register_layerwise_routes(app, lambda: None, self.server.guard)
+        self.url, self._stop = serve(app)
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.headers = client_headers(config)  # the GET routes (bearer)
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    def destination(self, session: str = D_SESSION) -> KV:
+        d = KV(fill=False)
+        self.engine.register(session, d)
+        return d
+
+    def post(self, path: str, body, headers=None, **kw) -> httpx.Response:
+        """POST as D does: signed when C has a token (auth.request_headers)."""
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        if headers is None:
+            raw = content.encode() if isinstance(content, str) else content
+            headers = request_headers(self.config, "POST", path, raw)
+        return self.http.post(path, content=content, headers=headers, **kw)
+
+    def close(self):
+        self.http.close()
+        self._stop()
+
+
+# ---- prefix push: D -------------------------------------------------------------------
+
+def d_request(rid="r1", n_tokens=5 * BS + 3, source="http://c:9000"):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n_tokens)),
+                           kv_transfer_params={"push_from": source}, cache_salt=None,
+                           lora_request=None, num_computed_tokens=0,
+                           num_external_computed_tokens=0)
+
+
+def ask(sched: PushScheduler, r, local_tokens=0, timeout=10):
+    first = sched.get_num_new_matched_tokens(r, local_tokens)
+    if first != (None, False):
+        return first
+    fut = sched._matches[r.request_id]
+    end = time.monotonic() + timeout
+    while not fut.done() and time.monotonic() < end:
+        time.sleep(0.005)
+    return sched.get_num_new_matched_tokens(r, local_tokens)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
