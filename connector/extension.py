@@ -340,18 +340,15 @@ class WorkerExtension:
                          f"decode {meta.remote_tp_size}); unset MOONCAKE_LAYERWISE")))
             return
         limits = getattr(meta, "ext", None)
-        if (refusal := self.config.layerwise_refusal(limits)) is not None:
-            self._warn_once(f"limits:{refusal}", "Layer-wise push refused: %s", refusal)
+        # D must still wait when P may answer, and D's KV cache must be this
+        # instance's in all but its number of blocks: P writes its own blocks
+        # (block_len bytes at block ids) at D's addresses
+        refusal = (self.config.layerwise_refusal(limits)
+                   or handshake_refusal(self.fingerprint, limits, len(meta.kv_caches_base_addr)))
+        if refusal is not None:
+            self._warn_once(refusal, "Layer-wise push refused: %s", refusal)
             await send(MooncakeXferResponse(status=MooncakeXferResponseStatus.ERROR,
                                             err_msg=refusal))
-            return
-        # D's KV cache must be this instance's in all but its number of blocks: P
-        # writes its own blocks (block_len bytes at block ids) at D's addresses
-        kv_refusal = handshake_refusal(self.fingerprint, limits, len(meta.kv_caches_base_addr))
-        if kv_refusal is not None:
-            self._warn_once(f"kv:{kv_refusal}", "Layer-wise push refused: %s", kv_refusal)
-            await send(MooncakeXferResponse(status=MooncakeXferResponseStatus.ERROR,
-                                            err_msg=kv_refusal))
             return
         if limits is None:
             session = f"{meta.remote_hostname}:{meta.remote_port}"[:80]

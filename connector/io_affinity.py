@@ -64,8 +64,9 @@ def lower_current_thread_priority(nice: int = POLLER_NICE) -> bool:
 def deprioritize_current_poller(cpus: frozenset[int] | None) -> bool:
     """Lower this thread's CPU priority (nice 19) when MOONCAKE_IO_CPUS is set.
 
-    The transfer engine's batch_transfer_sync_* calls busy-poll for completion
-    on the calling thread. With the IO CPUs shared by the transport threads that
+    A write polls the transfer engine for completion on the calling thread
+    (engine_write.py spins first; the engine's own batch_transfer_sync_* calls
+    busy-poll throughout). With the IO CPUs shared by the transport threads that
     actually move the bytes (and, under load, by a decode instance's compute),
     a poller at normal priority takes their CPU time: seen in mb7 under load,
     where transfers then crawled into Mooncake's 30 s timeout. At nice 19 it

@@ -363,18 +363,24 @@ class FaultBench:
             time.sleep(0.05)
         return turn2, fut
 
+    def _push_answer(self, out: Outcome, fut: cf.Future, when: str) -> Completion | None:
+        """D's answer to the pushed turn, or None once its end was recorded (lost
+        past the deadline, or a clear error)."""
+        try:
+            return fut.result(timeout=REQUEST_DEADLINE_S + 10)
+        except cf.TimeoutError:
+            out.record("lost", f"D's push request never ended {when}")
+        except RequestFailed as exc:
+            out.record("error", str(exc))
+        return None
+
     def kill_push_source(self, out: Outcome) -> None:
         """SIGKILL C (= P) while D waits for its /push_blocks; D must fall back."""
         out.must_succeed = True  # D prefills locally
         turn2, fut = self._push_in_delayed_write()
         self.p.kill()
-        try:
-            got = fut.result(timeout=REQUEST_DEADLINE_S + 10)
-        except cf.TimeoutError:
-            out.record("lost", "D's push request never ended after C was killed")
-        except RequestFailed as exc:
-            out.record("error", str(exc))
-        else:
+        got = self._push_answer(out, fut, "after C was killed")
+        if got is not None:
             self.check(out, got, turn2, self.d)
         self.baseline(out, self.d)
         self.p.restart(self.cluster.push_sources)
@@ -396,13 +402,8 @@ class FaultBench:
         time.sleep(PUSH_DELAY_S + ENGINE_TIMEOUT_S + 2)
         self.topology.link_up("prefill")
         up = time.monotonic()
-        try:
-            got = fut.result(timeout=REQUEST_DEADLINE_S + 10)
-        except cf.TimeoutError:
-            out.record("lost", "D's push request never ended after C's link came back")
-        except RequestFailed as exc:
-            out.record("error", str(exc))
-        else:
+        got = self._push_answer(out, fut, "after C's link came back")
+        if got is not None:
             pushed = (PUSH_TURN1 // BLOCK) * BLOCK
             if (got.cached_tokens or 0) < pushed:
                 out.record("wrong", f"the push's KV did not come over: cached_tokens "

@@ -498,7 +498,7 @@ class LayerwiseSender:
         ended transfers), waits for the compute they read, writes, reports.
         Retires once it had nothing to do for writer_idle_s."""
         move_current_thread_to_io_cpus(self.config.io_cpus)
-        deprioritize_current_poller(self.config.io_cpus)  # the engine's sync write busy-polls
+        deprioritize_current_poller(self.config.io_cpus)  # the write polls the engine
         while True:
             try:
                 batch = w.queue.get(timeout=self.writer_idle_s)

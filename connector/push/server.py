@@ -8,8 +8,8 @@ the prompt as the scheduler does, match the longest cached prefix and
 snapshot its blocks' generations, refuse to start once the request's
 deadline (D's wall clock) or its budget (from when this server received it,
 on this instance's monotonic clock) has passed, write blocks
-``first_block ..`` into D's blocks with one ``batch_transfer_sync_write``
-(on a thread at nice 19: the call busy-polls, see writer.py), then check
+``first_block ..`` into D's blocks with one terminal engine write
+(engine_write.py; on a thread at nice 19: it polls the engine, see writer.py), then check
 that none of the read blocks was evicted or reused meanwhile (else the push
 is reported ``failed``: D must not use those bytes). The answer is sent only after the engine call
 returned: once D has it, no byte of this push can still arrive.
@@ -134,7 +134,7 @@ class PushServer:
                  reader: ReadFn | None = None, clock: Callable[[], float] = time.monotonic):
         self.sync = sync
         self.reader = reader  # proof of write: source bytes at D's probes
-        # the engine's sync write busy-polls on its caller: at nice 19 (writer.py)
+        # the write polls the engine on its caller: at nice 19 (writer.py)
         self._writer = LowPriorityWriter(write_fn)
         self.base_addrs = list(base_addrs)
         self.block_len = block_len

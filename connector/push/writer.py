@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run C's push write on a thread at the lowest CPU priority (nice 19).
 
-The transfer engine's ``batch_transfer_sync_write`` submits the batch and then
-busy-polls its status on the calling thread, without sleeping, until the last
-entry completes (mooncake 0.3.13, ``TransferEnginePy::batchTransferSync``;
-``get_batch_transfer_status`` polls the same way). The bytes are moved by the
+Every write of this series polls the engine for completion on the calling
+thread (engine_write.TerminalWriter: it spins for its first polls, then sleeps
+with a back-off); the engine's own ``batch_transfer_sync_write``, which the
+figures below were measured with, busy-polls without sleeping (mooncake 0.3.13,
+``TransferEnginePy::batchTransferSync``). The bytes are moved by the
 transport's own threads (TCP: one io thread). When the caller and those
 threads share one core, as on this project's CPU machine where vLLM binds the
 whole instance to its cores (VLLM_CPU_OMP_THREADS_BIND), the poller takes half

@@ -167,7 +167,7 @@ def test_before_the_first_step_is_503():
 
 
 def test_write_runs_on_a_thread_at_nice_19_and_the_caller_keeps_its_priority():
-    """The engine's sync write busy-polls on its calling thread (push/writer.py):
+    """A write polls the engine on its calling thread (push/writer.py):
     C's write must poll at nice 19, not at the bootstrap thread's priority."""
     seen = []
     inner = memmove_write([])
