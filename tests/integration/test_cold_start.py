@@ -1,4 +1,4 @@
-"""The first P->D request after start costs about what the second does (issue 13).
+"""The first P->D request after start costs about what the second does.
 
 Before patch 0012 the CPU backend compiled the sampler's torch.compile'd
 kernels (random sampling, logprob ranks) on first use: the first request

@@ -268,7 +268,7 @@ def test_git_dir_component_refused(project) -> None:
 
 
 def test_header_lines_apart_are_still_read_as_unidiff_reads_them(project) -> None:
-    """A line between --- and +++: unidiff still takes the +++ name (review finding)."""
+    """A line between --- and +++: unidiff still takes the +++ name, so the check does too."""
     path = ".git/hooks/post-commit"
     diff = f"--- /dev/null\njunk\n+++ b/{path}\n@@ -0,0 +1 @@\n+evil\n"
     name, text = add(project, "0001-apart.patch", diff)

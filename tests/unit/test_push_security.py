@@ -1,5 +1,5 @@
-"""Security hardening of prefix push (issue 10): who may make C write, what, and
-where; what D believes of a source's answers.
+"""Security hardening of prefix push: who may make C write, what, and where;
+what D believes of a source's answers.
 
 Pure logic and in-process HTTP (uvicorn on 127.0.0.1 in a thread); no vLLM
 instance. C's transfer engine is a memmove between numpy buffers that logs
