@@ -17,20 +17,33 @@ Two ways to measure it:
     at nice 19). microbench/push compares C's write seconds with this.
 
 Both check that every byte landed and return the seconds of each repetition.
+
+The engine logs to the process's own stderr (glog lines such as
+``transfer_metadata.cpp:616] removeSegmentDesc``) and importing vLLM's
+connector pieces logs to stdout, so the benchmarks run their probes in a child
+process whose output goes to a log file they name: ``engine_write_bandwidths``
+and ``placed_write_bandwidth_logged`` (``python -m microbench.bandwidth``, an
+interface between this module and its child only).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing as mp
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from microbench.common import run_logged
+
 SETUP_TIMEOUT_S = 120.0  # a child's engine start-up and registration
+LOGGED_TIMEOUT_S = 900.0  # a logged probe child: vLLM's import, engines, every write
 
 
 @dataclass(frozen=True)
@@ -235,3 +248,47 @@ def placed_write_bandwidth(layout: WriteLayout, *, src_cpus: str | None, dst_cpu
             "poller_nice": nice, "push_writer_nice": WRITER_NICE, "seconds": secs,
             "median_s": med, "gb_per_s": layout.total_bytes / med / 1e9,
             "best_gb_per_s": layout.total_bytes / min(secs) / 1e9}
+
+
+# --- the probes in a child process, its output in a log file -------------------------
+
+def engine_write_bandwidths(probes: list[tuple[int, int]], protocol: str = "tcp",
+                            reps: int = 3, *, log_path: Path) -> list[dict]:
+    """``engine_write_bandwidth(total_bytes, entry_bytes, protocol, reps)`` for each
+    ``(total_bytes, entry_bytes)`` of ``probes``, all in one child process whose
+    output (the engine's and vLLM's log lines) is appended to ``log_path``."""
+    kwargs = {"probes": [list(p) for p in probes], "protocol": protocol, "reps": reps}
+    return run_logged("microbench.bandwidth", ["engine", "--kwargs", json.dumps(kwargs)],
+                      log_path, timeout=LOGGED_TIMEOUT_S)
+
+
+def placed_write_bandwidth_logged(layout: WriteLayout, *, log_path: Path, src_cpus: str | None,
+                                  dst_cpus: str | None, protocol: str = "tcp", reps: int = 3,
+                                  nice: int = 19) -> dict:
+    """``placed_write_bandwidth`` in a child process (its writer and reader are that
+    child's children) whose output is appended to ``log_path``."""
+    kwargs = {"layout": asdict(layout), "src_cpus": src_cpus, "dst_cpus": dst_cpus,
+              "protocol": protocol, "reps": reps, "nice": nice}
+    return run_logged("microbench.bandwidth", ["placed", "--kwargs", json.dumps(kwargs)],
+                      log_path, timeout=LOGGED_TIMEOUT_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child of the two functions above: one call, its result as JSON."""
+    ap = argparse.ArgumentParser(prog="python -m microbench.bandwidth")
+    ap.add_argument("call", choices=["engine", "placed"])
+    ap.add_argument("--kwargs", required=True, help="the call's arguments, JSON")
+    ap.add_argument("--result", type=Path, required=True, help="where the JSON result goes")
+    args = ap.parse_args(argv)
+    kw = json.loads(args.kwargs)
+    if args.call == "engine":
+        result: Any = [engine_write_bandwidth(total, entry, kw["protocol"], kw["reps"])
+                       for total, entry in kw["probes"]]
+    else:
+        result = placed_write_bandwidth(WriteLayout(**kw.pop("layout")), **kw)
+    args.result.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +42,57 @@ def machine_info() -> dict:
     except OSError:
         pass
     return info
+
+
+def verbose() -> bool:
+    """VMP_VERBOSE=1 (scripts/main.sh -v): show what normally goes to log files too."""
+    return os.environ.get("VMP_VERBOSE", "") not in ("", "0")
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+def run_logged(module: str, args: list[str], log_path: Path, *, timeout: float) -> Any:
+    """``python -m module *args --result FILE`` in a child process whose stdout and
+    stderr are appended to ``log_path`` (also shown here with VMP_VERBOSE=1); returns
+    the JSON the child wrote to FILE. Keeps what C++ libraries and vLLM write to the
+    process's own file descriptors (glog lines, vLLM's log) off the terminal.
+    Raises RuntimeError naming the log and showing its tail when the child fails."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vmp-child-") as tmp, open(log_path, "a") as log:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", module, *args, "--result", str(result)]
+        log.write(f"# {shlex.join(cmd)}\n")
+        log.flush()
+        show = verbose()
+        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE if show else log,
+                                stderr=subprocess.STDOUT, text=True, errors="replace")
+        try:
+            if show:  # no timeout while streaming: the child's own timeouts bound it
+                for line in proc.stdout:
+                    log.write(line)
+                    sys.stderr.write(line)
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"python -m {module} {args[0] if args else ''} did not finish "
+                               f"in {timeout:.0f}s (log: {log_path})") from None
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        log.flush()
+        if rc != 0 or not result.exists():
+            raise RuntimeError(f"python -m {module} {args[0] if args else ''} failed (exit {rc}; "
+                               f"log: {log_path}). Last lines:\n{log_tail(log_path)}")
+        return json.loads(result.read_text())
 
 
 def median(xs: list[float]) -> float:

@@ -5,7 +5,12 @@
 # precompiled kernels of the matching vLLM release wheel. Idempotent: steps that
 # are already done are skipped.
 #
-#   scripts/setup.sh [--device auto|cpu|cuda]
+#   scripts/setup.sh [--device auto|cpu|cuda] [-v|--verbose]
+#
+# Prints one line per step (and how long it took); the output of apt, pip,
+# build.py and the doctor goes to a log file named on the first line
+# (.cache/logs/setup-<time>.log). -v, --verbose or VMP_VERBOSE=1 shows it on the
+# terminal too. A failed step is named with the log's path and its last lines.
 #
 # The tree is installed with the documented line, in the activated virtualenv:
 #   python build.py apply && pip install -e third_party/vllm
@@ -16,7 +21,91 @@
 #
 # Device "cuda" takes the precompiled CUDA kernels from the vllm==0.18.1 wheel and
 # the CUDA Mooncake engine; it is UNVERIFIED (no GPU on this project's machines).
+#
+# Sourced (`. scripts/setup.sh`, as main.sh and test.sh do), it only defines the
+# output functions below and returns.
 set -euo pipefail
+
+# --- output: one line per step on the terminal, everything else in a log -------------
+#
+# vmp_log_open TAG   start logging for a script: TAG prefixes its lines; the log is
+#                    $VMP_LOG when a calling script opened one already (and is not named
+#                    again), else a new $VMP_LOG_DIR/TAG-<time>.log (default
+#                    <project>/.cache/logs), named in one line. Exports VMP_LOG.
+# vmp_run WHAT CMD.. runs CMD (a command or a shell function; with errexit in its
+#                    subshell) with its output appended to the log (and shown with
+#                    VMP_VERBOSE=1); prints "[TAG] WHAT ... 12s". On failure prints the
+#                    step, the log's path and its last lines to stderr and exits with
+#                    CMD's status.
+# vmp_say TEXT       one line "[TAG] TEXT".
+
+vmp_verbose() { case "${VMP_VERBOSE:-}" in ""|0) return 1 ;; *) return 0 ;; esac; }
+
+vmp_say() { printf '[%s] %s\n' "$VMP_TAG" "$*"; }
+
+vmp_duration() {  # seconds -> 9s, 2m41s, 1h02m
+  local s=$1
+  if [ "$s" -lt 60 ]; then printf '%ds' "$s"
+  elif [ "$s" -lt 3600 ]; then printf '%dm%02ds' $((s / 60)) $((s % 60))
+  else printf '%dh%02dm' $((s / 3600)) $((s % 3600 / 60)); fi
+}
+
+vmp_log_open() {
+  VMP_TAG="$1"
+  VMP_T0=$SECONDS
+  if [ -n "${VMP_LOG:-}" ] && [ -f "$VMP_LOG" ]; then
+    export VMP_LOG
+    return 0
+  fi
+  local root dir
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  dir="${VMP_LOG_DIR:-$root/.cache/logs}"
+  mkdir -p "$dir"
+  VMP_LOG="$dir/$VMP_TAG-$(date +%Y%m%d-%H%M%S).log"
+  [ -e "$VMP_LOG" ] && VMP_LOG="${VMP_LOG%.log}-$$.log"
+  : > "$VMP_LOG"
+  export VMP_LOG
+  if vmp_verbose; then
+    vmp_say "output below and in $VMP_LOG"
+  else
+    vmp_say "log: $VMP_LOG (-v shows it here)"
+  fi
+}
+
+vmp_run() {
+  local what="$1" t0=$SECONDS rc
+  shift
+  printf '\n# [%s %s] %s: %s\n' "$VMP_TAG" "$(date '+%F %T')" "$what" "$*" >> "$VMP_LOG"
+  if vmp_verbose; then
+    vmp_say "$what ..."
+    set +e
+    ( set -e; "$@" ) 2>&1 | tee -a "$VMP_LOG"
+    rc=${PIPESTATUS[0]}
+    set -e
+  else
+    printf '[%s] %s ... ' "$VMP_TAG" "$what"
+    set +e
+    ( set -e; "$@" ) >> "$VMP_LOG" 2>&1
+    rc=$?
+    set -e
+  fi
+  local took
+  took=$(vmp_duration $((SECONDS - t0)))
+  if [ "$rc" -ne 0 ]; then
+    vmp_verbose && printf '[%s] %s ... ' "$VMP_TAG" "$what"
+    printf 'FAILED after %s (exit %d)\n' "$took" "$rc"
+    {
+      printf '[%s] step failed: %s\n' "$VMP_TAG" "$what"
+      printf '[%s] log: %s; its last lines:\n' "$VMP_TAG" "$VMP_LOG"
+      tail -n 30 "$VMP_LOG" | sed 's/^/    /'
+    } >&2
+    exit "$rc"
+  fi
+  if vmp_verbose; then vmp_say "$what: done in $took"; else printf '%s\n' "$took"; fi
+}
+
+# Sourced: the functions above only.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEVICE="${VMP_DEVICE:-auto}"
@@ -24,32 +113,37 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --device=*) DEVICE="${1#*=}"; shift ;;
+    -v|--verbose) export VMP_VERBOSE=1; shift ;;
     *) echo "setup.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
 case "$DEVICE" in auto|cpu|cuda) ;; *) echo "setup.sh: --device must be auto, cpu or cuda" >&2; exit 2 ;; esac
 
+vmp_log_open setup
 VENV="${VMP_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 export PIP_CONSTRAINT="$ROOT/requirements/lock.txt"   # replaces any machine-wide constraint
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-step() { printf '\n[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 # 1. System packages (Debian/Ubuntu).
 APT_PKGS=(git curl libtcmalloc-minimal4 libibverbs1 libnuma1 quilt iproute2)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+apt_install() {
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "$@"
+}
 if [ ${#missing[@]} -gt 0 ]; then
-  step "apt: installing ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+  vmp_run "apt: installing ${missing[*]}" apt_install "${missing[@]}"
+else
+  vmp_say "apt: ${#APT_PKGS[@]} system packages present"
 fi
 
 # 2. Virtualenv with the pinned Python packages.
 if [ ! -x "$PY" ]; then
-  step "creating virtualenv $VENV"
-  "${PYTHON:-python3}" -m venv "$VENV"
+  vmp_run "creating virtualenv $VENV" "${PYTHON:-python3}" -m venv "$VENV"
 fi
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' || {
   echo "setup.sh: Python >= 3.11 required (set PYTHON=...)" >&2; exit 2; }
@@ -60,14 +154,19 @@ DEVICE=$(cd "$ROOT" && "$PY" -m patchset.build_defaults device)
 REQ="$ROOT/requirements/$DEVICE.txt"
 REQ_STAMP="$VENV/.vmp-req-$DEVICE"
 req_hash=$(cat "$REQ" "$ROOT/requirements/base.txt" "$PIP_CONSTRAINT" | sha256sum | cut -c1-16)
-if [ "$(cat "$REQ_STAMP" 2>/dev/null)" != "$req_hash" ]; then
-  step "pip: installing $REQ (torch 2.10.0 is large; a first install takes a few minutes)"
+pip_install_requirements() {
   # Build isolation on for these, whatever $VENV/pip.conf says (an sdist among them
   # needs its own build dependencies). pip reads this variable inverted: "true"
   # means isolation on.
   PIP_NO_BUILD_ISOLATION=true "$PY" -m pip install --progress-bar off -q "pip==25.3"
   PIP_NO_BUILD_ISOLATION=true "$PY" -m pip install --progress-bar off -r "$REQ"
   echo "$req_hash" > "$REQ_STAMP"
+}
+if [ "$(cat "$REQ_STAMP" 2>/dev/null)" != "$req_hash" ]; then
+  # torch 2.10.0 is large: a first install takes a few minutes
+  vmp_run "pip: installing requirements/$DEVICE.txt" pip_install_requirements
+else
+  vmp_say "pip: requirements/$DEVICE.txt installed ($VENV)"
 fi
 
 # 2b. How pip installs into this virtualenv ($VENV/pip.conf, pip's "site" config,
@@ -92,8 +191,7 @@ EOF
 # the install is skipped when this tree, defaults and lock are installed already.
 set +u; . "$VENV/bin/activate"; set -u
 cd "$ROOT"
-step "python build.py apply"
-python build.py apply
+vmp_run "python build.py apply" python build.py apply
 TREE="$ROOT/third_party/vllm"
 tree_hash=$(cat patches/series patches/*.patch "$PIP_CONSTRAINT" "$TREE/.vmp-build-defaults.json" \
   | sha256sum | cut -c1-16)
@@ -104,10 +202,15 @@ spec = importlib.util.find_spec("vllm")
 print(os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else "")
 PYEOF
 )
-if [ "$installed_at" != "$TREE" ] || [ "$(cat "$INSTALL_STAMP" 2>/dev/null)" != "$tree_hash" ]; then
-  step "pip install -e third_party/vllm (precompiled kernels, see third_party/vllm/.vmp-build-defaults.json)"
+pip_install_tree() {
   pip install -e third_party/vllm
   echo "$tree_hash" > "$INSTALL_STAMP"
+}
+if [ "$installed_at" != "$TREE" ] || [ "$(cat "$INSTALL_STAMP" 2>/dev/null)" != "$tree_hash" ]; then
+  # precompiled kernels, see third_party/vllm/.vmp-build-defaults.json
+  vmp_run "pip install -e third_party/vllm" pip_install_tree
+else
+  vmp_say "pip install -e third_party/vllm: this tree is installed"
 fi
 
 # 5. vLLM's CPU backend refuses to start unless tcmalloc (and, since Intel OpenMP is
@@ -133,5 +236,5 @@ EOF
 fi
 
 # 6. Smoke check: the installed vLLM is this tree, version 0.18.1, kernels and engine load.
-step "checking the installation"
-python -m harness.doctor
+vmp_run "checking the installation (python -m harness.doctor)" python -m harness.doctor
+vmp_say "ready ($DEVICE, $VENV) in $(vmp_duration $((SECONDS - VMP_T0)))"

@@ -47,7 +47,7 @@ from harness.prompts import PromptSource
 from microbench.common import DEFAULT_RESULTS_DIR, finish, machine_info, model_facts, stamp
 from microbench.load import DecodeLoad
 
-from .measure import BLOCK_SIZE, measure, one_layer_transfer_s
+from .measure import BLOCK_SIZE, measure, one_layer_writes
 from .plan import LAYERWISE, POSTHOC, TRANSFER_ARMS, Progress, Step, plan
 from .report import TABLE, build_rows, plot, summary_lines, table_rows, targets
 
@@ -63,7 +63,7 @@ def cluster_plan(loads: list[int], io_cpus: str) -> list[tuple[bool, list[int]]]
     "auto": idle on D's cores (the GPU + NIC emulation), under load not: with
     decode streams on both instances no core is free to stand in for a NIC,
     and pinning every transfer thread to D's busy core starved them (P's
-    engine then stalled behind its sender loop; mb7 under load, issue 4)."""
+    engine then stalled behind its sender loop: seen in mb7 under load)."""
     if io_cpus == "auto":
         idle, busy = [x for x in loads if x == 0], [x for x in loads if x > 0]
         return [(True, idle)] * bool(idle) + [(False, busy)] * bool(busy)
@@ -182,11 +182,13 @@ def run_cluster(args, facts: dict, log_dir: Path, io_on: bool, steps: dict[int, 
                                                      seed=args.seed + 1))
                     streams.enter_context(DecodeLoad(d.url, dm, load, facts["vocab_size"],
                                                      seed=args.seed + 2))
+                    progress.note(f"load {load}: {load} decode streams on each of P and D")
                 phase = []
                 for step in load_steps:
+                    t0 = time.monotonic()
                     sample = measure(step, p, d, pm, dm, prompts, REQUEST_TIMEOUT_S)
                     phase.append(sample)
-                    progress.step_done(step, describe(sample))
+                    progress.step_done(step, describe(sample), seconds=time.monotonic() - t0)
             try:
                 timelines = transfer_timelines(p.bootstrap_url)
             except (httpx.HTTPError, KeyError) as e:
@@ -258,11 +260,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{facts['kv_bytes_per_token'] / 1024:.0f} KiB KV/token); KV tokens "
                   f"{args.sizes}; {args.reps} reps; modes {list(modes)}; loads {args.loads}; "
                   f"{progress.count} measurements")
-    layer = {n: one_layer_transfer_s(n, facts["kv_bytes_per_token"], facts["layers"],
-                                     args.protocol) for n in args.sizes}
+    probe_log = log_dir / "engine-probe.log"
+    layer = one_layer_writes(args.sizes, facts["kv_bytes_per_token"], facts["layers"],
+                             args.protocol, probe_log)
     progress.note("one layer's write on the engine: " + ", ".join(
         f"{n} tok {v['layer_bytes'] / 2**20:.1f} MiB in {1e3 * v['median_s']:.1f} ms"
-        for n, v in layer.items()))
+        for n, v in layer.items()) + f" (engine log: {probe_log})")
     samples, held, warm = [], [], []
     for io_on, loads in cluster_plan(args.loads, args.io_cpus):
         s, h, w = run_cluster(args, facts, log_dir / ("io-on-d" if io_on else "io-per-instance"),

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -109,17 +110,22 @@ def measure(step: Step, p, d, p_model: str, d_model: str, prompts, timeout: floa
     return s
 
 
-def one_layer_transfer_s(kv_tokens: int, kv_bytes_per_token: int, layers: int,
-                         protocol: str, reps: int = 7) -> dict:
-    """The engine's time to write one layer's KV for kv_tokens, laid out as the
-    layer-wise sender lays it out: one entry per KV tensor (K and V) covering
+def one_layer_writes(sizes: list[int], kv_bytes_per_token: int, layers: int, protocol: str,
+                     log_path: Path, reps: int = 7) -> dict[int, dict]:
+    """Per KV token count: the engine's time to write one layer's KV, laid out as
+    the layer-wise sender lays it out: one entry per KV tensor (K and V) covering
     the request's run of blocks (D allocates a fresh request's blocks
-    contiguously). Median over reps; the engine runs in this process."""
-    from microbench.bandwidth import engine_write_bandwidth
+    contiguously). Median over reps. The engines run in a child process whose
+    output (the engine's own log lines) goes to ``log_path``."""
+    from microbench.bandwidth import engine_write_bandwidths
 
-    layer_bytes = kv_bytes(kv_tokens, kv_bytes_per_token) // layers
-    probe = engine_write_bandwidth(layer_bytes, layer_bytes // 2, protocol, reps=reps)
-    secs = probe["seconds"]
-    return {"kv_tokens": kv_tokens, "layer_bytes": layer_bytes, "entries": 2,
-            "seconds": secs, "median_s": statistics.median(secs),
-            "gb_per_s": layer_bytes / statistics.median(secs) / 1e9}
+    layer_bytes = {n: kv_bytes(n, kv_bytes_per_token) // layers for n in sizes}
+    probes = engine_write_bandwidths([(b, b // 2) for b in layer_bytes.values()], protocol,
+                                     reps=reps, log_path=log_path)
+    out = {}
+    for (n, b), probe in zip(layer_bytes.items(), probes):
+        secs = probe["seconds"]
+        out[n] = {"kv_tokens": n, "layer_bytes": b, "entries": 2, "seconds": secs,
+                  "median_s": statistics.median(secs),
+                  "gb_per_s": b / statistics.median(secs) / 1e9}
+    return out

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TextIO
 
 PREFILL_ONLY, LAYERWISE, POSTHOC = "prefill_only", "layerwise", "posthoc"
 TRANSFER_ARMS = (LAYERWISE, POSTHOC)
@@ -30,9 +33,18 @@ class Step:
     arm: str
 
     @property
+    def kind(self) -> tuple[int, str]:
+        """Steps whose durations scale with each other (the ETA's cost model): the same
+        load level and the same requests. Both transfer arms send the same requests
+        (measure.py: P -> D, the local hit on D, the reference on P); prefill-only
+        sends one. Load slows everything by a factor known only once measured."""
+        return (self.load, PREFILL_ONLY if self.arm == PREFILL_ONLY else "transfer")
+
+    @property
     def weight(self) -> float:
-        """Rough cost, for the ETA: prefill time grows with the prompt; load slows it."""
-        return (self.kv_tokens + 256) * (2.0 if self.load else 1.0)
+        """Relative cost within a kind: prefill time grows with the prompt, plus a
+        fixed part (HTTP, scheduling, one decode step)."""
+        return float(self.kv_tokens + 256)
 
 
 def arm_order(rep: int, arms: tuple[str, ...]) -> tuple[str, ...]:
@@ -50,36 +62,72 @@ def plan(sizes: list[int], reps: int, load: int, modes: tuple[str, ...],
 
 
 class Progress:
-    """One line per measurement with the elapsed time and an ETA for the run."""
+    """One line per measurement with the elapsed time and an ETA for the run.
 
-    def __init__(self, steps: list[Step], tag: str = "mb7", clock=time.monotonic,
-                 out=sys.stdout):
-        self.total = sum(s.weight for s in steps)
+    The ETA counts measurements only: start-up, warm-up and probes (the time
+    between a note and the next step) never enter a rate. Each remaining step
+    is estimated from the measured steps of its kind (Step.kind), scaled by
+    weight. Printed as "ETA m:ss" when every remaining step's kind has been
+    measured, "ETA >m:ss" (the part that can be estimated: a lower bound) while
+    some kinds, e.g. a load level not reached yet, have not, and "ETA ~" before
+    any remaining kind has been measured.
+    """
+
+    def __init__(self, steps: list[Step], tag: str = "mb7",
+                 clock: Callable[[], float] = time.monotonic, out: TextIO | None = None):
+        self.remaining: Counter[Step] = Counter(steps)
         self.count = len(steps)
-        self.done_weight = 0.0
         self.done = 0
         self.tag = tag
         self.clock = clock
-        self.t0 = clock()
-        self.out = out
+        self.out = out if out is not None else sys.stdout
+        self.t0 = self.last_line = clock()
+        self.measured: dict[tuple[int, str], tuple[float, float]] = {}  # kind -> (s, weight)
+
+    def _remaining_s(self) -> tuple[float, bool]:
+        """(estimated seconds of the remaining steps whose kind was measured,
+        whether every remaining step's kind was)."""
+        known, complete = 0.0, True
+        for step, n in self.remaining.items():
+            if (seen := self.measured.get(step.kind)) is None:
+                complete = False
+            else:
+                known += n * step.weight * seen[0] / seen[1]
+        return known, complete
 
     def eta_s(self) -> float | None:
-        if not self.done_weight:
-            return None
-        rate = (self.clock() - self.t0) / self.done_weight
-        return rate * (self.total - self.done_weight)
+        """Seconds left for the remaining measurements; None while some kind among
+        them has not been measured."""
+        known, complete = self._remaining_s()
+        return known if complete else None
 
-    def step_done(self, step: Step, message: str) -> None:
+    def eta_text(self) -> str:
+        known, complete = self._remaining_s()
+        if complete:
+            return fmt_duration(known)
+        return ">" + fmt_duration(known) if known > 0 else "~"
+
+    def step_done(self, step: Step, message: str, seconds: float | None = None) -> None:
+        """Record one measurement and print its line. ``seconds``: how long the
+        measurement took (default: the time since this progress's previous line)."""
+        now = self.clock()
+        took = now - self.last_line if seconds is None else seconds
+        self.last_line = now
         self.done += 1
-        self.done_weight += step.weight
-        eta = self.eta_s()
-        print(f"[{self.tag} {self.done}/{self.count} {fmt_duration(self.clock() - self.t0)}"
-              f"{'' if eta is None else ', ETA ' + fmt_duration(eta)}] "
-              f"{'idle' if not step.load else f'load {step.load}'} {step.kv_tokens} tok "
-              f"rep {step.rep + 1} {step.arm}: {message}", file=self.out, flush=True)
+        if self.remaining[step] > 1:
+            self.remaining[step] -= 1
+        else:
+            self.remaining.pop(step, None)
+        secs, weight = self.measured.get(step.kind, (0.0, 0.0))
+        self.measured[step.kind] = (secs + max(0.0, took), weight + step.weight)
+        print(f"[{self.tag} {self.done}/{self.count} {fmt_duration(now - self.t0)}, ETA "
+              f"{self.eta_text()}] {'idle' if not step.load else f'load {step.load}'} "
+              f"{step.kv_tokens} tok rep {step.rep + 1} {step.arm}: {message}", file=self.out,
+              flush=True)
 
     def note(self, message: str) -> None:
-        print(f"[{self.tag} {fmt_duration(self.clock() - self.t0)}] {message}", file=self.out,
+        self.last_line = self.clock()
+        print(f"[{self.tag} {fmt_duration(self.last_line - self.t0)}] {message}", file=self.out,
               flush=True)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from .measure import kv_bytes
 from .plan import LAYERWISE, POSTHOC, PREFILL_ONLY
 
-# The issue's targets: (load level, key, comparison, bound)
+# mb7's targets: (load level, key, comparison, bound)
 IDLE_TAIL_OVER_FLOOR = 1.2
 LOAD_TAIL_OVER_FLOOR = 1.5
 FLATNESS = 1.3

@@ -15,7 +15,8 @@ TTFT is the latency of a max_tokens=1 request. Reported per length: blocks
 matched on C / full blocks of turn 2, blocks pushed, D's external prefix-cache
 hit rate (cached tokens / prompt tokens), TTFT medians, push/local and
 push/cold, bytes pushed, and the transfer engine's own bandwidth measured
-here (microbench/bandwidth.py) with the issue's target
+here (microbench/bandwidth.py, in a child process whose log goes beside the
+instances' logs), with the targets
 push <= local + 1.25 x bytes / bandwidth + 50 ms and push <= 0.3 x cold.
 
 Write efficiency: C's push stats (GET /hashsync, "push": bytes, entries,
@@ -56,7 +57,7 @@ from harness.pd_client import (
     wait_for_matched_blocks,
 )
 from harness.prompts import PromptSource
-from microbench.bandwidth import WriteLayout, engine_write_bandwidth, placed_write_bandwidth
+from microbench.bandwidth import WriteLayout, engine_write_bandwidths, placed_write_bandwidth_logged
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
     finish,
@@ -120,7 +121,8 @@ def one_session(c, d, prompts, n: int, args, cm: str, dm: str, *, logprobs: int 
     return {"turn2": turn2, "match": m, "push": push, "write": write_of(before, c_push_stats(c))}
 
 
-def measure_size(c, d, prompts, n: int, args, cm: str, dm: str, facts: dict) -> dict:
+def measure_size(c, d, prompts, n: int, args, cm: str, dm: str, facts: dict,
+                 probe_log: Path) -> dict:
     ttft = {"push": [], "local": [], "cold": []}
     matched, pushed, total_blocks, hit, writes = [], [], [], [], []
     for rep in range(args.reps):
@@ -143,7 +145,7 @@ def measure_size(c, d, prompts, n: int, args, cm: str, dm: str, facts: dict) -> 
               f"{matched[-1]}/{total_blocks[-1]} blocks, D cached {cached} tokens; C wrote "
               f"{w['bytes'] / 2**20:.0f} MiB in {w['entries']} entries in {w['seconds']:.3f}s",
               flush=True)
-    engine = engine_same_layout(writes, args)
+    engine = engine_same_layout(writes, args, probe_log)
     # correctness on a fresh session: D's tokens/logprobs via push vs C from scratch
     s = one_session(c, d, prompts, n, args, cm, dm, logprobs=5, max_tokens=4)
     ref = reference_completion(c.url, s["turn2"], max_tokens=4)
@@ -174,18 +176,20 @@ def measure_size(c, d, prompts, n: int, args, cm: str, dm: str, facts: dict) -> 
     return row
 
 
-def engine_same_layout(writes: list[dict], args) -> dict | None:
-    """The engine's bandwidth with the layout of C's (median) write, placed like C and D."""
+def engine_same_layout(writes: list[dict], args, probe_log: Path) -> dict | None:
+    """The engine's bandwidth with the layout of C's (median) write, placed like C and D
+    (in a child process whose output is appended to ``probe_log``)."""
     moved = [w for w in writes if w["bytes"] > 0 and w["entries"] > 0]
     if not moved:
         return None
     w = sorted(moved, key=lambda w: w["bytes"])[len(moved) // 2]
     layout = WriteLayout.of_write(w["bytes"], w["entries"])
-    print(f"[push] engine alone, {layout.describe()}, writer on cores {args.c_cores}, reader "
-          f"on {args.d_cores} ...", flush=True)
-    probe = placed_write_bandwidth(layout, src_cpus=args.c_cores, dst_cpus=args.d_cores,
-                                   protocol=args.protocol, reps=max(3, args.reps))
-    print(f"[push] {probe['gb_per_s']:.2f} GB/s (median of {len(probe['seconds'])})", flush=True)
+    probe = placed_write_bandwidth_logged(layout, log_path=probe_log, src_cpus=args.c_cores,
+                                          dst_cpus=args.d_cores, protocol=args.protocol,
+                                          reps=max(3, args.reps))
+    print(f"[push] engine alone, {layout.describe()}, writer on cores {args.c_cores}, reader on "
+          f"{args.d_cores}: {probe['gb_per_s']:.2f} GB/s (median of {len(probe['seconds'])})",
+          flush=True)
     return probe
 
 
@@ -287,9 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[push] model {facts['path']} ({facts['layers']} layers, "
           f"{facts['kv_bytes_per_token'] / 1024:.0f} KiB KV/token); sizes {args.sizes}; reps {args.reps}",
           flush=True)
-    print("[push] measuring the transfer engine's bandwidth ...", flush=True)
-    bw = engine_write_bandwidth(largest, 1 << 20, args.protocol)
-    print(f"[push] {bw['gb_per_s']:.2f} GB/s", flush=True)
+    log_dir = out.parent / f"push-{run_id}-logs"
+    probe_log = log_dir / "engine-probe.log"
+    [bw] = engine_write_bandwidths([(largest, 1 << 20)], args.protocol, log_path=probe_log)
+    print(f"[push] the transfer engine's bandwidth: {bw['gb_per_s']:.2f} GB/s (engine log: "
+          f"{probe_log})", flush=True)
 
     common = dict(model=facts["path"], protocol=args.protocol, kv_cache_gib=args.kv_cache_gib,
                   max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -299,13 +305,15 @@ def main(argv: list[str] | None = None) -> int:
              InstanceSpec("d", role="kv_consumer", cores=args.d_cores, **common)]
     prompts = PromptSource(facts["vocab_size"], seed=args.seed)
     rows = []
-    with Cluster(specs, out.parent / f"push-{run_id}-logs") as cluster:
+    print(f"[push] starting C (cores {args.c_cores}) and D (cores {args.d_cores}); logs in "
+          f"{log_dir}", flush=True)
+    with Cluster(specs, log_dir) as cluster:
         c, d = cluster["c"], cluster["d"]
         cm, dm = model_name(c.url), model_name(d.url)
         one_session(c, d, prompts, 256, args, cm, dm, logprobs=None, max_tokens=1)  # warm-up
         for n in args.sizes:
             try:
-                rows.append(measure_size(c, d, prompts, n, args, cm, dm, facts))
+                rows.append(measure_size(c, d, prompts, n, args, cm, dm, facts, probe_log))
             except (RequestFailed, httpx.HTTPError) as e:
                 print(f"[push] n={n}: FAILED: {e}", file=sys.stderr, flush=True)
                 rows.append({"prefix_len": n, "error": str(e), "correct": False})
