@@ -13,6 +13,7 @@ allocated on either side.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -145,14 +146,17 @@ def test_malformed_push_is_422_naming_the_field(cluster):
     c = cluster["c"]
     before = httpx.get(c.bootstrap_url + "/hashsync", timeout=10, headers=bootstrap_headers()).json()["push"]
     ids = prompt(2 * BLOCK, seed=5006)
+    turn_on_c(c, ids)  # C has stepped: /match_blocks answers (503 before the first step)
     fingerprint = match_blocks(c.bootstrap_url, ids)["fingerprint"]
     body = {"token_ids": ids, "block_size": BLOCK, "dst_session": "127.0.0.1:1",
             "dst_kv_base_addrs": [4096], "dst_block_ids": [0, 1],
             "deadline_unix_ms": int(time.time() * 1000) + 60_000,
             "dst_num_blocks": 100, "fingerprint": fingerprint}
-    r = httpx.post(c.bootstrap_url + "/push_blocks", json=body, timeout=30, headers=bootstrap_headers())
-    assert r.status_code == 422 and r.json()["detail"]["field"] == "dst_kv_base_addrs", r.text
-    r = httpx.post(c.bootstrap_url + "/push_blocks", content=b"not json", timeout=30, headers=bootstrap_headers())
-    assert r.status_code == 422 and r.json()["detail"]["field"] == "body", r.text
+    for raw, field in ((json.dumps(body).encode(), "dst_kv_base_addrs"), (b"not json", "body")):
+        # signed as D signs (off loopback the POST routes take a signature, not the token)
+        headers = {"content-type": "application/json",
+                   **bootstrap_headers("POST", "/push_blocks", raw)}
+        r = httpx.post(c.bootstrap_url + "/push_blocks", content=raw, timeout=30, headers=headers)
+        assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
     after = httpx.get(c.bootstrap_url + "/hashsync", timeout=10, headers=bootstrap_headers()).json()["push"]
     assert after == before  # rejected before any match or write
