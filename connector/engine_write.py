@@ -27,7 +27,7 @@ is stopped keeps its queued tasks pending). Past
 ``ExtConfig.engine_write_bound_s`` the write is logged as overdue, once, and
 the wait goes on: its blocks stay out of use (the writer's source blocks, and
 on the peer the blocks the peer holds for it); a peer that stops holding at the
-bound is the residual risk the README states.
+bound is the residual risk docs/architecture.md states.
 
 Verified on the CPU backend over TCP (mooncake-transfer-engine-non-cuda
 0.3.13.post1). The CUDA/RDMA build has the same Python calls; not run here.

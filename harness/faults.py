@@ -15,7 +15,7 @@ KV usage of every surviving instance returns to 0; the cluster serves a new
 P->D request afterwards, a restarted peer without restarting the other side.
 
     python -m harness.faults [--runs 3] [--only link_down_short,kill_prefill]
-        -> results/faults.json + a printed table (README "Faults")
+        -> results/faults.json + a printed table (docs/faults.md)
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def fault_cluster(log_dir: Path) -> Cluster:
 
 @dataclass
 class Outcome:
-    """What one fault did, over its runs: the README's and the tests' figures."""
+    """What one fault did, over its runs: the result pages' and the tests' figures."""
 
     fault: str
     runs: int = 0

@@ -1,12 +1,12 @@
 """Where Mooncake's transfer engine listens (0.3.13.post1, TCP, P2PHANDSHAKE).
 
-What the README's Security section says about the engine, shown on the real
+What docs/security.md (Bind addresses) says about the engine, shown on the real
 engine: its handshake daemon listens on 0.0.0.0 and its TCP data acceptor on
 `*` (all IPv4 and IPv6 addresses), whatever MC_TCP_BIND_ADDRESS or the host it
 is initialized with says; MC_MIN_RPC_PORT / MC_MAX_RPC_PORT pin the ports (so
 a firewall rule can name them); a network namespace confines both. If a
 Mooncake release starts binding where it is told, the first test fails and
-the README must be updated.
+docs/security.md and the README must be updated.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's recipe ("Recipe: P and D by hand") works as written.
+"""The README's recipe ("P and D by hand") works as written.
 
 The commands are extracted from README.md (every ```bash block preceded by
 ``<!-- recipe -->``), never copied here, and run in order in one bash process,
