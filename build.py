@@ -5,10 +5,12 @@
     python build.py apply [--force]  pristine tree + patches/series + overlay into third_party/vllm
     python build.py status [--json]  applied / changed / pending patches, uncaptured edits
     python build.py export [--force] tree commits -> patches/*.patch + series, overlay copied back
-    python build.py check [--json]   CI: series, headers, zero-fuzz apply on the sdist, overlay
+    python build.py check [--json]   CI: series, headers, zero-fuzz apply on the sdist, overlay,
+                                     and the overlay's overrides of upstream methods
     python build.py reset [--force]  back to the pristine tree
     python build.py compat [--since V | --versions A,B] [--upstream-git DIR]
-                                     which patches, overlay files and imports survive newer releases
+                                     which patches, overlay files, imports and overrides survive
+                                     newer releases
     python build.py rebase --onto V  3-way rebase of the series onto release V -> rolls/V/
     python build.py rebase --continue | --abort
     python build.py --patches rolls/V COMMAND   any command on a rolled series

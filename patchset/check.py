@@ -2,14 +2,19 @@
 
 Fast and offline once the sdist is cached: the series is applied in memory
 (zero fuzz) to the files it touches, read straight from the tarball in one
-pass; nothing is unpacked and git is not needed.
+pass; nothing is unpacked and git is not needed. Then the overlay's subclasses
+of upstream classes are checked against those files (``overrides``): every
+override and ``super()`` call must still name an upstream method with a
+compatible signature.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from . import confine, upstream
+from . import confine, overrides, upstream
 from .errors import EXIT_CANNOT_RUN, EXIT_OK, EXIT_PROBLEMS
 from .exactapply import PatchDoesNotApply, apply_patch, touched_paths
 from .headers import header_problems
@@ -19,7 +24,7 @@ from .series import Patch, decode, read_patch
 
 @dataclass
 class Problem:
-    kind: str  # series | parse | header | confinement | apply | overlay
+    kind: str  # series | parse | header | confinement | apply | overlay | override
     message: str
     patch: str | None = None
     detail: dict | None = None
@@ -34,10 +39,12 @@ class Problem:
 @dataclass
 class CheckResult:
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)  # not counted in exit_code
     applied: list[str] = field(default_factory=list)  # validated against the tarball
     unchecked: list[str] = field(default_factory=list)  # after the first failure
     cannot_run: str | None = None
     sdist: str | None = None
+    overrides: overrides.Report | None = None
 
     @property
     def exit_code(self) -> int:
@@ -52,9 +59,85 @@ class CheckResult:
             "cannot_run": self.cannot_run,
             "sdist": self.sdist,
             "problems": [p.to_json() for p in self.problems],
+            "warnings": [p.to_json() for p in self.warnings],
             "applied_to_pristine": self.applied,
             "unchecked": self.unchecked,
+            "overrides": (
+                {"summary": self.overrides.summary(), "classes": self.overrides.classes}
+                if self.overrides
+                else None
+            ),
         }
+
+
+def overlay_python(project: Project) -> list[overrides.OverlaySource]:
+    """The overlay's .py files: shown under their repo path, placed at their tree path."""
+    return [
+        overrides.OverlaySource(project.rel(src), dst, decode(src.read_bytes()))
+        for dst, src in sorted(project.overlay_sources().items())
+        if dst.endswith(".py")
+    ]
+
+
+def overlay_roots(manifest: upstream.Manifest) -> list[str]:
+    """The overlay's placed packages, dotted: names under them are ours, not upstream's."""
+    return [ov.dst.replace("/", ".") for ov in manifest.overlays]
+
+
+def tarball_reader(
+    sdist: Path,
+    manifest: upstream.Manifest,
+    members: set[str],
+    raw: dict[str, bytes],
+    patched: dict[str, str | None],
+) -> Callable[[str], str | None]:
+    """Upstream files as the series leaves them: patched ones first, then the tarball's.
+
+    A member not read in the first pass is fetched in one more pass over the
+    tarball, which then reads every ``.py`` file of the package at once (upstream
+    bases in modules the overlay does not import).
+    """
+    more: dict[str, bytes] | None = None
+
+    def read(path: str) -> str | None:
+        nonlocal more
+        if path in patched:
+            return patched[path]
+        if path in raw:
+            return decode(raw[path])
+        if path not in members:
+            return None
+        if more is None:
+            prefix = manifest.name + "/"
+            wanted = {m for m in members if m.startswith(prefix) and m.endswith(".py")}
+            _, more = upstream.read_tarball(sdist, manifest, wanted | {path})
+        return decode(more[path]) if path in more else None
+
+    return read
+
+
+def check_overrides(
+    project: Project,
+    sources: list[overrides.OverlaySource],
+    read: Callable[[str], str | None],
+    result: CheckResult,
+) -> None:
+    """The overlay's subclasses of upstream classes against ``read``'s upstream."""
+    manifest = project.manifest
+    report = overrides.check_overrides(
+        sources,
+        read,
+        top=manifest.name,
+        roots=overlay_roots(manifest),
+        label=f"{manifest.name} {manifest.version}",
+    )
+    result.overrides = report
+    for p in report.problems:
+        problem = Problem("override", f"{p.kind}: {p.describe()}", detail=p.to_json())
+        if p.severity == overrides.ERROR:
+            result.problems.append(problem)
+        else:
+            result.warnings.append(problem)
 
 
 def run_check(project: Project) -> CheckResult:
@@ -136,6 +219,8 @@ def run_check(project: Project) -> CheckResult:
     wanted: set[str] = set()
     for patch in patches:
         wanted |= touched_paths(patch)
+    python = overlay_python(project)
+    wanted |= overrides.wanted_paths(python, manifest.name)
     members, raw = upstream.read_tarball(sdist, manifest, wanted)
     files: dict[str, str | None] = {}
 
@@ -178,4 +263,6 @@ def run_check(project: Project) -> CheckResult:
                     f"overlay file {src} -> {path} would overwrite a file a patch creates",
                 )
             )
+    read_upstream = tarball_reader(sdist, manifest, members, raw, files)
+    check_overrides(project, python, read_upstream, result)
     return result

@@ -81,6 +81,8 @@ def check(project: Project, *, as_json: bool) -> int:
         return result.exit_code
     for problem in result.problems:
         print(f"problem [{problem.kind}]: {problem.message}")
+    for warning in result.warnings:
+        print(f"warning [{warning.kind}]: {warning.message}")
     if result.unchecked:
         print(
             f"not checked (after the first patch that does not apply): {', '.join(result.unchecked)}"
@@ -95,6 +97,8 @@ def check(project: Project, *, as_json: bool) -> int:
             f"{project.manifest.name} {project.manifest.version} with zero fuzz; "
             "headers, series and overlay are fine"
         )
+    if result.overrides is not None and not result.cannot_run:
+        print(f"overrides: {result.overrides.summary()}")
     return result.exit_code
 
 

@@ -20,11 +20,16 @@ the next patches see; a patch checked after an earlier one failed on the same
 files says so. Then the overlay: does each destination's parent still exist,
 does an overlay file collide with an upstream one, and does every vLLM name
 the overlay imports (absolute ``vllm.*`` imports and relative ones that climb
-out of the overlay) still exist in the patched target tree.
+out of the overlay) still exist in the patched target tree. Last, the
+overlay's subclasses of upstream classes (``overrides``): does every method
+that overrides an upstream one in the pinned release still exist in the
+target, with a compatible signature, and does every ``super()`` call still
+land; is a method of ours now also defined upstream.
 
 A version's result is cached (``<cache>/compat/<version>.json``) under a key
-of the sdist sha256, the patches' sha256s and the overlay's import set, so a
-second run recomputes nothing and downloads nothing.
+of the sdist sha256, the patches' sha256s, the overlay's import set and the
+text of the overlay files that subclass upstream classes, so a second run
+recomputes nothing and downloads nothing.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ from pathlib import Path, PurePosixPath
 
 from packaging.version import Version
 
-from . import releases, upstream
+from . import overrides, releases, upstream
+from .check import overlay_python, overlay_roots, tarball_reader
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .exactapply import (
     PatchDoesNotApply,
@@ -62,7 +68,7 @@ from .project import Project
 from .series import Patch, decode, split_lines
 from .tree import load_patches
 
-FORMAT = 4  # bump when the analysis changes: cached results are then recomputed
+FORMAT = 5  # bump when the analysis changes: cached results are then recomputed
 CONTEXT = 3  # lines around a failed hunk's region in the upstream-change diff
 MAX_DIFF_LINES = 60
 DEFAULT_JSON = "results/compat.json"
@@ -80,13 +86,23 @@ RANK = {status: i for i, status in enumerate(CODES)}
 APPLIES = ("exact", "offset", "fuzz")
 BREAKS = ("conflict", "missing")
 IMPORT_BREAKS = ("module missing", "name missing")
+# override problems whose upstream def line changed: git names the commits (-G)
+OVERRIDE_ATTRIBUTED = (
+    "override-missing",
+    "super-missing",
+    "signature",
+    "super-call",
+    "shadowed",
+)
 LEGEND = (
     "patches: . exact  o offset  f fuzz  U already upstream (reverse-applies)  "
     "C conflict  M target file missing/moved\n"
     "         * checked after an earlier patch failed on the same file\n"
     "ovl: . ok  C an overlay file collides with an upstream file  P a destination's "
     "parent is gone\n"
-    "imp: . ok  N imported vLLM names/modules missing  ? some unverifiable"
+    "imp: . ok  N imported vLLM names/modules missing  ? some unverifiable\n"
+    "ovr: . ok  N overrides / super() calls of our subclasses broken  w only warnings "
+    "(a method of ours now also upstream)"
 )
 
 Say = Callable[[str], None]
@@ -564,6 +580,9 @@ class Inputs:
     overlay_sources: dict[str, Path]
     imports: list[ImportRef]
     import_errors: list[str]
+    override_sources: list[overrides.OverlaySource] = dataclasses.field(
+        default_factory=list
+    )
 
     @property
     def manifest(self) -> upstream.Manifest:
@@ -581,6 +600,9 @@ class Inputs:
             "imports": sorted(
                 {json.dumps([r.module, r.name, r.guarded]) for r in self.imports}
             ),
+            "overrides": overrides.fingerprint(
+                self.override_sources, self.manifest.name
+            ),
         }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -591,6 +613,7 @@ class PinnedBase:
     def __init__(self, inputs: Inputs) -> None:
         self.inputs = inputs
         self._before: list[dict[str, str | None]] | None = None
+        self._read: Callable[[str], str | None] | None = None
 
     def before(self, index: int, path: str) -> str | None:
         if self._before is None:
@@ -598,15 +621,24 @@ class PinnedBase:
         states = self._before
         return states[min(index, len(states) - 1)].get(path)
 
+    def read(self, path: str) -> str | None:
+        """Any file of the pinned tree with the whole series applied."""
+        if self._before is None:
+            self._before = self._compute()
+        assert self._read is not None
+        return self._read(path)
+
     def _compute(self) -> list[dict[str, str | None]]:
         manifest = self.inputs.manifest
         sdist = pinned_sdist(manifest, lambda _m: None)
         wanted: set[str] = set()
         for p in self.inputs.patches:
             wanted |= touched_paths(p)
-        _, raw = upstream.read_tarball(sdist, manifest, wanted)
+        touched = set(wanted)
+        wanted |= overrides.wanted_paths(self.inputs.override_sources, manifest.name)
+        members, raw = upstream.read_tarball(sdist, manifest, wanted)
         current: dict[str, str | None] = {
-            p: decode(raw[p]) if p in raw else None for p in wanted
+            p: decode(raw[p]) if p in raw else None for p in touched
         }
         states = []
         for patch in self.inputs.patches:
@@ -618,6 +650,7 @@ class PinnedBase:
             for path, change in changes.items():
                 current[path] = change.content
         states.append(dict(current))
+        self._read = tarball_reader(sdist, manifest, members, raw, current)
         return states
 
 
@@ -651,6 +684,7 @@ def analyze(
         parts = module.split(".")
         for i in range(1, len(parts) + 1):
             wanted.update(_module_candidates(".".join(parts[:i])))
+    wanted |= overrides.wanted_paths(inputs.override_sources, top)
     say(f"reading {sdist.name} ...")
     members, raw = upstream.read_tarball(sdist, manifest, wanted)
     state = TreeState(members, raw)
@@ -684,6 +718,15 @@ def analyze(
     result["imports"] = _imports(inputs, state, top)
     if needs_scan or any(i["status"] != "ok" for i in result["imports"]):
         _locate_moved(result, inputs, sdist, manifest, state, base, top)
+    result["overrides"] = overrides.check_overrides(
+        inputs.override_sources,
+        tarball_reader(sdist, manifest, state.members, state.raw, state.files),
+        read_pinned=base.read,
+        top=top,
+        roots=overlay_roots(manifest),
+        label=f"{top} {version}",
+        pinned_label=f"{top} {inputs.manifest.version} (the pin)",
+    ).to_json()
     counts: dict[str, int] = {}
     for row in result["patches"]:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
@@ -926,6 +969,10 @@ class UpstreamGit:
         """Commits in old..new that changed how often ``text`` occurs in path."""
         return self._commits(f"-S{text}", f"{old}..{new}", "--", path)
 
+    def grep_changes(self, old: str, new: str, regex: str, path: str) -> list[dict]:
+        """Commits in old..new that added or removed a line of path matching regex."""
+        return self._commits(f"-G{regex}", f"{old}..{new}", "--", path)
+
 
 def first_breaks(
     results: list[dict], inputs: Inputs, git: UpstreamGit | None, pinned: str
@@ -935,7 +982,7 @@ def first_breaks(
     "After" is the release before it in the list (the pin for the first), so
     the commits named are those between the last good and the first bad one.
     """
-    out: dict = {"patches": {}, "imports": {}}
+    out: dict = {"patches": {}, "imports": {}, "overrides": {}}
     versions = [r["version"] for r in results]
     for patch in inputs.patches:
         for i, res in enumerate(results):
@@ -964,7 +1011,42 @@ def first_breaks(
                 label = f"{module}.{name}" if name else module
                 out["imports"][label] = _import_break(row, prev, res["version"], git)
                 break
+    # each override problem: the first release that has it
+    for i, res in enumerate(results):
+        for problem in (res.get("overrides") or {}).get("problems", []):
+            label = _override_label(problem)
+            if label in out["overrides"]:
+                continue
+            prev = versions[i - 1] if i else pinned
+            entry = {"version": res["version"], "after": prev, **problem}
+            if git and problem["upstream"] and problem["kind"] in OVERRIDE_ATTRIBUTED:
+                # the upstream def's line: renamed, removed, added or re-signed there
+                entry["commits"] = _attribute(
+                    git,
+                    prev,
+                    res["version"],
+                    git.grep_changes,
+                    rf"def {problem['name']}\(",
+                    problem["upstream"],
+                )
+            out["overrides"][label] = entry
     return out
+
+
+def _override_label(problem: dict) -> str:
+    """Stable across releases (unlike the message, which names the release)."""
+    subject = ".".join(x for x in (problem["cls"], problem["method"]) if x)
+    return " ".join(
+        str(x)
+        for x in (
+            problem["file"],
+            subject,
+            problem["kind"],
+            problem["severity"],
+            problem["name"],
+        )
+        if x
+    )
 
 
 def _patch_break(row: dict, prev: str, version: str, git: UpstreamGit | None) -> dict:
@@ -1055,7 +1137,7 @@ def load_inputs(project: Project) -> Inputs:
     refs, errors = overlay_imports(
         sources, project.manifest.overlays, project.manifest.name
     )
-    return Inputs(project, patches, sources, refs, errors)
+    return Inputs(project, patches, sources, refs, errors, overlay_python(project))
 
 
 def result_cache(version: str) -> Path:
@@ -1105,7 +1187,8 @@ def run_compat(
         res["from_cache"] = False
         say(
             f"{prefix} {len(inputs.patches)} patches: {_count_text(res['counts'])}; "
-            f"{_overlay_text(res)}; {_imports_text(res)} ({res['seconds']} s)"
+            f"{_overlay_text(res)}; {_imports_text(res)}; {_overrides_text(res)} "
+            f"({res['seconds']} s)"
         )
         results.append(res)
     for res in results:  # where the overlay uses each name (not part of the key)
@@ -1182,11 +1265,28 @@ def _imports_text(res: dict) -> str:
     return text
 
 
+def _overrides_text(res: dict) -> str:
+    ov = res.get("overrides") or {}
+    if not ov.get("classes") and not ov.get("problems"):
+        return "no subclasses of upstream classes"
+    bits = [f"{n} {what}" for what in ("errors", "warnings") if (n := ov.get(what))]
+    return f"overrides of {len(ov['classes'])} subclasses: {', '.join(bits) or 'ok'}"
+
+
+def _overrides_code(res: dict) -> str:
+    ov = res.get("overrides") or {}
+    if ov.get("errors"):
+        return str(ov["errors"])
+    return "w" if ov.get("warnings") else "."
+
+
 def problems_found(report: dict) -> bool:
     for res in report["versions"]:
         if any(r["status"] in BREAKS for r in res["patches"]):
             return True
         if _overlay_text(res) != "overlay ok" or _broken_imports(res):
+            return True
+        if (res.get("overrides") or {}).get("errors"):
             return True
     return False
 
@@ -1203,7 +1303,9 @@ def render(report: dict) -> str:
     series = report["series"]
     cols = [_short(p["name"], i) for i, p in enumerate(series)]
     head = (
-        f"{'version':<9}" + "".join(f"{c:>6}" for c in cols) + "   ovl  imp   applies"
+        f"{'version':<9}"
+        + "".join(f"{c:>6}" for c in cols)
+        + "   ovl  imp  ovr   applies"
     )
     lines = [
         (
@@ -1241,8 +1343,9 @@ def render(report: dict) -> str:
         applies = sum(c.get(s, 0) for s in APPLIES)
         detail = ", ".join(f"{c[s]} {s}" for s in APPLIES if c.get(s))
         up = f"; {c['upstream']} upstream" if c.get("upstream") else ""
+        ovr = _overrides_code(res)
         lines.append(
-            f"{res['version']:<9}" + "".join(cells) + f"{ovl:>6}{imp:>5}   "
+            f"{res['version']:<9}" + "".join(cells) + f"{ovl:>6}{imp:>5}{ovr:>5}   "
             f"{applies}/{len(series)}" + (f" ({detail})" if detail else "") + up
         )
     lines += ["legend:", *("  " + x for x in LEGEND.splitlines())]
@@ -1250,7 +1353,7 @@ def render(report: dict) -> str:
     for col, p in zip(cols, series):
         lines.append(f"  {col}  {p['subject']}")
     fb = report["first_breaks"]
-    if fb["patches"] or fb["imports"]:
+    if fb["patches"] or fb["imports"] or fb.get("overrides"):
         lines.append("first break:")
     for col, p in zip(cols, series):
         entry = fb["patches"].get(p["name"])
@@ -1316,7 +1419,23 @@ def render(report: dict) -> str:
             lines.append(f"        upstream commits: {shown}")
         elif commits:
             lines.append(f"        upstream commits: {commits}")
+    for entry in (fb.get("overrides") or {}).values():
+        subject = ".".join(x for x in (entry["cls"], entry["method"]) if x)
+        lines.append(
+            f"  override {entry['where']} {subject}: {entry['kind']} ({entry['severity']}) "
+            f"from {entry['version']} (after {entry['after']})"
+        )
+        lines.append(f"        {entry['message']}")
+        if entry.get("commits") is not None:
+            lines.append(f"        upstream commits: {_commits_text(entry['commits'])}")
     return "\n".join(lines)
+
+
+def _commits_text(commits: list[dict] | str) -> str:
+    if isinstance(commits, str):  # why they could not be named
+        return commits
+    shown = ", ".join(f"{c['sha'][:12]} {c['subject']!r}" for c in commits[:5])
+    return shown or "none found"
 
 
 def resolve_versions(

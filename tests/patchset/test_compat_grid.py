@@ -38,7 +38,10 @@ PIN_FILES = {
     "vllm/e.py": numbered("e", 30),  # 0005: already upstream from 0.19.0
     "vllm/old/f.py": numbered("f", 30),  # 0006: moved to vllm/new/f.py in 0.19.0
     "vllm/base.py": "class Thing:\n    pass\n\n\ndef helper():\n    return 1\n",
-    CONNECTOR: "Hook = object()\n",
+    CONNECTOR: (
+        "Hook = object()\n\n\nclass Worker:\n"
+        "    def get_finished(self):\n        return set()\n"
+    ),
 }
 
 STORE = (
@@ -46,6 +49,13 @@ STORE = (
     "from ..mooncake_connector import Hook\n"
     "from . import other\n"
     "import vllm.base\n"
+)
+# Our subclass of upstream's Worker: 0.20.0 renames the method it overrides.
+WORKER = (
+    "from ..mooncake_connector import Worker\n\n\n"
+    "class ExtWorker(Worker):\n"
+    "    def get_finished(self):\n"
+    "        return super().get_finished()\n"
 )
 
 
@@ -168,6 +178,10 @@ def world(tmp_path, monkeypatch):
         "Drop helper()",
         change(up.current, "vllm/base.py", "\n\ndef helper():\n    return 1\n", ""),
     )
+    up.commit(
+        "Rename Worker.get_finished",
+        change(up.current, CONNECTOR, "def get_finished(", "def get_finished_reqs("),
+    )
     up.release("0.20.0")
     up.publish()
 
@@ -177,6 +191,7 @@ def world(tmp_path, monkeypatch):
     (proj.root / "patches" / "upstream.toml").write_text(manifest_text(sha))
     (proj.root / "connector" / "store.py").write_text(STORE)
     (proj.root / "connector" / "other.py").write_text("")
+    (proj.root / "connector" / "worker.py").write_text(WORKER)
     # 0001 also adds two lines at the top of d.py, so 0004's hunk is numbered
     # two lines lower than the pristine file's (its region is mapped back).
     current = dict(pin)
@@ -299,10 +314,49 @@ def test_grid_covers_every_status(world) -> None:
         for line in res.out.splitlines()
         if line[:1].isdigit()
     }
-    assert rows["0.19.0"][1:10] == [".", "o", "f", ".", "U", "M", ".", "C", "."]
-    assert rows["0.20.0"][1:10] == [".", "o", "f", "C", "U", "M", "f*", "C", "1"]
+    assert rows["0.19.0"][1:11] == [".", "o", "f", ".", "U", "M", ".", "C", ".", "."]
+    assert rows["0.20.0"][1:11] == [".", "o", "f", "C", "U", "M", "f*", "C", "1", "2"]
     assert "Rename d line 15" in res.out
     assert "[2/2] 0.20.0:" in res.err
+
+
+def test_grid_reports_an_override_upstream_renamed(world) -> None:
+    up, proj = world
+    res, report = run(proj, "--since", "0.18.1", "--upstream-git", str(up.repo))
+    v19, v20 = report["versions"]
+    assert v19["overrides"]["problems"] == [] and v19["overrides"]["errors"] == 0
+    (cls,) = v19["overrides"]["classes"]
+    assert (cls["class"], cls["file"], cls["overrides"]) == (
+        "ExtWorker",
+        "connector/worker.py",
+        ["get_finished"],
+    )
+    ov = v20["overrides"]
+    assert (ov["errors"], ov["warnings"]) == (2, 0)
+    missing, call = ov["problems"]
+    assert (missing["kind"], missing["where"], missing["upstream"]) == (
+        "override-missing",
+        "connector/worker.py:5",
+        CONNECTOR,
+    )
+    pinned = "overrides Worker.get_finished `def get_finished(self)` of vllm 0.18.1"
+    assert pinned in missing["message"]
+    assert "vllm 0.20.0 has no get_finished on Worker" in missing["message"]
+    assert (call["kind"], call["where"]) == ("super-missing", "connector/worker.py:6")
+    # first break: 0.20.0, and the upstream commit that renamed it
+    first = {e["kind"]: e for e in report["first_breaks"]["overrides"].values()}
+    assert set(first) == {"override-missing", "super-missing"}
+    entry = first["override-missing"]
+    assert (entry["version"], entry["after"]) == ("0.20.0", "0.19.0")
+    assert [c["sha"] for c in entry["commits"]] == [
+        up.commits["Rename Worker.get_finished"]
+    ]
+    assert "ovr" in res.out.splitlines()[1]
+    assert (
+        "override connector/worker.py:5 ExtWorker.get_finished: override-missing (error) "
+        "from 0.20.0 (after 0.19.0)" in res.out
+    )
+    assert "overrides of 1 subclasses: 2 errors" in res.err
 
 
 def test_versions_option_and_cache(world, monkeypatch) -> None:
@@ -331,6 +385,23 @@ def test_versions_option_and_cache(world, monkeypatch) -> None:
     # A changed patch invalidates the cached result.
     path = proj.root / "patches" / "0001-p1.patch"
     path.write_text(path.read_text().replace("a line 10 ours", "a line 10 OURS"))
+    with pytest.raises(AssertionError, match="recomputed"):
+        proj.run("compat", "--versions", "0.20.0")
+
+
+def test_an_edited_subclass_invalidates_the_cached_result(world, monkeypatch) -> None:
+    _, proj = world
+    run(proj, "--versions", "0.20.0")
+    (proj.root / "connector" / "other.py").write_text("X = 2\n")  # no subclass: kept
+    res, _ = run(proj, "--versions", "0.20.0")
+    assert "result cached" in res.err
+
+    def boom(*_a, **_k):
+        raise AssertionError("recomputed")
+
+    monkeypatch.setattr(compat, "analyze", boom)
+    worker = proj.root / "connector" / "worker.py"
+    worker.write_text(worker.read_text().replace("get_finished", "get_finished_reqs"))
     with pytest.raises(AssertionError, match="recomputed"):
         proj.run("compat", "--versions", "0.20.0")
 
