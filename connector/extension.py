@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one hook surface between upstream's MooncakeConnector and this series.
+"""What this series adds to upstream's MooncakeConnector, behind one object per side.
 
-Upstream's scheduler-side and worker-side classes each own one extension
-object (``self.ext``); every patched upstream method calls it in one line and
-all logic lives behind it (Brave's ``chromium_src`` style):
+This series' subclasses of upstream's scheduler-side and worker-side classes
+(connector.py) each own one extension object (``self.ext``); their overrides
+call it, and so do the few one-line hooks in upstream's worker (hooks.py), so
+all logic lives here (Brave's ``chromium_src`` style):
 
 - :class:`SchedulerExtension` (scheduler process): layer-wise scheduling,
   prefix-push scheduling on D, block-hash recording, the idle-step throttle.
@@ -15,7 +16,8 @@ What crosses the process boundary is :class:`ExtMetadata` (scheduler ->
 worker, inside upstream's connector metadata) and
 :class:`~.push.protocol.PushOutcome` (worker -> scheduler). Configuration is
 read once (config.load()). The extension reads upstream state it is handed
-(:class:`RegisteredKV`) and never writes upstream objects' fields.
+(:class:`RegisteredKV`) and never writes upstream objects' fields: where an
+upstream field must change, it calls back into the subclass that owns it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+    MooncakeXferResponse,
+    MooncakeXferResponseStatus,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
+    MooncakeBootstrapServer,
+)
 from vllm.logger import init_logger
 
 from ..hashsync.recorder import HashDelta
@@ -44,6 +53,7 @@ from .fingerprint import (
     local_fingerprint,
 )
 from .gpu_order import record_after_compute
+from .hooks import UpstreamHooks
 from .kv_reader import KVReader
 from .layerwise.protocol import MODE_PARAM, LayerwiseMetadata, TransferMode, requested_mode
 from .layerwise.pulls import PullOutcomes
@@ -55,6 +65,7 @@ from .push.receiver import PushReceiver
 from .push.scheduler import PushScheduler
 from .push.server import PushServer
 from .push.server import register_routes as register_push_routes
+from .xfer import with_ext
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -178,7 +189,7 @@ class SchedulerExtension:
             meta.hash_delta = self.hashsync.build()
         if scheduler_output.total_num_scheduled_tokens == 0:
             # An empty step: the engine keeps stepping only to learn that
-            # transfers ended (see keeps_engine_stepping); don't spin.
+            # transfers ended (keeps_engine_stepping_while_blocks_held); do not spin.
             time.sleep(self.config.idle_step_interval_s)
         return meta
 
@@ -188,8 +199,9 @@ class SchedulerExtension:
         self.push.on_worker_meta(output.kv_connector_worker_meta)
 
 
-class WorkerExtension:
-    def __init__(self, vllm_config: VllmConfig, config: ExtConfig | None = None):
+class WorkerExtension(UpstreamHooks):
+    def __init__(self, vllm_config: VllmConfig, config: ExtConfig | None = None,
+                 on_send_failed: Callable[[Any], None] | None = None):
         self.config = config or load()
         self.vllm_config = vllm_config
         self.is_producer, self.is_consumer = _roles(vllm_config)
@@ -206,6 +218,8 @@ class WorkerExtension:
         self._write: WriteFn | None = None  # every engine write of this worker
         self._warnings = WarnLimiter(logger)
         self.fingerprint: KVFingerprint | None = None  # once the KV caches are registered
+        # the worker subclass frees a failed post-hoc send's blocks (it owns that state)
+        self._on_send_failed = on_send_failed
 
     def on_kv_caches_registered(self, kv: RegisteredKV) -> None:
         cfg = self.config
@@ -235,18 +249,33 @@ class WorkerExtension:
                                           kv.block_size, kv.num_blocks, fingerprint, cfg,
                                           kv=kv_reader)
 
-    def write_blocks(self, session: str, src: list[int], dst: list[int], lens: list[int]
-                     ) -> int:
-        """Upstream's post-hoc send (patch 0013): the same terminal write as ours,
-        so a failed send's blocks are freed only once none of its bytes can land."""
+    # ---- the hook points in upstream's worker (hooks.py) ------------------------------
+    def write_blocks(self, engine: Any, session: str, src: list[int], dst: list[int],
+                     lengths: list[int]) -> int:
+        """Upstream's post-hoc send: the same terminal write as ours (not the
+        engine's sync call), so a failed send's blocks are freed only once none of
+        its bytes can land."""
         if self._write is None:
             raise RuntimeError("write_blocks before the KV caches were registered")
-        return self._write(session, src, dst, lens)
+        return self._write(session, src, dst, lengths)
 
-    @property
-    def bootstrap_host(self) -> str:
-        """Where the bootstrap server binds (MOONCAKE_BOOTSTRAP_HOST; upstream: 0.0.0.0)."""
-        return self.config.bootstrap_host
+    def send_failed(self, send_meta: Any) -> None:
+        """Upstream's post-hoc send: a write for one of D's requests failed, and it
+        was terminal (write_blocks): free P's blocks now, not at
+        VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (an idle P held them for minutes)."""
+        if self._on_send_failed is not None:
+            self._on_send_failed(send_meta)
+
+    def bootstrap_server(self, vllm_config: VllmConfig, host: str, port: int) -> Any:
+        """The bootstrap server bound at MOONCAKE_BOOTSTRAP_HOST (upstream: 0.0.0.0),
+        with this series' routes, before it starts."""
+        server = MooncakeBootstrapServer(vllm_config, self.config.bootstrap_host, port)
+        self.register_routes(server.app)
+        return server
+
+    def xfer_metadata(self, metadata: Any) -> Any:
+        """D: each pull request carries this series' fields (xfer_request_fields)."""
+        return with_ext(metadata, self.xfer_request_fields())
 
     def registration_host(self, upstream_host: str) -> str:
         """Where this worker registers with the bootstrap server. Upstream uses the DP
@@ -270,8 +299,9 @@ class WorkerExtension:
         register_layerwise_routes(app, lambda: self.sender, self.guard)
 
     # ---- every step -------------------------------------------------------------------
-    def start_load_kv(self, meta: ExtMetadata) -> None:
+    def start_load_kv(self, meta: ExtMetadata | None) -> None:
         """Before the forward pass."""
+        meta = meta or ExtMetadata()
         if self.pulls is not None:
             self.pulls.add_cleanup(meta.layerwise.cleanup_reqs)
         if self.sender is not None:
@@ -327,11 +357,6 @@ class WorkerExtension:
     async def serve_xfer_request(self, meta: Any, tp_size: int,
                                  send: Callable[[Any], Awaitable[None]]) -> None:
         """P: answer D's MooncakeXferMetadata from the layer-wise sender."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
-            MooncakeXferResponse,
-            MooncakeXferResponseStatus,
-        )
-
         assert self.sender is not None
         if meta.remote_tp_size != tp_size:
             await send(MooncakeXferResponse(
@@ -395,8 +420,3 @@ class WorkerExtension:
         if self.push_receiver is not None:
             self.push_receiver.shutdown()
 
-
-def keeps_engine_stepping() -> bool:
-    """MooncakeConnector's answer to the scheduler (patch 0009): finished requests
-    whose blocks wait for a transfer to end are released only during a step."""
-    return True

@@ -60,13 +60,13 @@ def forge_pull(addr: str, transfer_id: str, timeout_s: float,
                limits: dict[str, float] | None = None):
     """Send D's pull request for ``transfer_id`` (encoded as D encodes it, with the
     decode side's ``limits``) and return P's answers until the last one."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import ExtXferMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
-        MooncakeXferMetadata,
         MooncakeXferResponse,
         MooncakeXferResponseStatus,
     )
 
-    meta = MooncakeXferMetadata(
+    meta = ExtXferMetadata(
         remote_hostname="127.0.0.1", remote_port=1, remote_tp_size=1, remote_tp_rank=0,
         req_blocks={"forged-req": (transfer_id, [1, 2])}, kv_caches_base_addr=[4096] * 4,
         ext=limits)

@@ -30,8 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import (
     ExtConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import KVFingerprint
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import ExtXferMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
-    MooncakeXferMetadata,
     MooncakeXferResponse,
     MooncakeXferResponseStatus,
 )
@@ -232,14 +232,14 @@ def worker(role: str, fingerprint: KVFingerprint | None = None) -> extension.Wor
     return w
 
 
-def pull_request(fields, n_tensors: int = 4) -> MooncakeXferMetadata:
+def pull_request(fields, n_tensors: int = 4) -> ExtXferMetadata:
     """D's pull request as P decodes it from the wire."""
-    meta = MooncakeXferMetadata(remote_hostname="127.0.0.1", remote_port=7000, remote_tp_size=1,
+    meta = ExtXferMetadata(remote_hostname="127.0.0.1", remote_port=7000, remote_tp_size=1,
                                 remote_tp_rank=0, req_blocks={"d-1": ("xfer-1", [3, 4])},
                                 kv_caches_base_addr=[(i + 1) << 32 for i in range(n_tensors)],
                                 ext=fields)
     wire = msgspec.msgpack.encode(meta)
-    return msgspec.msgpack.Decoder(MooncakeXferMetadata).decode(wire)
+    return msgspec.msgpack.Decoder(ExtXferMetadata).decode(wire)
 
 
 def serve(p: extension.WorkerExtension, meta) -> list[MooncakeXferResponse]:

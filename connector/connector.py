@@ -1,0 +1,276 @@
+# SPDX-License-Identifier: Apache-2.0
+"""This series' MooncakeConnector: subclasses of upstream's facade, scheduler and worker.
+
+``"kv_connector": "MooncakeConnector"`` resolves to :class:`ExtMooncakeConnector`
+(one line in vLLM's connector factory). Each override calls upstream's method
+with ``super()`` and hands what this series adds to the side's extension object
+(extension.py); upstream's worker calls the same object at five points in the
+middle of long methods (hooks.py). The overrides and the upstream names they
+rely on are checked per vLLM release by ``build.py check`` and ``compat``.
+
+Runs in the scheduler process (:class:`ExtMooncakeConnectorScheduler`) and in
+each worker process (:class:`ExtMooncakeConnectorWorker`); the facade routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+    MooncakeConnector,
+    MooncakeConnectorMetadata,
+    MooncakeConnectorScheduler,
+    MooncakeConnectorWorker,
+    MooncakeXferResponse,
+    PullReqMeta,
+    SendBlockMeta,
+)
+from vllm.logger import init_logger
+
+from .extension import RegisteredKV, SchedulerExtension, WorkerExtension
+from .fault_injection import zero_received_block
+from .io_affinity import threads_started_on_io_cpus
+from .transport_env import apply_transport_env_defaults
+from .xfer import ExtXferMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+# A worker that cannot register with its bootstrap server gives up after this
+# (upstream retries for ever: an instance that never becomes healthy, silently).
+REGISTRATION_DEADLINE_S = 120.0
+
+
+class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
+    """Scheduler process: prefix push on D, layer-wise on P, block-hash recording."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str):
+        super().__init__(vllm_config, engine_id)
+        self.ext = SchedulerExtension(vllm_config)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        if self.ext.owns(request):
+            return self.ext.get_num_new_matched_tokens(request, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int):
+        if self.ext.owns(request):
+            return self.ext.update_state_after_alloc(request, blocks, num_external_tokens)
+        rid = request.request_id
+        queued_before = rid in self._reqs_need_send
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        # Upstream queued a do_remote_decode request for its post-hoc send: if
+        # layer-wise takes it, upstream's send path must not track it.
+        if not queued_before and rid in self._reqs_need_send:
+            transfer_id = (request.kv_transfer_params or {}).get("transfer_id")
+            if transfer_id and self.ext.takes_send(request, transfer_id):
+                del self._reqs_need_send[rid]
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> MooncakeConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        meta.ext = self.ext.build_metadata(scheduler_output)  # type: ignore[attr-defined]
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        if self.ext.owns(request):
+            return self.ext.request_finished(request)
+        params = request.kv_transfer_params or {}
+        transfer_id = params.get("transfer_id")
+        # read before upstream clears it: a pull that was never scheduled
+        unscheduled_pull = bool(transfer_id and params.get("do_remote_prefill"))
+        if transfer_id and not unscheduled_pull and params.get("do_remote_decode"):
+            delay = self.ext.send_finished(request, block_ids, transfer_id)
+            if delay is not None:
+                return delay, None
+        result = super().request_finished(request, block_ids)
+        if unscheduled_pull:
+            self.ext.pull_aborted_unscheduled(request.request_id)
+        return result
+
+
+class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
+    """Worker process: layer-wise sender (P) and pulls (D), push server (C) and
+    receiver (D), the hash mirror, and their routes on the bootstrap server."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str):
+        # Before upstream's __init__: its hooks (bootstrap server) run inside it.
+        self.ext = WorkerExtension(vllm_config, on_send_failed=self._free_failed_send)
+        self._listener_error: BaseException | None = None
+        kv_transfer_config = vllm_config.kv_transfer_config
+        assert kv_transfer_config is not None
+        # TCP: the transport's queue limits and timeouts, set before the engine is
+        # built; explicit MC_* settings win (transport_env.py).
+        apply_transport_env_defaults(
+            kv_transfer_config.kv_connector_extra_config.get("mooncake_protocol", "rdma"))
+        # MOONCAKE_IO_CPUS: the transfer threads start off the compute cores.
+        with threads_started_on_io_cpus():
+            super().__init__(vllm_config, engine_id)
+        # P decodes D's pull requests with this series' fields (xfer.py).
+        self._xfer_meta_decoder = msgspec.msgpack.Decoder(ExtXferMetadata)
+
+    # ---- registration -----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        super().register_kv_caches(kv_caches)
+        if self._listener_error is not None:
+            raise RuntimeError(f"Mooncake sender listener failed at start: "
+                               f"{self._listener_error}") from self._listener_error
+        self.ext.on_kv_caches_registered(RegisteredKV(
+            write_fn=self.engine.batch_transfer_sync_write,
+            session=f"{self.hostname}:{self.rpc_port}",
+            kv_caches=kv_caches,
+            split_k_and_v=self.kv_topo.split_k_and_v,
+            base_addrs=list(self.kv_caches_base_addr),
+            block_len=self.block_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            tp_size=self.tp_size,
+        ))
+
+    async def _mooncake_sender_listener(self, ready_event: threading.Event):
+        # Upstream's register_kv_caches waits for ready_event with no timeout: a
+        # listener that fails before setting it (registration gave up) would hang
+        # the worker without a word. Record the error and let the wait end.
+        try:
+            await super()._mooncake_sender_listener(ready_event)
+        except BaseException as e:
+            if not ready_event.is_set():
+                self._listener_error = e
+                ready_event.set()
+            raise
+
+    async def register_worker_with_bootstrap(self):
+        try:
+            await asyncio.wait_for(super().register_worker_with_bootstrap(),
+                                   REGISTRATION_DEADLINE_S)
+        except TimeoutError:
+            raise RuntimeError(
+                f"cannot register with the Mooncake bootstrap server for "
+                f"{REGISTRATION_DEADLINE_S:.0f} s: check MOONCAKE_BOOTSTRAP_HOST and "
+                "VLLM_MOONCAKE_BOOTSTRAP_PORT") from None
+
+    # ---- every step -------------------------------------------------------------------
+    def start_load_kv(self, metadata: MooncakeConnectorMetadata):
+        super().start_load_kv(metadata)
+        self.ext.start_load_kv(getattr(metadata, "ext", None))
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        return self.ext.get_finished(*super().get_finished())
+
+    def shutdown(self):
+        super().shutdown()
+        self.ext.shutdown()
+
+    # ---- P: D's pull requests ---------------------------------------------------------
+    async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any):
+        if not self.ext.serves_xfer_requests:
+            return await super().send_kv_to_decode(identity, sock, meta)
+        await self.ext.serve_xfer_request(
+            meta, self.tp_size,
+            lambda resp: sock.send_multipart((identity, self._encoder.encode(resp))))
+
+    def _free_failed_send(self, send_meta: SendBlockMeta) -> None:
+        """A terminal write for one of D's requests failed (hooks.send_failed): once
+        no write of the request is in flight, P's blocks are free."""
+        if send_meta.sending == 0 and send_meta.p_req_id:
+            self.reqs_need_send.pop(send_meta.transfer_id, None)
+            self.finished_sending_reqs.add(send_meta.p_req_id)
+
+    # ---- D: pulls ---------------------------------------------------------------------
+    async def receive_kv_from_single_worker(self, worker_addr: str,
+                                            pull_metas: dict[str, PullReqMeta]):
+        await super().receive_kv_from_single_worker(worker_addr, pull_metas)
+        # Upstream returns on FINISH, on P's ERROR answer, on a broken socket: a
+        # pull that did not complete by then failed (each pull ends once).
+        failed = [r for r, pm in pull_metas.items() if pm.pull_tasks_count > 0]
+        if failed:
+            self.ext.pulls_failed(pull_metas, failed,
+                                  f"no complete answer from the prefill worker at {worker_addr}")
+
+    def process_pulling_result(self, response: MooncakeXferResponse,
+                               pull_metas: dict[str, PullReqMeta]):
+        already = {pm.d_req_id for pm in pull_metas.values()
+                   if pm.d_req_id in self.finished_recving_reqs}
+        super().process_pulling_result(response, pull_metas)
+        for req_id in response.ok_reqs or ():
+            pm = pull_metas.get(req_id)
+            if pm is None or pm.pull_tasks_count != 0 or pm.d_req_id in already:
+                continue
+            if not self.ext.pull_completed(pm.d_req_id):
+                self.finished_recving_reqs.discard(pm.d_req_id)
+                continue
+            zero_received_block(self.device_kv_caches, pm.local_block_ids,
+                                self.kv_topo.split_k_and_v)
+        if response.err_reqs:
+            self.ext.pulls_failed(pull_metas, response.err_reqs, str(response.err_msg))
+
+
+class ExtMooncakeConnector(MooncakeConnector):
+    """The facade vLLM builds for ``"kv_connector": "MooncakeConnector"``."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        # Upstream's __init__ builds its own halves by name (and the worker's
+        # transfer engine, threads and bootstrap server); its body is repeated here
+        # with this series' halves (tests/unit/test_ext_connector.py checks that
+        # upstream's body is the one this was written against).
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        assert vllm_config.kv_transfer_config.engine_id is not None
+        self.engine_id = vllm_config.kv_transfer_config.engine_id
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = ExtMooncakeConnectorScheduler(vllm_config,
+                                                                     self.engine_id)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = ExtMooncakeConnectorWorker(vllm_config, self.engine_id)
+
+    # ---- scheduler side ---------------------------------------------------------------
+    def update_connector_output(self, connector_output: KVConnectorOutput):
+        super().update_connector_output(connector_output)
+        assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
+        self.connector_scheduler.ext.on_connector_output(connector_output)
+
+    def keeps_engine_stepping_while_blocks_held(self) -> bool:
+        """Finished requests whose blocks wait for a transfer to end are released
+        only during an engine step: the scheduler keeps stepping meanwhile (its
+        patch asks this)."""
+        return True
+
+    # ---- worker side ------------------------------------------------------------------
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert isinstance(self.connector_worker, ExtMooncakeConnectorWorker)
+        return self.connector_worker.ext.build_worker_meta()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert isinstance(self.connector_worker, ExtMooncakeConnectorWorker)
+        return (super().get_block_ids_with_load_errors()
+                | self.connector_worker.ext.block_ids_with_load_errors())
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs) -> None:
+        """With MOONCAKE_LAYERWISE=1 (P), this layer's new KV goes to decode now."""
+        assert isinstance(self.connector_worker, ExtMooncakeConnectorWorker)
+        self.connector_worker.ext.save_kv_layer(layer_name, kv_layer)

@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The few calls upstream's MooncakeConnectorWorker makes into this series.
+
+Everything this series changes in upstream's connector is an override in a
+subclass (connector.py), except five points in the middle of long upstream
+methods, where a whole-method override would copy upstream code. There the
+patched upstream file calls ``self.ext.<hook>(...)`` in one line. This module
+holds the default, :data:`UPSTREAM`, which does exactly what upstream did at
+that point, so upstream's worker class (and upstream's own tests, which build it
+directly) behave as without the patch. This series' worker subclass replaces
+``ext`` with its :class:`~.extension.WorkerExtension`, which overrides them.
+
+Imported by upstream's ``mooncake_connector.py`` (its one import of this
+series): it must not import that module back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class UpstreamHooks:
+    """Upstream's behaviour at each hook point."""
+
+    def bootstrap_server(self, vllm_config: VllmConfig, host: str, port: int) -> Any:
+        """Worker.__init__: the bootstrap server, not yet started."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
+            MooncakeBootstrapServer,
+        )
+
+        return MooncakeBootstrapServer(vllm_config, host, port)
+
+    def registration_host(self, host: str) -> str:
+        """Worker.register_worker_with_bootstrap: where the worker registers."""
+        return host
+
+    def send_failed(self, send_meta: Any) -> None:
+        """Worker.send_kv_to_decode: one of D's requests got a failed write."""
+
+    def write_blocks(self, engine: Any, session: str, src: list[int], dst: list[int],
+                     lengths: list[int]) -> int:
+        """Worker._send_blocks: the post-hoc send's write."""
+        return engine.batch_transfer_sync_write(session, src, dst, lengths)
+
+    def xfer_metadata(self, metadata: Any) -> Any:
+        """Worker.receive_kv_from_single_worker: D's pull request as sent."""
+        return metadata
+
+
+UPSTREAM = UpstreamHooks()

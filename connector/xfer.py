@@ -1,0 +1,27 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's pull request to P (upstream's MooncakeXferMetadata) with this series' fields.
+
+``ext`` carries what P checks before it writes into D layer by layer: D's give-up
+time and limits (ExtConfig.decode_limits) and D's KV fingerprint. Optional and
+last, so an instance without this series decodes the message unchanged (msgspec
+ignores fields it does not know) and this series decodes an upstream D's request
+with ``ext=None``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+    MooncakeXferMetadata,
+)
+
+
+class ExtXferMetadata(MooncakeXferMetadata):
+    ext: dict[str, Any] | None = None
+
+
+def with_ext(metadata: MooncakeXferMetadata, ext: dict[str, Any]) -> ExtXferMetadata:
+    """The same request with this series' fields."""
+    fields = {n: getattr(metadata, n) for n in metadata.__struct_fields__ if n != "ext"}
+    return ExtXferMetadata(**fields, ext=ext)
