@@ -49,6 +49,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file, or "(no log)" if it cannot be read."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
 @dataclass
 class InstanceSpec:
     """One vLLM instance. role: kv_producer, kv_consumer, kv_both, or None (no connector)."""
@@ -114,11 +123,7 @@ class Instance:
         return f"http://{self.spec.ip}:{self.bootstrap_port}"
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
+        return log_tail(self.log_path, lines)
 
     def command(self) -> list[str]:
         s = self.spec

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.launcher import log_tail
+
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS_DIR = PROJECT_ROOT / "results"
@@ -47,14 +49,6 @@ def machine_info() -> dict:
 def verbose() -> bool:
     """VMP_VERBOSE=1 (scripts/main.sh -v): show what normally goes to log files too."""
     return os.environ.get("VMP_VERBOSE", "") not in ("", "0")
-
-
-def log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(text[-lines:])
 
 
 def run_logged(module: str, args: list[str], log_path: Path, *, timeout: float) -> Any:
@@ -91,7 +85,7 @@ def run_logged(module: str, args: list[str], log_path: Path, *, timeout: float) 
         log.flush()
         if rc != 0 or not result.exists():
             raise RuntimeError(f"python -m {module} {args[0] if args else ''} failed (exit {rc}; "
-                               f"log: {log_path}). Last lines:\n{log_tail(log_path)}")
+                               f"log: {log_path}). Last lines:\n{log_tail(log_path, 30)}")
         return json.loads(result.read_text())
 
 
