@@ -12,7 +12,7 @@
                                      which patches, overlay files, imports and overrides survive
                                      newer releases
     python build.py rebase --onto V  3-way rebase of the series onto release V -> rolls/V/
-    python build.py rebase --continue | --abort
+    python build.py rebase --continue [--accept] | --abort
     python build.py --patches rolls/V COMMAND   any command on a rolled series
 
 Exit codes: 0 ok, 1 problems found, 2 could not run.
@@ -130,6 +130,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     step.add_argument(
         "--abort", action="store_true", help="give up: remove the roll's tree and folder"
     )
+    p.add_argument(
+        "--accept",
+        action="store_true",
+        help="with --continue: keep a step the check after each patch stopped at, as it is",
+    )
     return parser.parse_args(argv)
 
 
@@ -157,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
             use_cache=not args.no_cache,
         )
     if args.command == "rebase":
-        return commands.rebase(project, onto=args.onto, cont=args.cont, abort=args.abort)
+        return commands.rebase(
+            project, onto=args.onto, cont=args.cont, abort=args.abort, accept=args.accept
+        )
     raise AssertionError(args.command)
 
 

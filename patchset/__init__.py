@@ -6,6 +6,8 @@ Layout, one concern per module:
   format-patch export). Knows nothing about vLLM or about our policies.
 - ``series``: quilt ``series`` files and mail-style patch files (header + diff).
 - ``headers``: the header policy (Subject, a body saying why, Upstream-Status).
+- ``validate``: the series' rules (options, duplicates, missing and unlisted
+  files, parse errors, headers), written once for every command.
 - ``exactapply``: zero-fuzz, zero-offset hunk validation and application.
 - ``upstream``: the manifest (``patches/upstream.toml``), sdist fetch, sha256
   verification, unpacking and reading members straight from the tarball.
@@ -16,6 +18,12 @@ Layout, one concern per module:
 - ``export``: the tree's commits back to patch files, overlay copied back.
 - ``status``: what ``build.py status`` reports, as data.
 - ``check``: the CI check (static + in-memory zero-fuzz apply on the tarball).
+- ``overrides``: the overlay's subclasses of upstream classes against a release.
+- ``compat``: the series and the overlay on newer releases (a package, one
+  module per job).
+- ``rebase``: the series carried onto another release by ``git rebase``;
+  ``mergecheck`` checks each step's Python files, ``pynames`` reads the names
+  a module defines.
 - ``build_defaults``: what ``pip install -e`` of the tree builds with (device,
   precompiled kernels' wheel), recorded in the tree by ``apply``.
 - ``commands``: the subcommands behind ``build.py`` (printing, exit codes).

@@ -17,9 +17,19 @@ from pathlib import Path
 from . import confine, overrides, upstream
 from .errors import EXIT_CANNOT_RUN, EXIT_OK, EXIT_PROBLEMS
 from .exactapply import PatchDoesNotApply, apply_patch, touched_paths
-from .headers import header_problems
 from .project import Project
-from .series import Patch, decode, read_patch
+from .series import decode
+from .validate import DUPLICATE, HEADER, MISSING, OPTION, PARSE, UNLISTED, validate_series
+
+# validate's rule -> the kind of problem check reports
+_KIND = {
+    OPTION: "series",
+    DUPLICATE: "series",
+    MISSING: "series",
+    UNLISTED: "series",
+    PARSE: "parse",
+    HEADER: "header",
+}
 
 
 @dataclass
@@ -143,53 +153,10 @@ def check_overrides(
 def run_check(project: Project) -> CheckResult:
     result = CheckResult()
     manifest = project.manifest
-    series = project.series()
-    for msg in series.problems:
-        result.problems.append(Problem("series", msg))
-
-    patches: list[Patch] = []
-    seen: set[str] = set()
-    for entry in series.entries:
-        if entry.name in seen:
-            result.problems.append(
-                Problem(
-                    "series",
-                    f"series line {entry.line}: {entry.name} is listed twice",
-                    entry.name,
-                )
-            )
-            continue
-        seen.add(entry.name)
-        path = project.patch_path(entry.name)
-        if not path.is_file():
-            result.problems.append(
-                Problem(
-                    "series",
-                    f"series line {entry.line}: {entry.name} is listed but "
-                    f"{project.rel(path)} does not exist",
-                    entry.name,
-                )
-            )
-            continue
-        patch = read_patch(path, entry.name)
-        patches.append(patch)
-        if patch.parse_error:
-            result.problems.append(
-                Problem("parse", f"{entry.name}: {patch.parse_error}", entry.name)
-            )
-        for msg in header_problems(patch):
-            result.problems.append(
-                Problem("header", f"{entry.name}: {msg}", entry.name)
-            )
-    for name in project.patch_files_on_disk():
-        if name not in seen:
-            result.problems.append(
-                Problem(
-                    "series",
-                    f"patches/{name} is not listed in patches/series (add it, or delete it)",
-                    name,
-                )
-            )
+    report = validate_series(project)
+    for p in report.problems:
+        result.problems.append(Problem(_KIND[p.code], p.message, p.patch))
+    patches = report.patches
 
     # Every path of every patch (and of the overlay) must stay inside the tree.
     tree = project.rel(project.tree)

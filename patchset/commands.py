@@ -131,12 +131,16 @@ def compat(
     return compat_.exit_code(report)
 
 
-def rebase(project: Project, *, onto: str | None, cont: bool, abort: bool) -> int:
+def rebase(
+    project: Project, *, onto: str | None, cont: bool, abort: bool, accept: bool = False
+) -> int:
     from . import rebase as rebase_
 
+    if accept and not cont:
+        raise PatchsetError("--accept only goes with --continue")
     git_version()
     if cont:
-        return rebase_.continue_(project, onto, say)
+        return rebase_.continue_(project, onto, say, accept=accept)
     if abort:
         return rebase_.abort(project, onto, say)
     if not onto:

@@ -17,6 +17,7 @@ the same inputs always give the same commit ids.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,14 @@ class StatusEntry:
 
 # rebase --continue/--skip/--abort never open an editor
 _NO_EDITOR = {"GIT_EDITOR": "true", "GIT_SEQUENCE_EDITOR": "true"}
+
+# A sequence editor (run by sh with the to-do file as $1): a ``break`` after every pick.
+_PAUSE_AFTER_EACH_PICK = (
+    "f() { awk '{ print } /^(p|pick) / { print \"break\" }' \"$1\" > \"$1.tmp\" "
+    '&& mv "$1.tmp" "$1"; }; f'
+)
+# ``@@ -a,b +c,d @@`` of a zero-context diff: its new side is the added lines.
+_HUNK_NEW_SIDE = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
 
 MIN_GIT = (2, 32)  # GIT_CONFIG_GLOBAL (hermetic config), init --initial-branch
 
@@ -94,6 +103,27 @@ class GitRepo:
             GIT_AUTHOR_DATE=date,
         )
 
+    @classmethod
+    def discover(cls, path: Path) -> GitRepo:
+        """The repository holding ``path`` (a clone, or a bare repository), to read from.
+
+        Raises GitError when path is not inside a git repository.
+        """
+        path = Path(path).absolute()
+        probe = git.Git(str(path) if path.is_dir() else None)
+        probe.update_environment(GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
+
+        def ask(*args: str) -> str:
+            return probe.execute(["git", "-C", str(path), "rev-parse", *args]).strip()
+
+        try:
+            git_dir = Path(ask("--absolute-git-dir"))
+            bare = ask("--is-bare-repository") == "true"
+            work_tree = git_dir if bare else Path(ask("--show-toplevel"))
+        except (git.exc.GitCommandError, git.exc.GitCommandNotFound) as exc:
+            raise GitError(f"{path} is not a git repository") from exc
+        return cls(git_dir, work_tree)
+
     # -- low level --------------------------------------------------------
 
     def _cmd(self, args: list[str]) -> list[str]:
@@ -106,10 +136,21 @@ class GitRepo:
             *args,
         ]
 
-    def run(self, *args: str, env: dict[str, str] | None = None) -> str:
-        """Run git and return stdout as text (trailing newline stripped)."""
+    def run(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Run git and return stdout as text (trailing newline stripped).
+
+        With ``timeout`` (seconds) git is killed when it runs longer, which
+        fails like any other git error.
+        """
         try:
-            return self._git.execute(self._cmd(list(args)), env=env)
+            return self._git.execute(
+                self._cmd(list(args)), env=env, kill_after_timeout=timeout
+            )
         except git.exc.GitCommandNotFound as exc:
             raise PatchsetError("git is not installed or not on PATH") from exc
         except git.exc.GitCommandError as exc:
@@ -222,6 +263,67 @@ class GitRepo:
         if not self._ok("cat-file", "-e", f"{rev}:{path}"):
             return None
         return self.run_bytes("cat-file", "blob", f"{rev}:{path}")
+
+    def added_lines(self, commit: str, path: str) -> set[int]:
+        """Line numbers (1-based, in the file at commit) that commit adds to path.
+
+        Relative to the commit's first parent; a file the commit creates has
+        every line added.
+        """
+        out = self.run(
+            "diff", "-U0", "--no-color", "--no-ext-diff", "--no-renames",
+            f"{commit}^", commit, "--", f":(top,literal){path}",
+        )
+        lines: set[int] = set()
+        for match in _HUNK_NEW_SIDE.finditer(out):
+            start = int(match.group(1))
+            count = 1 if match.group(2) is None else int(match.group(2))
+            lines.update(range(start, start + count))
+        return lines
+
+    # -- history of a range (``git log``), newest first -------------------
+
+    def commits_changing_lines(
+        self, old: str, new: str, path: str, start: int, end: int, *, timeout: float = 600
+    ) -> list[tuple[str, str]]:
+        """(id, subject) of the commits in old..new that changed lines start..end
+        of path (numbered as at new): ``git log -L``."""
+        end = max(end, start)
+        return self._log(f"-L{start},{end}:{path}", f"{old}..{new}", timeout=timeout)
+
+    def commits_removing(
+        self, old: str, new: str, paths: list[str], *, timeout: float = 600
+    ) -> list[tuple[str, str]]:
+        """(id, subject) of the commits in old..new that deleted (or renamed away)
+        any of paths."""
+        return self._log("--diff-filter=DR", f"{old}..{new}", "--", *paths, timeout=timeout)
+
+    def commits_changing_count(
+        self, old: str, new: str, text: str, path: str, *, timeout: float = 600
+    ) -> list[tuple[str, str]]:
+        """(id, subject) of the commits in old..new that changed how often text
+        occurs in path (the pickaxe, ``-S``)."""
+        return self._log(f"-S{text}", f"{old}..{new}", "--", path, timeout=timeout)
+
+    def commits_changing_lines_matching(
+        self, old: str, new: str, regex: str, path: str, *, timeout: float = 600
+    ) -> list[tuple[str, str]]:
+        """(id, subject) of the commits in old..new that added or removed a line
+        of path matching regex (``-G``)."""
+        return self._log(f"-G{regex}", f"{old}..{new}", "--", path, timeout=timeout)
+
+    def _log(self, *args: str, timeout: float) -> list[tuple[str, str]]:
+        """``git log`` of args as (id, subject), each commit once, newest first."""
+        out = self.run("log", "--format=%x00%H%x1f%s", *args, timeout=timeout)
+        seen: set[str] = set()
+        commits = []
+        for line in out.splitlines():
+            if line.startswith("\0"):
+                sha, _, subject = line[1:].partition("\x1f")
+                if sha not in seen:
+                    seen.add(sha)
+                    commits.append((sha, subject))
+        return commits
 
     def status(self) -> list[StatusEntry]:
         """Uncommitted changes, including untracked (but not ignored) files."""
@@ -339,6 +441,18 @@ class GitRepo:
         assert head is not None
         return head
 
+    def amend_head(self) -> str:
+        """Fold the index into HEAD, keeping its message and author; the new id."""
+        self.run("commit", "-q", "--amend", "--no-edit", "--no-verify", "--allow-empty")
+        head = self.head()
+        assert head is not None
+        return head
+
+    def drop_head(self) -> None:
+        """Move the current branch (or detached HEAD) to HEAD's parent, keeping
+        the index and the files as they are."""
+        self.run("reset", "-q", "--soft", "HEAD^")
+
     def fetch_refs(self, other_git_dir: Path, refspecs: list[str]) -> None:
         """Copy refs (and their objects) from another local repository."""
         self.run("fetch", "-q", "--no-tags", str(other_git_dir), *refspecs)
@@ -354,9 +468,22 @@ class GitRepo:
 
     # -- rebase (3-way; stops at a conflict with the work tree ready to resolve) --
 
-    def rebase_onto(self, onto: str, upstream: str, branch: str) -> bool:
-        """``git rebase --onto``; False when it stopped at a conflict."""
-        return self._rebase("-q", "--onto", onto, upstream, branch)
+    def rebase_onto(
+        self, onto: str, upstream: str, branch: str, *, pause_after_each: bool = False
+    ) -> bool:
+        """``git rebase --onto``; False when it stopped (a conflict, or a pause).
+
+        Commits that become empty are dropped. With ``pause_after_each`` the
+        rebase stops once each commit is replayed (a ``break`` after every
+        ``pick`` of git's own to-do list), so the caller can look at it
+        (``rebase_paused``) before ``rebase_continue``.
+        """
+        if not pause_after_each:
+            return self._rebase("-q", "--onto", onto, upstream, branch)
+        env = {**_NO_EDITOR, "GIT_SEQUENCE_EDITOR": _PAUSE_AFTER_EACH_PICK}
+        return self._rebase(
+            "-q", "-i", "--empty=drop", "--onto", onto, upstream, branch, env=env
+        )
 
     def rebase_continue(self) -> bool:
         return self._rebase("--continue")
@@ -368,13 +495,13 @@ class GitRepo:
         if self.rebase_in_progress():
             self.run("rebase", "--abort", env=_NO_EDITOR)
 
-    def _rebase(self, *args: str) -> bool:
+    def _rebase(self, *args: str, env: dict[str, str] = _NO_EDITOR) -> bool:
         try:
-            self.run("rebase", *args, env=_NO_EDITOR)
+            self.run("rebase", *args, env=env)
         except GitError:
-            if self.rebase_in_progress():
-                return False
-            raise
+            if self.rebase_in_progress() and not self.rebase_paused():
+                return False  # stopped inside a commit: a conflict to resolve
+            raise  # git refused to go on (e.g. unstaged edits at a pause)
         return not self.rebase_in_progress()
 
     def rebase_in_progress(self) -> bool:
@@ -386,12 +513,24 @@ class GitRepo:
         """The commit being replayed when the rebase stopped, if any."""
         return self.rev_parse("REBASE_HEAD")
 
+    def rebase_paused(self) -> bool:
+        """Whether the rebase stopped between commits (a pause), not inside one.
+
+        At a pause HEAD is the commit just replayed; git keeps no REBASE_HEAD
+        then, while a commit that stopped (a conflict) has one.
+        """
+        return self.rebase_in_progress() and self.rebase_stopped_at() is None
+
     def unmerged_files(self) -> list[str]:
         out = self.run("diff", "--name-only", "--diff-filter=U", "-z")
         return sorted({p for p in out.split("\0") if p})
 
     def index_matches_head(self) -> bool:
-        return self._ok("diff", "--cached", "--quiet", "HEAD")
+        return self.index_matches("HEAD")
+
+    def index_matches(self, rev: str) -> bool:
+        """Whether the index holds exactly rev's tree."""
+        return self._ok("diff", "--cached", "--quiet", rev)
 
     def tag(self, name: str, rev: str = "HEAD") -> None:
         self.run("tag", "-f", name, rev)

@@ -12,6 +12,12 @@ Electron's roll, with git doing the 3-way merges:
    rebase with conflict markers in the roll's tree; ``--continue`` goes on after
    the user resolved and staged, ``--abort`` removes the roll. A commit that
    becomes empty is dropped: that patch is already upstream (reported).
+   The rebase pauses after every commit it replays (clean or resolved), and
+   the Python files that step touched are checked (``mergecheck``): a class
+   that now defines a method twice, a name the patch's added lines use that
+   upstream removed, a file that no longer parses. Such a step stops the
+   rebase as a conflict does; the user's staged fix is folded into the step's
+   commit on ``--continue`` (``--continue --accept`` keeps the step as is).
 4. On success the series is exported (``export``) into ``rolls/<VERSION>/``:
    ``upstream.toml`` pinned to the target (sha256 from the index, verified),
    ``series`` and the patch files, names kept through their trailers. The
@@ -30,11 +36,12 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import identity, releases, state, upstream
+from . import identity, mergecheck, releases, state, upstream
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .export import export
+from .gitrepo import GitRepo
 from .project import MANIFEST, SERIES, Project
-from .series import read_series
+from .series import decode, read_series
 from .tree import PRISTINE_TAG, Say, Tree, load_patches
 
 ROLLS = "rolls"
@@ -50,6 +57,8 @@ class RebaseState:
     from_version: str
     onto: str
     patches: list[str]  # the pinned series, in order
+    checked: str | None = None  # the last replayed commit the check passed (or --accept)
+    flagged: str | None = None  # the replayed commit the check stopped at
 
     def save(self, git_dir: Path) -> None:
         (git_dir / STATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -109,13 +118,16 @@ def start(project: Project, version: str, say: Say) -> int:
         _remove_roll(roll, tree_path)
         raise
     RebaseState(pinned.version, version, [p.name for p in patches]).save(tree.git_dir)
-    say(f"rebase: [3/3] git rebase (3-way) of {len(patches)} patches + overlay onto {version}")
-    tree.repo.rebase_onto(PRISTINE_TAG, BASE_TAG, SERIES_BRANCH)
-    return _after_rebase(project, roll, tree, say)
+    say(
+        f"rebase: [3/3] git rebase (3-way) of {len(patches)} patches + overlay onto "
+        f"{version}, each step checked"
+    )
+    tree.repo.rebase_onto(PRISTINE_TAG, BASE_TAG, SERIES_BRANCH, pause_after_each=True)
+    return _drive(project, roll, tree, say)
 
 
-def continue_(project: Project, version: str | None, say: Say) -> int:
-    roll, tree, _ = _in_progress(project, version)
+def continue_(project: Project, version: str | None, say: Say, *, accept: bool = False) -> int:
+    roll, tree, st = _in_progress(project, version)
     repo = tree.repo
     unmerged = repo.unmerged_files()
     if unmerged:
@@ -125,16 +137,29 @@ def continue_(project: Project, version: str | None, say: Say) -> int:
             + f"\nResolve them, stage them (`{roll.git_cmd()} add <file>`), then run "
             f"`python build.py rebase --continue` again."
         )
+    paused = repo.rebase_paused()
+    if accept and not (paused and st.flagged):
+        raise PatchsetError(
+            "--accept keeps a step the check after each patch stopped at; the rebase "
+            "is not stopped at one. Go on with `python build.py rebase --continue`."
+        )
     stopped = repo.rebase_stopped_at()
     if not repo.rebase_in_progress():
         pass  # git finished but the export did not (interrupted): just finish it
+    elif paused:
+        _fold_staged_fix(repo, say)
+        if accept:
+            head = repo.head()
+            say(f"rebase: --accept: {_describe(repo, head)} kept as it is")
+            st.checked, st.flagged = head, None
+            st.save(tree.git_dir)
     elif stopped and repo.index_matches_head():
         # the resolution left nothing of the patch: it is upstream now
         say(f"rebase: {_describe(repo, stopped)} is empty after the resolution: dropped")
         repo.rebase_skip()
     else:
         repo.rebase_continue()
-    return _after_rebase(project, roll, tree, say)
+    return _drive(project, roll, tree, say)
 
 
 def abort(project: Project, version: str | None, say: Say) -> int:
@@ -152,27 +177,175 @@ def abort(project: Project, version: str | None, say: Say) -> int:
 # -- internals --------------------------------------------------------------
 
 
-def _after_rebase(project: Project, roll: Project, tree: Tree, say: Say) -> int:
+def _drive(project: Project, roll: Project, tree: Tree, say: Say) -> int:
+    """Take the rebase from where git stopped to its end, checking every step.
+
+    At a pause (a commit was just replayed) the step is checked unless it
+    already was; a step with findings, or a conflict, stops with what to do.
+    """
     repo = tree.repo
     st = RebaseState.load(tree.git_dir)
     assert st is not None
-    if repo.rebase_in_progress():
-        stopped = repo.rebase_stopped_at()
-        what = _describe(repo, stopped) if stopped else "a commit"
-        unmerged = repo.unmerged_files()
-        files = "\n".join(f"  {roll.rel(tree.path)}/{p}" for p in unmerged) or "  (none)"
-        say(
-            f"rebase: stopped: {what} does not apply to {project.manifest.name} {st.onto}.\n"
-            f"Conflicting files (markers <<<<<<< ======= >>>>>>> in them):\n{files}\n"
-            "To go on:\n"
-            f"  1. edit those files in {roll.rel(tree.path)} so the patch does what it did on "
-            f"{st.from_version} (`{roll.git_cmd()} diff` shows the conflict; "
-            f"`{roll.git_cmd()} show REBASE_HEAD` the original patch)\n"
-            f"  2. `{roll.git_cmd()} add <file>` for each\n"
-            "  3. `python build.py rebase --continue` (an empty result drops the patch)\n"
-            "Give up: `python build.py rebase --abort`."
+    pristine = tree.load_state().pristine
+    originals = _original_commits(repo)
+    while repo.rebase_in_progress():
+        if not repo.rebase_paused():
+            _say_conflict(project, roll, tree, st, say)
+            return EXIT_PROBLEMS
+        head = repo.head()
+        assert head is not None
+        unstaged = _unstaged(repo)
+        if head not in (st.checked, pristine):
+            label = f"{project.manifest.name} {st.from_version}"
+            findings = _check_step(repo, head, originals, label)
+            if findings:
+                st.flagged = head
+                st.save(tree.git_dir)
+                _say_flagged(project, roll, tree, st, head, findings, unstaged, say)
+                return EXIT_PROBLEMS
+            st.checked, st.flagged = head, None
+            st.save(tree.git_dir)
+        if unstaged:
+            raise PatchsetError(
+                f"{roll.rel(tree.path)} has edits that are not staged:\n"
+                + "\n".join(f"  {roll.rel(tree.path)}/{p}" for p in unstaged)
+                + f"\nStage them (`{roll.git_cmd()} add <file>`) to fold them into "
+                f"{_describe(repo, head)}, or drop them (`{roll.git_cmd()} checkout -- "
+                "<file>`); then run `python build.py rebase --continue`."
+            )
+        repo.rebase_continue()
+    return _finish(project, roll, tree, say)
+
+
+def _check_step(
+    repo: GitRepo, head: str, originals: dict[str, str], old_label: str
+) -> list[mergecheck.Finding]:
+    """``mergecheck`` on every .py file the replayed commit ``head`` touched."""
+    message = repo.messages(f"{head}^", head).get(head, "")
+    original = originals.get(_step_key(message) or "")
+    findings: list[mergecheck.Finding] = []
+    for path in repo.changed_files(head):
+        if not path.endswith(".py"):
+            continue
+        new = repo.file_at(head, path)
+        if new is None:  # deleted by the step
+            continue
+        findings += mergecheck.check_step(
+            path,
+            decode(new),
+            new_base=_text(repo.file_at(f"{head}^", path)),
+            old=_text(repo.file_at(original, path)) if original else None,
+            old_base=_text(repo.file_at(f"{original}^", path)) if original else None,
+            added=repo.added_lines(head, path),
+            old_label=old_label,
         )
-        return EXIT_PROBLEMS
+    return findings
+
+
+def _original_commits(repo: GitRepo) -> dict[str, str]:
+    """Each step of the pinned series (patch name, or the overlay) -> its commit there."""
+    if repo.rev_parse(SERIES_BRANCH) is None:  # the rebase is over
+        return {}
+    messages = repo.messages(BASE_TAG, SERIES_BRANCH)
+    out: dict[str, str] = {}
+    for commit in repo.first_parent_commits(BASE_TAG, SERIES_BRANCH):
+        key = _step_key(messages.get(commit, ""))
+        if key:
+            out.setdefault(key, commit)
+    return out
+
+
+def _step_key(message: str) -> str | None:
+    if identity.is_overlay(message):
+        return identity.OVERLAY_TRAILER
+    return identity.patch_name_of(message)
+
+
+def _text(data: bytes | None) -> str | None:
+    return None if data is None else decode(data)
+
+
+def _unstaged(repo: GitRepo) -> list[str]:
+    """Tracked files with edits in the work tree that are not staged."""
+    return sorted(e.path for e in repo.status() if not e.untracked and e.code[1] != " ")
+
+
+def _fold_staged_fix(repo: GitRepo, say: Say) -> None:
+    """At a pause: the staged fix goes into the step's commit (or drops an emptied one)."""
+    if repo.index_matches_head():
+        return
+    head = repo.head()
+    assert head is not None
+    what = _describe(repo, head)
+    if repo.index_matches(f"{head}^"):
+        repo.drop_head()
+        say(f"rebase: {what} is empty after the fix: dropped")
+    else:
+        repo.amend_head()
+        say(f"rebase: the staged fix is now part of {what}")
+
+
+def _say_conflict(
+    project: Project, roll: Project, tree: Tree, st: RebaseState, say: Say
+) -> None:
+    repo = tree.repo
+    stopped = repo.rebase_stopped_at()
+    what = _describe(repo, stopped) if stopped else "a commit"
+    unmerged = repo.unmerged_files()
+    files = "\n".join(f"  {roll.rel(tree.path)}/{p}" for p in unmerged) or "  (none)"
+    say(
+        f"rebase: stopped: {what} does not apply to {project.manifest.name} {st.onto}.\n"
+        f"Conflicting files (markers <<<<<<< ======= >>>>>>> in them):\n{files}\n"
+        "To go on:\n"
+        f"  1. edit those files in {roll.rel(tree.path)} so the patch does what it did on "
+        f"{st.from_version} (`{roll.git_cmd()} diff` shows the conflict; "
+        f"`{roll.git_cmd()} show REBASE_HEAD` the original patch)\n"
+        f"  2. `{roll.git_cmd()} add <file>` for each\n"
+        "  3. `python build.py rebase --continue` (an empty result drops the patch)\n"
+        "Give up: `python build.py rebase --abort`."
+    )
+
+
+def _say_flagged(
+    project: Project,
+    roll: Project,
+    tree: Tree,
+    st: RebaseState,
+    head: str,
+    findings: list[mergecheck.Finding],
+    unstaged: list[str],
+    say: Say,
+) -> None:
+    where = roll.rel(tree.path)
+    lines = "\n".join(f"  {where}/{f.describe()}" for f in findings)
+    pending = (
+        "Edited but not staged (the check reads the commit, so stage them):\n"
+        + "\n".join(f"  {where}/{p}" for p in unstaged)
+        + "\n"
+        if unstaged
+        else ""
+    )
+    say(
+        f"rebase: stopped after {_describe(tree.repo, head)}: git merged it onto "
+        f"{project.manifest.name} {st.onto} without a conflict, but the result is wrong:\n"
+        f"{lines}\n{pending}"
+        "To go on:\n"
+        f"  1. edit those files in {where} so the patch does what it did on "
+        f"{st.from_version} (`{roll.git_cmd()} show HEAD` shows the step as merged)\n"
+        f"  2. `{roll.git_cmd()} add <file>` for each\n"
+        "  3. `python build.py rebase --continue` (the fix goes into the patch; a fix "
+        "that leaves nothing of it drops the patch)\n"
+        "If the code is right as it is (say, the name is inherited now): "
+        "`python build.py rebase --continue --accept`.\n"
+        "Give up: `python build.py rebase --abort`."
+    )
+
+
+def _finish(project: Project, roll: Project, tree: Tree, say: Say) -> int:
+    """git is done: record the new chain, export the roll, drop the rebase's refs."""
+    repo = tree.repo
+    st = RebaseState.load(tree.git_dir)
+    assert st is not None
     repo.set_branch("main")
     tree_state = tree.load_state()
     chain = repo.first_parent_commits(tree_state.pristine)

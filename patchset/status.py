@@ -5,8 +5,9 @@ from __future__ import annotations
 from . import upstream
 from .confine import project_violations
 from .project import Project
-from .series import read_patch, sha256_bytes
+from .series import Patch, sha256_bytes
 from .tree import Tree
+from .validate import MISSING, validate_series
 
 
 def compute_status(project: Project) -> dict:
@@ -22,7 +23,9 @@ def compute_status(project: Project) -> dict:
     else:
         sdist_state = "not cached"
     tree = Tree(project)
-    series = project.series()
+    report = validate_series(project)
+    series_problems = [p.message for p in report.loading_problems if p.code != MISSING]
+    patches = {p.name: p for p in report.patches}
     out: dict = {
         "upstream": {
             "name": manifest.name,
@@ -36,7 +39,7 @@ def compute_status(project: Project) -> dict:
             "git_dir": project.rel(tree.git_dir),
             "present": tree.present(),
         },
-        "series_problems": list(series.problems),
+        "series_problems": series_problems,  # a missing file shows in its row
         "patches": [],
         "removed": [],
         "out_of_order": False,
@@ -47,13 +50,13 @@ def compute_status(project: Project) -> dict:
             "tree_edited": [],
         },
         "uncaptured": [],
-        "confinement": _confinement(project),  # paths leaving the tree: refused
+        "confinement": _confinement(project, report.patches),  # leaving the tree: refused
         "in_sync": False,
     }
     if not tree.present():
         out["patches"] = [
-            {"name": e.name, "state": "pending", "subject": _subject(project, e.name)}
-            for e in series.entries
+            {"name": e.name, "state": "pending", "subject": _subject(patches, e.name)}
+            for e in report.entries
         ]
         return out
 
@@ -72,10 +75,10 @@ def compute_status(project: Project) -> dict:
         p.name: p for p in st.patches if p.commit in analysis.chain or p.name in amended
     }
     rows = []
-    for entry in series.entries:
+    for entry in report.entries:
         path = project.patch_path(entry.name)
         rec = applied.get(entry.name)
-        row = {"name": entry.name, "subject": _subject(project, entry.name)}
+        row = {"name": entry.name, "subject": _subject(patches, entry.name)}
         if not path.is_file():
             row["state"] = "missing" if rec is None else "applied, file missing"
         elif rec is None:
@@ -91,7 +94,8 @@ def compute_status(project: Project) -> dict:
             row["state"] = "applied"
         rows.append(row)
     out["patches"] = rows
-    names = set(series.names)
+    listed = [e.name for e in report.entries]
+    names = set(listed)
     out["removed"] = [
         {"name": p.name, "commit": p.commit, "subject": p.subject}
         for p in applied.values()
@@ -100,7 +104,7 @@ def compute_status(project: Project) -> dict:
     applied_order = [
         p.name for p in st.patches if p.name in applied and p.name in names
     ]
-    out["out_of_order"] = applied_order != [n for n in series.names if n in applied]
+    out["out_of_order"] = applied_order != [n for n in listed if n in applied]
     out["overlay"] = {
         "placed": analysis.overlay_placed,
         "in_sync": analysis.overlay_in_sync,
@@ -111,7 +115,7 @@ def compute_status(project: Project) -> dict:
     }
     out["uncaptured"] = [{"path": e.path, "why": e.why} for e in analysis.uncaptured]
     out["in_sync"] = (
-        not series.problems
+        not series_problems
         and all(r["state"] == "applied" for r in rows)
         and not out["removed"]
         and not out["out_of_order"]
@@ -123,17 +127,12 @@ def compute_status(project: Project) -> dict:
     return out
 
 
-def _confinement(project: Project) -> list[dict]:
+def _confinement(project: Project, patches: list[Patch]) -> list[dict]:
     """Paths of the series' patches and the overlay that leave the tree."""
-    names = dict.fromkeys(project.series().names)
-    paths = {n: project.patch_path(n) for n in names}
-    patches = [read_patch(p, n) for n, p in paths.items() if p.is_file()]
     tree = project.rel(project.tree)
     return [v.to_json(tree) for v in project_violations(project, patches)]
 
 
-def _subject(project: Project, name: str) -> str | None:
-    path = project.patch_path(name)
-    if not path.is_file():
-        return None
-    return read_patch(path, name).title
+def _subject(patches: dict[str, Patch], name: str) -> str | None:
+    patch = patches.get(name)
+    return patch.title if patch else None

@@ -32,7 +32,8 @@ from .errors import PatchsetError, ProblemsFound
 from .exactapply import FileResult, PatchDoesNotApply, PatchLeavesTree, apply_patch
 from .gitrepo import GitRepo, paths_matching_ignore_rules
 from .project import Project
-from .series import DEFAULT_AUTHOR, Patch, decode, read_patch
+from .series import DEFAULT_AUTHOR, Patch, decode
+from .validate import validate_series
 
 PRISTINE_TAG = "vmp-pristine"
 OVERLAY_SUBJECT = "vmp-overlay"
@@ -492,30 +493,17 @@ def _applied(patch: Patch, commit: str) -> state.AppliedPatch:
 
 
 def load_patches(project: Project) -> list[Patch]:
-    """The series' patches, read and parsed; refuses a series that lists no file."""
-    series = project.series()
-    problems = list(series.problems)
-    seen: set[str] = set()
-    patches = []
-    for entry in series.entries:
-        if entry.name in seen:
-            problems.append(f"series line {entry.line}: {entry.name} is listed twice")
-            continue
-        seen.add(entry.name)
-        path = project.patch_path(entry.name)
-        if not path.is_file():
-            problems.append(
-                f"series line {entry.line}: {entry.name} is listed but "
-                f"{project.rel(path)} does not exist"
-            )
-            continue
-        patches.append(read_patch(path, entry.name))
+    """The series' patches, read and parsed; refuses a series that cannot be loaded."""
+    report = validate_series(project)
+    problems = [p.message for p in report.loading_problems]
     if problems:
         raise ProblemsFound(
-            "patches/series is not usable:\n"
+            f"{project.rel(project.series_path)} is not usable:\n"
             + "\n".join(f"  {p}" for p in problems)
-            + "\nFix patches/series (run `python build.py check` for all problems)."
+            + f"\nFix {project.rel(project.series_path)} (run `python build.py check` "
+            "for all problems)."
         )
+    patches = report.patches
     outside = project_violations(project, patches)
     if outside:
         raise PathsOutsideTree(

@@ -8,6 +8,7 @@ that changed the hunk's lines.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import hashlib
 import io
@@ -20,7 +21,9 @@ from pathlib import Path
 import pytest
 from conftest import OVERLAY_DST, Project, manifest_text, numbered, patch_text, udiff
 
-from patchset import compat, releases
+from patchset import compat, releases, upstream
+from patchset.compat import imports as compat_imports
+from patchset.compat import run as compat_run
 
 CONNECTOR = (
     "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py"
@@ -370,7 +373,7 @@ def test_versions_option_and_cache(world, monkeypatch) -> None:
     def boom(*_a, **_k):
         raise AssertionError("recomputed")
 
-    monkeypatch.setattr(compat, "analyze", boom)
+    monkeypatch.setattr(compat_run, "analyze", boom)
     res, report = run(proj, "--versions", "0.20.0")
     assert res.code == 1, res.text
     assert "copying" not in res.err and "result cached" in res.err
@@ -399,7 +402,7 @@ def test_an_edited_subclass_invalidates_the_cached_result(world, monkeypatch) ->
     def boom(*_a, **_k):
         raise AssertionError("recomputed")
 
-    monkeypatch.setattr(compat, "analyze", boom)
+    monkeypatch.setattr(compat_run, "analyze", boom)
     worker = proj.root / "connector" / "worker.py"
     worker.write_text(worker.read_text().replace("get_finished", "get_finished_reqs"))
     with pytest.raises(AssertionError, match="recomputed"):
@@ -434,8 +437,8 @@ def test_overlay_imports_resolution(tmp_path) -> None:
         "    from vllm.v1.request import Request\n"
     )
     overlays = (
-        compat.upstream.Overlay("connector", OVERLAY_DST),
-        compat.upstream.Overlay(
+        upstream.Overlay("connector", OVERLAY_DST),
+        upstream.Overlay(
             "hashsync", OVERLAY_DST.rsplit("/", 1)[0] + "/hashsync"
         ),
     )
@@ -450,12 +453,12 @@ def test_overlay_imports_resolution(tmp_path) -> None:
 
 
 def test_defined_names() -> None:
-    tree = compat.ast.parse(
+    tree = ast.parse(
         "import os.path\nfrom x import y as z\nA, (B, C) = 1, (2, 3)\nD: int = 4\n"
         "if True:\n    def e(): pass\nelse:\n    class F: pass\n"
         "try:\n    G = 1\nexcept ImportError:\n    H = 2\n"
     )
-    names, dynamic = compat._defined_names(tree)
+    names, dynamic = compat_imports.defined_names(tree)
     assert names == {"os", "z", "A", "B", "C", "D", "e", "F", "G", "H"}
     assert not dynamic
-    assert compat._defined_names(compat.ast.parse("def __getattr__(n): pass"))[1]
+    assert compat_imports.defined_names(ast.parse("def __getattr__(n): pass"))[1]

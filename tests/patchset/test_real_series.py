@@ -13,17 +13,27 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _cached_sdist() -> Path:
+def _project():
     sys.path.insert(0, str(REPO))
     from patchset.project import Project
+
+    return Project(REPO)
+
+
+def _cached_sdist() -> Path:
     from patchset.upstream import cache_dir
 
-    return cache_dir() / Project(REPO).manifest.sdist
+    return cache_dir() / _project().manifest.sdist
+
+
+def _folders() -> list[str]:
+    """patches/ and every overlay source folder the real manifest names."""
+    return ["patches", *dict.fromkeys(ov.src for ov in _project().manifest.overlays)]
 
 
 def _tree_files(root: Path) -> dict[str, bytes]:
     out = {}
-    for d in ("patches", "connector", "hashsync"):
+    for d in _folders():
         for f in sorted((root / d).rglob("*")):
             if f.is_file() and "__pycache__" not in f.parts:
                 out[str(f.relative_to(root))] = f.read_bytes()
@@ -36,7 +46,7 @@ def test_repo_series_round_trips_on_real_sdist(tmp_path):
         pytest.skip(f"real vLLM sdist not cached at {sdist}; run python build.py fetch")
     root = tmp_path / "proj"
     root.mkdir()
-    for d in ("patches", "connector", "hashsync"):
+    for d in _folders():
         shutil.copytree(REPO / d, root / d, ignore=shutil.ignore_patterns("__pycache__"))
     before = _tree_files(root)
     run = lambda *a: subprocess.run(  # noqa: E731

@@ -1,0 +1,114 @@
+"""The series' rules, written once.
+
+Every command that reads the series asks ``validate_series``: ``check``
+reports every problem, ``apply`` (and ``rebase``, ``compat``, through
+``tree.load_patches``) refuses a series it cannot load, ``status`` shows the
+series-file problems. The rules:
+
+- ``option``: a series line carries an option other than ``-p1``
+  (``series.parse_series`` finds these while parsing);
+- ``duplicate``: a patch is listed twice;
+- ``missing``: a listed patch has no file;
+- ``unlisted``: a patch file in the folder is not listed;
+- ``parse``: a patch's diff does not parse;
+- ``header``: a patch's header breaks the header policy (``headers``).
+
+The first three make the series unusable (``blocks_loading``): which patches,
+in which order, is not known. The others leave a series that can be loaded,
+applied and looked at, and only ``check`` fails on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .headers import header_problems
+from .series import Patch, SeriesEntry, read_patch
+
+if TYPE_CHECKING:
+    from .project import Project
+
+OPTION = "option"
+DUPLICATE = "duplicate"
+MISSING = "missing"
+UNLISTED = "unlisted"
+PARSE = "parse"
+HEADER = "header"
+BLOCKS_LOADING = (OPTION, DUPLICATE, MISSING)
+
+
+@dataclass(frozen=True)
+class SeriesProblem:
+    code: str  # one of the rules above
+    message: str  # names the series line or the patch, and what to do
+    patch: str | None = None
+
+    @property
+    def blocks_loading(self) -> bool:
+        return self.code in BLOCKS_LOADING
+
+
+@dataclass
+class SeriesReport:
+    entries: list[SeriesEntry] = field(default_factory=list)
+    patches: list[Patch] = field(
+        default_factory=list
+    )  # listed, present, each once, in order
+    header: list[str] = field(default_factory=list)  # the series' leading comment block
+    problems: list[SeriesProblem] = field(default_factory=list)
+
+    @property
+    def loading_problems(self) -> list[SeriesProblem]:
+        return [p for p in self.problems if p.blocks_loading]
+
+
+def validate_series(project: Project) -> SeriesReport:
+    """Read the series and its patch files, and say what breaks the rules."""
+    series = project.series()
+    report = SeriesReport(entries=list(series.entries), header=list(series.header))
+    report.problems += [SeriesProblem(OPTION, msg) for msg in series.problems]
+    seen: set[str] = set()
+    for entry in series.entries:
+        if entry.name in seen:
+            report.problems.append(
+                SeriesProblem(
+                    DUPLICATE,
+                    f"series line {entry.line}: {entry.name} is listed twice",
+                    entry.name,
+                )
+            )
+            continue
+        seen.add(entry.name)
+        path = project.patch_path(entry.name)
+        if not path.is_file():
+            report.problems.append(
+                SeriesProblem(
+                    MISSING,
+                    f"series line {entry.line}: {entry.name} is listed but "
+                    f"{project.rel(path)} does not exist",
+                    entry.name,
+                )
+            )
+            continue
+        patch = read_patch(path, entry.name)
+        report.patches.append(patch)
+        if patch.parse_error:
+            report.problems.append(
+                SeriesProblem(PARSE, f"{entry.name}: {patch.parse_error}", entry.name)
+            )
+        report.problems += [
+            SeriesProblem(HEADER, f"{entry.name}: {msg}", entry.name)
+            for msg in header_problems(patch)
+        ]
+    for name in project.patch_files_on_disk():
+        if name not in seen:
+            report.problems.append(
+                SeriesProblem(
+                    UNLISTED,
+                    f"{project.rel(project.patch_path(name))} is not listed in "
+                    f"{project.rel(project.series_path)} (add it, or delete it)",
+                    name,
+                )
+            )
+    return report

@@ -1,0 +1,84 @@
+"""gitrepo: the git mechanics compat and rebase ask for, on tiny local histories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from patchset.gitrepo import GitError, GitRepo
+
+
+def repo_with(tmp_path: Path, *commits: dict[str, str]) -> tuple[GitRepo, list[str]]:
+    """A clone-like repository (``r/.git``) whose commits write the given files,
+    oldest first; their ids."""
+    repo = GitRepo(tmp_path / "r" / ".git", tmp_path / "r")
+    repo.work_tree.mkdir()
+    repo.init()
+    ids = []
+    for i, files in enumerate(commits):
+        for path, text in files.items():
+            (repo.work_tree / path).write_text(text)
+        repo.add_all()
+        ids.append(repo.commit(f"commit {i}", ("A", "a@example.com")))
+    return repo, ids
+
+
+def test_discover_finds_a_clone_from_a_subfolder_and_refuses_a_plain_folder(
+    tmp_path,
+) -> None:
+    repo, _ = repo_with(tmp_path, {"f.py": "x = 1\n"})
+    (repo.work_tree / "sub").mkdir()
+    repo.run("tag", "v1")
+    found = GitRepo.discover(repo.work_tree / "sub")
+    assert found.git_dir == repo.git_dir and found.work_tree == repo.work_tree
+    assert found.rev_parse("v1") == repo.head()
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(GitError, match="is not a git repository"):
+        GitRepo.discover(tmp_path / "plain")
+
+
+def test_added_lines_are_numbered_in_the_new_file(tmp_path) -> None:
+    old = "a\nb\nc\nd\n"
+    new = "a\nB\nc\nd\ne\nf\n"
+    repo, (_, second) = repo_with(tmp_path, {"f.py": old}, {"f.py": new})
+    assert repo.added_lines(second, "f.py") == {2, 5, 6}
+
+
+def test_history_queries_name_the_commits_of_a_range(tmp_path) -> None:
+    repo, (first, second, third) = repo_with(
+        tmp_path,
+        {"f.py": "def run(a):\n    return a\n", "g.py": "G = 1\n"},
+        {"f.py": "def run(a, b):\n    return a\n"},
+        {"f.py": "def run(a, b):\n    return b\n", "g.py": "H = 1\n"},
+    )
+    assert repo.commits_changing_lines(first, third, "f.py", 2, 2) == [
+        (third, "commit 2")
+    ]
+    assert repo.commits_changing_lines_matching(first, third, r"def run\(", "f.py") == [
+        (second, "commit 1")
+    ]
+    assert repo.commits_changing_count(first, third, "G = 1", "g.py") == [
+        (third, "commit 2")
+    ]
+    assert repo.commits_removing(first, third, ["g.py"]) == []
+
+
+def test_a_rebase_can_pause_after_each_commit(tmp_path) -> None:
+    repo, (base, one, two) = repo_with(
+        tmp_path, {"f": "a\n\n\n\nb\n"}, {"f": "a1\n\n\n\nb\n"}, {"f": "a1\n\n\n\nb1\n"}
+    )
+    repo.set_branch("series", two)
+    repo.set_branch("upstream", base)
+    repo.reset_hard(base)
+    (repo.work_tree / "g").write_text("upstream\n")
+    repo.add_all()
+    onto = repo.commit("upstream", ("U", "u@example.com"))
+    assert repo.rebase_onto(onto, base, "series", pause_after_each=True) is False
+    assert repo.rebase_paused() and repo.subject("HEAD") == "commit 1"
+    assert repo.rebase_continue() is False
+    assert repo.rebase_paused() and repo.subject("HEAD") == "commit 2"
+    assert repo.rebase_continue() is True
+    assert not repo.rebase_in_progress()
+    assert repo.first_parent_commits(onto, "series") != [one, two]  # replayed on onto
+    assert len(repo.first_parent_commits(onto, "series")) == 2
