@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Patch-set manager for the pinned vLLM tree.
 
-    python build.py fetch            get and verify the pinned sdist (cached outside the repo)
+    python build.py fetch            get (the index's file, no pip) and verify the pinned sdist
     python build.py apply [--force]  pristine tree + patches/series + overlay into third_party/vllm
     python build.py status [--json]  applied / changed / pending patches, uncaptured edits
     python build.py export [--force] tree commits -> patches/*.patch + series, overlay copied back
@@ -11,8 +11,12 @@
     python build.py compat [--since V | --versions A,B] [--upstream-git DIR]
                                      which patches, overlay files, imports and overrides survive
                                      newer releases
-    python build.py rebase --onto V  3-way rebase of the series onto release V -> rolls/V/
-    python build.py rebase --continue [--accept] | --abort
+    python build.py rebase --onto V [--without-build-default DEVICE]
+                                     3-way rebase of the series onto release V -> rolls/V/
+    python build.py rebase --continue [--accept] | --skip | --abort
+    python build.py range-diff [--patches rolls/V] [--json]
+                                     the rolled series against the pinned one, patch by
+                                     patch: same / changed (interdiff) / only in one
     python build.py --patches rolls/V COMMAND   any command on a rolled series
 
 Exit codes: 0 ok, 1 problems found, 2 could not run.
@@ -64,7 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser(
-        "fetch", help="download (pip) and verify the pinned sdist into the cache"
+        "fetch",
+        help="download the pinned sdist (the index's file, no pip) and verify it "
+        "into the cache",
     )
     p = sub.add_parser("apply", help="build the tree: pristine + series + overlay")
     p.add_argument(
@@ -121,20 +127,60 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "rebase",
         help="carry the series onto another release (3-way; stops at conflicts)",
     )
-    p.add_argument("--onto", metavar="VERSION", help="the upstream release, e.g. 0.19.0")
+    p.add_argument(
+        "--onto", metavar="VERSION", help="the upstream release, e.g. 0.19.0"
+    )
     step = p.add_mutually_exclusive_group()
     step.add_argument(
-        "--continue", dest="cont", action="store_true",
+        "--continue",
+        dest="cont",
+        action="store_true",
         help="go on after resolving and staging a conflict",
     )
     step.add_argument(
-        "--abort", action="store_true", help="give up: remove the roll's tree and folder"
+        "--skip",
+        action="store_true",
+        help="drop the patch the rebase stopped at (reported as dropped) and go on",
+    )
+    step.add_argument(
+        "--abort",
+        action="store_true",
+        help="give up: remove the roll's tree and folder",
+    )
+    p.add_argument(
+        "--without-build-default",
+        dest="without",
+        action="append",
+        choices=["cpu", "cuda"],
+        default=[],
+        metavar="DEVICE",
+        help="roll even though the target has no build-default wheel for DEVICE "
+        "(cpu or cuda; repeatable): its old pins are kept, marked verified = false",
     )
     p.add_argument(
         "--accept",
         action="store_true",
         help="with --continue: keep a step the check after each patch stopped at, as it is",
     )
+    p = sub.add_parser(
+        "range-diff",
+        help="a rolled series against the pinned one, patch by patch: same, changed "
+        "(with the interdiff), only in one of them",
+    )
+    p.add_argument(
+        "--patches",
+        dest="roll",
+        metavar="DIR",
+        help="the rolled series, e.g. rolls/0.19.0 (default: the global --patches, "
+        "else the only folder under rolls/)",
+    )
+    p.add_argument(
+        "--against",
+        default="patches",
+        metavar="DIR",
+        help="the series to compare with (default: patches, the pinned one)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     return parser.parse_args(argv)
 
 
@@ -163,7 +209,19 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.command == "rebase":
         return commands.rebase(
-            project, onto=args.onto, cont=args.cont, abort=args.abort, accept=args.accept
+            project,
+            onto=args.onto,
+            cont=args.cont,
+            abort=args.abort,
+            accept=args.accept,
+            skip=args.skip,
+            without=args.without,
+        )
+    if args.command == "range-diff":
+        if args.roll:
+            project = Project(args.root.resolve(), patches=args.roll.strip("/"))
+        return commands.range_diff(
+            project, against=args.against.strip("/"), as_json=args.json
         )
     raise AssertionError(args.command)
 

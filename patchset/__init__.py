@@ -9,8 +9,9 @@ Layout, one concern per module:
 - ``validate``: the series' rules (options, duplicates, missing and unlisted
   files, parse errors, headers), written once for every command.
 - ``exactapply``: zero-fuzz, zero-offset hunk validation and application.
-- ``upstream``: the manifest (``patches/upstream.toml``), sdist fetch, sha256
-  verification, unpacking and reading members straight from the tarball.
+- ``upstream``: the manifest (``patches/upstream.toml``), sdist fetch (the
+  index's file, no pip), sha256 verification, unpacking and reading members
+  straight from the tarball.
 - ``overlay``: our own new files placed into the tree and copied back.
 - ``state``: what ``apply`` recorded in the tree's git dir.
 - ``project``: where things are in a project checkout.
@@ -24,8 +25,12 @@ Layout, one concern per module:
 - ``rebase``: the series carried onto another release by ``git rebase``;
   ``mergecheck`` checks each step's Python files, ``pynames`` reads the names
   a module defines.
+- ``rangediff``: a rolled series against the pinned one, patch by patch.
+- ``releases``: the package index: versions, sdists and wheels, verified
+  downloads.
 - ``build_defaults``: what ``pip install -e`` of the tree builds with (device,
-  precompiled kernels' wheel), recorded in the tree by ``apply``.
+  precompiled kernels' wheel), recorded in the tree by ``apply``, re-pinned
+  by ``rebase``.
 - ``commands``: the subcommands behind ``build.py`` (printing, exit codes).
 """
 

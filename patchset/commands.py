@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from . import build_defaults, upstream
 from .check import run_check
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .export import export
 from .gitrepo import git_version
-from .project import Project
+from .project import MANIFEST, Project
 from .status import compute_status
 from .tree import Tree, load_patches
 
@@ -33,7 +34,13 @@ def apply(project: Project, *, force: bool) -> int:
         tree.create_baseline(upstream.fetch(project.manifest, say), say)
     tree.apply(patches, force=force, say=say)
     # what `pip install -e <tree>` builds with (device, precompiled kernels)
-    build_defaults.record(project.root, tree.path, project.git_dir, say)
+    build_defaults.record(
+        project.root,
+        tree.path,
+        project.git_dir,
+        say,
+        Path(project.patches) / MANIFEST,
+    )
     return EXIT_OK
 
 
@@ -132,20 +139,46 @@ def compat(
 
 
 def rebase(
-    project: Project, *, onto: str | None, cont: bool, abort: bool, accept: bool = False
+    project: Project,
+    *,
+    onto: str | None,
+    cont: bool,
+    abort: bool,
+    accept: bool = False,
+    skip: bool = False,
+    without: list[str] | None = None,
 ) -> int:
     from . import rebase as rebase_
 
     if accept and not cont:
         raise PatchsetError("--accept only goes with --continue")
+    if without and (cont or abort or skip):
+        raise PatchsetError(
+            "--without-build-default goes with starting a rebase (--onto VERSION)"
+        )
     git_version()
     if cont:
         return rebase_.continue_(project, onto, say, accept=accept)
     if abort:
         return rebase_.abort(project, onto, say)
+    if skip:
+        return rebase_.skip(project, onto, say)
     if not onto:
-        raise PatchsetError("rebase needs --onto VERSION (or --continue / --abort)")
-    return rebase_.start(project, onto, say)
+        raise PatchsetError(
+            "rebase needs --onto VERSION (or --continue / --skip / --abort)"
+        )
+    return rebase_.start(project, onto, say, without=without or ())
+
+
+def range_diff(project: Project, *, against: str, as_json: bool) -> int:
+    from . import rangediff
+
+    roll, pinned, entries = rangediff.run(project, against)
+    if as_json:
+        print(json.dumps(rangediff.to_json(roll, pinned, entries), indent=2))
+    else:
+        print(rangediff.render(roll, pinned, entries))
+    return EXIT_OK
 
 
 _HINTS = {

@@ -212,7 +212,8 @@ def scan(patch: Patch) -> list[FileEntry]:
             entry(fresh=not files or files[-1].hunks).add(
                 lineno, _side(line[4:]), False
             )
-        elif line.startswith("+++ "):  # outside a hunk: always a header (as unidiff reads it)
+        # outside a hunk: always a header (as unidiff reads it)
+        elif line.startswith("+++ "):
             entry().add(lineno, _side(line[4:]), True)
         elif m := _NAMED.match(line):
             f = entry()

@@ -34,7 +34,8 @@ class ExportResult:
     series_changed: bool = False
     overlay_copied: list[str] = field(default_factory=list)
     overlay_removed: list[str] = field(default_factory=list)
-    overlay_kept: list[str] = field(default_factory=list)  # newer in the repo: not copied back
+    # newer in the repo: not copied back
+    overlay_kept: list[str] = field(default_factory=list)
 
 
 def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
@@ -94,8 +95,11 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
     # A commit keeps the file its Patch-Filename trailer names (amend, fixup,
     # reword and reordering keep it); a new commit, or a hand-written patch
     # without the NNNN- prefix, gets the next free number.
-    numbers = [_number(n) for n in [*old_series.names, *ids.patch_of.values()]
-               if _PATCH_NAME.match(n)]
+    numbers = [
+        _number(n)
+        for n in [*old_series.names, *ids.patch_of.values()]
+        if _PATCH_NAME.match(n)
+    ]
     next_number = max([n for n in numbers if n is not None], default=0) + 1
     for commit in analysis.chain:
         if commit == ids.overlay:
@@ -175,8 +179,12 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
         f"export: {len(result.written)} patch files written, {len(result.unchanged)} unchanged, "
         f"{len(result.removed)} removed; series {'updated' if result.series_changed else 'unchanged'}; "
         f"overlay: {len(result.overlay_copied)} files copied back, {len(result.overlay_removed)} removed"
-        + (f", {len(result.overlay_kept)} newer in the repo kept (run apply to place them)"
-           if result.overlay_kept else "")
+        + (
+            f", {len(result.overlay_kept)} newer in the repo kept "
+            "(run apply to place them)"
+            if result.overlay_kept
+            else ""
+        )
     )
     return result
 
@@ -195,7 +203,9 @@ def _tag_commits(tree: Tree, analysis: Analysis, st: state.State, say: Say) -> N
             )
     overlay_commit = st.overlay_commit
     if overlay_commit and not identity.is_overlay(messages[overlay_commit]):
-        new_messages[overlay_commit] = identity.tag_overlay_message(messages[overlay_commit])
+        new_messages[overlay_commit] = identity.tag_overlay_message(
+            messages[overlay_commit]
+        )
     if not new_messages:
         return
     first = min(analysis.chain.index(c) for c in new_messages)
@@ -244,9 +254,15 @@ def _stale_inputs(tree: Tree, analysis: Analysis, series_names: list[str]) -> li
     # An overlay file changed only in the repo is left alone by export (it is
     # not copied back); one changed on both sides would lose the repo's edit.
     for item in analysis.overlay_files if analysis.overlay_placed else []:
-        if item.tree_edited and item.repo is not None and item.repo != item.placed \
-                and not item.in_sync:
-            repo_file = overlay.repo_path(project.root, project.manifest.overlays, item.path)
+        if (
+            item.tree_edited
+            and item.repo is not None
+            and item.repo != item.placed
+            and not item.in_sync
+        ):
+            repo_file = overlay.repo_path(
+                project.root, project.manifest.overlays, item.path
+            )
             stale.append(
                 f"{project.rel(repo_file)}: changed both in the repo and in the tree"
             )

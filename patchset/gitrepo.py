@@ -53,7 +53,7 @@ _NO_EDITOR = {"GIT_EDITOR": "true", "GIT_SEQUENCE_EDITOR": "true"}
 
 # A sequence editor (run by sh with the to-do file as $1): a ``break`` after every pick.
 _PAUSE_AFTER_EACH_PICK = (
-    "f() { awk '{ print } /^(p|pick) / { print \"break\" }' \"$1\" > \"$1.tmp\" "
+    'f() { awk \'{ print } /^(p|pick) / { print "break" }\' "$1" > "$1.tmp" '
     '&& mv "$1.tmp" "$1"; }; f'
 )
 # ``@@ -a,b +c,d @@`` of a zero-context diff: its new side is the added lines.
@@ -271,8 +271,15 @@ class GitRepo:
         every line added.
         """
         out = self.run(
-            "diff", "-U0", "--no-color", "--no-ext-diff", "--no-renames",
-            f"{commit}^", commit, "--", f":(top,literal){path}",
+            "diff",
+            "-U0",
+            "--no-color",
+            "--no-ext-diff",
+            "--no-renames",
+            f"{commit}^",
+            commit,
+            "--",
+            f":(top,literal){path}",
         )
         lines: set[int] = set()
         for match in _HUNK_NEW_SIDE.finditer(out):
@@ -284,7 +291,14 @@ class GitRepo:
     # -- history of a range (``git log``), newest first -------------------
 
     def commits_changing_lines(
-        self, old: str, new: str, path: str, start: int, end: int, *, timeout: float = 600
+        self,
+        old: str,
+        new: str,
+        path: str,
+        start: int,
+        end: int,
+        *,
+        timeout: float = 600,
     ) -> list[tuple[str, str]]:
         """(id, subject) of the commits in old..new that changed lines start..end
         of path (numbered as at new): ``git log -L``."""
@@ -296,7 +310,9 @@ class GitRepo:
     ) -> list[tuple[str, str]]:
         """(id, subject) of the commits in old..new that deleted (or renamed away)
         any of paths."""
-        return self._log("--diff-filter=DR", f"{old}..{new}", "--", *paths, timeout=timeout)
+        return self._log(
+            "--diff-filter=DR", f"{old}..{new}", "--", *paths, timeout=timeout
+        )
 
     def commits_changing_count(
         self, old: str, new: str, text: str, path: str, *, timeout: float = 600
@@ -365,7 +381,9 @@ class GitRepo:
 
     # -- writing ----------------------------------------------------------
 
-    def reword(self, base: str, commits: list[str], messages: dict[str, str]) -> dict[str, str]:
+    def reword(
+        self, base: str, commits: list[str], messages: dict[str, str]
+    ) -> dict[str, str]:
         """Recreate ``commits`` (a first-parent chain on ``base``) with new messages.
 
         Trees, authors and author dates are kept, so the work tree and the index
@@ -393,7 +411,12 @@ class GitRepo:
                     "GIT_AUTHOR_DATE": date,
                 }
                 parent = self.run(
-                    "commit-tree", f"{commit}^{{tree}}", "-p", parent, "-F", str(msg_file),
+                    "commit-tree",
+                    f"{commit}^{{tree}}",
+                    "-p",
+                    parent,
+                    "-F",
+                    str(msg_file),
                     env=env,
                 ).strip()
                 mapping[commit] = parent
@@ -452,6 +475,11 @@ class GitRepo:
         """Move the current branch (or detached HEAD) to HEAD's parent, keeping
         the index and the files as they are."""
         self.run("reset", "-q", "--soft", "HEAD^")
+
+    def discard_head(self) -> None:
+        """Move the current branch (or detached HEAD) to HEAD's parent, and the
+        index and tracked files with it: HEAD's change and any staged edit go."""
+        self.run("reset", "-q", "--hard", "HEAD^")
 
     def fetch_refs(self, other_git_dir: Path, refspecs: list[str]) -> None:
         """Copy refs (and their objects) from another local repository."""

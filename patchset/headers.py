@@ -19,6 +19,55 @@ UPSTREAM_STATUS = re.compile(
 UPSTREAM_STATUS_FORMS = (
     "Pending | Submitted [where] | Backport [from] | Inappropriate [why]"
 )
+_STATUS_PARTS = re.compile(r"^Upstream-Status: (\w+)(?: \[(.+)\])?$")
+# What a Backport claim must name so it can be checked: a pull request of a
+# named repository (owner/repo#N, a GitHub pull URL) or a commit (a hex id of
+# 7 to 40 digits, alone, as owner/repo@id or as a GitHub commit URL).
+_CHANGE_REFERENCE = re.compile(
+    r"(?:^|[\s(\[])[\w.-]+/[\w.-]+#\d+\b"
+    r"|github\.com/[\w.-]+/[\w.-]+/(?:pull/\d+|commit/[0-9a-f]{7,40})"
+    r"|(?:^|[\s@(\[])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"
+)
+_SUPERSEDED = re.compile(r"^superseded by\b", re.IGNORECASE)
+
+
+def upstream_status(patch: Patch) -> tuple[str, str] | None:
+    """(kind, the text in brackets) of the patch's one valid Upstream-Status line."""
+    lines = [
+        ln for ln in patch.header.body.splitlines() if ln.startswith("Upstream-Status:")
+    ]
+    if len(lines) != 1 or not UPSTREAM_STATUS.match(lines[0]):
+        return None
+    m = _STATUS_PARTS.match(lines[0])
+    return (m.group(1), m.group(2) or "") if m else None
+
+
+def claims_upstream_change(patch: Patch) -> str | None:
+    """The claim (``Backport [...]``, ``Inappropriate [superseded by ...]``) that
+    the patch is a change upstream has or will have, else None."""
+    status = upstream_status(patch)
+    if status is None:
+        return None
+    kind, why = status
+    if kind == "Backport" or (kind == "Inappropriate" and _SUPERSEDED.match(why)):
+        return f"{kind} [{why}]"
+    return None
+
+
+def backport_reference_problem(patch: Patch) -> str | None:
+    """What is wrong with a ``Backport [...]`` claim that names no upstream change.
+
+    Only the form is checked (nothing is looked up): a PR of a named
+    repository or a commit, so a reader, or a later check, can find it.
+    """
+    status = upstream_status(patch)
+    if status is None or status[0] != "Backport" or _CHANGE_REFERENCE.search(status[1]):
+        return None
+    return (
+        f"'Upstream-Status: Backport [{status[1]}]' names no upstream change to "
+        "check it against: name the PR (vllm-project/vllm#NNNN, or its GitHub URL) "
+        "or the commit (vllm-project/vllm@<sha>)"
+    )
 
 
 def header_problems(patch: Patch) -> list[str]:

@@ -101,7 +101,8 @@ class Problem:
     message: str  # names both signatures and what to do
     upstream: str | None = None  # the upstream file it concerns, in the release checked
     upstream_line: int | None = None
-    name: str | None = None  # the upstream name it concerns (a method, a super() call's)
+    # the upstream name it concerns (a method, a super() call's)
+    name: str | None = None
     ours: str | None = None  # our signature (or call)
     theirs: str | None = None  # upstream's signature
 
@@ -237,7 +238,8 @@ def signature_of(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Signature:
         name=fn.name,
         kind=kind,
         positional=tuple(
-            Param(a.arg, None if d is None else ast.unparse(d)) for a, d in zip(pos, defaults)
+            Param(a.arg, None if d is None else ast.unparse(d))
+            for a, d in zip(pos, defaults)
         ),
         posonly=len(args.posonlyargs),
         vararg=args.vararg.arg if args.vararg else None,
@@ -266,11 +268,18 @@ def compare(ours: Signature, theirs: Signature) -> list[tuple[str, str]]:
     op, tp = ours.positional, theirs.positional
     for i in range(start, min(len(op), len(tp))):
         if op[i].name != tp[i].name:
-            out.append((ERROR, f"ours has `{op[i].name}` where upstream's has `{tp[i].name}`"))
+            out.append(
+                (ERROR, f"ours has `{op[i].name}` where upstream's has `{tp[i].name}`")
+            )
     their_kwonly = {k.name for k in theirs.kwonly}
     for p in op[len(tp) :]:
         if p.required and not theirs.vararg and p.name not in their_kwonly:
-            out.append((ERROR, f"ours requires `{p.name}`, which upstream's callers do not pass"))
+            out.append(
+                (
+                    ERROR,
+                    f"ours requires `{p.name}`, which upstream's callers do not pass",
+                )
+            )
     # upstream's parameters ours lacks (a *args or **kwargs of ours takes them)
     lacking = [p for p in tp[len(op) :] if not (ours.vararg or ours.kwarg)]
     lacking += [p for p in theirs.kwonly if not ours.kwarg]
@@ -278,7 +287,9 @@ def compare(ours: Signature, theirs: Signature) -> list[tuple[str, str]]:
         if p.name in ours.names:
             continue
         if p.required:
-            out.append((ERROR, f"upstream's has the required `{p.name}`, which ours lacks"))
+            out.append(
+                (ERROR, f"upstream's has the required `{p.name}`, which ours lacks")
+            )
         else:
             what = f"upstream's has the optional `{p.name}`, which ours lacks"
             out.append((WARNING, f"{what}: a caller passing it fails"))
@@ -301,7 +312,9 @@ def check_call(call: ast.Call, sig: Signature, *, self_passed: bool) -> list[str
     npos = sum(1 for a in call.args if not isinstance(a, ast.Starred))
     out = []
     if npos > len(params) and not sig.vararg:
-        out.append(f"passes {npos} positional arguments, upstream's takes {len(params)}")
+        out.append(
+            f"passes {npos} positional arguments, upstream's takes {len(params)}"
+        )
     given = {k.arg for k in call.keywords if k.arg}
     keywords = {p.name for p in params[sig.posonly :]} | {p.name for p in sig.kwonly}
     for name in sorted(given):
@@ -309,11 +322,15 @@ def check_call(call: ast.Call, sig: Signature, *, self_passed: bool) -> list[str
             out.append(f"passes `{name}=`, which upstream's does not take")
     if not dstar:
         missing = (
-            [] if star else [p.name for p in params[npos:] if p.required and p.name not in given]
+            []
+            if star
+            else [p.name for p in params[npos:] if p.required and p.name not in given]
         )
         missing += [p.name for p in sig.kwonly if p.required and p.name not in given]
         if missing:
-            out.append(f"does not pass the required {', '.join(f'`{m}`' for m in missing)}")
+            out.append(
+                f"does not pass the required {', '.join(f'`{m}`' for m in missing)}"
+            )
     return out
 
 
@@ -401,7 +418,9 @@ def _absolute(module: str | None, level: int, package: list[str]) -> str | None:
     return ".".join(package[:keep] + (module.split(".") if module else []))
 
 
-def _parse_module(name: str, path: str, origin: str, package: list[str], text: str) -> _Module:
+def _parse_module(
+    name: str, path: str, origin: str, package: list[str], text: str
+) -> _Module:
     tree = ast.parse(text, filename=path)
     mod = _Module(name, path, origin, package)
     for stmt in _body(tree.body):
@@ -439,7 +458,11 @@ class _Index:
     """Modules (the overlay's, then upstream's through ``read``) and their classes."""
 
     def __init__(
-        self, overlay: dict[str, OverlaySource], roots: tuple[str, ...], read: Read, top: str
+        self,
+        overlay: dict[str, OverlaySource],
+        roots: tuple[str, ...],
+        read: Read,
+        top: str,
     ) -> None:
         self.overlay = overlay  # module -> source
         self.roots = roots
@@ -471,7 +494,11 @@ class _Index:
                     continue
                 try:
                     mod = _parse_module(
-                        name, path, "upstream", list(PurePosixPath(path).parent.parts), text
+                        name,
+                        path,
+                        "upstream",
+                        list(PurePosixPath(path).parent.parts),
+                        text,
                     )
                 except SyntaxError as exc:
                     self.unparsable[path] = str(exc)
@@ -513,7 +540,11 @@ class _Index:
             node = mod.classes[name]
             for inner in rest[1:]:  # nested classes
                 node = next(
-                    (s for s in node.body if isinstance(s, ast.ClassDef) and s.name == inner),
+                    (
+                        s
+                        for s in node.body
+                        if isinstance(s, ast.ClassDef) and s.name == inner
+                    ),
                     None,
                 )
                 if node is None:
@@ -533,9 +564,12 @@ class _Index:
 
 @dataclass
 class _Ancestry:
-    classes: list[_Class]  # in lookup order (best-effort MRO), the class itself excluded
+    # in lookup order (best-effort MRO), the class itself excluded
+    classes: list[_Class]
     open: list[str]  # bases whose methods are unknown (outside the package, unresolved)
-    missing: list[tuple[_Class, str]]  # (class naming it, qualified): upstream bases gone
+    missing: list[
+        tuple[_Class, str]
+    ]  # (class naming it, qualified): upstream bases gone
 
     def lookup(self, name: str) -> tuple[_Class, _Member] | None:
         for cls in self.classes:
@@ -639,7 +673,9 @@ def _marker(
     return None
 
 
-def _super_uses(index: _Index, mod: _Module, fn: ast.AST, method: str) -> list[_SuperUse]:
+def _super_uses(
+    index: _Index, mod: _Module, fn: ast.AST, method: str
+) -> list[_SuperUse]:
     uses: list[_SuperUse] = []
     as_func: set[int] = set()
     for node in ast.walk(fn):
@@ -657,16 +693,24 @@ def _super_uses(index: _Index, mod: _Module, fn: ast.AST, method: str) -> list[_
                 q = index.qualify(mod, recv)
                 target = index.find_class(q) if q and index.upstream(q) else None
                 if target is not None:
-                    uses.append(_SuperUse(method, node.func.attr, node.lineno, node, target))
+                    uses.append(
+                        _SuperUse(method, node.func.attr, node.lineno, node, target)
+                    )
     for node in ast.walk(fn):
-        if isinstance(node, ast.Attribute) and id(node) not in as_func and _is_super(node.value):
+        if (
+            isinstance(node, ast.Attribute)
+            and id(node) not in as_func
+            and _is_super(node.value)
+        ):
             uses.append(_SuperUse(method, node.attr, node.lineno, None))
     return sorted(uses, key=lambda u: u.line)
 
 
 def _is_super(node: ast.expr) -> bool:
     return (
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "super"
     )
 
 
@@ -763,7 +807,14 @@ def check_overrides(
         pragmas = _pragmas(src.text)
         for node in mod.classes.values():
             _check_class(
-                _Class(mod, node), target, pinned, lines, pragmas, report, label, pinned_label
+                _Class(mod, node),
+                target,
+                pinned,
+                lines,
+                pragmas,
+                report,
+                label,
+                pinned_label,
             )
     for path, error in sorted({**pinned.unparsable, **target.unparsable}.items()):
         report.problems.append(
@@ -834,9 +885,13 @@ class _ClassCheck:
         )
 
     def bases(self, scope: _Ancestry | None = None) -> str:
-        return ", ".join(c.node.name for c in (scope or self.now).upstream) or "its bases"
+        return (
+            ", ".join(c.node.name for c in (scope or self.now).upstream) or "its bases"
+        )
 
-    def method(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, declared: str | None) -> None:
+    def method(
+        self, fn: ast.FunctionDef | ast.AsyncFunctionDef, declared: str | None
+    ) -> None:
         method, sig = fn.name, signature_of(fn)
         found = self.now.lookup(method)
         was = self.before.lookup(method)
@@ -992,9 +1047,13 @@ def _check_class(
         )
     if now.missing:
         return  # every override would be reported missing: the import is the fix
-    ours_in_between = {n for c in now.classes if c.origin == "overlay" for n in c.members}
+    ours_in_between = {
+        n for c in now.classes if c.origin == "overlay" for n in c.members
+    }
     methods = [
-        s for s in _body(cls.node.body) if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
+        s
+        for s in _body(cls.node.body)
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
     ]
     for fn in methods:
         marker = _marker(fn, pragmas, lines)

@@ -9,7 +9,8 @@ from pathlib import Path
 from . import overlay, series
 from .upstream import Manifest, load_manifest
 
-PATCHES = "patches"  # the pinned series; `build.py rebase` writes others to rolls/<version>
+# the pinned series; `build.py rebase` writes others to rolls/<version>
+PATCHES = "patches"
 MANIFEST = "upstream.toml"
 SERIES = "series"
 
@@ -17,8 +18,10 @@ SERIES = "series"
 @dataclass
 class Project:
     root: Path
-    patches: str = PATCHES  # folder (relative to root) with upstream.toml, series, *.patch
-    tree_override: Path | None = None  # build the tree elsewhere (rebase's scratch copy)
+    # folder (relative to root) with upstream.toml, series, *.patch
+    patches: str = PATCHES
+    # build the tree elsewhere (rebase's scratch copy)
+    tree_override: Path | None = None
 
     @cached_property
     def manifest(self) -> Manifest:

@@ -10,8 +10,12 @@ Electron's roll, with git doing the 3-way merges:
 3. The scratch commits are fetched into it and ``git rebase --onto``-ed from the
    pinned pristine onto the target pristine. A commit that conflicts stops the
    rebase with conflict markers in the roll's tree; ``--continue`` goes on after
-   the user resolved and staged, ``--abort`` removes the roll. A commit that
-   becomes empty is dropped: that patch is already upstream (reported).
+   the user resolved and staged, ``--skip`` drops the patch, ``--abort``
+   removes the roll. A commit that git finds empty on a clean replay is
+   dropped: that patch is already upstream. One the user drops (``--skip``,
+   ``git rebase --skip``, a resolution that leaves nothing) is "dropped by
+   you": git never drops a commit it stopped at, so every patch the rebase
+   stopped at and that is gone at the end counts as the user's.
    The rebase pauses after every commit it replays (clean or resolved), and
    the Python files that step touched are checked (``mergecheck``): a class
    that now defines a method twice, a name the patch's added lines use that
@@ -20,7 +24,11 @@ Electron's roll, with git doing the 3-way merges:
    commit on ``--continue`` (``--continue --accept`` keeps the step as is).
 4. On success the series is exported (``export``) into ``rolls/<VERSION>/``:
    ``upstream.toml`` pinned to the target (sha256 from the index, verified),
-   ``series`` and the patch files, names kept through their trailers. The
+   with the build defaults' kernel wheels re-pinned to the target's (their
+   sha256 from the index, checked before anything is downloaded: a device
+   whose wheel the target lacks stops the roll unless
+   ``--without-build-default DEVICE``), ``series`` and the patch files,
+   names kept through their trailers. The
    pinned ``patches/`` series and its tree are never touched;
    ``python build.py --patches rolls/<VERSION> status|check|apply`` drive the roll.
 
@@ -33,10 +41,11 @@ import json
 import re
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import identity, mergecheck, releases, state, upstream
+from . import build_defaults, identity, mergecheck, releases, state, upstream
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .export import export
 from .gitrepo import GitRepo
@@ -57,8 +66,17 @@ class RebaseState:
     from_version: str
     onto: str
     patches: list[str]  # the pinned series, in order
-    checked: str | None = None  # the last replayed commit the check passed (or --accept)
+    # the last replayed commit the check passed (or --accept)
+    checked: str | None = None
     flagged: str | None = None  # the replayed commit the check stopped at
+    # Patches the rebase stopped at (a conflict, or the check): git never drops
+    # those by itself, so one missing at the end was dropped by the user.
+    stopped_at: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # dropped through build.py
+
+    def note(self, names: list[str], key: str | None) -> None:
+        if key and key != identity.OVERLAY_TRAILER and key not in names:
+            names.append(key)
 
     def save(self, git_dir: Path) -> None:
         (git_dir / STATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -75,7 +93,11 @@ def roll_project(project: Project, version: str) -> Project:
     return Project(project.root, patches=f"{ROLLS}/{version}")
 
 
-def start(project: Project, version: str, say: Say) -> int:
+def start(
+    project: Project, version: str, say: Say, *, without: Collection[str] = ()
+) -> int:
+    """Roll the series onto ``version``; ``without``: devices whose build-default
+    wheel may be missing on ``version`` (their old pins are kept, unverified)."""
     pinned = project.manifest
     if version == pinned.version:
         raise PatchsetError(f"the series is already pinned to {pinned.name} {version}")
@@ -95,17 +117,27 @@ def start(project: Project, version: str, say: Say) -> int:
             raise PatchsetError(
                 f"{project.rel(path)} exists; delete it (it is generated) and run again"
             )
+    pins = _build_default_pins(project, version, without)
     sdist, sha = releases.fetch_release(version, say, pinned.name)
     try:
-        _write_manifest(project, roll, version, sdist.name, sha, tree_rel)
+        _write_manifest(project, roll, version, sdist.name, sha, tree_rel, pins)
+        _say_pins(pins, version, say)
         tree = Tree(roll)
-        say(f"rebase: [1/3] the pinned series ({len(patches)} patches) on {pinned.name} {pinned.version}, in a scratch tree")
+        say(
+            f"rebase: [1/3] the pinned series ({len(patches)} patches) on "
+            f"{pinned.name} {pinned.version}, in a scratch tree"
+        )
         tree.path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".rebase-", dir=tree.path.parent) as tmp:
+        with tempfile.TemporaryDirectory(
+            prefix=".rebase-", dir=tree.path.parent
+        ) as tmp:
             scratch = Tree(Project(project.root, project.patches, Path(tmp) / "vllm"))
             scratch.create_baseline(upstream.fetch(pinned, say), say)
             scratch.apply(patches, force=False, say=lambda m: say(f"  {m}"))
-            say(f"rebase: [2/3] pristine {pinned.name} {version} in {roll.rel(tree.path)}")
+            say(
+                f"rebase: [2/3] pristine {pinned.name} {version} in "
+                f"{roll.rel(tree.path)}"
+            )
             tree.create_baseline(sdist, say)
             tree.repo.fetch_refs(
                 scratch.git_dir,
@@ -126,7 +158,9 @@ def start(project: Project, version: str, say: Say) -> int:
     return _drive(project, roll, tree, say)
 
 
-def continue_(project: Project, version: str | None, say: Say, *, accept: bool = False) -> int:
+def continue_(
+    project: Project, version: str | None, say: Say, *, accept: bool = False
+) -> int:
     roll, tree, st = _in_progress(project, version)
     repo = tree.repo
     unmerged = repo.unmerged_files()
@@ -147,18 +181,63 @@ def continue_(project: Project, version: str | None, say: Say, *, accept: bool =
     if not repo.rebase_in_progress():
         pass  # git finished but the export did not (interrupted): just finish it
     elif paused:
-        _fold_staged_fix(repo, say)
+        step = repo.head()
+        if _fold_staged_fix(repo, say) and step:
+            st.note(st.dropped, _key_of(repo, step))
+            st.save(tree.git_dir)
         if accept:
             head = repo.head()
             say(f"rebase: --accept: {_describe(repo, head)} kept as it is")
             st.checked, st.flagged = head, None
             st.save(tree.git_dir)
     elif stopped and repo.index_matches_head():
-        # the resolution left nothing of the patch: it is upstream now
-        say(f"rebase: {_describe(repo, stopped)} is empty after the resolution: dropped")
+        # the resolution left nothing of the patch: the user dropped it
+        say(
+            f"rebase: {_describe(repo, stopped)} is empty after the resolution: "
+            "dropped (by you)"
+        )
+        st.note(st.dropped, _key_of(repo, stopped))
+        st.save(tree.git_dir)
         repo.rebase_skip()
     else:
         repo.rebase_continue()
+    return _drive(project, roll, tree, say)
+
+
+def skip(project: Project, version: str | None, say: Say) -> int:
+    """Drop the patch the rebase stopped at (a conflict, or the check) and go on."""
+    roll, tree, st = _in_progress(project, version)
+    repo = tree.repo
+    if not repo.rebase_in_progress():
+        raise PatchsetError(
+            "git's rebase is over, so there is no patch to skip; finish the roll "
+            "with `python build.py rebase --continue`"
+        )
+    if repo.rebase_paused():
+        head = repo.head()
+        if not st.flagged or head != st.flagged:
+            raise PatchsetError(
+                "the rebase is not stopped at a patch; go on with "
+                "`python build.py rebase --continue`"
+            )
+        commit = head
+    else:
+        commit = repo.rebase_stopped_at()
+        assert commit is not None
+    key, what = _key_of(repo, commit), _describe(repo, commit)
+    if key == identity.OVERLAY_TRAILER:
+        raise PatchsetError(
+            f"{what} holds the overlay, which the roll needs: resolve it and run "
+            "`python build.py rebase --continue`"
+        )
+    if repo.rebase_paused():
+        repo.discard_head()  # the step's commit, with any staged fix
+        st.checked, st.flagged = repo.head(), None
+    else:
+        repo.rebase_skip()
+    st.note(st.dropped, key)
+    st.save(tree.git_dir)
+    say(f"rebase: skipped {what}: dropped (by you)")
     return _drive(project, roll, tree, say)
 
 
@@ -190,6 +269,9 @@ def _drive(project: Project, roll: Project, tree: Tree, say: Say) -> int:
     originals = _original_commits(repo)
     while repo.rebase_in_progress():
         if not repo.rebase_paused():
+            stopped = repo.rebase_stopped_at()
+            st.note(st.stopped_at, _key_of(repo, stopped) if stopped else None)
+            st.save(tree.git_dir)
             _say_conflict(project, roll, tree, st, say)
             return EXIT_PROBLEMS
         head = repo.head()
@@ -200,6 +282,7 @@ def _drive(project: Project, roll: Project, tree: Tree, say: Say) -> int:
             findings = _check_step(repo, head, originals, label)
             if findings:
                 st.flagged = head
+                st.note(st.stopped_at, _key_of(repo, head))
                 st.save(tree.git_dir)
                 _say_flagged(project, roll, tree, st, head, findings, unstaged, say)
                 return EXIT_PROBLEMS
@@ -261,6 +344,11 @@ def _step_key(message: str) -> str | None:
     return identity.patch_name_of(message)
 
 
+def _key_of(repo: GitRepo, commit: str) -> str | None:
+    """The series step (patch name, or the overlay) a commit is."""
+    return _step_key(repo.messages(f"{commit}^", commit).get(commit, ""))
+
+
 def _text(data: bytes | None) -> str | None:
     return None if data is None else decode(data)
 
@@ -270,19 +358,21 @@ def _unstaged(repo: GitRepo) -> list[str]:
     return sorted(e.path for e in repo.status() if not e.untracked and e.code[1] != " ")
 
 
-def _fold_staged_fix(repo: GitRepo, say: Say) -> None:
-    """At a pause: the staged fix goes into the step's commit (or drops an emptied one)."""
+def _fold_staged_fix(repo: GitRepo, say: Say) -> bool:
+    """At a pause: the staged fix goes into the step's commit, or drops an
+    emptied one (True: the step was dropped)."""
     if repo.index_matches_head():
-        return
+        return False
     head = repo.head()
     assert head is not None
     what = _describe(repo, head)
     if repo.index_matches(f"{head}^"):
         repo.drop_head()
-        say(f"rebase: {what} is empty after the fix: dropped")
-    else:
-        repo.amend_head()
-        say(f"rebase: the staged fix is now part of {what}")
+        say(f"rebase: {what} is empty after the fix: dropped (by you)")
+        return True
+    repo.amend_head()
+    say(f"rebase: the staged fix is now part of {what}")
+    return False
 
 
 def _say_conflict(
@@ -302,6 +392,7 @@ def _say_conflict(
         f"`{roll.git_cmd()} show REBASE_HEAD` the original patch)\n"
         f"  2. `{roll.git_cmd()} add <file>` for each\n"
         "  3. `python build.py rebase --continue` (an empty result drops the patch)\n"
+        f"Drop the patch (not needed on {st.onto}): `python build.py rebase --skip`.\n"
         "Give up: `python build.py rebase --abort`."
     )
 
@@ -337,6 +428,7 @@ def _say_flagged(
         "that leaves nothing of it drops the patch)\n"
         "If the code is right as it is (say, the name is inherited now): "
         "`python build.py rebase --continue --accept`.\n"
+        f"Drop the patch (not needed on {st.onto}): `python build.py rebase --skip`.\n"
         "Give up: `python build.py rebase --abort`."
     )
 
@@ -358,18 +450,34 @@ def _finish(project: Project, roll: Project, tree: Tree, say: Say) -> int:
         if identity.is_overlay(message):
             tree_state.overlay_commit = commit
         elif name:
-            tree_state.patches.append(state.AppliedPatch(name, "", commit, repo.subject(commit)))
+            tree_state.patches.append(
+                state.AppliedPatch(name, "", commit, repo.subject(commit))
+            )
     state.save(tree.git_dir, tree_state)
     kept = [p.name for p in tree_state.patches]
-    dropped = [n for n in st.patches if n not in kept]
+    missing = [n for n in st.patches if n not in kept]
+    # git drops a commit by itself only when it is empty on a clean replay;
+    # one it stopped at (or build.py dropped) went because the user said so.
+    by_user = [n for n in missing if n in st.dropped or n in st.stopped_at]
+    upstream_ = [n for n in missing if n not in by_user]
     export(tree, force=True, say=lambda m: say(f"  {m}"))
     repo.delete_refs([f"refs/heads/{SERIES_BRANCH}", f"refs/tags/{BASE_TAG}"])
     (tree.git_dir / STATE_FILE).unlink()
+    dropped = ""
+    if upstream_:
+        dropped += (
+            f"  dropped as already upstream: {', '.join(upstream_)} (empty when git "
+            "replayed it cleanly)\n"
+        )
+    if by_user:
+        dropped += (
+            f"  dropped by you: {', '.join(by_user)} (skipped, or resolved to "
+            "nothing)\n"
+        )
     say(
         f"rebase: done: {len(kept)} of {len(st.patches)} patches carried onto "
-        f"{project.manifest.name} {st.onto}"
-        + (f"; dropped as already upstream: {', '.join(dropped)}" if dropped else "")
-        + f".\nThe new series: {roll.rel(roll.patches_dir)}/ (upstream.toml pinned to "
+        f"{project.manifest.name} {st.onto}.\n{dropped}"
+        f"The new series: {roll.rel(roll.patches_dir)}/ (upstream.toml pinned to "
         f"{st.onto} with its sha256); its tree: {roll.rel(tree.path)}.\n"
         f"Use it: `python build.py --patches {roll.patches} status|check|apply`. "
         f"The {st.from_version} series in {project.rel(project.patches_dir)}/ is unchanged."
@@ -386,7 +494,9 @@ def _describe(repo, commit: str) -> str:
     return f"patch {name} ({subject})" if name else f"commit {commit[:12]} ({subject})"
 
 
-def _in_progress(project: Project, version: str | None) -> tuple[Project, Tree, RebaseState]:
+def _in_progress(
+    project: Project, version: str | None
+) -> tuple[Project, Tree, RebaseState]:
     rolls = project.root / ROLLS
     if version:
         candidates = [version]
@@ -418,31 +528,123 @@ def _in_progress(project: Project, version: str | None) -> tuple[Project, Tree, 
     return found[0]
 
 
+def _manifest_rel(project: Project) -> Path:
+    return Path(project.patches) / MANIFEST
+
+
+def _build_default_pins(
+    project: Project, version: str, without: Collection[str]
+) -> list[build_defaults.Repin]:
+    """The build-default wheels of ``version`` for every device the series has
+    defaults for (sha256 from the index); refuses when one has no wheel there."""
+    where = _manifest_rel(project).as_posix()
+    policy = build_defaults.load_policy(project.root, where)
+    if policy is None:
+        if without:
+            raise PatchsetError(
+                f"--without-build-default: {where} has no [build_defaults] to roll"
+            )
+        return []
+    pins, missing = build_defaults.repin(
+        policy, version, lambda name, v: releases.wheel_files(v, name), without
+    )
+    if missing:
+        old = project.manifest.version
+        lines = [
+            f"  [build_defaults.{p.device}] pins {p.old.requirement}: the index "
+            f"({releases.index_location(p.old.name)}) has no {p.requirement} wheel "
+            f"for {', '.join(sorted(p.old.arches()))}"
+            for p in missing
+        ]
+        flags = " ".join(f"--without-build-default {p.device}" for p in missing)
+        raise PatchsetError(
+            f"refusing to roll onto {project.manifest.name} {version}: {where} has "
+            "build defaults (precompiled kernels for `pip install -e`) that this "
+            "release cannot re-pin:\n"
+            + "\n".join(lines)
+            + f"\nThe roll's tree would build with the {old} kernels. Wait until the "
+            f"wheel is published, or roll without it: `python build.py rebase --onto "
+            f"{version} {flags}` (its table then keeps the {old} pins, marked "
+            "verified = false)."
+        )
+    return pins
+
+
+def _say_pins(pins: list[build_defaults.Repin], version: str, say: Say) -> None:
+    for pin in pins:
+        if pin.repinned:
+            gone = (
+                f"; no wheel for {', '.join(pin.missing_arches)}"
+                if pin.missing_arches
+                else ""
+            )
+            say(
+                f"rebase: build defaults [{pin.device}]: {pin.requirement}, "
+                f"{len(pin.sha256)} wheels pinned by their sha256 on the index{gone}"
+            )
+        else:
+            say(
+                f"rebase: build defaults [{pin.device}]: NOT re-pinned "
+                f"(--without-build-default {pin.device}): keeps {pin.old.requirement}, "
+                f"marked verified = false; a {pin.device} build of the roll uses the "
+                f"{pin.old.version} kernels on {version}"
+            )
+
+
 def _write_manifest(
-    project: Project, roll: Project, version: str, sdist: str, sha: str, tree: str
+    project: Project,
+    roll: Project,
+    version: str,
+    sdist: str,
+    sha: str,
+    tree: str,
+    pins: list[build_defaults.Repin],
 ) -> None:
-    """The pinned manifest with [upstream] re-pinned; comments and the rest kept."""
+    """The pinned manifest re-pinned ([upstream], build-default wheels); comments
+    and the rest kept."""
     text = (project.patches_dir / MANIFEST).read_text(encoding="utf-8")
     values = {"version": version, "sdist": sdist, "sha256": sha, "tree": tree}
     for key, value in values.items():
         text, n = re.subn(
-            rf'^{key}\s*=\s*"[^"]*"', f'{key} = "{value}"', text, count=1, flags=re.MULTILINE
+            rf'^{key}\s*=\s*"[^"]*"',
+            f'{key} = "{value}"',
+            text,
+            count=1,
+            flags=re.MULTILINE,
         )
         if n != 1:
-            raise PatchsetError(f"{project.rel(project.patches_dir / MANIFEST)}: no {key} = line")
+            raise PatchsetError(
+                f"{project.rel(project.patches_dir / MANIFEST)}: no {key} = line"
+            )
+    text = build_defaults.repinned_text(text, version, pins)
     roll.patches_dir.mkdir(parents=True)
     (roll.patches_dir / MANIFEST).write_text(
         f"# Rolled by `build.py rebase --onto {version}` from the "
         f"{project.manifest.version} series.\n" + text,
         encoding="utf-8",
     )
+    # Read back: the roll must pin exactly what was decided.
+    policy = build_defaults.load_policy(roll.root, _manifest_rel(roll))
+    for pin in pins:
+        got = policy.wheels.get(pin.device) if policy else None
+        want = pin.sha256 if pin.repinned else pin.old.sha256
+        if got is None or got.requirement != pin.requirement or got.sha256 != want:
+            raise PatchsetError(
+                f"could not re-pin [build_defaults.{pin.device}] in "
+                f"{roll.rel(roll.patches_dir / MANIFEST)}: write {pin.requirement} and "
+                "its sha256 lines by hand"
+            )
     header = read_series(project.series_path).header
     (roll.patches_dir / SERIES).write_text("\n".join(header) + "\n" if header else "")
 
 
 def _remove_roll(roll: Project, tree_path: Path) -> None:
     """The roll's tree, its git dir (beside it) and rolls/<version>: nothing else."""
-    for path in (tree_path, tree_path.with_name(tree_path.name + ".git"), roll.patches_dir):
+    for path in (
+        tree_path,
+        tree_path.with_name(tree_path.name + ".git"),
+        roll.patches_dir,
+    ):
         if path.exists():
             shutil.rmtree(path)
     rolls = roll.patches_dir.parent

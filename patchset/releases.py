@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import tempfile
 import urllib.error
@@ -33,7 +34,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from .errors import PatchsetError
-from .upstream import cache_dir, sha256_file
+from .upstream import cache_dir, set_aside, sha256_file
 
 INDEX_ENV = "VMP_INDEX_URL"
 DEFAULT_INDEX = "https://pypi.org/pypi"
@@ -104,8 +105,13 @@ def list_versions(name: str = "vllm", since: str | None = None) -> list[str]:
     return [str(v) for v in sorted(found)]
 
 
-def sdist_info(version: str, name: str = "vllm") -> tuple[str, str, str]:
-    """(file name, download URL, sha256) of the release's sdist, from the index."""
+def sdist_info(
+    version: str, name: str = "vllm", filename: str | None = None
+) -> tuple[str, str, str]:
+    """(file name, download URL, sha256) of the release's sdist, from the index.
+
+    ``filename`` picks that file (the pinned one); else the ``.tar.gz``.
+    """
     files = (index(name).get("releases") or {}).get(version)
     if files is None:
         raise ReleaseError(
@@ -117,6 +123,14 @@ def sdist_info(version: str, name: str = "vllm") -> tuple[str, str, str]:
         raise ReleaseError(
             f"{name} {version} has no (unyanked) sdist on {index_location(name)}"
         )
+    if filename is not None:
+        named = [f for f in sdists if Path(f["filename"]).name == filename]
+        if not named:
+            raise ReleaseError(
+                f"{name} {version} on {index_location(name)} has no sdist {filename} "
+                f"(it has {', '.join(f['filename'] for f in sdists)})"
+            )
+        sdists = named
     # Prefer the .tar.gz the pinned sdist also is.
     sdists.sort(key=lambda f: not f["filename"].endswith(".tar.gz"))
     f = sdists[0]
@@ -129,6 +143,35 @@ def sdist_info(version: str, name: str = "vllm") -> tuple[str, str, str]:
         )
     # the name becomes a path in the cache: never take a folder from the index
     return Path(f["filename"]).name, url, sha.lower()
+
+
+def _normalized(name: str) -> str:
+    """A distribution name as wheel file names spell it (PEP 503/427)."""
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def wheel_files(version: str, name: str) -> dict[str, str]:
+    """{file name: sha256} of the release's (unyanked) wheels on the index.
+
+    Empty when the release, or any wheel of it, is not there. Only files whose
+    name is ``name``'s own (an index location that is a single JSON file
+    answers for every name) and that carry a sha256 digest count: a pin
+    needs one.
+    """
+    files = (index(name).get("releases") or {}).get(version) or []
+    out: dict[str, str] = {}
+    for f in files:
+        filename = Path(f.get("filename") or "").name
+        sha = (f.get("digests") or {}).get("sha256")
+        if (
+            f.get("packagetype") == "bdist_wheel"
+            and not f.get("yanked")
+            and filename.endswith(".whl")
+            and _normalized(filename.split("-", 1)[0]) == _normalized(name)
+            and sha
+        ):
+            out[filename] = sha.lower()
+    return out
 
 
 def _as_url(location: str) -> str:
@@ -167,12 +210,15 @@ def fetch_release(
             _recorded_sha(target).write_text(sha + "\n")
             say(f"{filename} cached (sha256 verified)")
             return target, sha
-        say(f"cached {target} does not match the index sha256; fetching it again")
-        target.unlink()
+        aside = set_aside(target, sha256_file(target))
+        say(
+            f"cached {target} does not match the index sha256; moved it aside to "
+            f"{aside} (kept to look at) and fetching it again"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
         got = Path(tmp) / filename
-        _download(url, got, say)
+        download(url, got, say)
         actual = sha256_file(got)
         if actual != sha:
             raise ReleaseError(
@@ -186,7 +232,8 @@ def fetch_release(
     return target, sha
 
 
-def _download(url: str, dest: Path, say: Say) -> None:
+def download(url: str, dest: Path, say: Say) -> None:
+    """Copy ``url`` (http(s), file:// or a path) to ``dest``; no checks."""
     parsed = urllib.parse.urlparse(url)
     try:
         if parsed.scheme in ("http", "https"):

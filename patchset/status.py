@@ -50,7 +50,8 @@ def compute_status(project: Project) -> dict:
             "tree_edited": [],
         },
         "uncaptured": [],
-        "confinement": _confinement(project, report.patches),  # leaving the tree: refused
+        # leaving the tree: refused
+        "confinement": _confinement(project, report.patches),
         "in_sync": False,
     }
     if not tree.present():

@@ -3,11 +3,16 @@
 The sdist is cached OUTSIDE the work tree, in ``$VMP_CACHE_DIR`` or
 ``${XDG_CACHE_HOME:-~/.cache}/vllm-mooncake-patches/sdist/``. A cached file is
 only ever one whose sha256 matched the manifest: downloads go to a temporary
-name and are moved into place after verification.
+name and are moved into place after verification. A cached file that no
+longer matches is moved aside (``<name>.corrupt-<sha256 prefix>``), never
+deleted, so what was wrong with it can still be looked at.
 
+The sdist is the package index's own file (``releases``: the URL and digest
+from the index's JSON, as ``compat`` downloads releases), never built or
+unpacked by pip: pip would build the sdist's metadata, which needs torch.
 ``VMP_SDIST_URL`` (a local path, ``file://`` or ``http(s)://`` URL) replaces
-the pip download; tests use it with a synthetic tarball, so they never touch
-the network.
+the index; tests use it, or a local ``VMP_INDEX_URL``, with a synthetic
+tarball, so they never touch the network.
 """
 
 from __future__ import annotations
@@ -15,16 +20,15 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
-import sys
 import tarfile
 import tempfile
-import tomllib
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+
+import tomllib
 
 from .errors import PatchsetError, ProblemsFound
 
@@ -183,11 +187,11 @@ def fetch(manifest: Manifest, say: Callable[[str], None] = print) -> Path:
                 f"fetch: {target.name} is cached at {target} (sha256 verified); no download"
             )
             return target
+        aside = set_aside(target, actual)
         say(
             f"fetch: cached {target} has sha256 {actual}, not {manifest.sha256}; "
-            "removing it and fetching again"
+            f"moved it aside to {aside} (kept to look at) and fetching again"
         )
-        target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
         tmpdir = Path(tmp)
@@ -197,11 +201,7 @@ def fetch(manifest: Manifest, say: Callable[[str], None] = print) -> Path:
             got = _copy_source(source, tmpdir / manifest.sdist)
             origin = source
         else:
-            say(
-                f"fetch: downloading {manifest.requirement} sdist with pip (builds metadata) ..."
-            )
-            got = _pip_download(manifest, tmpdir)
-            origin = "pip"
+            got, origin = _index_download(manifest, tmpdir, say)
         actual = sha256_file(got)
         if actual != manifest.sha256:
             raise Sha256Mismatch(got, manifest.sha256, actual, origin)
@@ -231,40 +231,41 @@ def _copy_source(source: str, dest: Path) -> Path:
     return dest
 
 
-def _pip_download(manifest: Manifest, dest: Path) -> Path:
-    env = dict(os.environ)
-    env["VLLM_VERSION_OVERRIDE"] = manifest.version
-    env["VLLM_TARGET_DEVICE"] = "empty"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-binary",
-        ":all:",
-        "--no-build-isolation",
-        manifest.requirement,
-        "-d",
-        str(dest),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    got = dest / manifest.sdist
-    if proc.returncode != 0 or not got.is_file():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-        found = ", ".join(p.name for p in dest.iterdir()) or "nothing"
-        raise PatchsetError(
-            f"pip could not download the {manifest.requirement} sdist "
-            f"(exit {proc.returncode}; got {found}).\n"
-            "pip builds the sdist's metadata, so torch and setuptools_scm must be "
-            f"importable by {sys.executable} (--no-build-isolation), and PyPI must be "
-            "reachable. Install them in this interpreter or point VMP_SDIST_URL at a "
-            "copy of the sdist.\n"
-            f"command: VLLM_VERSION_OVERRIDE={manifest.version} VLLM_TARGET_DEVICE=empty "
-            f"{' '.join(cmd)}\n"
-            f"pip output (last lines):\n{tail}"
+def set_aside(path: Path, actual: str) -> Path:
+    """Move a cached file that failed its sha256 check out of the way, keeping it.
+
+    It stays in the same folder as ``<name>.corrupt-<first 12 digits of its
+    sha256>``, where nothing reads it, so the evidence survives the re-fetch.
+    """
+    aside = path.with_name(f"{path.name}.corrupt-{actual[:12]}")
+    os.replace(path, aside)
+    return aside
+
+
+def _index_download(
+    manifest: Manifest, dest: Path, say: Callable[[str], None]
+) -> tuple[Path, str]:
+    """The index's sdist file into dest (no pip, nothing built); (path, URL).
+
+    The index's digest must be the pin before anything is downloaded.
+    """
+    from . import releases  # releases reads this module's cache settings
+
+    _, url, sha = releases.sdist_info(
+        manifest.version, manifest.name, filename=manifest.sdist
+    )
+    if sha != manifest.sha256:
+        raise ProblemsFound(
+            f"the package index ({releases.index_location(manifest.name)}) gives "
+            f"sha256 {sha} for {manifest.sdist}, not the pinned {manifest.sha256} "
+            "(patches/upstream.toml); refusing it, nothing was downloaded. If "
+            "upstream really re-released the sdist, review the change and update "
+            "sha256 in patches/upstream.toml"
         )
-    return got
+    say(f"fetch: downloading {manifest.sdist} from {url}")
+    got = dest / manifest.sdist
+    releases.download(url, got, say)
+    return got, url
 
 
 # -- the tarball ------------------------------------------------------------

@@ -9,6 +9,11 @@ Each file of a patch is classified on the files the earlier patches left:
 - ``conflict``: some hunks do not apply even with fuzz;
 - ``missing``: a file the patch changes is gone.
 
+A patch whose header claims it is upstream's own change (``Backport [...]``,
+``Inappropriate [superseded by ...]``) is ``obsolete`` instead, when the
+release has that change: every file reverse-applies, or every hunk's added
+lines are already there (its removed ones gone). Drop it when rolling there.
+
 The fuzz-applied result (and, for a conflict, the hunks that do apply) is
 what the next patches see. A failed hunk is explained by upstream's own
 change of its region (``conflict_regions``: the pristine pinned file against
@@ -37,6 +42,7 @@ from ..exactapply import (
     apply_patch,
     file_paths,
 )
+from ..headers import claims_upstream_change
 from ..series import Patch, decode, split_lines
 
 if TYPE_CHECKING:
@@ -48,6 +54,7 @@ CODES = {
     "offset": "o",
     "fuzz": "f",
     "upstream": "U",
+    "obsolete": "D",  # a patch's verdict only, never a file's
     "conflict": "C",
     "missing": "M",
 }
@@ -244,8 +251,14 @@ def check_patch(patch: Patch, state: TreeState) -> dict:
                 updates[src] = None
             else:
                 updates[dst or src] = new
-    state.files.update(updates)
     statuses = [f["status"] for f in result["files"]]
+    obsolete = _obsolete(patch, result["files"], state.read)
+    if obsolete:
+        # the release has the change: it stays as the release has it
+        result["status"] = "obsolete"
+        result["obsolete"] = obsolete
+        return result
+    state.files.update(updates)
     worst = max(statuses, key=RANK.__getitem__)
     if worst == "exact":
         # GNU patch is content with what exactapply refused (hunk order, modes, ...).
@@ -257,6 +270,58 @@ def check_patch(patch: Patch, state: TreeState) -> dict:
         )
     result["status"] = worst
     return result
+
+
+# -- obsolete: a backport whose change the release has ----------------------
+
+
+def _obsolete(
+    patch: Patch, rows: list[dict], read: Callable[[str], str | None]
+) -> dict | None:
+    """{claim, how} when the patch claims to be upstream's change and ``read``'s
+    release has it, else None."""
+    claim = claims_upstream_change(patch)
+    if claim is None or not rows:
+        return None
+    statuses = {row["status"] for row in rows}
+    if statuses == {"upstream"}:
+        return {"claim": claim, "how": "the patch reverse-applies"}
+    for pf, row in zip(patch.files, rows):
+        if row["status"] != "upstream" and not _change_present(pf, read):
+            return None
+    return {"claim": claim, "how": "the release has every hunk's added lines"}
+
+
+def _meaningful(lines: list[str]) -> list[str]:
+    return [ln.rstrip() for ln in lines if ln.strip()]
+
+
+def _contains(haystack: list[str], needle: list[str]) -> bool:
+    n = len(needle)
+    return any(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
+
+
+def _change_present(pf, read: Callable[[str], str | None]) -> bool:
+    """Whether one file of a patch is already as the patch would leave it.
+
+    Blank lines and trailing blanks aside, each hunk's added lines must appear
+    in the file as one run; a hunk that only removes lines must find them gone.
+    """
+    src, dst = file_paths(pf)
+    current = read(dst or src or "")
+    if dst is None:  # the patch deletes the file
+        return current is None
+    if current is None:
+        return False
+    have = _meaningful(split_lines(current))
+    for hunk in pf:
+        added = _meaningful([ln.value for ln in hunk if ln.line_type == "+"])
+        removed = _meaningful([ln.value for ln in hunk if ln.line_type == "-"])
+        if added and not _contains(have, added):
+            return False
+        if not added and removed and _contains(have, removed):
+            return False
+    return True
 
 
 # -- conflicts: the upstream change in the failed hunk's region -------------

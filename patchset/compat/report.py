@@ -16,6 +16,8 @@ from .imports import IMPORT_BREAKS
 LEGEND = (
     "patches: . exact  o offset  f fuzz  U already upstream (reverse-applies)  "
     "C conflict  M target file missing/moved\n"
+    "         D obsolete: a Backport (or superseded) patch whose change the release "
+    "has: drop it\n"
     "         * checked after an earlier patch failed on the same file\n"
     "ovl: . ok  C an overlay file collides with an upstream file  P a destination's "
     "parent is gone\n"
@@ -137,6 +139,7 @@ def render(report: dict) -> str:
         applies = sum(c.get(s, 0) for s in APPLIES)
         detail = ", ".join(f"{c[s]} {s}" for s in APPLIES if c.get(s))
         up = f"; {c['upstream']} upstream" if c.get("upstream") else ""
+        up += f"; {c['obsolete']} obsolete" if c.get("obsolete") else ""
         ovr = _overrides_code(res)
         lines.append(
             f"{res['version']:<9}" + "".join(cells) + f"{ovl:>6}{imp:>5}{ovr:>5}   "
@@ -146,6 +149,16 @@ def render(report: dict) -> str:
     lines.append("patches:")
     for col, p in zip(cols, series):
         lines.append(f"  {col}  {p['subject']}")
+    obsolete = _first_obsolete(report)
+    if obsolete:
+        lines.append("obsolete (the release has the change; drop the patch there):")
+    for col, p in zip(cols, series):
+        row = obsolete.get(p["name"])
+        if row:
+            lines.append(
+                f"  {col}  obsolete from {row['version']}: drop it "
+                f"({row['obsolete']['claim']}; {row['obsolete']['how']})"
+            )
     fb = report["first_breaks"]
     if fb["patches"] or fb["imports"] or fb.get("overrides"):
         lines.append("first break:")
@@ -201,7 +214,8 @@ def render(report: dict) -> str:
     for label, entry in fb["imports"].items():
         where = entry.get("defined_in") or entry.get("candidates")
         lines.append(
-            f"  import {label}: {entry['status']} from {entry['version']} (after {entry['after']})"
+            f"  import {label}: {entry['status']} from {entry['version']} "
+            f"(after {entry['after']})"
             + (f"; now in {', '.join(where)}" if where else "")
         )
         commits = entry.get("commits")
@@ -223,6 +237,16 @@ def render(report: dict) -> str:
         if entry.get("commits") is not None:
             lines.append(f"        upstream commits: {_commits_text(entry['commits'])}")
     return "\n".join(lines)
+
+
+def _first_obsolete(report: dict) -> dict[str, dict]:
+    """Patch name -> its row on the first release it is obsolete on."""
+    out: dict[str, dict] = {}
+    for res in report["versions"]:
+        for row in res["patches"]:
+            if row["status"] == "obsolete" and row["name"] not in out:
+                out[row["name"]] = {**row, "version": res["version"]}
+    return out
 
 
 def _commits_text(commits: list[dict] | str) -> str:

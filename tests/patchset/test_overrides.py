@@ -52,11 +52,21 @@ def overlay(text: str = OURS, rel: str = "ext.py") -> list[OverlaySource]:
     return [OverlaySource(f"connector/{rel}", f"{OVERLAY_DST}/{rel}", text)]
 
 
-def check(target: str, *, pinned: str | None = BASE, sources=None, extra=None, pinned_extra=None):
+def check(
+    target: str,
+    *,
+    pinned: str | None = BASE,
+    sources=None,
+    extra=None,
+    pinned_extra=None,
+):
     """Our overlay against ``target`` as the release's connector, ``pinned`` as the pin's
     (None: no pinned release, as in build.py check); ``extra``: more upstream files."""
     files = {CONNECTOR: target, **(extra or {})}
-    pinned_files = {CONNECTOR: pinned, **((extra if pinned_extra is None else pinned_extra) or {})}
+    pinned_files = {
+        CONNECTOR: pinned,
+        **((extra if pinned_extra is None else pinned_extra) or {}),
+    }
     return check_overrides(
         sources or overlay(),
         reader(files),
@@ -75,10 +85,14 @@ def test_an_unchanged_upstream_has_no_problems() -> None:
     report = check(BASE)
     assert report.problems == []
     (cls,) = report.classes
-    assert cls["class"] == "Ext" and cls["upstream_bases"] == [f"{CONNECTOR_MODULE}.Base"]
+    assert cls["class"] == "Ext" and cls["upstream_bases"] == [
+        f"{CONNECTOR_MODULE}.Base"
+    ]
     assert cls["overrides"] == ["get_finished", "start_load_kv"]
     assert cls["new"] == ["has_requests"] and cls["super_calls"] == 2
-    assert "1 subclasses of upstream classes, 2 overrides and 2 super() calls" in (report.summary())
+    assert "1 subclasses of upstream classes, 2 overrides and 2 super() calls" in (
+        report.summary()
+    )
 
 
 def test_a_renamed_upstream_method_is_an_override_never_called() -> None:
@@ -104,7 +118,9 @@ def test_check_alone_sees_a_rename_through_super_and_the_override_marker() -> No
     """Without a pinned release (build.py check), the override looks new: the super()
     call still catches it, and `# vmp: override` makes the intent checkable."""
     renamed = BASE.replace("def get_finished(", "def get_finished_reqs(")
-    assert kinds(check(renamed, pinned=None)) == [("super-missing", "error", "get_finished")]
+    assert kinds(check(renamed, pinned=None)) == [
+        ("super-missing", "error", "get_finished")
+    ]
     marked = OURS.replace(
         "    def get_finished(self, x):\n        return super().get_finished(x)\n",
         "    def get_finished(self, x):  # vmp: override\n        return x\n",
@@ -129,7 +145,9 @@ def test_a_new_required_parameter_is_a_signature_problem_naming_both() -> None:
         "ours `def start_load_kv(self, metadata)` vs vllm 0.20.0's "
         "`def start_load_kv(self, metadata, forward_context)`" in sig.message
     )
-    assert "upstream's has the required `forward_context`, which ours lacks" in sig.message
+    assert (
+        "upstream's has the required `forward_context`, which ours lacks" in sig.message
+    )
     assert "does not pass the required `forward_context`" in call.message
 
 
@@ -143,8 +161,11 @@ def test_signature_details() -> None:
     assert "only upstream's is async" in check(made_async).problems[0].message
     # a catch-all of ours takes upstream's new parameters
     catch_all = OURS.replace(
-        "def start_load_kv(self, metadata):", "def start_load_kv(self, metadata, **kwargs):"
-    ).replace("super().start_load_kv(metadata)", "super().start_load_kv(metadata, **kwargs)")
+        "def start_load_kv(self, metadata):",
+        "def start_load_kv(self, metadata, **kwargs):",
+    ).replace(
+        "super().start_load_kv(metadata)", "super().start_load_kv(metadata, **kwargs)"
+    )
     new_kw = BASE.replace("(self, metadata)", "(self, metadata, *, forward_context)")
     assert check(new_kw, sources=overlay(catch_all)).problems == []
 
@@ -155,7 +176,10 @@ def test_a_method_of_ours_now_also_upstream_is_shadowed() -> None:
     assert kinds(report) == [("shadowed", "warning", "has_requests")]
     assert report.errors == []
     (problem,) = report.warnings
-    assert "marked `# vmp: new`, but vllm 0.20.0 defines Base.has_requests" in problem.message
+    assert (
+        "marked `# vmp: new`, but vllm 0.20.0 defines Base.has_requests"
+        in problem.message
+    )
     assert "silently replaces it" in problem.message
     # unmarked, and absent from the pin: the same risk
     unmarked = overlay(OURS.replace("  # vmp: new", ""))
@@ -177,16 +201,18 @@ def test_relative_and_module_imports_reach_upstream() -> None:
         "start_load_kv",
     ]
     renamed = BASE.replace("def get_finished(", "def get_finished_reqs(")
-    assert "override-missing" in [p.kind for p in check(renamed, sources=nested).problems]
+    assert "override-missing" in [
+        p.kind for p in check(renamed, sources=nested).problems
+    ]
     dotted = OURS.replace(
         f"from {CONNECTOR_MODULE} import Base", f"import {CONNECTOR_MODULE} as mc"
     ).replace("class Ext(Base):", "class Ext(mc.Base):")
     assert kinds(check(renamed, sources=overlay(dotted)))[0][0] == "override-missing"
     # our own classes in between: A(Base) in one file, Ext(A) in another
     a = f"from {CONNECTOR_MODULE} import Base\n\n\nclass A(Base):\n    pass\n"
-    ext = OURS.replace(f"from {CONNECTOR_MODULE} import Base", "from .a import A").replace(
-        "class Ext(Base):", "class Ext(A):"
-    )
+    ext = OURS.replace(
+        f"from {CONNECTOR_MODULE} import Base", "from .a import A"
+    ).replace("class Ext(Base):", "class Ext(A):")
     report = check(renamed, sources=overlay(a, "a.py") + overlay(ext))
     assert ("override-missing", "error", "get_finished") in kinds(report)
 
@@ -202,9 +228,14 @@ def test_upstream_bases_are_followed_across_modules() -> None:
     extra = {f"{MOONCAKE}/root.py": root}
     report = check(base, pinned=base, sources=overlay(ours), extra=extra)
     assert report.problems == []  # object's __init__ is not judged
-    assert report.classes[0]["upstream_bases"][-1] == f"{MOONCAKE.replace('/', '.')}.root.Root"
+    assert (
+        report.classes[0]["upstream_bases"][-1]
+        == f"{MOONCAKE.replace('/', '.')}.root.Root"
+    )
     gone = {f"{MOONCAKE}/root.py": root.replace("shutdown", "close")}
-    report = check(base, pinned=base, sources=overlay(ours), extra=gone, pinned_extra=extra)
+    report = check(
+        base, pinned=base, sources=overlay(ours), extra=gone, pinned_extra=extra
+    )
     assert kinds(report) == [
         ("override-missing", "error", "shutdown"),
         ("super-missing", "error", "shutdown"),
@@ -221,8 +252,9 @@ def test_an_explicit_upstream_call_is_checked_like_super() -> None:
     report = check(renamed, pinned=None, sources=overlay(ours))
     (problem,) = report.problems
     assert problem.kind == "super-missing" and problem.line == 6
-    assert "calls Base.get_finished(self, ...), but vllm 0.20.0 has no get_finished" in (
-        problem.message
+    assert (
+        "calls Base.get_finished(self, ...), but vllm 0.20.0 has no get_finished"
+        in (problem.message)
     )
     extra_arg = OURS.replace("super().get_finished(x)", "Base.get_finished(self, x, 1)")
     (problem,) = check(BASE, sources=overlay(extra_arg)).problems
@@ -241,7 +273,9 @@ def test_a_vanished_base_and_a_misspelt_marker() -> None:
 def test_wanted_paths_and_fingerprint() -> None:
     wanted = overrides.wanted_paths(overlay())
     assert CONNECTOR in wanted and f"{MOONCAKE}/__init__.py" in wanted
-    plain = OverlaySource("connector/store.py", f"{OVERLAY_DST}/store.py", "class S:\n    pass\n")
+    plain = OverlaySource(
+        "connector/store.py", f"{OVERLAY_DST}/store.py", "class S:\n    pass\n"
+    )
     assert [row[0] for row in overrides.fingerprint(overlay() + [plain])] == [
         f"{OVERLAY_DST}/ext.py"
     ]
@@ -272,8 +306,8 @@ def test_build_py_check_reports_override_problems(tmp_path, monkeypatch) -> None
     assert r.code == 1, r.text
     assert (
         "problem [override]: signature: connector/ext.py:8: Ext.start_load_kv: ours "
-        "`def start_load_kv(self, meta)` vs vllm 0.18.1's `def start_load_kv(self, metadata)`"
-        in r.out
+        "`def start_load_kv(self, meta)` vs vllm 0.18.1's `def start_load_kv(self, "
+        "metadata)`" in r.out
     )
     assert "overrides: 1 subclasses of upstream classes, 2 overrides" in r.out
     r = proj.run("check", "--json")
@@ -282,7 +316,9 @@ def test_build_py_check_reports_override_problems(tmp_path, monkeypatch) -> None
     assert problem["detail"]["theirs"] == "def start_load_kv(self, metadata)"
 
 
-def test_build_py_check_reads_upstream_as_the_series_leaves_it(tmp_path, monkeypatch) -> None:
+def test_build_py_check_reads_upstream_as_the_series_leaves_it(
+    tmp_path, monkeypatch
+) -> None:
     """The base's own base lives in a module the overlay never imports (read in a second
     pass); a method a patch adds upstream is there for our override; a method of ours
     that upstream also has is a warning (exit 0)."""
@@ -301,7 +337,9 @@ def test_build_py_check_reads_upstream_as_the_series_leaves_it(tmp_path, monkeyp
     r = proj.run("check", "--json")
     data = json.loads(r.out)
     problems = [p["detail"] for p in data["problems"]]
-    assert [(p["kind"], p["method"]) for p in problems] == [("signature", "close")], problems
+    assert [(p["kind"], p["method"]) for p in problems] == [("signature", "close")], (
+        problems
+    )
     assert problems[0]["upstream"] == f"{MOONCAKE}/root.py"
     assert "upstream's callers do not pass" in problems[0]["message"]
     assert data["overrides"]["classes"][0]["overrides"] == [
@@ -311,8 +349,12 @@ def test_build_py_check_reads_upstream_as_the_series_leaves_it(tmp_path, monkeyp
         "drain",
     ]
     fixed = ours.replace("def close(self, now):", "def close(self):")
-    fixed = fixed.replace("def drain(self):  # vmp: override", "def drain(self):  # vmp: new")
+    fixed = fixed.replace(
+        "def drain(self):  # vmp: override", "def drain(self):  # vmp: new"
+    )
     (proj.root / "connector" / "ext.py").write_text(fixed)
     r = proj.run("check")
     assert r.code == 0, r.text
-    assert "warning [override]: shadowed: connector/ext.py:17: Ext.drain: marked" in r.out
+    assert (
+        "warning [override]: shadowed: connector/ext.py:17: Ext.drain: marked" in r.out
+    )

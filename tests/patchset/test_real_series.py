@@ -47,20 +47,30 @@ def test_repo_series_round_trips_on_real_sdist(tmp_path):
     root = tmp_path / "proj"
     root.mkdir()
     for d in _folders():
-        shutil.copytree(REPO / d, root / d, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            REPO / d, root / d, ignore=shutil.ignore_patterns("__pycache__")
+        )
     before = _tree_files(root)
     run = lambda *a: subprocess.run(  # noqa: E731
         [sys.executable, str(REPO / "build.py"), "--root", str(root), *a],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     r = run("apply")
     assert r.returncode == 0, r.stdout + r.stderr
     r = run("export")
     assert r.returncode == 0, r.stdout + r.stderr
     after = _tree_files(root)
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    assert not changed, f"apply+export changed {changed}: run `python build.py export` and commit"
+    changed = sorted(
+        k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
+    )
+    assert not changed, (
+        f"apply+export changed {changed}: run `python build.py export` and commit"
+    )
     # The tree reports the pinned version, untouched by our git metadata.
     r = run("status", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert filecmp.cmp(REPO / "patches" / "series", root / "patches" / "series", shallow=False)
+    assert filecmp.cmp(
+        REPO / "patches" / "series", root / "patches" / "series", shallow=False
+    )

@@ -75,9 +75,13 @@ def v19_files(conflict: bool) -> dict[str, str]:
     files["PKG-INFO"] = files["PKG-INFO"].replace("0.18.1", "0.19.0")
     files["vllm/_version.py"] = '__version__ = version = "0.19.0"\n'
     if conflict:  # upstream rewrote the line 0001 changes
-        files["vllm/engine.py"] = replace_line(ENGINE, "engine line 2\n", "engine line 2 upstream\n")
+        files["vllm/engine.py"] = replace_line(
+            ENGINE, "engine line 2\n", "engine line 2 upstream\n"
+        )
     config = "".join(f"new line {i}\n" for i in range(5)) + CONFIG  # 0002: offset
-    files["vllm/config.py"] = replace_line(config, "config line 30\n", "config line 30 fixed\n")
+    files["vllm/config.py"] = replace_line(
+        config, "config line 30\n", "config line 30 fixed\n"
+    )
     return files
 
 
@@ -87,7 +91,10 @@ def test_rebase_stops_at_conflict_then_continue_exports_the_roll(rolled) -> None
     pinned = project.snapshot("patches")
     r = project.run("rebase", "--onto", "0.19.0")
     assert r.code == 1, r.text
-    assert "patch 0001-engine-head.patch" in r.out and f"{ROLL_TREE}/vllm/engine.py" in r.out
+    assert (
+        "patch 0001-engine-head.patch" in r.out
+        and f"{ROLL_TREE}/vllm/engine.py" in r.out
+    )
     assert "rebase --continue" in r.out and "rebase --abort" in r.out
     engine = project.root / ROLL_TREE / "vllm/engine.py"
     assert "<<<<<<<" in engine.read_text()
@@ -99,7 +106,11 @@ def test_rebase_stops_at_conflict_then_continue_exports_the_roll(rolled) -> None
     assert r.code != 0 and "vllm/engine.py" in r.err and "add" in r.err
 
     text = engine.read_text()
-    resolved = text.split("<<<<<<<")[0] + "engine line 2 upstream ours\n" + text.split(">>>>>>>")[1].split("\n", 1)[1]
+    resolved = (
+        text.split("<<<<<<<")[0]
+        + "engine line 2 upstream ours\n"
+        + text.split(">>>>>>>")[1].split("\n", 1)[1]
+    )
     engine.write_text(resolved)
     _roll_git(project, "add", "vllm/engine.py")
     r = project.run("rebase", "--continue")
@@ -110,7 +121,8 @@ def test_rebase_stops_at_conflict_then_continue_exports_the_roll(rolled) -> None
     assert names == NAMES[:3]
     first = (project.root / ROLL / NAMES[0]).read_text()
     assert "+engine line 2 upstream ours" in first and "Patch-Filename" not in first
-    assert "@@ -12,7 +12,7 @@" in (project.root / ROLL / NAMES[1]).read_text()  # re-numbered
+    # re-numbered
+    assert "@@ -12,7 +12,7 @@" in (project.root / ROLL / NAMES[1]).read_text()
     # the roll is a normal series: checks zero-fuzz against its sdist, tree in sync
     r = project.run("--patches", ROLL, "check")
     assert r.code == 0, r.text
@@ -146,8 +158,13 @@ def test_rebase_without_conflicts_finishes_in_one_go(rolled) -> None:
     r = project.run("rebase", "--onto", "0.19.0")
     assert r.code == 0, r.text
     assert (project.root / ROLL / "series").read_text().split() == NAMES[:3]
-    assert not list((project.root / ROLL).glob("*overlay*"))  # the overlay stays an overlay
-    overlay = project.root / ROLL_TREE / "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/ext/store.py"
+    # the overlay stays an overlay
+    assert not list((project.root / ROLL).glob("*overlay*"))
+    overlay = (
+        project.root
+        / ROLL_TREE
+        / "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/ext/store.py"
+    )
     assert overlay.is_file()
     assert project.run("--patches", ROLL, "check").code == 0
 
@@ -158,7 +175,11 @@ def test_rebase_resolution_that_empties_a_patch_drops_it(rolled) -> None:
     assert project.run("rebase", "--onto", "0.19.0").code == 1
     engine = project.root / ROLL_TREE / "vllm/engine.py"
     text = engine.read_text()
-    engine.write_text(text.split("<<<<<<<")[0] + "engine line 2 upstream\n" + text.split(">>>>>>>")[1].split("\n", 1)[1])
+    engine.write_text(
+        text.split("<<<<<<<")[0]
+        + "engine line 2 upstream\n"
+        + text.split(">>>>>>>")[1].split("\n", 1)[1]
+    )
     _roll_git(project, "add", "vllm/engine.py")
     r = project.run("rebase", "--continue")
     assert r.code == 0, r.text
@@ -171,7 +192,10 @@ def _roll_git(project, *args: str) -> str:
     tree = project.root / ROLL_TREE
     proc = subprocess.run(
         ["git", f"--git-dir={tree}.git", f"--work-tree={tree}", *args],
-        capture_output=True, text=True, check=False, cwd=tree,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tree,
         env={**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"},
     )
     assert proc.returncode == 0, proc.stderr
@@ -186,11 +210,23 @@ def test_continue_finishes_a_roll_whose_git_rebase_already_ended(rolled) -> None
     assert project.run("rebase", "--onto", "0.19.0").code == 1
     engine = project.root / ROLL_TREE / "vllm/engine.py"
     text = engine.read_text()
-    engine.write_text(text.split("<<<<<<<")[0] + "engine line 2 upstream ours\n"
-                      + text.split(">>>>>>>")[1].split("\n", 1)[1])
+    engine.write_text(
+        text.split("<<<<<<<")[0]
+        + "engine line 2 upstream ours\n"
+        + text.split(">>>>>>>")[1].split("\n", 1)[1]
+    )
     _roll_git(project, "add", "vllm/engine.py")
-    _roll_git(project, "-c", "core.editor=true", "-c", "user.name=u", "-c", "user.email=u@x",
-              "rebase", "--continue")
+    _roll_git(
+        project,
+        "-c",
+        "core.editor=true",
+        "-c",
+        "user.name=u",
+        "-c",
+        "user.email=u@x",
+        "rebase",
+        "--continue",
+    )
     r = project.run("rebase", "--continue")
     assert r.code == 0, r.text
     assert (project.root / ROLL / "series").read_text().split() == NAMES[:3]

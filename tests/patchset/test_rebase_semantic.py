@@ -152,13 +152,14 @@ def test_rebase_stops_when_a_clean_merge_defines_a_method_twice(project) -> None
     r = project.run("rebase", "--continue")
     assert r.code == 1 and "has_requests twice" in r.out, r.text
 
-    # Keep upstream's method: the patch is then empty and dropped.
+    # Keep upstream's method: the patch is then empty and dropped, by the user.
     path = project.root / roll_file()
     path.write_text(merged.replace(OUR_HAS_REQUESTS, ""))
     _roll_git(project, "add", WORKER_PATH)
     r = project.run("rebase", "--continue")
     assert r.code == 0, r.text
-    assert "dropped as already upstream" in r.out and DUPLICATE in r.out
+    assert f"dropped by you: {DUPLICATE}" in r.out
+    assert "already upstream" not in r.out
     assert (project.root / ROLL / "series").read_text().split() == []
 
 
