@@ -57,9 +57,15 @@ def _issue_is_ours(line: str, match: re.Match[str]) -> bool:
 
 
 # (rule, pattern, keep): a match counts when keep is None or keep(line, match) is true.
-RULES: list[tuple[str, re.Pattern[str], Callable[[str, re.Match[str]], bool] | None]] = [
+RULES: list[
+    tuple[str, re.Pattern[str], Callable[[str, re.Match[str]], bool] | None]
+] = [
     # digits not continuing as ".digit" or ":digit" (an address such as 127.0.0.1:1)
-    ("numbered-session", re.compile(r"\bsessions?[\s#-]*\d+\b(?!\.\d|:\d)", re.I), None),
+    (
+        "numbered-session",
+        re.compile(r"\bsessions?[\s#-]*\d+\b(?!\.\d|:\d)", re.I),
+        None,
+    ),
     ("sessions-of-work", re.compile(r"\bsessions? of work\b", re.I), None),
     ("helper", re.compile(r"\bhelper (?:session|agent)s?\b", re.I), None),
     ("bare-issue", re.compile(r"\bissues?\s*#?\d+\b", re.I), _issue_is_ours),
@@ -81,12 +87,17 @@ def scan_line(text: str) -> list[str]:
 
 def scan_text(text: str) -> list[tuple[int, str]]:
     """``(line number, hit)`` for every hit in a file's text."""
-    return [(n, hit) for n, line in enumerate(text.splitlines(), 1) for hit in scan_line(line)]
+    return [
+        (n, hit)
+        for n, line in enumerate(text.splitlines(), 1)
+        for hit in scan_line(line)
+    ]
 
 
 def tracked_files(root: Path) -> list[str]:
-    out = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], check=True,
-                         capture_output=True).stdout
+    out = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z"], check=True, capture_output=True
+    ).stdout
     return [p for p in out.decode("utf-8", "surrogateescape").split("\0") if p]
 
 
@@ -105,8 +116,11 @@ def main(root: Path = ROOT) -> int:
     try:
         files = tracked_files(root)
     except (OSError, subprocess.CalledProcessError) as e:
-        print(f"check_words: cannot list the tracked files of {root} ({e}); "
-              "run it inside the git repository", file=sys.stderr)
+        print(
+            f"check_words: cannot list the tracked files of {root} ({e}); "
+            "run it inside the git repository",
+            file=sys.stderr,
+        )
         return 2
     scanned = 0
     hits = []
@@ -121,9 +135,11 @@ def main(root: Path = ROOT) -> int:
     for line in hits:
         print(line)
     if hits:
-        print(f"check_words: {len(hits)} process word(s) in {scanned} tracked files; say what "
-              "the code does or what was seen instead (rules: .ci/check_words.py)",
-              file=sys.stderr)
+        print(
+            f"check_words: {len(hits)} process word(s) in {scanned} tracked files; say what "
+            "the code does or what was seen instead (rules: .ci/check_words.py)",
+            file=sys.stderr,
+        )
         return 1
     print(f"no process words in {scanned} tracked files")
     return 0

@@ -4,8 +4,8 @@
 ``"kv_connector": "MooncakeConnector"`` resolves to :class:`ExtMooncakeConnector`
 (one line in vLLM's connector factory). Each override calls upstream's method
 with ``super()`` and hands what this series adds to the side's extension object
-(extension.py); upstream's worker calls the same object at five points in the
-middle of long methods (hooks.py). The overrides and the upstream names they
+(scheduler_extension.py, worker_extension.py); upstream's worker calls the
+same object at five points in the middle of long methods (hooks.py). The overrides and the upstream names they
 rely on are checked per vLLM release by ``build.py check`` and ``compat``.
 
 Runs in the scheduler process (:class:`ExtMooncakeConnectorScheduler`) and in
@@ -27,6 +27,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fault_injection import (
+    zero_received_block,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.io_affinity import (
+    threads_started_on_io_cpus,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.transport_env import (
+    apply_transport_env_defaults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extension import (
+    SchedulerExtension,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
+    RegisteredKV,
+    WorkerExtension,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import (
+    ExtXferMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
     MooncakeConnector,
     MooncakeConnectorMetadata,
@@ -37,12 +56,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
     SendBlockMeta,
 )
 from vllm.logger import init_logger
-
-from .extension import RegisteredKV, SchedulerExtension, WorkerExtension
-from .fault_injection import zero_received_block
-from .io_affinity import threads_started_on_io_cpus
-from .transport_env import apply_transport_env_defaults
-from .xfer import ExtXferMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
@@ -66,16 +79,20 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
         super().__init__(vllm_config, engine_id)
         self.ext = SchedulerExtension(vllm_config)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if self.ext.owns(request):
             return self.ext.get_num_new_matched_tokens(request, num_computed_tokens)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ):
         if self.ext.owns(request):
-            return self.ext.update_state_after_alloc(request, blocks, num_external_tokens)
+            return self.ext.update_state_after_alloc(
+                request, blocks, num_external_tokens
+            )
         rid = request.request_id
         queued_before = rid in self._reqs_need_send
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -86,14 +103,16 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
             if transfer_id and self.ext.takes_send(request, transfer_id):
                 del self._reqs_need_send[rid]
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput
-                             ) -> MooncakeConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> MooncakeConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
         meta.ext = self.ext.build_metadata(scheduler_output)  # type: ignore[attr-defined]
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if self.ext.owns(request):
             return self.ext.request_finished(request)
         params = request.kv_transfer_params or {}
@@ -123,7 +142,10 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
         # TCP: the transport's queue limits and timeouts, set before the engine is
         # built; explicit MC_* settings win (transport_env.py).
         apply_transport_env_defaults(
-            kv_transfer_config.kv_connector_extra_config.get("mooncake_protocol", "rdma"))
+            kv_transfer_config.kv_connector_extra_config.get(
+                "mooncake_protocol", "rdma"
+            )
+        )
         # MOONCAKE_IO_CPUS: the transfer threads start off the compute cores.
         with threads_started_on_io_cpus():
             super().__init__(vllm_config, engine_id)
@@ -134,19 +156,22 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
         if self._listener_error is not None:
-            raise RuntimeError(f"Mooncake sender listener failed at start: "
-                               f"{self._listener_error}") from self._listener_error
-        self.ext.on_kv_caches_registered(RegisteredKV(
-            write_fn=self.engine.batch_transfer_sync_write,
-            session=f"{self.hostname}:{self.rpc_port}",
-            kv_caches=kv_caches,
-            split_k_and_v=self.kv_topo.split_k_and_v,
-            base_addrs=list(self.kv_caches_base_addr),
-            block_len=self.block_len,
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            tp_size=self.tp_size,
-        ))
+            raise RuntimeError(
+                f"Mooncake sender listener failed at start: {self._listener_error}"
+            ) from self._listener_error
+        self.ext.on_kv_caches_registered(
+            RegisteredKV(
+                write_fn=self.engine.batch_transfer_sync_write,
+                session=f"{self.hostname}:{self.rpc_port}",
+                kv_caches=kv_caches,
+                split_k_and_v=self.kv_topo.split_k_and_v,
+                base_addrs=list(self.kv_caches_base_addr),
+                block_len=self.block_len,
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                tp_size=self.tp_size,
+            )
+        )
 
     async def _mooncake_sender_listener(self, ready_event: threading.Event):
         # Upstream's register_kv_caches waits for ready_event with no timeout: a
@@ -162,13 +187,15 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
 
     async def register_worker_with_bootstrap(self):
         try:
-            await asyncio.wait_for(super().register_worker_with_bootstrap(),
-                                   REGISTRATION_DEADLINE_S)
+            await asyncio.wait_for(
+                super().register_worker_with_bootstrap(), REGISTRATION_DEADLINE_S
+            )
         except TimeoutError:
             raise RuntimeError(
                 f"cannot register with the Mooncake bootstrap server for "
                 f"{REGISTRATION_DEADLINE_S:.0f} s: check MOONCAKE_BOOTSTRAP_HOST and "
-                "VLLM_MOONCAKE_BOOTSTRAP_PORT") from None
+                "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+            ) from None
 
     # ---- every step -------------------------------------------------------------------
     def start_load_kv(self, metadata: MooncakeConnectorMetadata):
@@ -187,8 +214,10 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
         if not self.ext.serves_xfer_requests:
             return await super().send_kv_to_decode(identity, sock, meta)
         await self.ext.serve_xfer_request(
-            meta, self.tp_size,
-            lambda resp: sock.send_multipart((identity, self._encoder.encode(resp))))
+            meta,
+            self.tp_size,
+            lambda resp: sock.send_multipart((identity, self._encoder.encode(resp))),
+        )
 
     def _free_failed_send(self, send_meta: SendBlockMeta) -> None:
         """A terminal write for one of D's requests failed (hooks.send_failed): once
@@ -198,20 +227,28 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
             self.finished_sending_reqs.add(send_meta.p_req_id)
 
     # ---- D: pulls ---------------------------------------------------------------------
-    async def receive_kv_from_single_worker(self, worker_addr: str,
-                                            pull_metas: dict[str, PullReqMeta]):
+    async def receive_kv_from_single_worker(
+        self, worker_addr: str, pull_metas: dict[str, PullReqMeta]
+    ):
         await super().receive_kv_from_single_worker(worker_addr, pull_metas)
         # Upstream returns on FINISH, on P's ERROR answer, on a broken socket: a
         # pull that did not complete by then failed (each pull ends once).
         failed = [r for r, pm in pull_metas.items() if pm.pull_tasks_count > 0]
         if failed:
-            self.ext.pulls_failed(pull_metas, failed,
-                                  f"no complete answer from the prefill worker at {worker_addr}")
+            self.ext.pulls_failed(
+                pull_metas,
+                failed,
+                f"no complete answer from the prefill worker at {worker_addr}",
+            )
 
-    def process_pulling_result(self, response: MooncakeXferResponse,
-                               pull_metas: dict[str, PullReqMeta]):
-        already = {pm.d_req_id for pm in pull_metas.values()
-                   if pm.d_req_id in self.finished_recving_reqs}
+    def process_pulling_result(
+        self, response: MooncakeXferResponse, pull_metas: dict[str, PullReqMeta]
+    ):
+        already = {
+            pm.d_req_id
+            for pm in pull_metas.values()
+            if pm.d_req_id in self.finished_recving_reqs
+        }
         super().process_pulling_result(response, pull_metas)
         for req_id in response.ok_reqs or ():
             pm = pull_metas.get(req_id)
@@ -220,8 +257,9 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
             if not self.ext.pull_completed(pm.d_req_id):
                 self.finished_recving_reqs.discard(pm.d_req_id)
                 continue
-            zero_received_block(self.device_kv_caches, pm.local_block_ids,
-                                self.kv_topo.split_k_and_v)
+            zero_received_block(
+                self.device_kv_caches, pm.local_block_ids, self.kv_topo.split_k_and_v
+            )
         if response.err_reqs:
             self.ext.pulls_failed(pull_metas, response.err_reqs, str(response.err_msg))
 
@@ -229,8 +267,12 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
 class ExtMooncakeConnector(MooncakeConnector):
     """The facade vLLM builds for ``"kv_connector": "MooncakeConnector"``."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         # Upstream's __init__ builds its own halves by name (and the worker's
         # transfer engine, threads and bootstrap server); its body is repeated here
         # with this series' halves (tests/unit/test_ext_connector.py checks that
@@ -240,12 +282,15 @@ class ExtMooncakeConnector(MooncakeConnector):
         assert vllm_config.kv_transfer_config.engine_id is not None
         self.engine_id = vllm_config.kv_transfer_config.engine_id
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = ExtMooncakeConnectorScheduler(vllm_config,
-                                                                     self.engine_id)
+            self.connector_scheduler = ExtMooncakeConnectorScheduler(
+                vllm_config, self.engine_id
+            )
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
-            self.connector_worker = ExtMooncakeConnectorWorker(vllm_config, self.engine_id)
+            self.connector_worker = ExtMooncakeConnectorWorker(
+                vllm_config, self.engine_id
+            )
 
     # ---- scheduler side ---------------------------------------------------------------
     def update_connector_output(self, connector_output: KVConnectorOutput):
@@ -255,9 +300,10 @@ class ExtMooncakeConnector(MooncakeConnector):
 
     def keeps_engine_stepping_while_blocks_held(self) -> bool:
         """Finished requests whose blocks wait for a transfer to end are released
-        only during an engine step: the scheduler keeps stepping meanwhile (its
-        patch asks this)."""
-        return True
+        only during an engine step: the scheduler keeps stepping meanwhile, paced
+        (asked by the scheduler's patch only when nothing else is left to run)."""
+        assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
+        return self.connector_scheduler.ext.keep_stepping_while_blocks_held()
 
     # ---- worker side ------------------------------------------------------------------
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
@@ -266,11 +312,18 @@ class ExtMooncakeConnector(MooncakeConnector):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert isinstance(self.connector_worker, ExtMooncakeConnectorWorker)
-        return (super().get_block_ids_with_load_errors()
-                | self.connector_worker.ext.block_ids_with_load_errors())
+        return (
+            super().get_block_ids_with_load_errors()
+            | self.connector_worker.ext.block_ids_with_load_errors()
+        )
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: AttentionMetadata, **kwargs) -> None:
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs,
+    ) -> None:
         """With MOONCAKE_LAYERWISE=1 (P), this layer's new KV goes to decode now."""
         assert isinstance(self.connector_worker, ExtMooncakeConnectorWorker)
         self.connector_worker.ext.save_kv_layer(layer_name, kv_layer)

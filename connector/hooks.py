@@ -40,8 +40,14 @@ class UpstreamHooks:
     def send_failed(self, send_meta: Any) -> None:
         """Worker.send_kv_to_decode: one of D's requests got a failed write."""
 
-    def write_blocks(self, engine: Any, session: str, src: list[int], dst: list[int],
-                     lengths: list[int]) -> int:
+    def write_blocks(
+        self,
+        engine: Any,
+        session: str,
+        src: list[int],
+        dst: list[int],
+        lengths: list[int],
+    ) -> int:
         """Worker._send_blocks: the post-hoc send's write."""
         return engine.batch_transfer_sync_write(session, src, dst, lengths)
 

@@ -45,10 +45,17 @@ class CheckResult:
         }
 
 
-def reference_completion(base_url: str, prompt, *, max_tokens: int, logprobs: int = 5) -> Completion:
+def reference_completion(
+    base_url: str, prompt, *, max_tokens: int, logprobs: int = 5
+) -> Completion:
     """The prompt computed from scratch on one instance (a fresh cache_salt defeats prefix reuse)."""
-    return complete(base_url, prompt, max_tokens=max_tokens, logprobs=logprobs,
-                    cache_salt=f"reference-{uuid.uuid4().hex}")
+    return complete(
+        base_url,
+        prompt,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        cache_salt=f"reference-{uuid.uuid4().hex}",
+    )
 
 
 def compare(
@@ -59,7 +66,10 @@ def compare(
     atol: float = DEFAULT_ATOL,
 ) -> CheckResult:
     problems: list[str] = []
-    if expected_cached_tokens is not None and got.cached_tokens != expected_cached_tokens:
+    if (
+        expected_cached_tokens is not None
+        and got.cached_tokens != expected_cached_tokens
+    ):
         problems.append(
             f"cached tokens {got.cached_tokens} != expected {expected_cached_tokens}: "
             "the KV did not (all) come from the connector"
@@ -68,19 +78,25 @@ def compare(
         problems.append("no logprobs to compare (request logprobs>0 on both sides)")
     n = min(len(got.logprobs), len(reference.logprobs))
     if got.token_ids[:n] != reference.token_ids[:n]:
-        problems.append(f"generated tokens differ: {got.token_ids[:n]} vs reference {reference.token_ids[:n]}")
+        problems.append(
+            f"generated tokens differ: {got.token_ids[:n]} vs reference {reference.token_ids[:n]}"
+        )
     max_diff = 0.0
     for i in range(n):
         g, r = got.logprobs[i], reference.logprobs[i]
         if set(g) != set(r):
-            problems.append(f"token {i}: top-k sets differ: {sorted(g)} vs reference {sorted(r)}")
+            problems.append(
+                f"token {i}: top-k sets differ: {sorted(g)} vs reference {sorted(r)}"
+            )
             # still measure the common part
         for tok in set(g) & set(r):
             max_diff = max(max_diff, abs(g[tok] - r[tok]))
     for a, b in zip(got.token_logprobs[:n], reference.token_logprobs[:n]):
         max_diff = max(max_diff, abs(a - b))
     if max_diff > atol:
-        problems.append(f"logprobs differ from the reference by up to {max_diff:.3g} (> {atol:g})")
+        problems.append(
+            f"logprobs differ from the reference by up to {max_diff:.3g} (> {atol:g})"
+        )
     return CheckResult(
         ok=not problems,
         problems=problems,

@@ -63,11 +63,19 @@ print("mooncake rpc port", e.get_rpc_port())
 def main() -> int:
     env = vllm_env()
     for name, code, fix in CHECKS:
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if r.returncode != 0:
             tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
-            print(f"[doctor] FAILED: {name}\n{tail}\n[doctor] what to do: {fix}", file=sys.stderr)
+            print(
+                f"[doctor] FAILED: {name}\n{tail}\n[doctor] what to do: {fix}",
+                file=sys.stderr,
+            )
             return 1
         last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
         print(f"[doctor] ok: {name} ({last})")

@@ -65,8 +65,10 @@ def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
     if engine.transfer_sync_write(session, src.ctypes.data, addr, 1) != 0:
         raise SystemExit("engine_peer: the first write (handshake) failed")
     if mode == "terminal":
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.engine_write import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+            ExtConfig,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
             TerminalWriter,
         )
 
@@ -91,15 +93,29 @@ def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
 class EnginePeer:
     """This module run as a subprocess, driven line by line (tests)."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None,
-                 prefix: list[str] | None = None):
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ):
         """``env``: added to the environment; ``prefix``: a command the Python
         process runs under (e.g. a new network namespace)."""
-        env = {**vllm_env(), "MC_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), **(env or {})}
-        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m",
-                                      "harness.engine_peer", *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+        env = {
+            **vllm_env(),
+            "MC_LOG_LEVEL": "ERROR",
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
+        self.proc = subprocess.Popen(
+            [*(prefix or []), sys.executable, "-m", "harness.engine_peer", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 

@@ -17,7 +17,9 @@ def kv_usage(url: str) -> float:
     return found[0]
 
 
-def wait_no_blocks_in_use(*urls: str, timeout: float = 60, poll: float = 1.0) -> tuple[float, ...]:
+def wait_no_blocks_in_use(
+    *urls: str, timeout: float = 60, poll: float = 1.0
+) -> tuple[float, ...]:
     """Poll until no instance holds a block; return the last usages (all 0.0 on success)."""
     deadline = time.monotonic() + timeout
     while True:

@@ -22,6 +22,7 @@ escalating to SIGKILL, so no instance outlives its owner.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -40,10 +41,15 @@ from harness.netns import Topology
 from harness.runtime_env import vllm_env
 
 TOKEN_ENV = "MOONCAKE_BOOTSTRAP_TOKEN"
+# The CPU backend's block size (its default too): every instance is started with
+# it (--block-size) unless its spec says otherwise; tests and benchmarks count
+# prompt blocks with it.
+BLOCK = 128
 DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("VMP_STARTUP_TIMEOUT_S", "300"))
 
 
 def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -71,6 +77,7 @@ class InstanceSpec:
     kv_cache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-1"
     max_model_len: int = 16384
+    block_size: int = BLOCK
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     dtype: str = "float32"
@@ -90,7 +97,10 @@ class InstanceSpec:
         return {
             "kv_connector": "MooncakeConnector",
             "kv_role": self.role,
-            "kv_connector_extra_config": {"mooncake_protocol": self.protocol, **self.extra_config},
+            "kv_connector_extra_config": {
+                "mooncake_protocol": self.protocol,
+                **self.extra_config,
+            },
         }
 
 
@@ -129,12 +139,29 @@ class Instance:
         s = self.spec
         cmd = ["ip", "netns", "exec", s.netns] if s.netns else []
         cmd += [
-            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", s.model,
-            "--host", s.ip, "--port", str(self.port),
-            "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
-            "--enforce-eager", "--disable-uvicorn-access-log",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            s.model,
+            "--host",
+            s.ip,
+            "--port",
+            str(self.port),
+            "--dtype",
+            s.dtype,
+            "--max-model-len",
+            str(s.max_model_len),
+            "--block-size",
+            str(s.block_size),
+            "--enforce-eager",
+            "--disable-uvicorn-access-log",
         ]
-        cmd.append("--enable-prefix-caching" if s.enable_prefix_caching else "--no-enable-prefix-caching")
+        cmd.append(
+            "--enable-prefix-caching"
+            if s.enable_prefix_caching
+            else "--no-enable-prefix-caching"
+        )
         if s.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
         if s.max_num_seqs:
@@ -145,13 +172,18 @@ class Instance:
 
     def environment(self, push_sources: str = "") -> dict[str, str]:
         s = self.spec
-        over = {"VLLM_CPU_KVCACHE_SPACE": str(int(s.kv_cache_gib)),
-                # every server and engine of ours on one explicit address (loopback,
-                # or the instance's own host): the bootstrap server (upstream binds
-                # 0.0.0.0), the transfer engine and ZMQ (upstream picks an interface)
-                "MOONCAKE_BOOTSTRAP_HOST": s.ip, "VLLM_HOST_IP": s.ip,
-                # D may take prefix pushes from the cluster's own instances only
-                "MOONCAKE_PUSH_SOURCES": ",".join([push_sources, *s.extra_push_sources]).strip(",")}
+        over = {
+            "VLLM_CPU_KVCACHE_SPACE": str(int(s.kv_cache_gib)),
+            # every server and engine of ours on one explicit address (loopback,
+            # or the instance's own host): the bootstrap server (upstream binds
+            # 0.0.0.0), the transfer engine and ZMQ (upstream picks an interface)
+            "MOONCAKE_BOOTSTRAP_HOST": s.ip,
+            "VLLM_HOST_IP": s.ip,
+            # D may take prefix pushes from the cluster's own instances only
+            "MOONCAKE_PUSH_SOURCES": ",".join(
+                [push_sources, *s.extra_push_sources]
+            ).strip(","),
+        }
         if s.cores is not None:
             over["VLLM_CPU_OMP_THREADS_BIND"] = s.cores
         if self.bootstrap_port is not None:
@@ -161,14 +193,17 @@ class Instance:
 
     def start(self, push_sources: str = "") -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w")
-        log.write("# " + " ".join(self.command()) + "\n")
-        log.flush()
-        self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.environment(push_sources), start_new_session=True,
-        )
-        log.close()
+        with open(self.log_path, "w") as log:  # the instance keeps its own copy
+            log.write("# " + " ".join(self.command()) + "\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(push_sources),
+                start_new_session=True,
+            )
 
     def healthy(self) -> bool:
         try:
@@ -198,13 +233,13 @@ class Instance:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=30)
 
-    def restart(self, push_sources: str, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+    def restart(
+        self, push_sources: str, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    ) -> None:
         """Stop (if running) and start again on the same ports; wait until healthy."""
         self.stop()
         self.start(push_sources)
@@ -218,18 +253,13 @@ class Instance:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # the group may hold children (EngineCore) even after the parent exits
+        # the group may hold children (EngineCore) even after the parent exits
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 _LIVE: set[Cluster] = set()
@@ -268,9 +298,14 @@ def _install_signal_handlers() -> None:
 class Cluster:
     """A set of vLLM instances started together; a context manager."""
 
-    def __init__(self, specs: list[InstanceSpec], log_dir: Path,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-                 hosts: bool | None = None):
+    def __init__(
+        self,
+        specs: list[InstanceSpec],
+        log_dir: Path,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        hosts: bool | None = None,
+        token: str | None = None,
+    ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"instance names must be unique: {names}")
@@ -280,25 +315,38 @@ class Cluster:
         # one network namespace per instance, created in start(), removed in stop()
         self.topology = Topology(names) if hosts else None
         if self.topology is not None:
-            # off loopback our bootstrap endpoints need a token (connector/auth.py):
-            # one per cluster; in this process's environment (for the harness's
-            # clients, pd_client.bootstrap_headers) only while the cluster runs
-            token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
-            self._token: str | None = token
-            specs = [replace(s, ip=self.topology.host(s.name).ip,
-                             netns=self.topology.host(s.name).netns,
-                             env={TOKEN_ENV: token, **s.env}) for s in specs]
+            # off loopback our bootstrap endpoints need a token (connector/common/auth.py)
+            token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+            specs = [
+                replace(
+                    s,
+                    ip=self.topology.host(s.name).ip,
+                    netns=self.topology.host(s.name).netns,
+                )
+                for s in specs
+            ]
+        # one token per cluster (``token``, or made for hosts off loopback), in every
+        # instance's environment and in this process's (for the harness's clients,
+        # pd_client.bootstrap_headers) only while the cluster runs
+        self.token = token
+        if token is not None:
+            specs = [replace(s, env={TOKEN_ENV: token, **s.env}) for s in specs]
         self.instances: dict[str, Instance] = {}
         for s in specs:
             boot = None
             if s.role in ("kv_producer", "kv_both"):
                 boot = s.bootstrap_port or free_port()
             self.instances[s.name] = Instance(
-                spec=s, port=s.port or free_port(), bootstrap_port=boot,
+                spec=s,
+                port=s.port or free_port(),
+                bootstrap_port=boot,
                 log_path=Path(log_dir) / f"{s.name}.log",
             )
-        self.push_sources = ",".join(i.bootstrap_url for i in self.instances.values()
-                                     if i.bootstrap_port is not None)
+        self.push_sources = ",".join(
+            i.bootstrap_url
+            for i in self.instances.values()
+            if i.bootstrap_port is not None
+        )
 
     def __getitem__(self, name: str) -> Instance:
         return self.instances[name]
@@ -314,8 +362,11 @@ class Cluster:
             except InstanceStartError as e:
                 if attempt == 2 or not port_taken(e):
                     raise
-                print("[launcher] a port was taken during start-up (EADDRINUSE); "
-                      "starting the cluster again", flush=True)
+                print(
+                    "[launcher] a port was taken during start-up (EADDRINUSE); "
+                    "starting the cluster again",
+                    flush=True,
+                )
         raise AssertionError("unreachable")
 
     def _start_once(self) -> Cluster:
@@ -324,9 +375,10 @@ class Cluster:
             _LIVE.add(self)
         t0 = time.monotonic()
         try:
-            if self.topology is not None:
+            if self.token is not None:
                 self._token_before = os.environ.get(TOKEN_ENV)
-                os.environ[TOKEN_ENV] = self._token
+                os.environ[TOKEN_ENV] = self.token
+            if self.topology is not None:
                 self.topology.create()
             for inst in self.instances.values():
                 inst.start(self.push_sources)
@@ -336,8 +388,10 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-        print(f"[launcher] {', '.join(self.instances)} ready in {time.monotonic() - t0:.0f}s",
-              flush=True)
+        print(
+            f"[launcher] {', '.join(self.instances)} ready in {time.monotonic() - t0:.0f}s",
+            flush=True,
+        )
         return self
 
     def stop(self) -> None:
@@ -345,12 +399,12 @@ class Cluster:
             inst.stop()
         if self.topology is not None:
             self.topology.destroy()
-            if getattr(self, "_token_before", "unset") != "unset":
-                if self._token_before is None:
-                    os.environ.pop(TOKEN_ENV, None)
-                else:
-                    os.environ[TOKEN_ENV] = self._token_before
-                del self._token_before
+        if getattr(self, "_token_before", "unset") != "unset":
+            if self._token_before is None:
+                os.environ.pop(TOKEN_ENV, None)
+            else:
+                os.environ[TOKEN_ENV] = self._token_before
+            del self._token_before
         with _LIVE_LOCK:
             _LIVE.discard(self)
 

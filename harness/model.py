@@ -119,9 +119,15 @@ def generate(out_dir: Path, shape: ModelShape) -> Path:
     return out_dir
 
 
-def ensure_model(shape: ModelShape = ModelShape(), models_dir: Path | None = None) -> Path:
-    """Return the directory of the model of this shape, generating it once."""
-    models_dir = Path(models_dir or os.environ.get("VMP_MODELS_DIR", DEFAULT_MODELS_DIR))
+def ensure_model(
+    shape: ModelShape | None = None, models_dir: Path | None = None
+) -> Path:
+    """Return the directory of the model of this shape (default: the default
+    shape), generating it once."""
+    shape = shape or ModelShape()
+    models_dir = Path(
+        models_dir or os.environ.get("VMP_MODELS_DIR", DEFAULT_MODELS_DIR)
+    )
     path = models_dir / shape.name
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return path

@@ -25,6 +25,7 @@ this project's CI kernel does not (``Error: Specified qdisc kind is unknown``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import re
@@ -45,11 +46,15 @@ class TopologyError(RuntimeError):
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=30, check=False
+        )
     except subprocess.TimeoutExpired:
         proc = subprocess.CompletedProcess(args, -1, "", "timed out after 30 s")
     if check and proc.returncode != 0:
-        raise TopologyError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        raise TopologyError(
+            f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}"
+        )
     return proc
 
 
@@ -71,11 +76,24 @@ def available() -> str | None:
 def netem_available() -> str | None:
     """None when ``tc qdisc ... netem`` works on this kernel; else the error."""
     dev = f"{PREFIX}nt{os.getpid()}"
-    made = _run("ip", "link", "add", dev, "type", "veth", "peer", "name", dev + "p", check=False)
+    made = _run(
+        "ip", "link", "add", dev, "type", "veth", "peer", "name", dev + "p", check=False
+    )
     if made.returncode != 0:
         return f"cannot create a veth to probe netem: {made.stderr.strip()}"
     try:
-        r = _run("tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", "1ms", check=False)
+        r = _run(
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "netem",
+            "delay",
+            "1ms",
+            check=False,
+        )
         return None if r.returncode == 0 else f"tc netem: {r.stderr.strip()}"
     finally:
         _run("ip", "link", "del", dev, check=False)
@@ -90,10 +108,8 @@ def _kill_ns(ns: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = _pids_in(ns)
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + 10
         while pids and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -139,7 +155,9 @@ def _free_subnet(start: int) -> int:
         n = 1 + (start - 1 + i) % 250
         if f" 10.231.{n}." not in used:
             return n
-    raise TopologyError("every 10.231.N.0/24 is in use: stale topologies? (cleanup_stale)")
+    raise TopologyError(
+        "every 10.231.N.0/24 is in use: stale topologies? (cleanup_stale)"
+    )
 
 
 @dataclass(frozen=True)
@@ -208,8 +226,19 @@ class Topology:
             _run("ip", "link", "set", self.bridge, "up")
             for h in self.hosts.values():
                 _run("ip", "netns", "add", h.netns)
-                _run("ip", "link", "add", h.port_dev, "type", "veth", "peer", "name", "eth0",
-                     "netns", h.netns)
+                _run(
+                    "ip",
+                    "link",
+                    "add",
+                    h.port_dev,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    h.netns,
+                )
                 _run("ip", "link", "set", h.port_dev, "master", self.bridge)
                 _run("ip", "link", "set", h.port_dev, "up")
                 ns = ["ip", "netns", "exec", h.netns]
@@ -236,14 +265,24 @@ class Topology:
 
     def leftovers(self) -> list[str]:
         """Anything of this topology still present (for tests of the teardown)."""
-        names = {line.split()[0] for line in
-                 _run("ip", "netns", "list", check=False).stdout.splitlines() if line.split()}
-        links = {line.split(":")[1].strip().split("@")[0] for line in
-                 _run("ip", "-o", "link", "show", check=False).stdout.splitlines()
-                 if ":" in line}
+        names = {
+            line.split()[0]
+            for line in _run("ip", "netns", "list", check=False).stdout.splitlines()
+            if line.split()
+        }
+        links = {
+            line.split(":")[1].strip().split("@")[0]
+            for line in _run(
+                "ip", "-o", "link", "show", check=False
+            ).stdout.splitlines()
+            if ":" in line
+        }
         out = [h.netns for h in self.hosts.values() if h.netns in names]
-        out += [d for d in [self.bridge, *(h.port_dev for h in self.hosts.values())]
-                if d in links]
+        out += [
+            d
+            for d in [self.bridge, *(h.port_dev for h in self.hosts.values())]
+            if d in links
+        ]
         return out
 
     # -- faults ---------------------------------------------------------------
@@ -254,10 +293,20 @@ class Topology:
     def link_up(self, name: str) -> None:
         _run("ip", "link", "set", self.hosts[name].port_dev, "up")
 
-    def limit(self, name: str, *, mbit: float, burst_kb: int = 64, latency_ms: int = 50) -> None:
+    def limit(
+        self, name: str, *, mbit: float, burst_kb: int = 64, latency_ms: int = 50
+    ) -> None:
         """Token-bucket rate limit on the host's link, both directions (tc tbf)."""
         h = self.hosts[name]
-        spec = ["tbf", "rate", f"{mbit}mbit", "burst", f"{burst_kb}kb", "latency", f"{latency_ms}ms"]
+        spec = [
+            "tbf",
+            "rate",
+            f"{mbit}mbit",
+            "burst",
+            f"{burst_kb}kb",
+            "latency",
+            f"{latency_ms}ms",
+        ]
         _run("tc", "qdisc", "replace", "dev", h.port_dev, "root", *spec)
         _run(*h.exec_prefix(), "tc", "qdisc", "replace", "dev", "eth0", "root", *spec)
 
@@ -268,7 +317,17 @@ class Topology:
             raise TopologyError(f"netem is not available on this kernel: {why}")
         h = self.hosts[name]
         _run("tc", "qdisc", "replace", "dev", h.port_dev, "root", "netem", *args)
-        _run(*h.exec_prefix(), "tc", "qdisc", "replace", "dev", "eth0", "root", "netem", *args)
+        _run(
+            *h.exec_prefix(),
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "root",
+            "netem",
+            *args,
+        )
 
     def clear(self, name: str) -> None:
         h = self.hosts[name]

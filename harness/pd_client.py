@@ -28,18 +28,23 @@ class RequestFailed(RuntimeError):
     pass
 
 
-def bootstrap_headers(method: str = "GET", path: str = "", body: bytes = b"") -> dict[str, str]:
+def bootstrap_headers(
+    method: str = "GET", path: str = "", body: bytes = b""
+) -> dict[str, str]:
     """Headers for our endpoints on a bootstrap server, with the token the instances
     were started with (MOONCAKE_BOOTSTRAP_TOKEN; set by the launcher for clusters off
-    loopback): the GET routes (/hashsync, /layerwise/transfers) take it as a bearer
-    token; the POST routes (/match_blocks, /push_blocks) a signature of the request
-    (``method``, ``path``, ``body``; connector/auth.py), never the token itself."""
+    loopback or given a token): the GET routes (/hashsync, /push/stats,
+    /layerwise/transfers) take it as a bearer token; the POST routes (/match_blocks,
+    /push_blocks) a signature of the request (``method``, ``path``, ``body``;
+    connector/common/auth.py), never the token itself."""
     token = os.environ.get("MOONCAKE_BOOTSTRAP_TOKEN")
     if not token:
         return {}
     if method.upper() == "GET":
         return {"authorization": f"Bearer {token}"}
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.auth import sign
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+        sign,
+    )
 
     return {"authorization": sign(token, method, path, body)}
 
@@ -159,8 +164,12 @@ def pd_generate(
     ``extra_prefill_params`` go into P's kv_transfer_params, e.g.
     ``{"mooncake_mode": "posthoc"}`` to choose how P sends this request's KV."""
     transfer_id = transfer_id or f"xfer-{uuid.uuid4().hex}"
-    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id,
-                **(extra_prefill_params or {})}
+    p_params = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": transfer_id,
+        **(extra_prefill_params or {}),
+    }
     d_params = {
         "do_remote_decode": False,
         "do_remote_prefill": True,
@@ -172,25 +181,51 @@ def pd_generate(
     p_model, d_model = model_name(p_url), model_name(d_url)
     t0, started = time.perf_counter(), time.monotonic()
     with cf.ThreadPoolExecutor(2) as pool:
-        fp = pool.submit(complete, p_url, prompt, max_tokens=1, logprobs=None,
-                         kv_transfer_params=p_params, model=p_model, timeout=timeout,
-                         temperature=temperature)
-        fd = pool.submit(complete, d_url, prompt, max_tokens=max_tokens, logprobs=logprobs,
-                         kv_transfer_params=d_params, model=d_model, timeout=timeout,
-                         temperature=temperature)
+        fp = pool.submit(
+            complete,
+            p_url,
+            prompt,
+            max_tokens=1,
+            logprobs=None,
+            kv_transfer_params=p_params,
+            model=p_model,
+            timeout=timeout,
+            temperature=temperature,
+        )
+        fd = pool.submit(
+            complete,
+            d_url,
+            prompt,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            kv_transfer_params=d_params,
+            model=d_model,
+            timeout=timeout,
+            temperature=temperature,
+        )
         prefill, decode = fp.result(), fd.result()
     return PDResult(prefill, decode, transfer_id, time.perf_counter() - t0, started)
 
 
-def match_blocks(bootstrap_url: str, token_ids: list[int], cache_salt: str | None = None,
-                 timeout: float = 30.0) -> dict:
+def match_blocks(
+    bootstrap_url: str,
+    token_ids: list[int],
+    cache_salt: str | None = None,
+    timeout: float = 30.0,
+) -> dict:
     """An instance's POST /match_blocks: how many leading full blocks of the prompt it holds."""
     url = bootstrap_url + "/match_blocks"
     body = json.dumps({"token_ids": token_ids, "cache_salt": cache_salt}).encode()
     try:
-        r = httpx.post(url, content=body, timeout=timeout, headers={
-            "content-type": "application/json",
-            **bootstrap_headers("POST", "/match_blocks", body)})
+        r = httpx.post(
+            url,
+            content=body,
+            timeout=timeout,
+            headers={
+                "content-type": "application/json",
+                **bootstrap_headers("POST", "/match_blocks", body),
+            },
+        )
     except httpx.HTTPError as e:
         raise RequestFailed(f"POST {url} failed: {e!r}") from e
     if r.status_code != 200:
@@ -198,8 +233,13 @@ def match_blocks(bootstrap_url: str, token_ids: list[int], cache_salt: str | Non
     return r.json()
 
 
-def wait_for_matched_blocks(bootstrap_url: str, token_ids: list[int], at_least: int,
-                            cache_salt: str | None = None, timeout: float = 30.0) -> dict:
+def wait_for_matched_blocks(
+    bootstrap_url: str,
+    token_ids: list[int],
+    at_least: int,
+    cache_salt: str | None = None,
+    timeout: float = 30.0,
+) -> dict:
     """Poll /match_blocks until at least ``at_least`` blocks match or ``timeout`` passes;
     return the last answer. Blocks become matchable once the step that computed them
     has ended, a moment after the request's response."""
@@ -209,3 +249,13 @@ def wait_for_matched_blocks(bootstrap_url: str, token_ids: list[int], at_least: 
         if m["matched_blocks"] >= at_least or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
+
+
+def push_stats(bootstrap_url: str, timeout: float = 30.0) -> dict:
+    """A push source's counters (GET /push/stats on its bootstrap server: pushes,
+    ok, failed, bytes, write seconds, ...), with the cluster's token."""
+    url = bootstrap_url + "/push/stats"
+    r = httpx.get(url, timeout=timeout, headers=bootstrap_headers())
+    if r.status_code != 200:
+        raise RequestFailed(f"GET {url} returned {r.status_code}: {r.text[:500]}")
+    return r.json()

@@ -19,6 +19,8 @@ class PromptSource:
         return [self.rng.randint(self.low, self.high) for _ in range(n)]
 
 
-def random_prompt(n: int, seed: int, vocab_size: int = ModelShape().vocab_size) -> list[int]:
+def random_prompt(
+    n: int, seed: int, vocab_size: int = ModelShape().vocab_size
+) -> list[int]:
     """A deterministic prompt of n tokens for this seed."""
     return PromptSource(vocab_size, seed)(n)

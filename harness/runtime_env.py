@@ -33,7 +33,12 @@ def is_cpu_target() -> bool:
     if shutil.which("nvidia-smi") is None:
         return True
     try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20).returncode != 0
+        return (
+            subprocess.run(
+                ["nvidia-smi", "-L"], capture_output=True, timeout=20
+            ).returncode
+            != 0
+        )
     except (OSError, subprocess.SubprocessError):
         return True
 

@@ -13,7 +13,7 @@ Two ways to measure it:
     whole instance, the engine's threads included, to its cores), the entry
     layout of the push (``WriteLayout``: entry count and size; a push has one
     entry per KV tensor and run of contiguous blocks), and the push's writer
-    (connector/push/writer.py: the engine's busy-polling sync call on a thread
+    (connector/push/source_writer.py: the engine's busy-polling sync call on a thread
     at nice 19). microbench/push compares C's write seconds with this.
 
 Both check that every byte landed and return the seconds of each repetition.
@@ -29,6 +29,7 @@ interface between this module and its child only).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -55,8 +56,10 @@ class WriteLayout:
 
     def __post_init__(self) -> None:
         if self.entry_bytes <= 0 or self.entries <= 0:
-            raise ValueError(f"a write layout needs positive entry bytes and count, got "
-                             f"{self.entries} entries of {self.entry_bytes} bytes")
+            raise ValueError(
+                f"a write layout needs positive entry bytes and count, got "
+                f"{self.entries} entries of {self.entry_bytes} bytes"
+            )
 
     @property
     def total_bytes(self) -> int:
@@ -76,17 +79,19 @@ class WriteLayout:
 
 
 def parse_cpus(spec: str | None) -> frozenset[int] | None:
-    """"0", "0-1", "0,2-3" -> CPU set (the connector's parse_cpu_list, which reads
+    """ "0", "0-1", "0,2-3" -> CPU set (the connector's parse_cpu_list, which reads
     MOONCAKE_IO_CPUS); None or "" -> None (no pinning)."""
     if not spec:
         return None
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import parse_cpu_list
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+        parse_cpu_list,
+    )
 
     return parse_cpu_list(spec, "CPU list")
 
 
 def _apply_transport_defaults(protocol: str) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.transport_env import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.transport_env import (
         apply_transport_env_defaults,
     )
 
@@ -102,15 +107,18 @@ def _new_engine(protocol: str):
     return e
 
 
-def engine_write_bandwidth(total_bytes: int, entry_bytes: int, protocol: str = "tcp",
-                           reps: int = 3) -> dict:
+def engine_write_bandwidth(
+    total_bytes: int, entry_bytes: int, protocol: str = "tcp", reps: int = 3
+) -> dict:
     """Both engines in this process, unpinned; best of ``reps`` writes."""
     _apply_transport_defaults(protocol)
     src_e, dst_e = _new_engine(protocol), _new_engine(protocol)
     n = max(1, total_bytes // entry_bytes)
     src = np.full(n * entry_bytes, 3, dtype=np.uint8)
     dst = np.zeros(n * entry_bytes, dtype=np.uint8)
-    if src_e.register_memory(src.ctypes.data, src.nbytes) or dst_e.register_memory(dst.ctypes.data, dst.nbytes):
+    if src_e.register_memory(src.ctypes.data, src.nbytes) or dst_e.register_memory(
+        dst.ctypes.data, dst.nbytes
+    ):
         raise RuntimeError("Mooncake register_memory failed")
     peer = f"127.0.0.1:{dst_e.get_rpc_port()}"
     srcs = [src.ctypes.data + i * entry_bytes for i in range(n)]
@@ -123,20 +131,30 @@ def engine_write_bandwidth(total_bytes: int, entry_bytes: int, protocol: str = "
         rc = src_e.batch_transfer_sync_write(peer, srcs, dsts, [entry_bytes] * n)
         secs.append(time.perf_counter() - t0)
         if rc != 0 or not (dst == 3).all():
-            raise RuntimeError(f"bandwidth probe: write returned {rc} or landed wrong bytes")
+            raise RuntimeError(
+                f"bandwidth probe: write returned {rc} or landed wrong bytes"
+            )
     best = min(secs)
-    return {"protocol": protocol, "bytes": n * entry_bytes, "entry_bytes": entry_bytes,
-            "seconds": secs, "gb_per_s": n * entry_bytes / best / 1e9}
+    return {
+        "protocol": protocol,
+        "bytes": n * entry_bytes,
+        "entry_bytes": entry_bytes,
+        "seconds": secs,
+        "gb_per_s": n * entry_bytes / best / 1e9,
+    }
 
 
 # --- writer and reader in two pinned processes ---------------------------------------
+
 
 def _pin(cpus: frozenset[int] | None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
 
 
-def _reader_main(conn: Any, nbytes: int, protocol: str, cpus: frozenset[int] | None) -> None:
+def _reader_main(
+    conn: Any, nbytes: int, protocol: str, cpus: frozenset[int] | None
+) -> None:
     """Reader process: registers ``nbytes``; answers ("check", v) with whether all are v."""
     try:
         _pin(cpus)
@@ -151,11 +169,18 @@ def _reader_main(conn: Any, nbytes: int, protocol: str, cpus: frozenset[int] | N
         conn.send(("error", f"reader: {ex!r}"))
 
 
-def _writer_main(conn: Any, layout: WriteLayout, peer: str, dst_base: int, protocol: str,
-                 cpus: frozenset[int] | None, nice: int) -> None:
+def _writer_main(
+    conn: Any,
+    layout: WriteLayout,
+    peer: str,
+    dst_base: int,
+    protocol: str,
+    cpus: frozenset[int] | None,
+    nice: int,
+) -> None:
     """Writer process: on each ("write", v) fills its buffer with v and writes it."""
     try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.writer import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_writer import (
             LowPriorityWriter,
         )
 
@@ -182,24 +207,36 @@ def _expect(conn: Any, proc: Any, kind: str, what: str) -> tuple:
     deadline = time.monotonic() + SETUP_TIMEOUT_S
     while not conn.poll(0.1):
         if not proc.is_alive():
-            raise RuntimeError(f"bandwidth probe: the {what} process exited (code "
-                               f"{proc.exitcode}) without answering; its stderr says why")
+            raise RuntimeError(
+                f"bandwidth probe: the {what} process exited (code "
+                f"{proc.exitcode}) without answering; its stderr says why"
+            )
         if time.monotonic() > deadline:
-            raise RuntimeError(f"bandwidth probe: no answer from the {what} in "
-                               f"{SETUP_TIMEOUT_S:.0f} s")
+            raise RuntimeError(
+                f"bandwidth probe: no answer from the {what} in {SETUP_TIMEOUT_S:.0f} s"
+            )
     msg = conn.recv()
     if msg[0] == "error":
         raise RuntimeError(f"bandwidth probe: {msg[1]}")
     if msg[0] != kind:
-        raise RuntimeError(f"bandwidth probe: the {what} sent {msg[0]!r}, expected {kind!r}")
+        raise RuntimeError(
+            f"bandwidth probe: the {what} sent {msg[0]!r}, expected {kind!r}"
+        )
     return msg
 
 
-def placed_write_bandwidth(layout: WriteLayout, *, src_cpus: str | None, dst_cpus: str | None,
-                           protocol: str = "tcp", reps: int = 3, nice: int = 19) -> dict:
+def placed_write_bandwidth(
+    layout: WriteLayout,
+    *,
+    src_cpus: str | None,
+    dst_cpus: str | None,
+    protocol: str = "tcp",
+    reps: int = 3,
+    nice: int = 19,
+) -> dict:
     """Write ``layout`` from a process on ``src_cpus`` into one on ``dst_cpus``,
     ``reps`` times, through the push's low-priority writer at ``nice``."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.writer import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_writer import (
         WRITER_NICE,
     )
 
@@ -208,14 +245,28 @@ def placed_write_bandwidth(layout: WriteLayout, *, src_cpus: str | None, dst_cpu
     ctx = mp.get_context("spawn")
     r_conn, r_child = ctx.Pipe()
     w_conn, w_child = ctx.Pipe()
-    reader = ctx.Process(target=_reader_main, args=(r_child, layout.total_bytes, protocol, dst_set),
-                         daemon=True)
+    reader = ctx.Process(
+        target=_reader_main,
+        args=(r_child, layout.total_bytes, protocol, dst_set),
+        daemon=True,
+    )
     reader.start()
     writer = None
     try:
         _, port, dst_base = _expect(r_conn, reader, "ready", "reader")
-        writer = ctx.Process(target=_writer_main, daemon=True, args=(
-            w_child, layout, f"127.0.0.1:{port}", dst_base, protocol, src_set, nice))
+        writer = ctx.Process(
+            target=_writer_main,
+            daemon=True,
+            args=(
+                w_child,
+                layout,
+                f"127.0.0.1:{port}",
+                dst_base,
+                protocol,
+                src_set,
+                nice,
+            ),
+        )
         writer.start()
         _expect(w_conn, writer, "ready", "writer")
         secs = []
@@ -226,51 +277,87 @@ def placed_write_bandwidth(layout: WriteLayout, *, src_cpus: str | None, dst_cpu
             r_conn.send(("check", value))
             _, landed = _expect(r_conn, reader, "checked", "reader")
             if rc != 0 or not landed:
-                raise RuntimeError(f"bandwidth probe: write {i} of {layout.describe()} returned "
-                                   f"{rc}, bytes {'landed' if landed else 'NOT landed'}")
+                raise RuntimeError(
+                    f"bandwidth probe: write {i} of {layout.describe()} returned "
+                    f"{rc}, bytes {'landed' if landed else 'NOT landed'}"
+                )
             if i:
                 secs.append(s)
     finally:
         for conn, proc in ((w_conn, writer), (r_conn, reader)):
             if proc is None:
                 continue
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
     med = statistics.median(secs)
-    return {"protocol": protocol, "bytes": layout.total_bytes, "entry_bytes": layout.entry_bytes,
-            "entries": layout.entries, "src_cpus": src_cpus, "dst_cpus": dst_cpus,
-            "poller_nice": nice, "push_writer_nice": WRITER_NICE, "seconds": secs,
-            "median_s": med, "gb_per_s": layout.total_bytes / med / 1e9,
-            "best_gb_per_s": layout.total_bytes / min(secs) / 1e9}
+    return {
+        "protocol": protocol,
+        "bytes": layout.total_bytes,
+        "entry_bytes": layout.entry_bytes,
+        "entries": layout.entries,
+        "src_cpus": src_cpus,
+        "dst_cpus": dst_cpus,
+        "poller_nice": nice,
+        "push_writer_nice": WRITER_NICE,
+        "seconds": secs,
+        "median_s": med,
+        "gb_per_s": layout.total_bytes / med / 1e9,
+        "best_gb_per_s": layout.total_bytes / min(secs) / 1e9,
+    }
 
 
 # --- the probes in a child process, its output in a log file -------------------------
 
-def engine_write_bandwidths(probes: list[tuple[int, int]], protocol: str = "tcp",
-                            reps: int = 3, *, log_path: Path) -> list[dict]:
+
+def engine_write_bandwidths(
+    probes: list[tuple[int, int]],
+    protocol: str = "tcp",
+    reps: int = 3,
+    *,
+    log_path: Path,
+) -> list[dict]:
     """``engine_write_bandwidth(total_bytes, entry_bytes, protocol, reps)`` for each
     ``(total_bytes, entry_bytes)`` of ``probes``, all in one child process whose
     output (the engine's and vLLM's log lines) is appended to ``log_path``."""
     kwargs = {"probes": [list(p) for p in probes], "protocol": protocol, "reps": reps}
-    return run_logged("microbench.bandwidth", ["engine", "--kwargs", json.dumps(kwargs)],
-                      log_path, timeout=LOGGED_TIMEOUT_S)
+    return run_logged(
+        "microbench.bandwidth",
+        ["engine", "--kwargs", json.dumps(kwargs)],
+        log_path,
+        timeout=LOGGED_TIMEOUT_S,
+    )
 
 
-def placed_write_bandwidth_logged(layout: WriteLayout, *, log_path: Path, src_cpus: str | None,
-                                  dst_cpus: str | None, protocol: str = "tcp", reps: int = 3,
-                                  nice: int = 19) -> dict:
+def placed_write_bandwidth_logged(
+    layout: WriteLayout,
+    *,
+    log_path: Path,
+    src_cpus: str | None,
+    dst_cpus: str | None,
+    protocol: str = "tcp",
+    reps: int = 3,
+    nice: int = 19,
+) -> dict:
     """``placed_write_bandwidth`` in a child process (its writer and reader are that
     child's children) whose output is appended to ``log_path``."""
-    kwargs = {"layout": asdict(layout), "src_cpus": src_cpus, "dst_cpus": dst_cpus,
-              "protocol": protocol, "reps": reps, "nice": nice}
-    return run_logged("microbench.bandwidth", ["placed", "--kwargs", json.dumps(kwargs)],
-                      log_path, timeout=LOGGED_TIMEOUT_S)
+    kwargs = {
+        "layout": asdict(layout),
+        "src_cpus": src_cpus,
+        "dst_cpus": dst_cpus,
+        "protocol": protocol,
+        "reps": reps,
+        "nice": nice,
+    }
+    return run_logged(
+        "microbench.bandwidth",
+        ["placed", "--kwargs", json.dumps(kwargs)],
+        log_path,
+        timeout=LOGGED_TIMEOUT_S,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,12 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m microbench.bandwidth")
     ap.add_argument("call", choices=["engine", "placed"])
     ap.add_argument("--kwargs", required=True, help="the call's arguments, JSON")
-    ap.add_argument("--result", type=Path, required=True, help="where the JSON result goes")
+    ap.add_argument(
+        "--result", type=Path, required=True, help="where the JSON result goes"
+    )
     args = ap.parse_args(argv)
     kw = json.loads(args.kwargs)
     if args.call == "engine":
-        result: Any = [engine_write_bandwidth(total, entry, kw["protocol"], kw["reps"])
-                       for total, entry in kw["probes"]]
+        result: Any = [
+            engine_write_bandwidth(total, entry, kw["protocol"], kw["reps"])
+            for total, entry in kw["probes"]
+        ]
     else:
         result = placed_write_bandwidth(WriteLayout(**kw.pop("layout")), **kw)
     args.result.write_text(json.dumps(result))

@@ -17,7 +17,6 @@ from typing import Any
 
 from harness.launcher import log_tail
 
-
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS_DIR = PROJECT_ROOT / "results"
 
@@ -29,7 +28,9 @@ def machine_info() -> dict:
         "cores": os.cpu_count(),
     }
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10
+        ).stdout
         for line in out.splitlines():
             key, _, val = line.partition(":")
             if key.strip() in ("Model name", "Vendor ID"):
@@ -58,15 +59,24 @@ def run_logged(module: str, args: list[str], log_path: Path, *, timeout: float) 
     process's own file descriptors (glog lines, vLLM's log) off the terminal.
     Raises RuntimeError naming the log and showing its tail when the child fails."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vmp-child-") as tmp, open(log_path, "a") as log:
+    with (
+        tempfile.TemporaryDirectory(prefix="vmp-child-") as tmp,
+        open(log_path, "a") as log,
+    ):
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", module, *args, "--result", str(result)]
         log.write(f"# {shlex.join(cmd)}\n")
         log.flush()
         show = verbose()
-        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE if show else log,
-                                stderr=subprocess.STDOUT, text=True, errors="replace")
+        proc = subprocess.Popen(
+            cmd,
+            cwd=PROJECT_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if show else log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
         try:
             if show:  # no timeout while streaming: the child's own timeouts bound it
                 for line in proc.stdout:
@@ -76,16 +86,20 @@ def run_logged(module: str, args: list[str], log_path: Path, *, timeout: float) 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"python -m {module} {args[0] if args else ''} did not finish "
-                               f"in {timeout:.0f}s (log: {log_path})") from None
+            raise RuntimeError(
+                f"python -m {module} {args[0] if args else ''} did not finish "
+                f"in {timeout:.0f}s (log: {log_path})"
+            ) from None
         except BaseException:
             proc.kill()
             proc.wait()
             raise
         log.flush()
         if rc != 0 or not result.exists():
-            raise RuntimeError(f"python -m {module} {args[0] if args else ''} failed (exit {rc}; "
-                               f"log: {log_path}). Last lines:\n{log_tail(log_path, 30)}")
+            raise RuntimeError(
+                f"python -m {module} {args[0] if args else ''} failed (exit {rc}; "
+                f"log: {log_path}). Last lines:\n{log_tail(log_path, 30)}"
+            )
         return json.loads(result.read_text())
 
 
@@ -109,9 +123,14 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
             v = r.get(key)
             cells.append("-" if v is None else format(v, fmt) if fmt else str(v))
         body.append(cells)
-    widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h) for i, h in enumerate(head)]
+    widths = [
+        max(len(h), *(len(c[i]) for c in body)) if body else len(h)
+        for i, h in enumerate(head)
+    ]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(c) for c in body])
+    return "\n".join(
+        [line(head), line(["-" * w for w in widths])] + [line(c) for c in body]
+    )
 
 
 def stamp() -> str:
@@ -136,9 +155,15 @@ def model_facts(model_dir: Path) -> dict:
     }
 
 
-def finish(tag: str, out: Path, result: dict, table: list[tuple[str, str, str]],
-           label: Callable[[dict], object], png: Path | None = None,
-           display: Callable[[list[dict]], list[dict]] | None = None) -> int:
+def finish(
+    tag: str,
+    out: Path,
+    result: dict,
+    table: list[tuple[str, str, str]],
+    label: Callable[[dict], object],
+    png: Path | None = None,
+    display: Callable[[list[dict]], list[dict]] | None = None,
+) -> int:
     """Write the JSON, print the table (of ``display(rows)`` if given) and the
     summary lines; exit code 1 when a row's correctness check failed."""
     write_json(out, result)
@@ -150,7 +175,10 @@ def finish(tag: str, out: Path, result: dict, table: list[tuple[str, str, str]],
     print(f"\n[{tag}] wrote {out}" + (f" and {png}" if png else ""))
     bad = [r for r in rows if not r["correct"]]
     if bad:
-        print(f"[{tag}] CORRECTNESS FAILED for {[label(r) for r in bad]}: "
-              f"{bad[0].get('problems') or bad[0].get('error')}", file=sys.stderr)
+        print(
+            f"[{tag}] CORRECTNESS FAILED for {[label(r) for r in bad]}: "
+            f"{bad[0].get('problems') or bad[0].get('error')}",
+            file=sys.stderr,
+        )
         return 1
     return 0

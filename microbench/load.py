@@ -18,8 +18,16 @@ class DecodeLoad:
     request has a timeout and the whole load stops with the context.
     """
 
-    def __init__(self, url: str, model: str, streams: int, vocab_size: int,
-                 prompt_len: int = 32, max_tokens: int = 512, seed: int = 99):
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        streams: int,
+        vocab_size: int,
+        prompt_len: int = 32,
+        max_tokens: int = 512,
+        seed: int = 99,
+    ):
         self.url, self.model, self.streams = url, model, streams
         self.prompt_len, self.max_tokens = prompt_len, max_tokens
         self.prompts = PromptSource(vocab_size, seed=seed)
@@ -35,9 +43,16 @@ class DecodeLoad:
                 with self._lock:
                     prompt = self.prompts(self.prompt_len)
                 try:
-                    r = client.post(self.url + "/v1/completions", json={
-                        "model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
-                        "temperature": 0.0, "ignore_eos": True})
+                    r = client.post(
+                        self.url + "/v1/completions",
+                        json={
+                            "model": self.model,
+                            "prompt": prompt,
+                            "max_tokens": self.max_tokens,
+                            "temperature": 0.0,
+                            "ignore_eos": True,
+                        },
+                    )
                     r.raise_for_status()
                     with self._lock:
                         self.completed += 1

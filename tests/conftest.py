@@ -1,25 +1,29 @@
 """Project-wide pytest configuration: markers, the repo root on sys.path, and a
 guard that the connector code under test is the code in this repo.
 
-Our connector/ and hashsync/ packages run only as placed into the vLLM tree by
-`build.py apply` (vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext and
-.../hashsync): tests import them under that one name. If the placed copy differs
-from the repo's files, every unit and integration test fails at once with the
-command that fixes it, instead of testing stale code."""
+Our connector/ package runs only as placed into the vLLM tree by `build.py apply`
+(vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext): tests import it
+under that one name. If the placed copy differs from the repo's files, every
+unit and integration test fails at once with the command that fixes it, instead
+of testing stale code."""
 
 import filecmp
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-OVERLAY = {  # repo folder -> placed folder (patches/upstream.toml [[overlay]])
-    "connector": "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/ext",
-    "hashsync": "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/hashsync",
+# repo folder -> placed folder, as patches/upstream.toml's [[overlay]] says
+OVERLAY = {
+    o["src"]: o["dst"]
+    for o in tomllib.loads((ROOT / "patches" / "upstream.toml").read_text()).get(
+        "overlay", []
+    )
 }
 
 
@@ -31,26 +35,41 @@ def stale_overlay_files(root: Path = ROOT) -> list[str]:
     for src, dst in OVERLAY.items():
         repo_files = {p.relative_to(root / src) for p in (root / src).rglob("*.py")}
         placed_dir = tree / dst
-        placed = {p.relative_to(placed_dir) for p in placed_dir.rglob("*.py")} \
-            if placed_dir.is_dir() else set()
+        placed = (
+            {p.relative_to(placed_dir) for p in placed_dir.rglob("*.py")}
+            if placed_dir.is_dir()
+            else set()
+        )
         for rel in sorted(repo_files | placed):
             a, b = root / src / rel, placed_dir / rel
-            if not b.is_file() or not a.is_file() or not filecmp.cmp(a, b, shallow=False):
+            if (
+                not b.is_file()
+                or not a.is_file()
+                or not filecmp.cmp(a, b, shallow=False)
+            ):
                 problems.append(f"{src}/{rel}")
     return problems
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _placed_code_is_current(request):
-    wants = any(Path(str(item.fspath)).parts[-3:-1] in (("tests", "unit"), ("tests", "integration"))
-                or "tests/unit" in str(item.fspath) or "tests/integration" in str(item.fspath)
-                for item in request.session.items)
+    wants = any(
+        Path(str(item.fspath)).parts[-3:-1]
+        in (("tests", "unit"), ("tests", "integration"))
+        or "tests/unit" in str(item.fspath)
+        or "tests/integration" in str(item.fspath)
+        for item in request.session.items
+    )
     if wants and (stale := stale_overlay_files()):
-        pytest.fail("the vLLM tree holds a stale copy of these files (tests import the placed "
-                    f"copy): {', '.join(stale[:8])}. Run `python build.py apply`.", pytrace=False)
+        pytest.fail(
+            "the vLLM tree holds a stale copy of these files (tests import the placed "
+            f"copy): {', '.join(stale[:8])}. Run `python build.py apply`.",
+            pytrace=False,
+        )
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "integration: starts real vLLM instances with the real Mooncake engine (slow)"
+        "markers",
+        "integration: starts real vLLM instances with the real Mooncake engine (slow)",
     )

@@ -68,9 +68,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
 from vllm.logger import init_logger
-
-from .config import ExtConfig
 
 logger = init_logger(__name__)
 
@@ -86,17 +87,31 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 _MS = re.compile(r"[0-9]{1,16}")
 
 
-def signature(token: str, method: str, target: str, timestamp_ms: str, nonce: str,
-              body: bytes) -> str:
+def signature(
+    token: str, method: str, target: str, timestamp_ms: str, nonce: str, body: bytes
+) -> str:
     """The hex HMAC-SHA256 of one request (see the module docstring)."""
-    msg = b"\n".join([CONTEXT, method.upper().encode(), target.encode("latin-1"),
-                      timestamp_ms.encode(), nonce.encode(),
-                      hashlib.sha256(body).hexdigest().encode()])
+    msg = b"\n".join(
+        [
+            CONTEXT,
+            method.upper().encode(),
+            target.encode("latin-1"),
+            timestamp_ms.encode(),
+            nonce.encode(),
+            hashlib.sha256(body).hexdigest().encode(),
+        ]
+    )
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
 
 
-def sign(token: str, method: str, target: str, body: bytes, now_ms: int | None = None,
-         nonce: str | None = None) -> str:
+def sign(
+    token: str,
+    method: str,
+    target: str,
+    body: bytes,
+    now_ms: int | None = None,
+    nonce: str | None = None,
+) -> str:
     """The Authorization value of one signed request."""
     t = str(int(time.time() * 1000) if now_ms is None else now_ms)
     n = secrets.token_hex(16) if nonce is None else nonce
@@ -161,15 +176,23 @@ class Verified:
 
 
 class EndpointGuard:
-    def __init__(self, config: ExtConfig,
-                 wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
-                 nonces: NonceMemory | None = None):
+    def __init__(
+        self,
+        config: ExtConfig,
+        wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        nonces: NonceMemory | None = None,
+    ):
         self._token = config.bootstrap_token
         self.host = config.bootstrap_host
-        self.open = self._token is None and (config.bootstrap_loopback or config.bootstrap_insecure)
+        self.open = self._token is None and (
+            config.bootstrap_loopback or config.bootstrap_insecure
+        )
         self.closed = self._token is None and not self.open
-        self._insecure = config.bootstrap_insecure and self._token is None \
+        self._insecure = (
+            config.bootstrap_insecure
+            and self._token is None
             and not config.bootstrap_loopback
+        )
         # a signed request is accepted this long either side of this instance's clock
         self.window_ms = int(1000 * (config.push_clock_skew_s + config.push_timeout_s))
         self._now_ms = wall_clock_ms
@@ -181,16 +204,21 @@ class EndpointGuard:
                 "MOONCAKE_BOOTSTRAP_INSECURE=1: /push_blocks, /match_blocks and /hashsync are "
                 "served WITHOUT authentication on %s: anyone who reaches this port can make "
                 "this instance write KV into any registered peer. Use only on a trusted network.",
-                self.host)
+                self.host,
+            )
         elif self.closed:
             logger.warning(
                 "The bootstrap server binds %s and MOONCAKE_BOOTSTRAP_TOKEN is not set: prefix "
                 "push endpoints are closed (403). Set the same MOONCAKE_BOOTSTRAP_TOKEN on every "
-                "instance, or MOONCAKE_BOOTSTRAP_HOST=127.0.0.1 for a single host.", self.host)
+                "instance, or MOONCAKE_BOOTSTRAP_HOST=127.0.0.1 for a single host.",
+                self.host,
+            )
 
     def _closed(self) -> tuple[int, str]:
-        return 403, (f"prefix push endpoints are closed: the bootstrap server binds "
-                     f"{self.host} and no MOONCAKE_BOOTSTRAP_TOKEN is set on this instance")
+        return 403, (
+            f"prefix push endpoints are closed: the bootstrap server binds "
+            f"{self.host} and no MOONCAKE_BOOTSTRAP_TOKEN is set on this instance"
+        )
 
     def check(self, authorization: str | None) -> tuple[int, str] | None:
         """GET routes: None if the call may proceed, else (HTTP status, reason)."""
@@ -200,9 +228,13 @@ class EndpointGuard:
             return self._closed()
         scheme, _, given = (authorization or "").partition(" ")
         assert self._token is not None
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(),
-                                                                  self._token.encode()):
-            return 401, "missing or wrong token (Authorization: Bearer <MOONCAKE_BOOTSTRAP_TOKEN>)"
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.encode(), self._token.encode()
+        ):
+            return (
+                401,
+                "missing or wrong token (Authorization: Bearer <MOONCAKE_BOOTSTRAP_TOKEN>)",
+            )
         return None
 
     def check_signed_header(self, authorization: str | None) -> tuple[int, str] | None:
@@ -213,13 +245,16 @@ class EndpointGuard:
         if self.closed:
             return self._closed()
         if parse_signed(authorization) is None:
-            return 401, (f"this route takes signed requests only (Authorization: {SCHEME} "
-                         "t=<unix ms>,n=<32 hex>,s=<HMAC-SHA256 with MOONCAKE_BOOTSTRAP_TOKEN>; "
-                         "auth.py); a bearer token is not accepted here")
+            return 401, (
+                f"this route takes signed requests only (Authorization: {SCHEME} "
+                "t=<unix ms>,n=<32 hex>,s=<HMAC-SHA256 with MOONCAKE_BOOTSTRAP_TOKEN>; "
+                "auth.py); a bearer token is not accepted here"
+            )
         return None
 
-    def verify(self, method: str, target: str, authorization: str | None, body: bytes
-               ) -> Verified:
+    def verify(
+        self, method: str, target: str, authorization: str | None, body: bytes
+    ) -> Verified:
         """Signed routes, once the body is read: the signature over the method, the
         path (``target``, as sent: path and query), the timestamp, the nonce and the
         body; then the timestamp's age; then the nonce (remembered only now)."""
@@ -233,22 +268,43 @@ class EndpointGuard:
         t, nonce, given = parsed
         expected = signature(self._token, method, target, t, nonce, body)
         if not hmac.compare_digest(given.encode(), expected.encode()):
-            return Verified((401, "wrong signature: another MOONCAKE_BOOTSTRAP_TOKEN, or the "
-                                  "request was changed on its way"))
+            return Verified(
+                (
+                    401,
+                    "wrong signature: another MOONCAKE_BOOTSTRAP_TOKEN, or the "
+                    "request was changed on its way",
+                )
+            )
         now, signed = self._now_ms(), int(t)
         if abs(now - signed) > self.window_ms:
-            return Verified((401, (
-                f"the request was signed {(now - signed) / 1000:+.1f} s from this instance's "
-                f"clock, outside the {self.window_ms / 1000:g} s accepted "
-                "(MOONCAKE_PUSH_CLOCK_SKEW_S + MOONCAKE_PUSH_TIMEOUT_S): a stale or replayed "
-                "request, or clocks out of sync (NTP)")))
+            return Verified(
+                (
+                    401,
+                    (
+                        f"the request was signed {(now - signed) / 1000:+.1f} s from this instance's "
+                        f"clock, outside the {self.window_ms / 1000:g} s accepted "
+                        "(MOONCAKE_PUSH_CLOCK_SKEW_S + MOONCAKE_PUSH_TIMEOUT_S): a stale or replayed "
+                        "request, or clocks out of sync (NTP)"
+                    ),
+                )
+            )
         seen = self.nonces.add(nonce, signed + self.window_ms, now)
         if seen == "replay":
-            return Verified((409, "this request was already received (same nonce): a replay "
-                                  "is refused; every request needs a new nonce"))
+            return Verified(
+                (
+                    409,
+                    "this request was already received (same nonce): a replay "
+                    "is refused; every request needs a new nonce",
+                )
+            )
         if seen == "full":
-            return Verified((503, f"{self.nonces.capacity} signed requests within "
-                                  f"{self.window_ms / 1000:g} s; retry later"))
+            return Verified(
+                (
+                    503,
+                    f"{self.nonces.capacity} signed requests within "
+                    f"{self.window_ms / 1000:g} s; retry later",
+                )
+            )
         return Verified(None, signed)
 
 
@@ -269,8 +325,9 @@ def client_headers(config: ExtConfig) -> dict[str, str]:
     return headers
 
 
-def request_headers(config: ExtConfig, method: str, target: str, body: bytes
-                    ) -> dict[str, str]:
+def request_headers(
+    config: ExtConfig, method: str, target: str, body: bytes
+) -> dict[str, str]:
     """Headers D sends with one call to a push source: signed when a token is set
     (make them right before sending: the signature's timestamp starts its window)."""
     headers = {"content-type": "application/json"}

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+def contiguous_runs(
+    src: Sequence[int], dst: Sequence[int]
+) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) runs where both block lists are consecutive."""
     if len(src) != len(dst):
         raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
@@ -26,12 +28,18 @@ def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, i
     return [(int(s[a]), int(d[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
-def block_entries(src_bases: Sequence[int], dst_bases: Sequence[int], block_len: int,
-                  src_blocks: Sequence[int], dst_blocks: Sequence[int]
-                  ) -> tuple[list[int], list[int], list[int]]:
+def block_entries(
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    block_len: int,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+) -> tuple[list[int], list[int], list[int]]:
     """(src addrs, dst addrs, lengths) copying the blocks in every KV tensor."""
     if len(src_bases) != len(dst_bases):
-        raise ValueError(f"{len(src_bases)} source KV tensors for {len(dst_bases)} destination")
+        raise ValueError(
+            f"{len(src_bases)} source KV tensors for {len(dst_bases)} destination"
+        )
     runs = contiguous_runs(src_blocks, dst_blocks)
     src, dst, lens = [], [], []
     for sb, db in zip(src_bases, dst_bases):

@@ -84,8 +84,14 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0,
-            integer: bool = False) -> float:
+def _number(
+    env: Mapping[str, str],
+    name: str,
+    default: float,
+    *,
+    minimum: float = 0.0,
+    integer: bool = False,
+) -> float:
     raw = env.get(name)
     if raw is None or not raw.strip():
         return default
@@ -137,9 +143,12 @@ class FaultConfig:
 
     @property
     def armed(self) -> bool:
-        return (self.zero_recv_block is not None or self.fail_write_prompt_len is not None
-                or self.delay_write_prompt_len is not None
-                or self.hold_write_prompt_len is not None)
+        return (
+            self.zero_recv_block is not None
+            or self.fail_write_prompt_len is not None
+            or self.delay_write_prompt_len is not None
+            or self.hold_write_prompt_len is not None
+        )
 
 
 @dataclass(frozen=True)
@@ -188,11 +197,16 @@ class ExtConfig:
         waiting (its blocks stay out of use). A peer that holds blocks for
         someone else's write uses this bound, computed with the *writer's*
         MC_TRANSFER_TIMEOUT."""
-        return (ENGINE_HANDSHAKE_ALLOWANCE_S + self.engine_transfer_timeout_s
-                + nbytes * ENGINE_NS_PER_BYTE * 1e-9 + ENGINE_NO_PROGRESS_S)
+        return (
+            ENGINE_HANDSHAKE_ALLOWANCE_S
+            + self.engine_transfer_timeout_s
+            + nbytes * ENGINE_NS_PER_BYTE * 1e-9
+            + ENGINE_NO_PROGRESS_S
+        )
 
-    def push_hold_for_s(self, nbytes: int, source_engine_timeout_s: int | None = None
-                        ) -> float:
+    def push_hold_for_s(
+        self, nbytes: int, source_engine_timeout_s: int | None = None
+    ) -> float:
         """How long D keeps a push's blocks when C never answers. C starts no write
         once the push's budget (push_timeout_s, from when C received the request)
         or its deadline (D's wall clock + push_timeout_s, read on C's clock, which
@@ -200,16 +214,24 @@ class ExtConfig:
         ends within C's engine_write_bound_s for the ``nbytes`` asked for,
         computed with C's MC_TRANSFER_TIMEOUT (``source_engine_timeout_s``, from
         C's /match_blocks answer; None: this instance's own)."""
-        source = self if source_engine_timeout_s is None else replace(
-            self, engine_transfer_timeout_s=source_engine_timeout_s)
-        return (self.push_timeout_s + source.engine_write_bound_s(nbytes)
-                + self.push_clock_skew_s)
+        source = (
+            self
+            if source_engine_timeout_s is None
+            else replace(self, engine_transfer_timeout_s=source_engine_timeout_s)
+        )
+        return (
+            self.push_timeout_s
+            + source.engine_write_bound_s(nbytes)
+            + self.push_clock_skew_s
+        )
 
     def decode_limits(self) -> dict[str, float]:
         """D: what it tells P with each pull request (MooncakeXferMetadata.ext)."""
         return {"pull_give_up_s": float(self.pull_give_up_s)}
 
-    def layerwise_refusal(self, decode_limits: Mapping[str, float] | None) -> str | None:
+    def layerwise_refusal(
+        self, decode_limits: Mapping[str, float] | None
+    ) -> str | None:
         """P: why it cannot serve a decode instance with these limits layer-wise
         without risking a write after D gave up (None: it can, or D sent none).
         P answers after its timeout once the in-flight write ended, which the
@@ -217,31 +239,41 @@ class ExtConfig:
         give_up = (decode_limits or {}).get("pull_give_up_s")
         if give_up is None:
             return None
-        if not isinstance(give_up, (int, float)) or not math.isfinite(give_up) or give_up <= 0:
+        if (
+            not isinstance(give_up, (int, float))
+            or not math.isfinite(give_up)
+            or give_up <= 0
+        ):
             return f"the decode instance sent an invalid pull timeout {give_up!r}"
         needed = self.layerwise_timeout_s + self.engine_write_bound_s(0)
         if needed >= give_up:
-            return (f"this prefill instance may answer up to {needed:g} s after a pull "
-                    f"(MOONCAKE_LAYERWISE_TIMEOUT_S={self.layerwise_timeout_s:g} + the bound on "
-                    f"an in-flight write, {self.engine_write_bound_s(0):g} s from its "
-                    f"MC_TRANSFER_TIMEOUT), but the decode instance gives up after "
-                    f"{give_up:g} s (its VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower the "
-                    "prefill's MOONCAKE_LAYERWISE_TIMEOUT_S or raise the decode's "
-                    "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT")
+            return (
+                f"this prefill instance may answer up to {needed:g} s after a pull "
+                f"(MOONCAKE_LAYERWISE_TIMEOUT_S={self.layerwise_timeout_s:g} + the bound on "
+                f"an in-flight write, {self.engine_write_bound_s(0):g} s from its "
+                f"MC_TRANSFER_TIMEOUT), but the decode instance gives up after "
+                f"{give_up:g} s (its VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower the "
+                "prefill's MOONCAKE_LAYERWISE_TIMEOUT_S or raise the decode's "
+                "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"
+            )
         return None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ExtConfig:
         env = os.environ if env is None else env
-        abort_timeout = _number(env, "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", 480, minimum=1)
+        abort_timeout = _number(
+            env, "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", 480, minimum=1
+        )
         io_raw = env.get("MOONCAKE_IO_CPUS", "").strip()
         io_cpus = None
         if io_raw and hasattr(os, "sched_setaffinity"):
             io_cpus = parse_cpu_list(io_raw)
             missing = io_cpus - set(range(os.cpu_count() or 1))
             if not io_cpus or missing:
-                raise ConfigError(f"MOONCAKE_IO_CPUS={io_raw!r}: CPUs {sorted(missing)} do not "
-                                  "exist on this host")
+                raise ConfigError(
+                    f"MOONCAKE_IO_CPUS={io_raw!r}: CPUs {sorted(missing)} do not "
+                    "exist on this host"
+                )
         delay_raw = env.get("MOONCAKE_FAULT_DELAY_WRITE", "").strip()
         delay_len, delay_s = None, 0.0
         if delay_raw:
@@ -249,8 +281,10 @@ class ExtConfig:
             try:
                 delay_len, delay_s = int(length), float(secs)
             except ValueError:
-                raise ConfigError("MOONCAKE_FAULT_DELAY_WRITE must be PROMPT_LEN:SECONDS, got "
-                                  f"{delay_raw!r}") from None
+                raise ConfigError(
+                    "MOONCAKE_FAULT_DELAY_WRITE must be PROMPT_LEN:SECONDS, got "
+                    f"{delay_raw!r}"
+                ) from None
         hold_raw = env.get("MOONCAKE_FAULT_HOLD_WRITE", "").strip()
         hold = (None, 0, 0.0)
         if hold_raw:
@@ -258,8 +292,10 @@ class ExtConfig:
                 n, w, secs = hold_raw.split(":")
                 hold = (int(n), int(w), float(secs))
             except ValueError:
-                raise ConfigError("MOONCAKE_FAULT_HOLD_WRITE must be PROMPT_LEN:WRITES:SECONDS, "
-                                  f"got {hold_raw!r}") from None
+                raise ConfigError(
+                    "MOONCAKE_FAULT_HOLD_WRITE must be PROMPT_LEN:WRITES:SECONDS, "
+                    f"got {hold_raw!r}"
+                ) from None
         faults = FaultConfig(
             hold_write_prompt_len=hold[0],
             hold_write_after=hold[1],
@@ -276,28 +312,47 @@ class ExtConfig:
         # engine's rule bounds (engine_write_bound_s; the byte term is a layer's
         # write, small against the rest).
         d_gives_up = abort_timeout + 60
-        write_bound = cls(engine_transfer_timeout_s=engine_timeout).engine_write_bound_s(0)
-        default_layerwise_timeout = max(0.1, min(abort_timeout, d_gives_up - write_bound - 5))
+        write_bound = cls(
+            engine_transfer_timeout_s=engine_timeout
+        ).engine_write_bound_s(0)
+        default_layerwise_timeout = max(
+            0.1, min(abort_timeout, d_gives_up - write_bound - 5)
+        )
         cfg = cls(
             layerwise=_flag(env, "MOONCAKE_LAYERWISE"),
-            layerwise_min_tokens=int(_number(env, "MOONCAKE_LAYERWISE_MIN_TOKENS", 256,
-                                             integer=True)),
-            layerwise_timeout_s=_number(env, "MOONCAKE_LAYERWISE_TIMEOUT_S",
-                                        default_layerwise_timeout, minimum=0.1),
-            layerwise_unknown_timeout_s=_number(env, "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S", 60.0,
-                                                minimum=0.1),
+            layerwise_min_tokens=int(
+                _number(env, "MOONCAKE_LAYERWISE_MIN_TOKENS", 256, integer=True)
+            ),
+            layerwise_timeout_s=_number(
+                env,
+                "MOONCAKE_LAYERWISE_TIMEOUT_S",
+                default_layerwise_timeout,
+                minimum=0.1,
+            ),
+            layerwise_unknown_timeout_s=_number(
+                env, "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S", 60.0, minimum=0.1
+            ),
             pull_give_up_s=d_gives_up,
             io_cpus=io_cpus,
-            push_match_timeout_s=_number(env, "MOONCAKE_PUSH_MATCH_TIMEOUT_S", 5.0, minimum=0.1),
+            push_match_timeout_s=_number(
+                env, "MOONCAKE_PUSH_MATCH_TIMEOUT_S", 5.0, minimum=0.1
+            ),
             push_timeout_s=_number(env, "MOONCAKE_PUSH_TIMEOUT_S", 30.0, minimum=0.1),
             push_clock_skew_s=_number(env, "MOONCAKE_PUSH_CLOCK_SKEW_S", 5.0),
             engine_transfer_timeout_s=engine_timeout,
-            push_sources=tuple(normalize_source(u) for u in
-                               env.get("MOONCAKE_PUSH_SOURCES", "").split(",") if u.strip()),
-            push_max_tokens=int(_number(env, "MOONCAKE_PUSH_MAX_TOKENS", 131072, minimum=1,
-                                        integer=True)),
-            push_max_concurrent=int(_number(env, "MOONCAKE_PUSH_MAX_CONCURRENT", 4, minimum=1,
-                                            integer=True)),
+            push_sources=tuple(
+                normalize_source(u)
+                for u in env.get("MOONCAKE_PUSH_SOURCES", "").split(",")
+                if u.strip()
+            ),
+            push_max_tokens=int(
+                _number(
+                    env, "MOONCAKE_PUSH_MAX_TOKENS", 131072, minimum=1, integer=True
+                )
+            ),
+            push_max_concurrent=int(
+                _number(env, "MOONCAKE_PUSH_MAX_CONCURRENT", 4, minimum=1, integer=True)
+            ),
             bootstrap_host=env.get("MOONCAKE_BOOTSTRAP_HOST", "").strip() or "0.0.0.0",
             bootstrap_token=env.get("MOONCAKE_BOOTSTRAP_TOKEN") or None,
             bootstrap_insecure=_flag(env, "MOONCAKE_BOOTSTRAP_INSECURE"),
@@ -310,7 +365,8 @@ class ExtConfig:
                 f"in-flight write ({write_bound:g} s, from MC_TRANSFER_TIMEOUT) must "
                 f"stay below the decode side's {d_gives_up:g} s "
                 "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, or raise "
-                "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both instances")
+                "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both instances"
+            )
         return cfg
 
 
@@ -361,8 +417,10 @@ def _model_id(env: Mapping[str, str]) -> str | None:
     if not raw:
         return None
     if not MODEL_ID_PATTERN.fullmatch(raw):
-        raise ConfigError(f"MOONCAKE_MODEL_ID must be 1 to 128 characters of A-Z a-z 0-9 "
-                          f"._:/@+=- (no spaces), got {raw[:160]!r}")
+        raise ConfigError(
+            f"MOONCAKE_MODEL_ID must be 1 to 128 characters of A-Z a-z 0-9 "
+            f"._:/@+=- (no spaces), got {raw[:160]!r}"
+        )
     return raw
 
 

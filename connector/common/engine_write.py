@@ -40,9 +40,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
 from vllm.logger import init_logger
-
-from .config import ExtConfig
 
 logger = init_logger(__name__)
 
@@ -64,8 +65,9 @@ _MAX_SLEEP_S = 5e-4
 class AsyncTaskEngine(Protocol):
     """The part of mooncake.engine.TransferEngine this module uses."""
 
-    def transfer_submit_write(self, target_hostname: str, buffer: int,
-                              peer_buffer_address: int, length: int) -> int: ...
+    def transfer_submit_write(
+        self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int
+    ) -> int: ...
 
     def transfer_check_status(self, batch_id: int) -> int: ...
 
@@ -74,9 +76,13 @@ class TerminalWriter:
     """``(session, src, dst, lens) -> 0 | -1``, returning only once every entry is
     terminal in the engine. Thread-safe: each call polls its own tasks."""
 
-    def __init__(self, engine: AsyncTaskEngine, config: ExtConfig,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        engine: AsyncTaskEngine,
+        config: ExtConfig,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.engine = engine
         self.config = config
         self._clock = clock
@@ -84,29 +90,45 @@ class TerminalWriter:
         self._lock = threading.Lock()
         self.overdue = 0  # writes that outlived engine_write_bound_s (observability)
 
-    def __call__(self, session: str, src: Sequence[int], dst: Sequence[int],
-                 lens: Sequence[int]) -> int:
+    def __call__(
+        self, session: str, src: Sequence[int], dst: Sequence[int], lens: Sequence[int]
+    ) -> int:
         if not (len(src) == len(dst) == len(lens)):
-            logger.error("engine write to %s: %d sources, %d destinations, %d lengths",
-                         session, len(src), len(dst), len(lens))
+            logger.error(
+                "engine write to %s: %d sources, %d destinations, %d lengths",
+                session,
+                len(src),
+                len(dst),
+                len(lens),
+            )
             return -1
         start = self._clock()
         tasks: list[int] = []
         submitted_all = True
         for s, d, n in zip(src, dst, lens):
-            batch_id = self.engine.transfer_submit_write(session, int(s), int(d), int(n))
+            batch_id = self.engine.transfer_submit_write(
+                session, int(s), int(d), int(n)
+            )
             if batch_id == SUBMIT_FAILED:
                 # Nothing of this entry was queued; what was queued before it
                 # still has to become terminal before we may return.
                 submitted_all = False
-                logger.error("engine write to %s: submitting an entry of %d bytes failed "
-                             "(%d of %d entries queued)", session, n, len(tasks), len(src))
+                logger.error(
+                    "engine write to %s: submitting an entry of %d bytes failed "
+                    "(%d of %d entries queued)",
+                    session,
+                    n,
+                    len(tasks),
+                    len(src),
+                )
                 break
             tasks.append(batch_id)
         failed = self._wait_terminal(session, tasks, sum(int(n) for n in lens), start)
         return 0 if submitted_all and not failed else -1
 
-    def _wait_terminal(self, session: str, tasks: list[int], nbytes: int, start: float) -> int:
+    def _wait_terminal(
+        self, session: str, tasks: list[int], nbytes: int, start: float
+    ) -> int:
         """Poll until every task is terminal; returns how many failed."""
         pending = list(tasks)
         failed = 0
@@ -136,8 +158,13 @@ class TerminalWriter:
                     "engine write to %s (%d bytes): %d of %d entries still in flight %.0f s "
                     "after it started, past the engine's bound (handshake + MC_TRANSFER_TIMEOUT "
                     "+ 1 ns/byte + no-progress watchdog); its blocks stay out of use until the "
-                    "engine reports every entry done or failed", session, nbytes, len(pending),
-                    len(tasks), self._clock() - start)
+                    "engine reports every entry done or failed",
+                    session,
+                    nbytes,
+                    len(pending),
+                    len(tasks),
+                    self._clock() - start,
+                )
             if polls > _SPIN_POLLS:
                 self._sleep(delay)
                 delay = min(delay * 2, _MAX_SLEEP_S)
@@ -150,8 +177,11 @@ def terminal_write_fn(write_fn: WriteFn, config: ExtConfig) -> WriteFn:
     :class:`TerminalWriter` over the same engine when the engine has the
     per-task calls, else ``write_fn`` itself (unit tests' stand-ins)."""
     engine: Any = getattr(write_fn, "__self__", None)
-    if engine is not None and hasattr(engine, "transfer_submit_write") \
-            and hasattr(engine, "transfer_check_status"):
+    if (
+        engine is not None
+        and hasattr(engine, "transfer_submit_write")
+        and hasattr(engine, "transfer_check_status")
+    ):
         return TerminalWriter(engine, config)
     return write_fn
 

@@ -27,9 +27,11 @@ import time
 
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    FaultConfig,
+    load,
+)
 from vllm.logger import init_logger
-
-from .config import FaultConfig, load
 
 logger = init_logger(__name__)
 
@@ -47,26 +49,41 @@ def zero_received_block(
             cache[:, block_id].zero_()
         else:
             cache[block_id].zero_()
-    logger.warning("FAULT INJECTION (MOONCAKE_FAULT_ZERO_RECV_BLOCK): zeroed received block %d",
-                   block_id)
+    logger.warning(
+        "FAULT INJECTION (MOONCAKE_FAULT_ZERO_RECV_BLOCK): zeroed received block %d",
+        block_id,
+    )
 
 
-def write_fault(faults: FaultConfig, prompt_len: int, writes_done: int = 0) -> str | None:
+def write_fault(
+    faults: FaultConfig, prompt_len: int, writes_done: int = 0
+) -> str | None:
     """Apply the write faults armed for a prompt of ``prompt_len`` tokens.
 
     Called by the writing side right before its engine call. A delay sleeps
     here (the write then lands late, as over a slow link); a failure returns
     the error to report instead of writing. None: write normally.
     ``writes_done``: how many writes of this transfer already returned."""
-    if (faults.hold_write_prompt_len == prompt_len and writes_done == faults.hold_write_after
-            and faults.hold_write_s > 0):
-        logger.warning("FAULT INJECTION (MOONCAKE_FAULT_HOLD_WRITE): holding the writer of a "
-                       "%d-token prompt after %d writes for %.1f s", prompt_len, writes_done,
-                       faults.hold_write_s)
+    if (
+        faults.hold_write_prompt_len == prompt_len
+        and writes_done == faults.hold_write_after
+        and faults.hold_write_s > 0
+    ):
+        logger.warning(
+            "FAULT INJECTION (MOONCAKE_FAULT_HOLD_WRITE): holding the writer of a "
+            "%d-token prompt after %d writes for %.1f s",
+            prompt_len,
+            writes_done,
+            faults.hold_write_s,
+        )
         time.sleep(faults.hold_write_s)
     if faults.delay_write_prompt_len == prompt_len and faults.delay_write_s > 0:
-        logger.warning("FAULT INJECTION (MOONCAKE_FAULT_DELAY_WRITE): delaying a write of a "
-                       "%d-token prompt by %.1f s", prompt_len, faults.delay_write_s)
+        logger.warning(
+            "FAULT INJECTION (MOONCAKE_FAULT_DELAY_WRITE): delaying a write of a "
+            "%d-token prompt by %.1f s",
+            prompt_len,
+            faults.delay_write_s,
+        )
         time.sleep(faults.delay_write_s)
     if faults.fail_write_prompt_len == prompt_len:
         return f"FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN={prompt_len}): write failed"

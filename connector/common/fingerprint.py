@@ -55,10 +55,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+    load,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
+)
 from vllm.logger import init_logger
-
-from .config import ExtConfig, load
-from .push.protocol import KVFingerprint
 
 if TYPE_CHECKING:
     import torch
@@ -69,12 +73,25 @@ logger = init_logger(__name__)
 
 FINGERPRINT_SCHEME = 2  # part of every digest: a new scheme never equals an old one
 
-IGNORED_CONFIG_KEYS = frozenset({
-    "name_or_path", "transformers_version",
-    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
-})
-ROPE_KEYS = ("rope_scaling", "rope_theta", "rope_parameters", "partial_rotary_factor",
-             "max_position_embeddings", "original_max_position_embeddings")
+IGNORED_CONFIG_KEYS = frozenset(
+    {
+        "name_or_path",
+        "transformers_version",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "torchscript",
+    }
+)
+ROPE_KEYS = (
+    "rope_scaling",
+    "rope_theta",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "max_position_embeddings",
+    "original_max_position_embeddings",
+)
 
 WEIGHT_SUFFIXES = (".safetensors",)
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")
@@ -90,12 +107,17 @@ EVEN_SAMPLES = 14  # ... and this many samples spread between them
 
 # what a peer's fingerprint may hold (checked before it is compared)
 MAX_FINGERPRINT_CHARS = 512
-LIMITS = {"block_size": 1 << 20, "tp_size": 1 << 16, "block_len": 1 << 40,
-          "num_kv_tensors": 1 << 20}
+LIMITS = {
+    "block_size": 1 << 20,
+    "tp_size": 1 << 16,
+    "block_len": 1 << 40,
+    "num_kv_tensors": 1 << 20,
+}
 WORKER_FIELDS = ("block_len", "num_kv_tensors", "layout")
 
 
 # ---- the model's identity --------------------------------------------------------------
+
 
 def _digest(obj: Any) -> str:
     text = json.dumps([FINGERPRINT_SCHEME, obj], sort_keys=True, default=_json_default)
@@ -109,7 +131,12 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, (set, frozenset)):
         return sorted(map(str, o))
     mod = type(o).__module__
-    if mod == "torch" or mod.startswith("enum") or hasattr(o, "name") and hasattr(o, "value"):
+    if (
+        mod == "torch"
+        or mod.startswith("enum")
+        or hasattr(o, "name")
+        and hasattr(o, "value")
+    ):
         return str(o)
     return f"<{type(o).__qualname__}>"
 
@@ -117,8 +144,11 @@ def _json_default(o: Any) -> Any:
 def _config_view(value: Any) -> Any:
     """hf_config.to_dict() without what differs across hosts (see the module doc)."""
     if isinstance(value, dict):
-        return {str(k): _config_view(v) for k, v in value.items()
-                if not str(k).startswith("_") and k not in IGNORED_CONFIG_KEYS}
+        return {
+            str(k): _config_view(v)
+            for k, v in value.items()
+            if not str(k).startswith("_") and k not in IGNORED_CONFIG_KEYS
+        }
     if isinstance(value, (list, tuple)):
         return [_config_view(v) for v in value]
     return value
@@ -129,8 +159,11 @@ def config_digest(hf_config: Any) -> str:
         return _digest(_config_view(hf_config.to_dict()))
     except Exception as e:  # a configuration transformers cannot serialize
         # equal to no other instance's: this one neither sends nor receives KV
-        logger.warning("KV fingerprint: the model's configuration cannot be read (%r); this "
-                       "instance will match no peer", e)
+        logger.warning(
+            "KV fingerprint: the model's configuration cannot be read (%r); this "
+            "instance will match no peer",
+            e,
+        )
         return "unreadable-" + secrets.token_hex(4)
 
 
@@ -138,21 +171,23 @@ def runtime_digest(vllm_config: VllmConfig) -> str:
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     text = getattr(mc, "hf_text_config", None) or mc.hf_config
     attn = getattr(vllm_config, "attention_config", None)
-    return _digest({
-        "dtype": str(mc.dtype).removeprefix("torch."),
-        "quantization": mc.quantization,
-        "override_attention_dtype": getattr(mc, "override_attention_dtype", None),
-        "disable_sliding_window": getattr(mc, "disable_sliding_window", False),
-        "model_impl": str(getattr(mc, "model_impl", "auto")),
-        "cache_dtype": cc.cache_dtype,
-        "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
-        "sliding_window": getattr(cc, "sliding_window", None),
-        "kv_sharing_fast_prefill": getattr(cc, "kv_sharing_fast_prefill", False),
-        "mamba_cache_dtype": getattr(cc, "mamba_cache_dtype", None),
-        "mamba_ssm_cache_dtype": getattr(cc, "mamba_ssm_cache_dtype", None),
-        "attention_backend": str(getattr(attn, "backend", None)),
-        "rope": {k: getattr(text, k, None) for k in ROPE_KEYS},
-    })
+    return _digest(
+        {
+            "dtype": str(mc.dtype).removeprefix("torch."),
+            "quantization": mc.quantization,
+            "override_attention_dtype": getattr(mc, "override_attention_dtype", None),
+            "disable_sliding_window": getattr(mc, "disable_sliding_window", False),
+            "model_impl": str(getattr(mc, "model_impl", "auto")),
+            "cache_dtype": cc.cache_dtype,
+            "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
+            "sliding_window": getattr(cc, "sliding_window", None),
+            "kv_sharing_fast_prefill": getattr(cc, "kv_sharing_fast_prefill", False),
+            "mamba_cache_dtype": getattr(cc, "mamba_cache_dtype", None),
+            "mamba_ssm_cache_dtype": getattr(cc, "mamba_ssm_cache_dtype", None),
+            "attention_backend": str(getattr(attn, "backend", None)),
+            "rope": {k: getattr(text, k, None) for k in ROPE_KEYS},
+        }
+    )
 
 
 def model_identity(vllm_config: VllmConfig, config: ExtConfig) -> str:
@@ -162,27 +197,41 @@ def model_identity(vllm_config: VllmConfig, config: ExtConfig) -> str:
     if config.model_id is not None:
         weights = f"id:{config.model_id}"
     else:
-        weights = weights_identity(getattr(mc, "model_weights", "") or mc.model,
-                                   getattr(mc, "revision", None),
-                                   getattr(hf, "_commit_hash", None))
-    return (f"{arch} cfg={config_digest(hf)} run={runtime_digest(vllm_config)} "
-            f"weights={weights}")
+        weights = weights_identity(
+            getattr(mc, "model_weights", "") or mc.model,
+            getattr(mc, "revision", None),
+            getattr(hf, "_commit_hash", None),
+        )
+    return (
+        f"{arch} cfg={config_digest(hf)} run={runtime_digest(vllm_config)} "
+        f"weights={weights}"
+    )
 
 
-def local_fingerprint(vllm_config: VllmConfig, config: ExtConfig | None = None,
-                      block_len: int | None = None, num_kv_tensors: int | None = None,
-                      layout: str | None = None) -> KVFingerprint:
+def local_fingerprint(
+    vllm_config: VllmConfig,
+    config: ExtConfig | None = None,
+    block_len: int | None = None,
+    num_kv_tensors: int | None = None,
+    layout: str | None = None,
+) -> KVFingerprint:
     """This instance's KV fingerprint; the worker side passes what it registered."""
     mc = vllm_config.model_config
     return KVFingerprint(
         model=model_identity(vllm_config, config or load()),
-        dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}".replace("torch.", ""),
+        dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}".replace(
+            "torch.", ""
+        ),
         block_size=vllm_config.cache_config.block_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        block_len=block_len, num_kv_tensors=num_kv_tensors, layout=layout)
+        block_len=block_len,
+        num_kv_tensors=num_kv_tensors,
+        layout=layout,
+    )
 
 
 # ---- the weights' identity ----------------------------------------------------------
+
 
 def weights_identity(model: str, revision: str | None, commit: str | None) -> str:
     """``files:<hex>`` of the weight files of ``model`` (a folder, a file, or a hub id
@@ -198,11 +247,18 @@ def weights_identity(model: str, revision: str | None, commit: str | None) -> st
         path = snapshot
     if path.is_file():
         return "files:" + _digest_files(path.parent, [path])
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    files = sorted(
+        p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
+    )
     if not files:
-        files = sorted(p for p in path.iterdir()
-                       if p.is_file() and p.name.endswith(OTHER_WEIGHT_SUFFIXES))
-    indexes = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(".index.json"))
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if p.is_file() and p.name.endswith(OTHER_WEIGHT_SUFFIXES)
+        )
+    indexes = sorted(
+        p for p in path.iterdir() if p.is_file() and p.name.endswith(".index.json")
+    )
     return "files:" + _digest_files(path, files, indexes)
 
 
@@ -211,12 +267,16 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+        return Path(
+            snapshot_download(repo_id, revision=revision, local_files_only=True)
+        )
     except Exception:
         return None
 
 
-def _digest_files(root: Path, files: list[Path], indexes: list[Path] | None = None) -> str:
+def _digest_files(
+    root: Path, files: list[Path], indexes: list[Path] | None = None
+) -> str:
     h = hashlib.sha256(f"weights v{FINGERPRINT_SCHEME}".encode())
     for p in indexes or ():
         with open(p, "rb") as f:
@@ -228,7 +288,9 @@ def _digest_files(root: Path, files: list[Path], indexes: list[Path] | None = No
     chunk = max(MIN_SAMPLE, min(MAX_SAMPLE, SAMPLE_BUDGET * step // max(1, n_tensors)))
     for p, (header, tensors) in zip(sampled, headers):
         size = p.stat().st_size
-        h.update(b"file\0" + str(p.relative_to(root)).encode() + b"\0" + str(size).encode())
+        h.update(
+            b"file\0" + str(p.relative_to(root)).encode() + b"\0" + str(size).encode()
+        )
         with open(p, "rb") as f:
             if tensors is not None:
                 h.update(header)
@@ -241,8 +303,12 @@ def _digest_files(root: Path, files: list[Path], indexes: list[Path] | None = No
                     f.seek(off)
                     h.update(f.read(take))
     for p in listed:
-        h.update(b"file\0" + str(p.relative_to(root)).encode() + b"\0"
-                 + str(p.stat().st_size).encode())
+        h.update(
+            b"file\0"
+            + str(p.relative_to(root)).encode()
+            + b"\0"
+            + str(p.stat().st_size).encode()
+        )
     return h.hexdigest()[:16]
 
 
@@ -262,8 +328,11 @@ def _safetensors_header(p: Path) -> tuple[bytes, list[tuple[int, int]] | None]:
         ranges = []
         for name in sorted(k for k in meta if k != "__metadata__"):
             start, end = meta[name]["data_offsets"]
-            if not (isinstance(start, int) and isinstance(end, int)
-                    and 0 <= start <= end <= size - 8 - n):
+            if not (
+                isinstance(start, int)
+                and isinstance(end, int)
+                and 0 <= start <= end <= size - 8 - n
+            ):
                 return b"", None
             ranges.append((8 + n + start, 8 + n + end))
         return header, ranges
@@ -285,18 +354,24 @@ def _even_samples(size: int, chunk: int) -> list[tuple[int, int]]:
 
 # ---- the KV layout (worker side) -----------------------------------------------------
 
+
 def attention_backend_name(vllm_config: VllmConfig) -> str | None:
     """The attention backend of this worker's layers (as upstream's connector finds it)."""
     try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
+        from vllm.distributed.kv_transfer.kv_connector.utils import (
+            get_current_attn_backend,
+        )
 
         return get_current_attn_backend(vllm_config).get_name()
     except Exception:
         return None
 
 
-def kv_layout(kv_caches: Mapping[str, torch.Tensor | list[torch.Tensor]],
-              split_k_and_v: bool, backend: str | None) -> str:
+def kv_layout(
+    kv_caches: Mapping[str, torch.Tensor | list[torch.Tensor]],
+    split_k_and_v: bool,
+    backend: str | None,
+) -> str:
     """``"<backend> split|joint <dtype> [dims, N = blocks] order=<dims by stride>"``,
     one entry per distinct layer layout. The number of blocks is not part of it."""
     seen: list[str] = []
@@ -308,18 +383,23 @@ def kv_layout(kv_caches: Mapping[str, torch.Tensor | list[torch.Tensor]],
             desc = _tensor_layout(cache, 1 if split_k_and_v else 0)
         if desc not in seen:
             seen.append(desc)
-    body = " | ".join(seen) if len(seen) <= 4 else f"{len(seen)} layouts {_digest(seen)}"
+    body = (
+        " | ".join(seen) if len(seen) <= 4 else f"{len(seen)} layouts {_digest(seen)}"
+    )
     return f"{backend or '?'} {'split' if split_k_and_v else 'joint'} {body}"
 
 
 def _tensor_layout(t: torch.Tensor, blocks_dim: int) -> str:
     dims = ["N" if i == blocks_dim else str(d) for i, d in enumerate(t.shape)]
     order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
-    return (f"{str(t.dtype).removeprefix('torch.')} [{','.join(dims)}] "
-            f"order={','.join(map(str, order))}")
+    return (
+        f"{str(t.dtype).removeprefix('torch.')} [{','.join(dims)}] "
+        f"order={','.join(map(str, order))}"
+    )
 
 
 # ---- a peer's fingerprint ----------------------------------------------------------------
+
 
 def parse_peer_fingerprint(raw: Any) -> KVFingerprint:
     """A fingerprint a peer sent: its types (strict) and bounds. ValueError names the
@@ -329,20 +409,24 @@ def parse_peer_fingerprint(raw: Any) -> KVFingerprint:
     try:
         fp = KVFingerprint.model_validate(dict(raw))
     except ValidationError as e:
-        problems = [f"{'.'.join(map(str, err['loc'])) or 'fingerprint'}: {err['msg']}"
-                    for err in e.errors()[:3]]
+        problems = [
+            f"{'.'.join(map(str, err['loc'])) or 'fingerprint'}: {err['msg']}"
+            for err in e.errors()[:3]
+        ]
         raise ValueError("; ".join(problems)) from None
     for name, value in fp.model_dump().items():
         if isinstance(value, str) and len(value) > MAX_FINGERPRINT_CHARS:
-            raise ValueError(f"{name}: {len(value)} characters (at most "
-                             f"{MAX_FINGERPRINT_CHARS})")
+            raise ValueError(
+                f"{name}: {len(value)} characters (at most {MAX_FINGERPRINT_CHARS})"
+            )
         if isinstance(value, int) and name in LIMITS and not 0 < value <= LIMITS[name]:
             raise ValueError(f"{name}: {value} is outside 1 .. {LIMITS[name]}")
     return fp
 
 
-def handshake_refusal(own: KVFingerprint | None, fields: Mapping[str, Any] | None,
-                      num_addrs: int) -> str | None:
+def handshake_refusal(
+    own: KVFingerprint | None, fields: Mapping[str, Any] | None, num_addrs: int
+) -> str | None:
     """P: why a decode instance whose pull request carries ``fields``
     (MooncakeXferMetadata.ext) must not receive this instance's KV layer by layer
     (None: it may, or D sent no fields at all: an instance without this series)."""
@@ -352,9 +436,11 @@ def handshake_refusal(own: KVFingerprint | None, fields: Mapping[str, Any] | Non
         return "this prefill instance has not registered its KV cache yet"
     raw = fields.get("fingerprint")
     if raw is None:
-        return ("the decode instance sent no KV fingerprint (an older build of this "
-                "connector): its KV cache cannot be checked against this prefill instance's; "
-                "run the same build on both")
+        return (
+            "the decode instance sent no KV fingerprint (an older build of this "
+            "connector): its KV cache cannot be checked against this prefill instance's; "
+            "run the same build on both"
+        )
     try:
         peer = parse_peer_fingerprint(raw)
     except ValueError as e:
@@ -363,18 +449,24 @@ def handshake_refusal(own: KVFingerprint | None, fields: Mapping[str, Any] | Non
     if missing:
         return f"the decode instance's KV fingerprint lacks {', '.join(missing)}"
     if peer.num_kv_tensors != num_addrs:
-        return (f"the decode instance's KV fingerprint names {peer.num_kv_tensors} KV tensors "
-                f"but its pull request {num_addrs} KV tensor addresses")
+        return (
+            f"the decode instance's KV fingerprint names {peer.num_kv_tensors} KV tensors "
+            f"but its pull request {num_addrs} KV tensor addresses"
+        )
     diff = own.differences(peer, "this prefill instance", "the decode instance")
     if diff:
-        return ("the decode instance's KV cache differs from this prefill instance's: "
-                + "; ".join(diff) + ". Its KV would be wrong: start both with the same model, "
-                "weights, dtypes, block size and attention backend (MOONCAKE_MODEL_ID names "
-                "the weights where they cannot be read alike)")
+        return (
+            "the decode instance's KV cache differs from this prefill instance's: "
+            + "; ".join(diff)
+            + ". Its KV would be wrong: start both with the same model, "
+            "weights, dtypes, block size and attention backend (MOONCAKE_MODEL_ID names "
+            "the weights where they cannot be read alike)"
+        )
     return None
 
 
 # ---- warnings ----------------------------------------------------------------------------
+
 
 class WarnLimiter:
     """Warnings by key, each at most once per ``interval_s``. At most ``max_keys``
@@ -383,8 +475,13 @@ class WarnLimiter:
 
     OVERFLOW = "\0overflow"
 
-    def __init__(self, log: logging.Logger | Any, interval_s: float = 600.0,
-                 max_keys: int = 256, clock=time.monotonic):
+    def __init__(
+        self,
+        log: logging.Logger | Any,
+        interval_s: float = 600.0,
+        max_keys: int = 256,
+        clock=time.monotonic,
+    ):
         self._log = log
         self._interval = interval_s
         self._max = max_keys
@@ -396,8 +493,9 @@ class WarnLimiter:
         now = self._clock()
         with self._lock:
             if key not in self._last and len(self._last) >= self._max:
-                self._last = {k: t for k, t in self._last.items()
-                              if now - t < self._interval}
+                self._last = {
+                    k: t for k, t in self._last.items() if now - t < self._interval
+                }
                 if len(self._last) >= self._max:
                     key = self.OVERFLOW
             last = self._last.get(key)

@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-from .config import load
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import load
 
 
 @contextlib.contextmanager

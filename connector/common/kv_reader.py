@@ -22,26 +22,42 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .push.protocol import PROBE_BYTES  # the wire's probe size
-ReadFn = Callable[[int, int, int], bytes]  # (slot, block id, offset) -> PROBE_BYTES bytes
-WriteFn = Callable[[int, int, int, bytes], None]  # (slot, block id, offset, PROBE_BYTES bytes)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    PROBE_BYTES,
+)  # the wire's probe size
+
+ReadFn = Callable[
+    [int, int, int], bytes
+]  # (slot, block id, offset) -> PROBE_BYTES bytes
+WriteFn = Callable[
+    [int, int, int, bytes], None
+]  # (slot, block id, offset, PROBE_BYTES bytes)
 
 
 class KVReader:
-    def __init__(self, slot_tensors: Sequence[torch.Tensor], block_len: int, num_blocks: int):
+    def __init__(
+        self, slot_tensors: Sequence[torch.Tensor], block_len: int, num_blocks: int
+    ):
         self.block_len = block_len
         self.num_blocks = num_blocks
         self._flat = [t.view(torch.uint8).reshape(-1) for t in slot_tensors]
         for t in self._flat:
             if t.numel() < num_blocks * block_len:
-                raise ValueError("a registered KV tensor is smaller than num_blocks * block_len")
+                raise ValueError(
+                    "a registered KV tensor is smaller than num_blocks * block_len"
+                )
 
     @classmethod
-    def for_kv_caches(cls, kv_caches: dict[str, torch.Tensor], split_k_and_v: bool,
-                      block_len: int, num_blocks: int) -> KVReader:
+    def for_kv_caches(
+        cls,
+        kv_caches: dict[str, torch.Tensor],
+        split_k_and_v: bool,
+        block_len: int,
+        num_blocks: int,
+    ) -> KVReader:
         tensors, seen = [], set()
         for cache in kv_caches.values():  # the order and de-duplication of registration
-            for t in (cache if split_k_and_v else [cache]):
+            for t in cache if split_k_and_v else [cache]:
                 if t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     tensors.append(t)
@@ -54,17 +70,23 @@ class KVReader:
         return self._flat[0]
 
     def _start(self, slot: int, block: int, offset: int) -> int:
-        if not (0 <= slot < len(self._flat) and 0 <= block < self.num_blocks
-                and 0 <= offset <= self.block_len - PROBE_BYTES):
+        if not (
+            0 <= slot < len(self._flat)
+            and 0 <= block < self.num_blocks
+            and 0 <= offset <= self.block_len - PROBE_BYTES
+        ):
             raise ValueError(f"probe ({slot}, {block}, {offset}) outside the KV cache")
         return block * self.block_len + offset
 
     def read(self, slot: int, block: int, offset: int) -> bytes:
         start = self._start(slot, block, offset)
-        return bytes(self._flat[slot][start:start + PROBE_BYTES].cpu().numpy().tobytes())
+        return bytes(
+            self._flat[slot][start : start + PROBE_BYTES].cpu().numpy().tobytes()
+        )
 
     def write(self, slot: int, block: int, offset: int, data: bytes) -> None:
         start = self._start(slot, block, offset)
         t = self._flat[slot]
-        t[start:start + PROBE_BYTES] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(
-            t.device)
+        t[start : start + PROBE_BYTES] = torch.frombuffer(
+            bytearray(data), dtype=torch.uint8
+        ).to(t.device)

@@ -29,9 +29,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    DEFAULT_ENGINE_TRANSFER_TIMEOUT_S,
+    MC_TRANSFER_TIMEOUT,
+    is_loopback,
+    load,
+)
 from vllm.logger import init_logger
-
-from .config import DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT, is_loopback, load
 
 logger = init_logger(__name__)
 
@@ -46,7 +50,9 @@ TCP_TRANSPORT_DEFAULTS: dict[str, str] = {
 }
 
 
-def apply_transport_env_defaults(protocol: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+def apply_transport_env_defaults(
+    protocol: str, environ: dict[str, str] | None = None
+) -> dict[str, str]:
     """Set the TCP transport defaults the user left unset; return what was set."""
     env = os.environ if environ is None else environ
     if protocol != "tcp":
@@ -68,11 +74,13 @@ def engine_listen_note(env: Mapping[str, str]) -> str:
     MC_TCP_BIND_ADDRESS says: that variable only picks the advertised address
     (tests/integration/test_engine_listeners.py)."""
     lo, hi = env.get("MC_MIN_RPC_PORT", "15000"), env.get("MC_MAX_RPC_PORT", "17000")
-    return (f"Mooncake's transfer engine listens on ALL interfaces (handshake 0.0.0.0, data *) "
-            f"on TCP ports {lo}-{hi}, whatever MC_TCP_BIND_ADDRESS says; a peer that reaches "
-            "them can read and write this instance's registered KV. Allow those ports only "
-            "from the other instances (firewall; MC_MIN_RPC_PORT/MC_MAX_RPC_PORT pin the range) "
-            "or run the instance in a network namespace")
+    return (
+        f"Mooncake's transfer engine listens on ALL interfaces (handshake 0.0.0.0, data *) "
+        f"on TCP ports {lo}-{hi}, whatever MC_TCP_BIND_ADDRESS says; a peer that reaches "
+        "them can read and write this instance's registered KV. Allow those ports only "
+        "from the other instances (firewall; MC_MIN_RPC_PORT/MC_MAX_RPC_PORT pin the range) "
+        "or run the instance in a network namespace"
+    )
 
 
 def log_engine_listeners(env: Mapping[str, str]) -> None:

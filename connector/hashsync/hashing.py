@@ -21,6 +21,10 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import cast
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+    HashConfigMismatchError,
+)
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
@@ -33,8 +37,6 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 from vllm.v1.request import Request
-
-from .hash_config import HashConfig, HashConfigMismatchError
 
 __all__ = [
     "BlockHash",

@@ -33,11 +33,19 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
+    BlockHash,
+    from_pool_key,
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
+    HashDelta,
+    HashEventKind,
+)
 from vllm.logger import init_logger
-
-from .hash_config import HashConfig
-from .hashing import BlockHash, from_pool_key, to_pool_key
-from .recorder import HashDelta, HashEventKind
 
 logger = init_logger(__name__)
 
@@ -129,7 +137,8 @@ class BlockHashTable:
     def _store(self, key: bytes, block_id: int) -> None:
         unpublished = self._unpublished(block_id)
         if self._by_block.get(block_id) == key or (
-                unpublished is not None and unpublished[block_id] == key):
+            unpublished is not None and unpublished[block_id] == key
+        ):
             return  # idempotent
         # Re-stored under another key without a removal: the block was
         # reused, its old hash must never be served again.
@@ -148,8 +157,9 @@ class BlockHashTable:
         if self._by_block.get(block_id) == key:
             self._drop(block_id)
             self._bump(block_id)
-        elif (unpublished := self._unpublished(block_id)) is not None and \
-                unpublished[block_id] == key:
+        elif (unpublished := self._unpublished(block_id)) is not None and unpublished[
+            block_id
+        ] == key:
             del unpublished[block_id]
             self._bump(block_id)
         # else: stale removal (block now holds another key, or unknown): ignore
@@ -191,7 +201,9 @@ class BlockHashTable:
         with self._lock:
             return [self._gen.get(b, 0) for b in block_ids]
 
-    def generations_unchanged(self, block_ids: Sequence[int], gens: Sequence[int]) -> bool:
+    def generations_unchanged(
+        self, block_ids: Sequence[int], gens: Sequence[int]
+    ) -> bool:
         if len(block_ids) != len(gens):
             raise ValueError("block_ids and gens differ in length")
         with self._lock:
@@ -219,6 +231,10 @@ class BlockHashTable:
         for block_id, key in items:
             block_hash, group_id = from_pool_key(key)  # type: ignore[arg-type]
             out.append(
-                {"block_id": block_id, "group_id": group_id, "block_hash": block_hash.hex()}
+                {
+                    "block_id": block_id,
+                    "group_id": group_id,
+                    "block_hash": block_hash.hex(),
+                }
             )
         return out

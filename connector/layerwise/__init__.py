@@ -8,11 +8,13 @@ decode instance's (D) blocks as soon as that layer is computed, hiding the
 transfer behind the remaining layers (and chunks) of the prefill.
 
 D keeps upstream's protocol: it sends its block ids and KV base addresses to
-P's worker over ZMQ (MooncakeXferMetadata) and waits for FINISH. On P:
+P's worker over ZMQ (MooncakeXferMetadata) and waits for FINISH.
 
-  scheduler.py   P's scheduler: which blocks each step computes (protocol.py)
-  tracker.py     pure state machine of every transfer (no I/O, unit-tested)
-  sender.py      P's worker: the owner of all transfers and their writers (one per D
-                 session with work; idle ones retire)
-  pulls.py       D's worker: each pull reported to D's scheduler exactly once
+  protocol.py           scheduler -> worker metadata, the per-request mode
+  prefill_scheduler.py  P's scheduler: which blocks each step computes
+  prefill_tracker.py    P: pure state machine of every transfer (no I/O, unit-tested)
+  prefill_sender.py     P's worker: the owner of all transfers and of their end
+  prefill_writers.py    P's worker: one writer thread per D session with work
+  prefill_stats.py      P's worker: totals and timelines (GET /layerwise/transfers)
+  decode_pulls.py       D's worker: each pull reported to D's scheduler exactly once
 """

@@ -6,9 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    ComputedStep,
+    FinishedRequest,
+    LayerwiseMetadata,
+    TransferMode,
+    requested_mode,
+)
 from vllm.logger import init_logger
-
-from .protocol import ComputedStep, FinishedRequest, LayerwiseMetadata, TransferMode, requested_mode
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -44,23 +49,33 @@ class LayerwiseScheduler:
             chosen = None
             if str(e) not in self._warned and len(self._warned) < MAX_WARNED:
                 self._warned.add(str(e))
-                logger.warning("Request %s: %s; using this instance's default "
-                               "(MOONCAKE_LAYERWISE_MIN_TOKENS=%d)", request.request_id, e,
-                               self.min_tokens)
+                logger.warning(
+                    "Request %s: %s; using this instance's default "
+                    "(MOONCAKE_LAYERWISE_MIN_TOKENS=%d)",
+                    request.request_id,
+                    e,
+                    self.min_tokens,
+                )
         if chosen is not None:
             return chosen
-        return (TransferMode.LAYERWISE if request.num_prompt_tokens >= self.min_tokens
-                else TransferMode.POSTHOC)
+        return (
+            TransferMode.LAYERWISE
+            if request.num_prompt_tokens >= self.min_tokens
+            else TransferMode.POSTHOC
+        )
 
     def track(self, request: Request, transfer_id: str) -> None:
         """Register a do_remote_decode request. Post-hoc requests are not pushed
         per layer; they are sent whole when the request finishes (through the
         same sender, with the same end-of-transfer guarantees)."""
         if self.mode(request) is TransferMode.LAYERWISE:
-            self._reqs[request.request_id] = _Tracked(transfer_id, request.num_prompt_tokens)
+            self._reqs[request.request_id] = _Tracked(
+                transfer_id, request.num_prompt_tokens
+            )
 
-    def request_finished(self, request: Request, block_ids: list[int],
-                         transfer_id: str) -> bool:
+    def request_finished(
+        self, request: Request, block_ids: list[int], transfer_id: str
+    ) -> bool:
         """P's request ended; returns whether the scheduler must keep its blocks.
 
         Blocks are kept (also after an abort, so no write in flight reads a
@@ -71,9 +86,15 @@ class LayerwiseScheduler:
         if not block_ids:
             self._pending.aborted.append(transfer_id)
             return False
-        self._pending.finished.append(FinishedRequest(
-            transfer_id, request.request_id, tuple(block_ids), request.num_prompt_tokens,
-            aborted=request.status != RequestStatus.FINISHED_LENGTH_CAPPED))
+        self._pending.finished.append(
+            FinishedRequest(
+                transfer_id,
+                request.request_id,
+                tuple(block_ids),
+                request.num_prompt_tokens,
+                aborted=request.status != RequestStatus.FINISHED_LENGTH_CAPPED,
+            )
+        )
         return True
 
     def cleanup_pull(self, request_id: str) -> None:
@@ -90,7 +111,7 @@ class LayerwiseScheduler:
         # its blocks the same way. Either way the request is not sent per layer
         # any more; it is still reported when it finishes (request_finished).
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id in (getattr(scheduler_output, "preempted_req_ids", None) or ()):
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if (t := self._reqs.pop(req_id, None)) is not None:
                 meta.preempted.append(t.transfer_id)
         for req_id in cached.resumed_req_ids:
@@ -103,8 +124,15 @@ class LayerwiseScheduler:
                 continue
             t.block_ids = single_group(new.block_ids, new.req_id)
             computed = new.num_computed_tokens + num_scheduled.get(new.req_id, 0)
-            meta.steps.append(ComputedStep(t.transfer_id, new.req_id, tuple(t.block_ids),
-                                           computed, t.prompt_len))
+            meta.steps.append(
+                ComputedStep(
+                    t.transfer_id,
+                    new.req_id,
+                    tuple(t.block_ids),
+                    computed,
+                    t.prompt_len,
+                )
+            )
         for i, req_id in enumerate(cached.req_ids):
             t = self._reqs.get(req_id)
             if t is None:
@@ -115,8 +143,11 @@ class LayerwiseScheduler:
             computed = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
             if computed > t.prompt_len:
                 continue  # decoding on P: the prompt's KV was complete already
-            meta.steps.append(ComputedStep(t.transfer_id, req_id, tuple(t.block_ids),
-                                           computed, t.prompt_len))
+            meta.steps.append(
+                ComputedStep(
+                    t.transfer_id, req_id, tuple(t.block_ids), computed, t.prompt_len
+                )
+            )
         return meta
 
 

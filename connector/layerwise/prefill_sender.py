@@ -50,26 +50,46 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fastapi import HTTPException, Request  # module level: FastAPI resolves names
-
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.block_runs import (
+    contiguous_runs,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fault_injection import (
+    write_fault,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.gpu_order import (
+    ComputeEvent,
+    EventFactory,
+    record_after_compute,
+    wait_all,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_stats import (
+    TransferLog,
+    TransferStats,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_tracker import (
+    Destination,
+    LayerwiseTracker,
+    TransferState,
+    WriteOp,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_writers import (
+    WriterPool,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    LayerwiseMetadata,
+)
 from vllm.logger import init_logger
-
-from ..block_runs import contiguous_runs
-from ..config import ExtConfig
-from ..fault_injection import write_fault
-from ..gpu_order import ComputeEvent, EventFactory, record_after_compute, wait_all
-from ..io_affinity import deprioritize_current_poller, move_current_thread_to_io_cpus
-from .protocol import LayerwiseMetadata
-from .tracker import Destination, LayerwiseTracker, TransferState, WriteOp
 
 logger = init_logger(__name__)
 
@@ -77,8 +97,6 @@ WriteFn = Callable[[str, list[int], list[int], list[int]], int]
 # reply(ok transfer's D request ids, {D request id: error}, last reply?)
 Reply = Callable[[list[str], dict[str, str], bool], Awaitable[None]]
 
-STATS_KEPT = 256
-MAX_PEERS = 64  # decode sessions with queued or running writes at once
 MAX_UNKNOWN = 1024  # destinations waiting for a transfer this instance has not seen
 # Transfers served from one of D's requests (D sends one per P worker and step:
 # at most its max_num_seqs); the rest of a larger one is refused at once.
@@ -88,8 +106,9 @@ MAX_TRANSFERS_PER_REQUEST = 1024
 OVERDUE_CHECK_S = 1.0
 
 
-def slots_by_layer(kv_caches: dict[str, torch.Tensor], split_k_and_v: bool
-                   ) -> tuple[dict[str, list[int]], list[int]]:
+def slots_by_layer(
+    kv_caches: dict[str, torch.Tensor], split_k_and_v: bool
+) -> tuple[dict[str, list[int]], list[int]]:
     """Map each layer to the indices of its registered KV tensors (slots).
 
     Follows the order and de-duplication of upstream's register_kv_caches, so
@@ -99,7 +118,7 @@ def slots_by_layer(kv_caches: dict[str, torch.Tensor], split_k_and_v: bool
     addrs: list[int] = []
     for name, cache in kv_caches.items():
         slots = []
-        for t in (cache if split_k_and_v else [cache]):
+        for t in cache if split_k_and_v else [cache]:
             addr = t.data_ptr()
             if addr in addrs:
                 continue
@@ -115,17 +134,6 @@ class _Batch:
     events: tuple[ComputeEvent, ...]  # wait for these before reading P's blocks
 
 
-@dataclass(eq=False)
-class _Writer:
-    """The writer thread of one decode session and its FIFO."""
-
-    session: str
-    queue: queue.Queue[_Batch | None]
-    # batches queued or being handled; changed under LayerwiseSender._writers_lock
-    # (with every put), so 0 means nothing is queued and nothing is in flight
-    pending: int = 0
-
-
 @dataclass(frozen=True)
 class _InFlight:
     """The engine write one writer is in (for the overdue log)."""
@@ -135,37 +143,8 @@ class _InFlight:
     transfer_ids: frozenset[str]
 
 
-@dataclass
-class TransferStats:
-    """Timeline of one transfer on P (time.monotonic() seconds), for tests and benches."""
-
-    transfer_id: str
-    prompt_len: int = 0
-    first_write_start: float | None = None
-    last_write_end: float | None = None
-    prefill_end: float | None = None  # P's last layer of the prompt's last chunk computed
-    bytes_written: int = 0
-    bytes_before_prefill_end: int = 0
-    writes: int = 0
-    writes_dropped: int = 0  # queued writes of an ended transfer that never ran
-    outcome: str | None = None  # "completed" or the error
-    ended_at: float | None = None  # its end was reported (D answered, blocks releasable)
-
-
-@dataclass
-class _Totals:
-    writes: int = 0
-    bytes: int = 0
-    writes_dropped: int = 0
-    transfers_completed: int = 0
-    transfers_failed: int = 0
-
-
 class LayerwiseSender:
     """Pushes a prefill worker's KV to decode instances layer by layer."""
-
-    # A decode session's writer thread retires after this long without work.
-    writer_idle_s: float = 30.0
 
     def __init__(
         self,
@@ -188,33 +167,44 @@ class LayerwiseSender:
         self._clock = clock
         self.tracker = LayerwiseTracker(len(self.local_base_addrs), block_size)
         self._lock = threading.Lock()
-        self._writers_lock = threading.Lock()
-        self._writers: dict[str, _Writer] = {}  # decode session -> its writer (with work)
-        self._writers_started = 0
+        self.writers: WriterPool[_Batch] = WriterPool(
+            self._run_batch, self._dispatch, config.io_cpus
+        )
         self._in_flight: dict[str, _InFlight] = {}  # decode session -> its engine write
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         # ended: (when, error), in order of time (pruned from the front)
-        self._results: collections.OrderedDict[str, tuple[float, str | None]] = \
+        self._results: collections.OrderedDict[str, tuple[float, str | None]] = (
             collections.OrderedDict()
+        )
         # finished on P, no destination yet: deadline, in order of deadline (one timeout)
         self._deadlines: collections.OrderedDict[str, float] = collections.OrderedDict()
         # P requests whose blocks the scheduler keeps until we report them
         self._handed_over: set[str] = set()
-        self._slot_events: list[ComputeEvent | None] = [None] * len(self.local_base_addrs)
+        self._slot_events: list[ComputeEvent | None] = [None] * len(
+            self.local_base_addrs
+        )
         self._step_active = False
         self._step_final: list[str] = []  # transfers whose prompt completes this step
         self._layers_this_step = 0
         self._finished_sending: set[str] = set()
-        self.totals = _Totals()
-        self._stats: collections.OrderedDict[str, TransferStats] = collections.OrderedDict()
+        self.log = TransferLog()  # changed under self._lock
 
     @classmethod
-    def for_kv_caches(cls, write_fn: WriteFn, kv_caches: dict[str, torch.Tensor],
-                      split_k_and_v: bool, base_addrs: list[int], block_len: int,
-                      block_size: int, config: ExtConfig) -> LayerwiseSender:
+    def for_kv_caches(
+        cls,
+        write_fn: WriteFn,
+        kv_caches: dict[str, torch.Tensor],
+        split_k_and_v: bool,
+        base_addrs: list[int],
+        block_len: int,
+        block_size: int,
+        config: ExtConfig,
+    ) -> LayerwiseSender:
         layer_slots, addrs = slots_by_layer(kv_caches, split_k_and_v)
         if addrs != list(base_addrs):
-            raise RuntimeError("layer-wise push: KV tensor order differs from the registered one")
+            raise RuntimeError(
+                "layer-wise push: KV tensor order differs from the registered one"
+            )
         return cls(write_fn, layer_slots, base_addrs, block_len, block_size, config)
 
     # ---- forward thread ------------------------------------------------------
@@ -227,33 +217,44 @@ class LayerwiseSender:
             # computed into for another request by it; its queued writes must
             # not read them (start_writes drops them once the transfer ended).
             for transfer_id in meta.preempted:
-                self.tracker.fail(transfer_id,
-                                  "the request was preempted on the prefill instance")
+                self.tracker.fail(
+                    transfer_id, "the request was preempted on the prefill instance"
+                )
             for transfer_id in meta.aborted:
-                self.tracker.release(transfer_id, "", 0, holds_blocks=False,
-                                     reason="the request was aborted on the prefill instance")
+                self.tracker.release(
+                    transfer_id,
+                    "",
+                    0,
+                    holds_blocks=False,
+                    reason="the request was aborted on the prefill instance",
+                )
             for fin in meta.finished:
                 self._handed_over.add(fin.p_req_id)
-                st = self._stat(fin.transfer_id, fin.prompt_len)
+                st = self.log.of(fin.transfer_id, fin.prompt_len)
                 if fin.aborted:
-                    self.tracker.release(fin.transfer_id, fin.p_req_id, fin.prompt_len,
-                                         reason="the request was aborted on the prefill "
-                                                "instance")
+                    self.tracker.release(
+                        fin.transfer_id,
+                        fin.p_req_id,
+                        fin.prompt_len,
+                        reason="the request was aborted on the prefill instance",
+                    )
                     continue
                 if st.prefill_end is None:
                     st.prefill_end = now  # post-hoc: the prompt was computed by now
-                ops += self.tracker.request_finished(fin.transfer_id, fin.p_req_id,
-                                                     list(fin.block_ids), fin.prompt_len)
+                ops += self.tracker.request_finished(
+                    fin.transfer_id, fin.p_req_id, list(fin.block_ids), fin.prompt_len
+                )
                 t = self.tracker.get(fin.transfer_id)
                 if t is not None and t.destination is None and not t.done:
                     self._deadlines[fin.transfer_id] = now + self.timeout_s
                     self._deadlines.move_to_end(fin.transfer_id)
             ops += self.tracker.begin_step(meta.steps)
             self._step_active = bool(meta.steps)
-            self._step_final = [s.transfer_id for s in meta.steps
-                                if s.computed_tokens >= s.prompt_len]
+            self._step_final = [
+                s.transfer_id for s in meta.steps if s.computed_tokens >= s.prompt_len
+            ]
             for s in meta.steps:
-                self._stat(s.transfer_id, s.prompt_len)
+                self.log.of(s.transfer_id, s.prompt_len)
             self._layers_this_step = 0
         self._submit(ops, None)
         self._dispatch()
@@ -274,7 +275,7 @@ class LayerwiseSender:
             if self._layers_this_step == len(self.layer_slots):
                 now = self._clock()
                 for tid in self._step_final:
-                    st = self._stats.get(tid)
+                    st = self.log.get(tid)
                     if st is not None and st.prefill_end is None:
                         st.prefill_end = now
         self._submit(ops, (event,))
@@ -293,10 +294,15 @@ class LayerwiseSender:
                 t = self.tracker.get(transfer_id)
                 if t is None or t.done or t.destination is not None:
                     continue
-                logger.warning("Layer-wise transfer %s: the decode instance did not ask for "
-                               "the KV within %.0fs; freeing the blocks.", transfer_id,
-                               self.timeout_s)
-                self.tracker.fail(transfer_id, "expired: the decode instance never asked")
+                logger.warning(
+                    "Layer-wise transfer %s: the decode instance did not ask for "
+                    "the KV within %.0fs; freeing the blocks.",
+                    transfer_id,
+                    self.timeout_s,
+                )
+                self.tracker.fail(
+                    transfer_id, "expired: the decode instance never asked"
+                )
             while self._results:
                 transfer_id, (when, _) = next(iter(self._results.items()))
                 if now - when <= 2 * self.timeout_s:
@@ -309,8 +315,12 @@ class LayerwiseSender:
             out -= stray
             self._handed_over -= out
         if stray:  # never reaches vLLM's scheduler, which knows only its own requests
-            logger.error("Layer-wise push: not reporting %d request ids the scheduler never "
-                         "handed over: %s", len(stray), sorted(stray)[:8])
+            logger.error(
+                "Layer-wise push: not reporting %d request ids the scheduler never "
+                "handed over: %s",
+                len(stray),
+                sorted(stray)[:8],
+            )
         return out
 
     # ---- sender event loop (ZMQ) -----------------------------------------------
@@ -326,10 +336,14 @@ class LayerwiseSender:
                 return self._results[transfer_id][1] or "the transfer already ended"
             if transfer_id in self._waiters:
                 return "a second request for a transfer that is being served"
-            if self.tracker.unannounced(transfer_id) and \
-                    self.tracker.num_unannounced() >= MAX_UNKNOWN:
-                return (f"{MAX_UNKNOWN} requests already wait for transfers this prefill "
-                        "instance has not scheduled; refusing more")
+            if (
+                self.tracker.unannounced(transfer_id)
+                and self.tracker.num_unannounced() >= MAX_UNKNOWN
+            ):
+                return (
+                    f"{MAX_UNKNOWN} requests already wait for transfers this prefill "
+                    "instance has not scheduled; refusing more"
+                )
             self._waiters[transfer_id] = (loop, fut)
             ops = self.tracker.set_destination(transfer_id, dest)
         self._submit(ops, None)
@@ -351,8 +365,9 @@ class LayerwiseSender:
             with self._lock:
                 self._waiters.pop(transfer_id, None)
 
-    async def _answer_when_written(self, transfer_id: str, session: str,
-                                   fut: asyncio.Future) -> str | None:
+    async def _answer_when_written(
+        self, transfer_id: str, session: str, fut: asyncio.Future
+    ) -> str | None:
         """The ended transfer's answer, once no write of it is in flight. There
         is no timeout: until the engine's write returns, its bytes may land in
         D's blocks. A write in flight past the engine's bound is logged (once)."""
@@ -371,7 +386,12 @@ class LayerwiseSender:
                             "Layer-wise transfer %s ended, but its write to %s (%d bytes) is "
                             "still in flight %.0f s after it started, past the engine's bound "
                             "(%.0f s); the decode instance is answered once it returns",
-                            transfer_id, session, w.nbytes, age, bound)
+                            transfer_id,
+                            session,
+                            w.nbytes,
+                            age,
+                            bound,
+                        )
                     else:
                         wait = min(wait, bound - age + 0.01)
             try:
@@ -379,7 +399,9 @@ class LayerwiseSender:
             except asyncio.TimeoutError:
                 continue
 
-    async def _wait_or_timeout(self, transfer_id: str, fut: asyncio.Future) -> str | None:
+    async def _wait_or_timeout(
+        self, transfer_id: str, fut: asyncio.Future
+    ) -> str | None:
         """Wait for the transfer's end (None), or return why it must be failed: P
         never scheduled it within MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S (an id
         nobody announced: a stale or forged request on P's unauthenticated ZMQ
@@ -395,17 +417,26 @@ class LayerwiseSender:
         with self._lock:
             unknown = self.tracker.unannounced(transfer_id)
         if unknown:
-            return (f"this prefill instance never scheduled transfer {transfer_id} within "
-                    f"{unknown_s:.0f}s (MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S)")
+            return (
+                f"this prefill instance never scheduled transfer {transfer_id} within "
+                f"{unknown_s:.0f}s (MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S)"
+            )
         try:
-            await asyncio.wait_for(asyncio.shield(fut),
-                                   max(0.0, self.timeout_s - (time.monotonic() - start)))
+            await asyncio.wait_for(
+                asyncio.shield(fut),
+                max(0.0, self.timeout_s - (time.monotonic() - start)),
+            )
             return None
         except asyncio.TimeoutError:
             return f"timed out after {self.timeout_s:.0f}s"
 
-    async def serve(self, session: str, base_addrs: list[int],
-                    req_blocks: dict[str, tuple[str, list[int]]], reply: Reply) -> None:
+    async def serve(
+        self,
+        session: str,
+        base_addrs: list[int],
+        req_blocks: dict[str, tuple[str, list[int]]],
+        reply: Reply,
+    ) -> None:
         """P side of upstream's pull protocol, served from layer-wise pushes.
 
         One reply per batch of transfers that ended (CONTINUE), the last one
@@ -413,19 +444,28 @@ class LayerwiseSender:
         MAX_TRANSFERS_PER_REQUEST are refused in the first reply, before
         anything is created for them."""
         items = list(req_blocks.items())
-        refused = {d_req_id: (f"one request named {len(items)} transfers; a prefill worker "
-                              f"serves at most {MAX_TRANSFERS_PER_REQUEST} per request")
-                   for d_req_id, _ in items[MAX_TRANSFERS_PER_REQUEST:]}
+        refused = {
+            d_req_id: (
+                f"one request named {len(items)} transfers; a prefill worker "
+                f"serves at most {MAX_TRANSFERS_PER_REQUEST} per request"
+            )
+            for d_req_id, _ in items[MAX_TRANSFERS_PER_REQUEST:]
+        }
         tasks = {
-            asyncio.create_task(self.push(transfer_id, Destination(session, list(base_addrs),
-                                                                   list(block_ids)))): d_req_id
+            asyncio.create_task(
+                self.push(
+                    transfer_id, Destination(session, list(base_addrs), list(block_ids))
+                )
+            ): d_req_id
             for d_req_id, (transfer_id, block_ids) in items[:MAX_TRANSFERS_PER_REQUEST]
         }
         if refused:
             await reply([], refused, not tasks)
         pending = set(tasks)
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(
+                pending, return_when=asyncio.FIRST_COMPLETED
+            )
             ok, errs = [], {}
             for task in done:
                 e = task.result()
@@ -436,7 +476,9 @@ class LayerwiseSender:
             await reply(ok, errs, not pending)
 
     # ---- writer threads (one per decode peer with work) ------------------------
-    def _submit(self, ops: list[WriteOp], events: tuple[ComputeEvent | None, ...] | None) -> None:
+    def _submit(
+        self, ops: list[WriteOp], events: tuple[ComputeEvent | None, ...] | None
+    ) -> None:
         """Queue the writes to their destination's writer (one FIFO per decode peer)."""
         if not ops:
             return
@@ -448,94 +490,58 @@ class LayerwiseSender:
         for op in ops:
             by_session.setdefault(op.session, []).append(op)
         for session, sops in by_session.items():
-            with self._writers_lock:  # the put too: a writer retires only with nothing queued
-                writer = self._writer_for(session)
-                if writer is not None:
-                    writer.pending += 1
-                    writer.queue.put(_Batch(sops, uniq))
-            if writer is None:
+            if not self.writers.submit(session, _Batch(sops, uniq)):
                 with self._lock:
                     for tid in {op.transfer_id for op in sops}:
-                        self.tracker.fail(tid, f"more than {MAX_PEERS} decode peers with "
-                                          f"writes at once; refusing a writer for {session}")
+                        self.tracker.fail(
+                            tid,
+                            f"more than {self.writers.max_peers} decode peers with "
+                            f"writes at once; refusing a writer for {session}",
+                        )
                 self._dispatch()
-
-    def _writer_for(self, session: str) -> _Writer | None:
-        """The writer serving ``session``, started on first use (a dead or slow
-        decode peer stalls only the transfers to it). Caller holds _writers_lock.
-        At MAX_PEERS, writers with nothing to do are retired to make room: the
-        cap counts sessions with work, not every session seen."""
-        w = self._writers.get(session)
-        if w is not None:
-            return w
-        if len(self._writers) >= MAX_PEERS:
-            for idle in [w for w in self._writers.values() if w.pending == 0]:
-                del self._writers[idle.session]
-                idle.queue.put(None)
-            if len(self._writers) >= MAX_PEERS:
-                return None
-        w = self._writers[session] = _Writer(session, queue.Queue())
-        self._writers_started += 1
-        threading.Thread(target=self._writer_loop, args=(w,), daemon=True,
-                         name=f"vllm-mooncake-layerwise-{self._writers_started}").start()
-        return w
 
     def num_writers(self) -> int:
         """Writer threads serving a decode session now (tests, observability)."""
-        with self._writers_lock:
-            return len(self._writers)
+        return self.writers.num_writers()
+
+    @property
+    def writer_idle_s(self) -> float:
+        """A decode session's writer thread retires after this long without work."""
+        return self.writers.idle_s
+
+    @writer_idle_s.setter
+    def writer_idle_s(self, seconds: float) -> None:
+        self.writers.idle_s = seconds
 
     def idle(self) -> bool:
         """No queued batch and no write in flight (tests)."""
-        with self._writers_lock:
-            queued = any(w.pending for w in self._writers.values())
+        queued = self.writers.queued()
         with self._lock:
             inflight = self.tracker.inflight
         return not inflight and not queued
-
-    def _writer_loop(self, w: _Writer) -> None:
-        """One decode peer's writer: admits each batch's writes (dropping those of
-        ended transfers), waits for the compute they read, writes, reports.
-        Retires once it had nothing to do for writer_idle_s."""
-        move_current_thread_to_io_cpus(self.config.io_cpus)
-        deprioritize_current_poller(self.config.io_cpus)  # the write polls the engine
-        while True:
-            try:
-                batch = w.queue.get(timeout=self.writer_idle_s)
-            except queue.Empty:
-                with self._writers_lock:
-                    if w.pending == 0:
-                        if self._writers.get(w.session) is w:
-                            del self._writers[w.session]
-                        return
-                continue
-            if batch is None:
-                return
-            try:
-                self._run_batch(w.session, batch)
-            finally:
-                with self._writers_lock:
-                    w.pending -= 1
-            self._dispatch()
 
     def _run_batch(self, session: str, batch: _Batch) -> None:
         with self._lock:
             run, dropped = self.tracker.start_writes(batch.ops)
             now = self._clock()
             for op in dropped:
-                self.totals.writes_dropped += 1
-                self._stat(op.transfer_id).writes_dropped += 1
+                self.log.totals.writes_dropped += 1
+                self.log.of(op.transfer_id).writes_dropped += 1
             prompt_lens: dict[int, int] = {}  # prompt length -> writes done (faults)
             for op in run:
-                st = self._stat(op.transfer_id)
+                st = self.log.of(op.transfer_id)
                 if st.first_write_start is None:
                     st.first_write_start = now
-                prompt_lens[self.tracker.transfers[op.transfer_id].prompt_len] = st.writes
+                prompt_lens[self.tracker.transfers[op.transfer_id].prompt_len] = (
+                    st.writes
+                )
         if run:
             wait_all(batch.events)
             self._write(session, run, prompt_lens)
 
-    def _write(self, session: str, ops: list[WriteOp], prompt_lens: dict[int, int]) -> None:
+    def _write(
+        self, session: str, ops: list[WriteOp], prompt_lens: dict[int, int]
+    ) -> None:
         src, dst, lens = [], [], []
         op_bytes = []
         for op in ops:
@@ -548,8 +554,9 @@ class LayerwiseSender:
             op_bytes.append(sum(lens[n0:]))
         err = None
         with self._lock:
-            self._in_flight[session] = _InFlight(self._clock(), sum(lens),
-                                                 frozenset(op.transfer_id for op in ops))
+            self._in_flight[session] = _InFlight(
+                self._clock(), sum(lens), frozenset(op.transfer_id for op in ops)
+            )
         if self.config.faults.armed:  # tests only
             for plen, writes_done in prompt_lens.items():
                 err = err or write_fault(self.config.faults, plen, writes_done)
@@ -564,11 +571,11 @@ class LayerwiseSender:
             self._in_flight.pop(session, None)
             self.tracker.writes_done(ops, err is None, err)
             now = self._clock()
-            self.totals.writes += len(src)
+            self.log.totals.writes += len(src)
             if err is None:
-                self.totals.bytes += sum(lens)
+                self.log.totals.bytes += sum(lens)
                 for op, nbytes in zip(ops, op_bytes):
-                    st = self._stat(op.transfer_id)
+                    st = self.log.of(op.transfer_id)
                     st.writes += 1
                     st.bytes_written += nbytes
                     st.last_write_end = now
@@ -578,32 +585,37 @@ class LayerwiseSender:
             logger.error("Layer-wise push: %s", err)
 
     def shutdown(self) -> None:
-        with self._writers_lock:
-            for w in self._writers.values():
-                w.queue.put(None)
-            self._writers.clear()
+        self.writers.shutdown()
 
     # ---- completion ------------------------------------------------------------
     def _dispatch(self) -> None:
         """Report ended transfers with no write in flight, exactly once: answer
         their waiter (D) and hand their P blocks back to the scheduler."""
-        resolved: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, str | None]] = []
+        resolved: list[
+            tuple[asyncio.AbstractEventLoop, asyncio.Future, str | None]
+        ] = []
         with self._lock:
             now = self._clock()
             for t in self.tracker.pop_finished():
-                err = None if t.state is TransferState.COMPLETED else (t.error or "failed")
+                err = (
+                    None
+                    if t.state is TransferState.COMPLETED
+                    else (t.error or "failed")
+                )
                 if err is None:
-                    self.totals.transfers_completed += 1
+                    self.log.totals.transfers_completed += 1
                 else:
-                    self.totals.transfers_failed += 1
-                st = self._stat(t.transfer_id, t.prompt_len)
+                    self.log.totals.transfers_failed += 1
+                st = self.log.of(t.transfer_id, t.prompt_len)
                 st.outcome, st.ended_at = err or "completed", now
                 self._results[t.transfer_id] = (now, err)
                 waiter = self._waiters.pop(t.transfer_id, None)
                 if waiter is not None:
                     resolved.append((*waiter, err))
                 if err is not None:
-                    logger.warning("Layer-wise transfer %s failed: %s", t.transfer_id, err)
+                    logger.warning(
+                        "Layer-wise transfer %s failed: %s", t.transfer_id, err
+                    )
             for t in self.tracker.pop_releasable():
                 if t.holds_blocks:
                     self._finished_sending.add(t.p_req_id)
@@ -612,22 +624,10 @@ class LayerwiseSender:
             loop.call_soon_threadsafe(_set_result, fut, err)
 
     # ---- observability ---------------------------------------------------------
-    def _stat(self, transfer_id: str, prompt_len: int = 0) -> TransferStats:
-        """Caller holds self._lock."""
-        st = self._stats.get(transfer_id)
-        if st is None:
-            st = self._stats[transfer_id] = TransferStats(transfer_id)
-            while len(self._stats) > STATS_KEPT:
-                self._stats.popitem(last=False)
-        if prompt_len:
-            st.prompt_len = prompt_len
-        return st
-
     def snapshot(self) -> dict[str, Any]:
+        """Totals and the last transfers' timelines (GET /layerwise/transfers)."""
         with self._lock:
-            return {"totals": {**asdict(self.totals),
-                               "waiting_unknown": self.tracker.num_unannounced()},
-                    "transfers": [asdict(s) for s in self._stats.values()]}
+            return self.log.snapshot(self.tracker.num_unannounced())
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:
@@ -635,19 +635,4 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
         fut.set_result(value)
 
 
-def register_routes(app: Any, get_sender: Callable[[], LayerwiseSender | None],
-                    guard: Any = None) -> None:
-    """GET /layerwise/transfers on P's bootstrap server: totals and the
-    timeline of the last transfers (monotonic seconds of P's worker process)."""
-    async def layerwise_transfers(request: Request) -> dict[str, Any]:
-        if guard is not None and (denied := guard.check(request.headers.get("authorization"))):
-            raise HTTPException(status_code=denied[0], detail=denied[1])
-        sender = get_sender()
-        if sender is None:
-            raise HTTPException(status_code=404, detail="layer-wise push is not enabled here")
-        return sender.snapshot()
-
-    app.get("/layerwise/transfers")(layerwise_transfers)
-
-
-__all__ = ["LayerwiseSender", "TransferStats", "register_routes", "slots_by_layer"]
+__all__ = ["LayerwiseSender", "TransferStats", "slots_by_layer"]

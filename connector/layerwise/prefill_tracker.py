@@ -47,7 +47,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .protocol import ComputedStep
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    ComputedStep,
+)
 
 
 class TransferState(str, Enum):
@@ -60,7 +62,9 @@ class TransferState(str, Enum):
 class Destination:
     session: str  # "host:rpc_port" of D's transfer engine
     base_addrs: list[int]  # D's KV base address per slot
-    block_ids: list[int]  # D's blocks for the request (the prompt's tail if D had a prefix hit)
+    block_ids: list[
+        int
+    ]  # D's blocks for the request (the prompt's tail if D had a prefix hit)
 
 
 @dataclass(frozen=True)
@@ -144,8 +148,11 @@ class LayerwiseTracker:
         self._step = []
         ops: list[WriteOp] = []
         for step in steps:
-            transfer_id, block_ids, computed = step.transfer_id, list(step.block_ids), \
-                step.computed_tokens
+            transfer_id, block_ids, computed = (
+                step.transfer_id,
+                list(step.block_ids),
+                step.computed_tokens,
+            )
             t = self._get_or_create(transfer_id, step.p_req_id, step.prompt_len)
             if t.done:
                 continue
@@ -194,19 +201,27 @@ class LayerwiseTracker:
             self._fail(t, "a second destination arrived for the same transfer")
             return []
         if len(dest.base_addrs) != self.num_slots:
-            self._fail(t, f"destination has {len(dest.base_addrs)} KV tensors, this instance "
-                          f"{self.num_slots}: the two instances must run the same model")
+            self._fail(
+                t,
+                f"destination has {len(dest.base_addrs)} KV tensors, this instance "
+                f"{self.num_slots}: the two instances must run the same model",
+            )
             return []
         if len(dest.block_ids) > t.total_blocks:
-            self._fail(t, f"destination expects {len(dest.block_ids)} blocks, the prompt has "
-                          f"{t.total_blocks}")
+            self._fail(
+                t,
+                f"destination expects {len(dest.block_ids)} blocks, the prompt has "
+                f"{t.total_blocks}",
+            )
             return []
         t.destination = dest
         ops = self._issue(t, list(range(self.num_slots)))
         self._maybe_complete(t)
         return ops
 
-    def start_writes(self, ops: Iterable[WriteOp]) -> tuple[list[WriteOp], list[WriteOp]]:
+    def start_writes(
+        self, ops: Iterable[WriteOp]
+    ) -> tuple[list[WriteOp], list[WriteOp]]:
         """The writer is about to run these ops: (admitted, dropped).
 
         Ops of a transfer that has ended (or of a stale epoch) are dropped: they
@@ -222,15 +237,19 @@ class LayerwiseTracker:
             admitted.append(op)
         return admitted, dropped
 
-    def writes_done(self, ops: list[WriteOp], ok: bool, error: str | None = None) -> None:
+    def writes_done(
+        self, ops: list[WriteOp], ok: bool, error: str | None = None
+    ) -> None:
         """The writer finished these admitted ops (all or nothing)."""
         for op in ops:
             t = self.transfers.get(op.transfer_id)
             if t is None:
                 continue
             if t.inflight <= 0:
-                raise AssertionError(f"writes_done for transfer {op.transfer_id} with no write "
-                                     "in flight: every op must go through start_writes")
+                raise AssertionError(
+                    f"writes_done for transfer {op.transfer_id} with no write "
+                    "in flight: every op must go through start_writes"
+                )
             t.inflight -= 1
             self.inflight -= 1
             if t.done or op.epoch != t.epoch:
@@ -242,8 +261,9 @@ class LayerwiseTracker:
             t.written[op.slot] = max(t.written[op.slot], end)
             self._maybe_complete(t)
 
-    def request_finished(self, transfer_id: str, p_req_id: str, block_ids: list[int],
-                         prompt_len: int) -> list[WriteOp]:
+    def request_finished(
+        self, transfer_id: str, p_req_id: str, block_ids: list[int], prompt_len: int
+    ) -> list[WriteOp]:
         """P's scheduler finished the request normally: its whole prompt is computed.
 
         Every block is final in every slot. For a transfer that was never pushed
@@ -267,9 +287,14 @@ class LayerwiseTracker:
         self._maybe_complete(t)
         return ops
 
-    def release(self, transfer_id: str, p_req_id: str, prompt_len: int,
-                holds_blocks: bool = True,
-                reason: str = "the request ended on the prefill instance") -> None:
+    def release(
+        self,
+        transfer_id: str,
+        p_req_id: str,
+        prompt_len: int,
+        holds_blocks: bool = True,
+        reason: str = "the request ended on the prefill instance",
+    ) -> None:
         """P's request ended without completing (abort): nothing more to send; its
         blocks can be released once the transfer has ended (see pop_finished).
         holds_blocks=False: the scheduler freed them already (never report it).
@@ -325,7 +350,9 @@ class LayerwiseTracker:
         """Drop all state of a transfer (P's request is gone, no write in flight)."""
         t = self.transfers.get(transfer_id)
         if t is not None and t.inflight:
-            raise AssertionError(f"forget({transfer_id}) with {t.inflight} writes in flight")
+            raise AssertionError(
+                f"forget({transfer_id}) with {t.inflight} writes in flight"
+            )
         self.transfers.pop(transfer_id, None)
         self._pending.pop(transfer_id, None)
         self._releasable.pop(transfer_id, None)
@@ -344,11 +371,15 @@ class LayerwiseTracker:
         return len(self._pending)
 
     # ---- internals -----------------------------------------------------------
-    def _get_or_create(self, transfer_id: str, p_req_id: str, prompt_len: int) -> Transfer:
+    def _get_or_create(
+        self, transfer_id: str, p_req_id: str, prompt_len: int
+    ) -> Transfer:
         """The transfer P's scheduler announces (a step, or the request's end)."""
         t = self.transfers.get(transfer_id)
         if t is None:
-            t = Transfer(transfer_id, p_req_id, prompt_len, self.block_size, self.num_slots)
+            t = Transfer(
+                transfer_id, p_req_id, prompt_len, self.block_size, self.num_slots
+            )
             self.transfers[transfer_id] = t
         elif p_req_id and not t.p_req_id:
             t.p_req_id = p_req_id
@@ -374,9 +405,19 @@ class LayerwiseTracker:
             if end <= start:
                 continue
             src = t.block_ids[start:end]
-            dst = t.destination.block_ids[start - skip:end - skip]
-            ops.append(WriteOp(t.transfer_id, t.destination.session, s, tuple(src), tuple(dst),
-                               t.destination.base_addrs[s], start, t.epoch))
+            dst = t.destination.block_ids[start - skip : end - skip]
+            ops.append(
+                WriteOp(
+                    t.transfer_id,
+                    t.destination.session,
+                    s,
+                    tuple(src),
+                    tuple(dst),
+                    t.destination.base_addrs[s],
+                    start,
+                    t.epoch,
+                )
+            )
             t.issued[s] = end
         # Slots fully skipped (D holds everything) count as written.
         for s in slots:

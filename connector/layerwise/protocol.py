@@ -36,7 +36,8 @@ def requested_mode(params: Mapping[str, Any] | None) -> TransferMode | None:
     except ValueError:
         raise ValueError(
             f"kv_transfer_params[{MODE_PARAM!r}]={str(value)[:40]!r} is not one of "
-            f"{[m.value for m in TransferMode]}") from None
+            f"{[m.value for m in TransferMode]}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -81,5 +82,10 @@ class LayerwiseMetadata:
     cleanup_reqs: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.steps or self.finished or self.aborted or self.preempted
-                    or self.cleanup_reqs)
+        return bool(
+            self.steps
+            or self.finished
+            or self.aborted
+            or self.preempted
+            or self.cleanup_reqs
+        )

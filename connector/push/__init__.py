@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Prefix push migration: instance C writes its cached prefix into D's blocks.
+"""Prefix push migration: instance C (the source) writes its cached prefix into D's blocks.
 
-  protocol.py   every message: HTTP bodies (shared by client and server),
-                scheduler -> worker jobs, worker -> scheduler outcomes
-  server.py     C (the source): POST /match_blocks, /push_blocks, /push_proof
-  scheduler.py  D's scheduler: ask C, count the held blocks as external tokens
-  receiver.py   D's worker: one PushTransfer per push, ended exactly once
+protocol.py              every message: HTTP bodies (shared by client and server),
+                         scheduler -> worker jobs, worker -> scheduler outcomes
+decode_scheduler.py      D's scheduler: ask C, count the held blocks as external tokens
+decode_client.py         D: calls to C, bounded in time, bytes and per source
+decode_receiver.py       D's worker: one PushTransfer per push, ended exactly once
+source_server.py         C: match, push and proof of write (served by routes.py)
+source_destinations.py   C: where it may write (never its own engine; layouts)
+source_writer.py         C: the engine write, on a low-priority thread
 """

@@ -33,6 +33,7 @@ differential), the request headers are httpx's; httpcore sends them.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
@@ -45,7 +46,11 @@ from typing import Any
 import httpcore
 import httpx
 
-from ..config import ConfigError, normalize_source
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ConfigError,
+    normalize_source,
+)
+
 
 def source_origin(url: str) -> str:
     """A push_from value's normalised origin, ``scheme://host:port``, the only part
@@ -53,9 +58,12 @@ def source_origin(url: str) -> str:
     optionally with a trailing "/"."""
     if not isinstance(url, str):
         raise ValueError(f"not a string: {type(url).__name__}")
-    if not url.isascii() or any(c.isspace() or not c.isprintable() or c in "\\?#" for c in url):
-        raise ValueError("a query, fragment, backslash, whitespace, control or non-ASCII "
-                         "character")
+    if not url.isascii() or any(
+        c.isspace() or not c.isprintable() or c in "\\?#" for c in url
+    ):
+        raise ValueError(
+            "a query, fragment, backslash, whitespace, control or non-ASCII character"
+        )
     scheme, sep, rest = url.partition("://")
     netloc, slash, path = rest.partition("/")
     if not sep or "@" in netloc:
@@ -99,7 +107,9 @@ class _DeadlineStream(httpcore.NetworkStream):
         self._backend = backend
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, self._backend.wait(timeout, httpcore.ReadTimeout))
+        return self._inner.read(
+            max_bytes, self._backend.wait(timeout, httpcore.ReadTimeout)
+        )
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._inner.write(buffer, self._backend.wait(timeout, httpcore.WriteTimeout))
@@ -108,10 +118,17 @@ class _DeadlineStream(httpcore.NetworkStream):
         self._backend.forget(self)
         self._inner.close()
 
-    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
-                  timeout: float | None = None) -> httpcore.NetworkStream:
-        inner = self._inner.start_tls(ssl_context, server_hostname,
-                                      self._backend.wait(timeout, httpcore.ConnectTimeout))
+    def start_tls(
+        self,
+        ssl_context: Any,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        inner = self._inner.start_tls(
+            ssl_context,
+            server_hostname,
+            self._backend.wait(timeout, httpcore.ConnectTimeout),
+        )
         self._backend.forget(self)
         return self._backend.track(inner)
 
@@ -122,10 +139,8 @@ class _DeadlineStream(httpcore.NetworkStream):
         """Wake a read or write blocked on this connection (from another thread)."""
         sock = self._inner.get_extra_info("socket")
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 class _DeadlineBackend(httpcore.NetworkBackend):
@@ -147,17 +162,32 @@ class _DeadlineBackend(httpcore.NetworkBackend):
             raise error("the call's deadline passed")
         return left if timeout is None else min(timeout, left)
 
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                    local_address: str | None = None, socket_options: Any = None
-                    ) -> httpcore.NetworkStream:
-        return self.track(self._inner.connect_tcp(
-            host, port, self.wait(timeout, httpcore.ConnectTimeout), local_address,
-            socket_options))
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.NetworkStream:
+        return self.track(
+            self._inner.connect_tcp(
+                host,
+                port,
+                self.wait(timeout, httpcore.ConnectTimeout),
+                local_address,
+                socket_options,
+            )
+        )
 
-    def connect_unix_socket(self, path: str, timeout: float | None = None,
-                            socket_options: Any = None) -> httpcore.NetworkStream:
-        return self.track(self._inner.connect_unix_socket(
-            path, self.wait(timeout, httpcore.ConnectTimeout), socket_options))
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Any = None
+    ) -> httpcore.NetworkStream:
+        return self.track(
+            self._inner.connect_unix_socket(
+                path, self.wait(timeout, httpcore.ConnectTimeout), socket_options
+            )
+        )
 
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
@@ -192,50 +222,66 @@ class _SourceClient:
         self.max_answer_bytes = max_answer_bytes
         self.pool = httpcore.ConnectionPool(
             ssl_context=httpx.create_ssl_context() if tls else None,
-            max_connections=connections, max_keepalive_connections=connections,
-            network_backend=self.backend)
+            max_connections=connections,
+            max_keepalive_connections=connections,
+            network_backend=self.backend,
+        )
 
-    def post(self, url: str, content: bytes, headers: dict[str, str], deadline: float
-             ) -> Answer:
+    def post(
+        self, url: str, content: bytes, headers: dict[str, str], deadline: float
+    ) -> Answer:
         left = deadline - time.monotonic()
         if left <= 0:
             raise DeadlinePassed(f"POST {url}: the deadline passed before the call")
         req = httpx.Request("POST", url, content=content, headers=headers)
         u = req.url
-        target = httpcore.URL(scheme=u.raw_scheme, host=u.raw_host, port=u.port,
-                              target=u.raw_path)
+        target = httpcore.URL(
+            scheme=u.raw_scheme, host=u.raw_host, port=u.port, target=u.raw_path
+        )
         cap = self.max_answer_bytes
         self.backend.calls.deadline = deadline
         try:
-            with self.pool.stream("POST", target, headers=req.headers.raw, content=content,
-                                  extensions={"timeout": {"pool": left}}) as r:
-                declared = dict((k.lower(), v) for k, v in r.headers).get(b"content-length")
+            with self.pool.stream(
+                "POST",
+                target,
+                headers=req.headers.raw,
+                content=content,
+                extensions={"timeout": {"pool": left}},
+            ) as r:
+                declared = dict((k.lower(), v) for k, v in r.headers).get(
+                    b"content-length"
+                )
                 if declared is not None and declared.isdigit() and int(declared) > cap:
-                    raise AnswerTooLarge(f"POST {url}: an answer of {int(declared)} bytes, "
-                                         f"more than the {cap} this instance reads; refused "
-                                         "unread")
+                    raise AnswerTooLarge(
+                        f"POST {url}: an answer of {int(declared)} bytes, "
+                        f"more than the {cap} this instance reads; refused "
+                        "unread"
+                    )
                 body = bytearray()
                 for chunk in r.iter_stream():
                     body += chunk
                     if len(body) > cap:
-                        raise AnswerTooLarge(f"POST {url}: an answer of more than the {cap} "
-                                             "bytes this instance reads; refused")
+                        raise AnswerTooLarge(
+                            f"POST {url}: an answer of more than the {cap} "
+                            "bytes this instance reads; refused"
+                        )
                     if time.monotonic() >= deadline:
-                        raise DeadlinePassed(f"POST {url}: no whole answer within the "
-                                             "call's deadline")
+                        raise DeadlinePassed(
+                            f"POST {url}: no whole answer within the call's deadline"
+                        )
                 return Answer(r.status, bytes(body))
         except httpcore.TimeoutException as e:
-            raise DeadlinePassed(f"POST {url}: no whole answer within the call's deadline "
-                                 f"({e})") from None
+            raise DeadlinePassed(
+                f"POST {url}: no whole answer within the call's deadline ({e})"
+            ) from None
         finally:
             self.backend.calls.deadline = None
 
     def close(self) -> None:
         self.backend.abort_all()
-        try:
+        # a connection another thread was using: already aborted
+        with contextlib.suppress(Exception):
             self.pool.close()
-        except Exception:  # a connection another thread was using: already aborted
-            pass
 
 
 _STOP = object()
@@ -248,8 +294,10 @@ class _Lane:
         self.name = name
         self.client = _SourceClient(threads, max_answer_bytes, tls)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
         for t in self._threads:
             t.start()
 
@@ -294,7 +342,9 @@ class SourceLanes:
     ``submit(source, fn, ...)`` runs ``fn`` on one of that source's threads;
     ``post(source, path, ...)`` (called there) sends one bounded POST to it."""
 
-    def __init__(self, name: str, threads: int, max_answer_bytes: int = MAX_ANSWER_BYTES):
+    def __init__(
+        self, name: str, threads: int, max_answer_bytes: int = MAX_ANSWER_BYTES
+    ):
         self.name = name
         self.threads = threads
         self.max_answer_bytes = max_answer_bytes
@@ -316,21 +366,31 @@ class SourceLanes:
                 raise RuntimeError(f"{self.name}: shut down")
             lane = self._lanes.get(key)
             if lane is None:
-                lane = self._lanes[key] = _Lane(f"{self.name}:{key.split('//', 1)[-1]}",
-                                                self.threads, self.max_answer_bytes,
-                                                key.startswith("https:"))
+                lane = self._lanes[key] = _Lane(
+                    f"{self.name}:{key.split('//', 1)[-1]}",
+                    self.threads,
+                    self.max_answer_bytes,
+                    key.startswith("https:"),
+                )
             return lane
 
     def submit(self, source: str, fn: Callable[..., Any], *args: Any) -> Future:
         return self._lane(source).submit(fn, *args)
 
-    def post(self, source: str, path: str, content: bytes, headers: dict[str, str],
-             deadline: float) -> Answer:
+    def post(
+        self,
+        source: str,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        deadline: float,
+    ) -> Answer:
         """POST ``path`` at ``source``'s origin (ValueError if ``source`` is more than
         an origin); the whole answer by ``deadline`` (monotonic) or DeadlinePassed,
         at most the cap or AnswerTooLarge."""
-        return self._lane(source).client.post(source_origin(source) + path, content, headers,
-                                              deadline)
+        return self._lane(source).client.post(
+            source_origin(source) + path, content, headers, deadline
+        )
 
     def sources(self) -> list[str]:
         with self._lock:

@@ -78,14 +78,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm.logger import init_logger
-
-from ..auth import request_headers
-from ..config import ExtConfig
-from ..gpu_order import ComputeEvent, EventFactory, record_after_compute, wait_all
-from ..kv_reader import PROBE_BYTES, KVReader
-from .client import SourceLanes
-from .protocol import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    request_headers,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.gpu_order import (
+    ComputeEvent,
+    EventFactory,
+    record_after_compute,
+    wait_all,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
+    PROBE_BYTES,
+    KVReader,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+    SourceLanes,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     MAX_PROBES,
     KVFingerprint,
     PushBlocksRequest,
@@ -95,6 +107,7 @@ from .protocol import (
     PushProofRequest,
     PushProofResponse,
 )
+from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
@@ -131,20 +144,33 @@ class PushTransfer:
             return self.landed
         if now >= self.hold_until:
             self.ended = True
-            logger.warning("push for %s from %s: no answer from the source within %.1f s; "
-                           "its blocks are recomputed locally", self.job.req_id,
-                           self.job.source, now - self.started)
+            logger.warning(
+                "push for %s from %s: no answer from the source within %.1f s; "
+                "its blocks are recomputed locally",
+                self.job.req_id,
+                self.job.source,
+                now - self.started,
+            )
             return 0
         return None
 
 
 class PushReceiver:
-    def __init__(self, session: str, base_addrs: list[int], block_len: int, block_size: int,
-                 num_blocks: int, fingerprint: KVFingerprint, config: ExtConfig,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, kv: KVReader | None = None,
-                 num_probes: int = MAX_PROBES,
-                 event_factory: EventFactory = record_after_compute):
+    def __init__(
+        self,
+        session: str,
+        base_addrs: list[int],
+        block_len: int,
+        block_size: int,
+        num_blocks: int,
+        fingerprint: KVFingerprint,
+        config: ExtConfig,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        kv: KVReader | None = None,
+        num_probes: int = MAX_PROBES,
+        event_factory: EventFactory = record_after_compute,
+    ):
         self.session = session
         self.base_addrs = list(base_addrs)
         self.block_len = block_len
@@ -163,7 +189,9 @@ class PushReceiver:
         self._lanes = SourceLanes("mooncake-push-recv", PUSH_THREADS_PER_SOURCE)
         self._lock = threading.Lock()
         self._transfers: dict[str, PushTransfer] = {}
-        self._outcome: dict[str, int] = {}  # reported in finished_recving, not yet in meta
+        self._outcome: dict[
+            str, int
+        ] = {}  # reported in finished_recving, not yet in meta
 
     def hold_s(self, job: PushJob) -> float:
         """How long this push's blocks are kept if C never answers."""
@@ -176,9 +204,14 @@ class PushReceiver:
         now, wall = self._clock(), self._wall_clock()
         cfg = self.config
         for job in jobs:
-            t = PushTransfer(job, now, int((wall + cfg.push_timeout_s) * 1000),
-                             now + self.hold_s(job), now + cfg.push_timeout_s,
-                             probes=self.make_probes(job))
+            t = PushTransfer(
+                job,
+                now,
+                int((wall + cfg.push_timeout_s) * 1000),
+                now + self.hold_s(job),
+                now + cfg.push_timeout_s,
+                probes=self.make_probes(job),
+            )
             t.canaries = self.plant_canaries(job, t.probes)
             if t.probes and self.kv is not None:
                 t.planted = self._event_factory(self.kv.tensor)
@@ -187,7 +220,9 @@ class PushReceiver:
             try:
                 self._lanes.submit(job.source, self._run, t)
             except RuntimeError as e:  # shut down: never sent
-                logger.warning("push for %s from %s not sent: %s", job.req_id, job.source, e)
+                logger.warning(
+                    "push for %s from %s not sent: %s", job.req_id, job.source, e
+                )
                 with self._lock:
                     t.answered(0)
 
@@ -207,13 +242,18 @@ class PushReceiver:
         rng = self._rng
         probes: list[tuple[int, int, int]] = []
         while len(probes) < want:
-            p = (rng.randrange(n) if probes else 0, rng.randrange(slots),
-                 PROBE_BYTES * rng.randrange(words))
+            p = (
+                rng.randrange(n) if probes else 0,
+                rng.randrange(slots),
+                PROBE_BYTES * rng.randrange(words),
+            )
             if p not in probes:
                 probes.append(p)
         return probes
 
-    def plant_canaries(self, job: PushJob, probes: list[tuple[int, int, int]]) -> list[bytes]:
+    def plant_canaries(
+        self, job: PushJob, probes: list[tuple[int, int, int]]
+    ) -> list[bytes]:
         """Random bytes at the probes, in blocks this request owns and nothing reads
         before the push ended: a source that does not write cannot know them."""
         canaries = []
@@ -227,12 +267,21 @@ class PushReceiver:
     def request(self, t: PushTransfer, budget_ms: int) -> PushBlocksRequest:
         job = t.job
         return PushBlocksRequest(
-            token_ids=list(job.token_ids), cache_salt=job.cache_salt, lora_name=job.lora_name,
-            block_size=self.block_size, dst_session=self.session,
-            dst_kv_base_addrs=self.base_addrs, dst_block_ids=list(job.dst_block_ids),
-            first_block=job.first_block, block_len=self.block_len, request_id=job.req_id,
-            deadline_unix_ms=t.deadline_unix_ms, budget_ms=budget_ms,
-            dst_num_blocks=self.num_blocks, fingerprint=self.fingerprint)
+            token_ids=list(job.token_ids),
+            cache_salt=job.cache_salt,
+            lora_name=job.lora_name,
+            block_size=self.block_size,
+            dst_session=self.session,
+            dst_kv_base_addrs=self.base_addrs,
+            dst_block_ids=list(job.dst_block_ids),
+            first_block=job.first_block,
+            block_len=self.block_len,
+            request_id=job.req_id,
+            deadline_unix_ms=t.deadline_unix_ms,
+            budget_ms=budget_ms,
+            dst_num_blocks=self.num_blocks,
+            fingerprint=self.fingerprint,
+        )
 
     def _run(self, t: PushTransfer) -> None:
         job, landed = t.job, 0
@@ -242,8 +291,12 @@ class PushReceiver:
             # first, or a canary overwrite pushed KV after the proof.
             wait_all([t.planted])
         except Exception as e:  # not sent: nothing of C can land
-            logger.warning("push for %s from %s not sent: waiting for its canaries failed: %r",
-                           job.req_id, job.source, e)
+            logger.warning(
+                "push for %s from %s not sent: waiting for its canaries failed: %r",
+                job.req_id,
+                job.source,
+                e,
+            )
             with self._lock:
                 t.answered(0)
             return
@@ -254,27 +307,46 @@ class PushReceiver:
                 # It waited for a thread (its source's other pushes are slow) until
                 # its start deadline, or its end: C is never asked, nothing lands.
                 t.answered(0)
-                logger.warning("push for %s from %s not sent: %s", job.req_id, job.source,
-                               "it already ended" if t.ended else
-                               f"its start deadline passed {-budget_ms} ms ago while it "
-                               "waited for the source's earlier pushes")
+                logger.warning(
+                    "push for %s from %s not sent: %s",
+                    job.req_id,
+                    job.source,
+                    "it already ended"
+                    if t.ended
+                    else f"its start deadline passed {-budget_ms} ms ago while it "
+                    "waited for the source's earlier pushes",
+                )
                 return
         # the call's deadline is the hold: past it the push has ended anyway
         deadline = time.monotonic() + max(0.0, t.hold_until - now)
         resp: PushBlocksResponse | None = None
         try:
             content = self.request(t, budget_ms).model_dump_json().encode()
-            r = self._lanes.post(job.source, "/push_blocks", content,
-                                 request_headers(self.config, "POST", "/push_blocks", content),
-                                 deadline)
+            r = self._lanes.post(
+                job.source,
+                "/push_blocks",
+                content,
+                request_headers(self.config, "POST", "/push_blocks", content),
+                deadline,
+            )
             if r.status == 200:
                 resp = PushBlocksResponse.model_validate_json(r.body)
                 if resp.status != "ok":
-                    logger.warning("push for %s from %s: %s %s", job.req_id, job.source,
-                                   resp.status, resp.message)
+                    logger.warning(
+                        "push for %s from %s: %s %s",
+                        job.req_id,
+                        job.source,
+                        resp.status,
+                        resp.message,
+                    )
             else:
-                logger.warning("push for %s from %s: HTTP %d %s", job.req_id, job.source,
-                               r.status, r.text())
+                logger.warning(
+                    "push for %s from %s: HTTP %d %s",
+                    job.req_id,
+                    job.source,
+                    r.status,
+                    r.text(),
+                )
         except Exception as e:
             # No answer, or one we cannot read: C may still be writing. The
             # push ends when its hold has passed (try_end), not now.
@@ -282,12 +354,19 @@ class PushReceiver:
             return
         if resp is not None and resp.status == "ok":  # C's write has returned: prove it
             landed = self.proven_blocks(job, resp, t, deadline)
-            logger.debug("push for %s: %d blocks in %.3f s", job.req_id, landed, resp.seconds)
+            logger.debug(
+                "push for %s: %d blocks in %.3f s", job.req_id, landed, resp.seconds
+            )
         with self._lock:
             t.answered(landed)
 
-    def proven_blocks(self, job: PushJob, resp: PushBlocksResponse,
-                      t: PushTransfer | None = None, deadline: float | None = None) -> int:
+    def proven_blocks(
+        self,
+        job: PushJob,
+        resp: PushBlocksResponse,
+        t: PushTransfer | None = None,
+        deadline: float | None = None,
+    ) -> int:
         """Blocks an "ok" answer accounts for: never more than asked, only if the
         bytes it reports are exactly those blocks', and, when this instance
         planted canaries for the push (``t``), only if C proves its write (else
@@ -295,10 +374,16 @@ class PushReceiver:
         n = resp.pushed_blocks
         expected_bytes = n * self.block_len * len(self.base_addrs)
         if not 0 <= n <= len(job.dst_block_ids) or resp.bytes != expected_bytes:
-            logger.warning("push for %s from %s: the answer claims %d blocks and %d bytes "
-                           "(%d blocks asked, %d bytes each); not trusted, prefilling locally",
-                           job.req_id, job.source, n, resp.bytes, len(job.dst_block_ids),
-                           self.block_len * len(self.base_addrs))
+            logger.warning(
+                "push for %s from %s: the answer claims %d blocks and %d bytes "
+                "(%d blocks asked, %d bytes each); not trusted, prefilling locally",
+                job.req_id,
+                job.source,
+                n,
+                resp.bytes,
+                len(job.dst_block_ids),
+                self.block_len * len(self.base_addrs),
+            )
             return 0
         if n and t is not None and t.probes and self.kv is not None:
             try:
@@ -306,34 +391,54 @@ class PushReceiver:
             except Exception as e:  # no proof, or one we cannot read
                 why = f"asking it for the proof failed: {e!r}"
             if why is not None:
-                logger.warning("push for %s from %s: the answer says %d blocks were written, "
-                               "but %s; prefilling locally", job.req_id, job.source, n, why)
+                logger.warning(
+                    "push for %s from %s: the answer says %d blocks were written, "
+                    "but %s; prefilling locally",
+                    job.req_id,
+                    job.source,
+                    n,
+                    why,
+                )
                 return 0
         return n
 
-    def _proof(self, t: PushTransfer, resp: PushBlocksResponse, n: int,
-               deadline: float | None) -> str | None:
+    def _proof(
+        self, t: PushTransfer, resp: PushBlocksResponse, n: int, deadline: float | None
+    ) -> str | None:
         """None if C proves it wrote the first ``n`` blocks, else why not."""
         assert self.kv is not None
         job = t.job
         # C's write has returned: the call needs no more than a match does, and the
         # push's blocks wait for it (never past the hold: the push has ended then)
-        deadline = min(time.monotonic() + max(0.0, t.hold_until - self._clock())
-                       if deadline is None else deadline,
-                       time.monotonic() + self.config.push_match_timeout_s)
+        deadline = min(
+            time.monotonic() + max(0.0, t.hold_until - self._clock())
+            if deadline is None
+            else deadline,
+            time.monotonic() + self.config.push_match_timeout_s,
+        )
         checked = [(p, c) for p, c in zip(t.probes, t.canaries) if p[0] < n]
         # D's bytes now, before any position leaves this instance: C's write has
         # returned, and nothing C does once it learns them can change what counts.
-        held = [self.kv.read(slot, job.dst_block_ids[i], off) for (i, slot, off), _ in checked]
+        held = [
+            self.kv.read(slot, job.dst_block_ids[i], off)
+            for (i, slot, off), _ in checked
+        ]
         if any(h == c for h, (_, c) in zip(held, checked)):
             return "a canary planted in them is still there"
         if resp.push_id is None:
             return "it names no push to prove"
-        content = PushProofRequest(push_id=resp.push_id, probes=[p for p, _ in checked]
-                                   ).model_dump_json().encode()
-        r = self._lanes.post(job.source, "/push_proof", content,
-                             request_headers(self.config, "POST", "/push_proof", content),
-                             deadline)
+        content = (
+            PushProofRequest(push_id=resp.push_id, probes=[p for p, _ in checked])
+            .model_dump_json()
+            .encode()
+        )
+        r = self._lanes.post(
+            job.source,
+            "/push_proof",
+            content,
+            request_headers(self.config, "POST", "/push_proof", content),
+            deadline,
+        )
         if r.status != 200:
             return f"/push_proof answered HTTP {r.status} {r.text()}"
         proof = PushProofResponse.model_validate_json(r.body)

@@ -42,13 +42,27 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    request_headers,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
+    WarnLimiter,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+    SourceLanes,
+    source_origin,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
+    MatchBlocksRequest,
+    MatchBlocksResponse,
+    PushJob,
+    PushOutcome,
+)
 from vllm.logger import init_logger
-
-from ..auth import request_headers
-from ..config import ExtConfig
-from ..fingerprint import WarnLimiter
-from .client import SourceLanes, source_origin
-from .protocol import KVFingerprint, MatchBlocksRequest, MatchBlocksResponse, PushJob, PushOutcome
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -70,12 +84,14 @@ class IncompatibleSourceError(RuntimeError):
     """The source's KV cache differs from this instance's (its fingerprint)."""
 
 
-def unpushable(request: "Request") -> str | None:
+def unpushable(request: Request) -> str | None:
     """What makes a request's KV depend on more than its token ids, which are all a
     source matches by (its hashes carry no image, audio or embeddings, and a LoRA
     adapter only by name): such a request is prefilled locally (None: none)."""
     if getattr(request, "mm_features", None):
-        kinds = sorted({str(getattr(f, "modality", "multimodal")) for f in request.mm_features})
+        kinds = sorted(
+            {str(getattr(f, "modality", "multimodal")) for f in request.mm_features}
+        )
         return f"{'/'.join(kinds)} input"
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt embeddings"
@@ -90,7 +106,7 @@ class _Match:
     engine_timeout_s: int  # the source's
 
 
-def push_source(request: "Request") -> str | None:
+def push_source(request: Request) -> str | None:
     params = request.kv_transfer_params or {}
     src = params.get(PARAM_PUSH_FROM)
     if not src or params.get("do_remote_prefill"):
@@ -98,14 +114,14 @@ def push_source(request: "Request") -> str | None:
     return str(src)[:512].rstrip("/")
 
 
-def lora_name(request: "Request") -> str | None:
+def lora_name(request: Request) -> str | None:
     lora = getattr(request, "lora_request", None)
     return lora.lora_name if lora is not None else None
 
 
 @dataclass
 class _Inflight:
-    request: "Request"
+    request: Request
     source: str
     first_block: int
     n_blocks: int
@@ -116,8 +132,13 @@ class _Inflight:
 
 
 class PushScheduler:
-    def __init__(self, block_size: int, config: ExtConfig, fingerprint: KVFingerprint,
-                 wall_clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        block_size: int,
+        config: ExtConfig,
+        fingerprint: KVFingerprint,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         self.block_size = block_size
         self.config = config
         self.fingerprint = fingerprint  # this instance's (scheduler-side fields)
@@ -137,11 +158,17 @@ class PushScheduler:
         self._ended: set[str] = set()
         self._ended_finished: list[str] = []
         self._jobs: list[PushJob] = []
-        self.stats = {"requests": 0, "pushed_blocks": 0, "fallback_blocks": 0, "match_failed": 0,
-                      "refused_sources": 0, "refused_clock_skew": 0}
+        self.stats = {
+            "requests": 0,
+            "pushed_blocks": 0,
+            "fallback_blocks": 0,
+            "match_failed": 0,
+            "refused_sources": 0,
+            "refused_clock_skew": 0,
+        }
         self._warnings = WarnLimiter(logger)
 
-    def handles(self, request: "Request") -> bool:
+    def handles(self, request: Request) -> bool:
         """A request naming a push source, unless it belongs to upstream's P/D path
         (do_remote_decode: P's send; do_remote_prefill: D's pull): owning it would
         skip upstream's bookkeeping of that transfer."""
@@ -155,22 +182,30 @@ class PushScheduler:
         self._lanes.shutdown()
 
     # ---- get_num_new_matched_tokens ----------------------------------------------
-    def _query(self, source: str, request: "Request", deadline: float) -> _Match:
-        body = MatchBlocksRequest(token_ids=list(request.prompt_token_ids or []),
-                                  cache_salt=request.cache_salt, lora_name=lora_name(request))
+    def _query(self, source: str, request: Request, deadline: float) -> _Match:
+        body = MatchBlocksRequest(
+            token_ids=list(request.prompt_token_ids or []),
+            cache_salt=request.cache_salt,
+            lora_name=lora_name(request),
+        )
         sent = self._wall_clock()
         content = body.model_dump_json().encode()
-        r = self._lanes.post(source, "/match_blocks", content,
-                             request_headers(self.config, "POST", "/match_blocks", content),
-                             deadline)
+        r = self._lanes.post(
+            source,
+            "/match_blocks",
+            content,
+            request_headers(self.config, "POST", "/match_blocks", content),
+            deadline,
+        )
         received = self._wall_clock()
         if r.status != 200:
             raise RuntimeError(f"{source}/match_blocks answered {r.status}: {r.text()}")
         resp = MatchBlocksResponse.model_validate_json(r.body)
         diff = self.fingerprint.differences(resp.fingerprint, "this instance", source)
         if diff:
-            raise IncompatibleSourceError("its KV cache is incompatible with this "
-                                          "instance's: " + "; ".join(diff))
+            raise IncompatibleSourceError(
+                "its KV cache is incompatible with this instance's: " + "; ".join(diff)
+            )
         # C read its clock between D's send and receive: the skew is C's clock minus
         # the midpoint, give or take half the round trip
         skew = resp.now_unix_ms / 1000 - (sent + received) / 2
@@ -184,10 +219,13 @@ class PushScheduler:
                 "bound how long the source may write into its blocks. Synchronize the "
                 "clocks (NTP), or raise MOONCAKE_PUSH_CLOCK_SKEW_S on this instance (it "
                 "lengthens how long a push's blocks are held when the source does not "
-                "answer)")
+                "answer)"
+            )
         if not 0 < resp.engine_timeout_s <= SOURCE_ENGINE_TIMEOUT_MAX_S:
-            raise RuntimeError(f"it reports an engine timeout of {resp.engine_timeout_s} s "
-                               f"(believed: 1 .. {SOURCE_ENGINE_TIMEOUT_MAX_S})")
+            raise RuntimeError(
+                f"it reports an engine timeout of {resp.engine_timeout_s} s "
+                f"(believed: 1 .. {SOURCE_ENGINE_TIMEOUT_MAX_S})"
+            )
         return _Match(resp.matched_blocks, resp.engine_timeout_s)
 
     def _allowed(self, rid: str, source: str) -> bool:
@@ -202,14 +240,20 @@ class PushScheduler:
             self.stats["refused_sources"] += 1
             # any client names push_from: at most one warning per source per interval
             self._warnings.warn(
-                f"refused:{origin or str(source)[:100]}", "Prefix push for %s (and later "
+                f"refused:{origin or str(source)[:100]}",
+                "Prefix push for %s (and later "
                 "requests from this source for a while): push_from %r %s "
-                "MOONCAKE_PUSH_SOURCES (%s); prefilling locally", rid, str(source)[:100], why,
-                ", ".join(self.config.push_sources) or "empty: no push source allowed")
+                "MOONCAKE_PUSH_SOURCES (%s); prefilling locally",
+                rid,
+                str(source)[:100],
+                why,
+                ", ".join(self.config.push_sources) or "empty: no push source allowed",
+            )
         return ok
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         rid, source = request.request_id, push_source(request)
         assert source is not None
         if rid in self._inflight or rid in self._ended:
@@ -217,9 +261,13 @@ class PushScheduler:
         fut = self._matches.get(rid)
         if fut is None and (why := unpushable(request)) is not None:
             self._warnings.warn(
-                f"unpushable:{why}", "Prefix push for %s (and any other request with %s): "
+                f"unpushable:{why}",
+                "Prefix push for %s (and any other request with %s): "
                 "prefilling locally; a source matches a prompt by its token ids alone, "
-                "which do not describe this request's KV", rid, why)
+                "which do not describe this request's KV",
+                rid,
+                why,
+            )
             self._ended.add(rid)
             return 0, False
         if fut is None and not self._allowed(rid, source):
@@ -228,8 +276,9 @@ class PushScheduler:
         if fut is None:
             asked = time.monotonic()
             try:
-                self._matches[rid] = self._lanes.submit(source, self._query, source, request,
-                                                        asked + self.match_timeout_s)
+                self._matches[rid] = self._lanes.submit(
+                    source, self._query, source, request, asked + self.match_timeout_s
+                )
             except RuntimeError as e:  # shut down
                 logger.warning("Prefix push for %s: %s; prefilling locally", rid, e)
                 self._ended.add(rid)
@@ -242,8 +291,13 @@ class PushScheduler:
                 return None, False
             # the query's own deadline ends it (client.py); stop waiting for it now
             fut.cancel()
-            logger.warning("Prefix push for %s: %s/match_blocks did not answer within %.1f s; "
-                           "prefilling locally", rid, source, self.match_timeout_s)
+            logger.warning(
+                "Prefix push for %s: %s/match_blocks did not answer within %.1f s; "
+                "prefilling locally",
+                rid,
+                source,
+                self.match_timeout_s,
+            )
             self.stats["match_failed"] += 1
         else:
             match = self._match_result(fut, rid, source)
@@ -266,24 +320,38 @@ class PushScheduler:
         try:
             return fut.result()
         except ClockSkewError as e:
-            logger.warning("Prefix push for %s from %s refused: %s; prefilling locally",
-                           rid, source, e)
+            logger.warning(
+                "Prefix push for %s from %s refused: %s; prefilling locally",
+                rid,
+                source,
+                e,
+            )
             self.stats["refused_clock_skew"] += 1
         except IncompatibleSourceError as e:
             # every request from this source meets it: one warning per interval
-            self._warnings.warn(f"incompatible:{source}:{e}", "Prefix push for %s (and later "
-                                "requests while this lasts) refused: %s %s; prefilling locally",
-                                rid, source, e)
+            self._warnings.warn(
+                f"incompatible:{source}:{e}",
+                "Prefix push for %s (and later "
+                "requests while this lasts) refused: %s %s; prefilling locally",
+                rid,
+                source,
+                e,
+            )
             self.stats["match_failed"] += 1
         except Exception as e:
-            logger.warning("Prefix push for %s: no match from %s (%s); prefilling locally",
-                           rid, source, e)
+            logger.warning(
+                "Prefix push for %s: no match from %s (%s); prefilling locally",
+                rid,
+                source,
+                e,
+            )
             self.stats["match_failed"] += 1
         return None
 
     # ---- allocation -> job ---------------------------------------------------------
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         rid = request.request_id
         plan = self._planned.pop(rid, None)
         self._matches.pop(rid, None)
@@ -292,13 +360,22 @@ class PushScheduler:
         source, first, n, source_timeout = plan
         assert num_external_tokens == n * self.block_size, (num_external_tokens, n)
         block_ids = blocks.get_block_ids()[0]
-        dst = list(block_ids[first:first + n])
+        dst = list(block_ids[first : first + n])
         assert len(dst) == n, f"{len(dst)} blocks allocated for {n} pushed blocks"
         asked, matched_at = self._times.pop(rid, (time.monotonic(), time.monotonic()))
         self._inflight[rid] = _Inflight(request, source, first, n, asked, matched_at)
-        self._jobs.append(PushJob(rid, source, tuple(request.prompt_token_ids or ()),
-                                  request.cache_salt, lora_name(request), first, tuple(dst),
-                                  source_engine_timeout_s=source_timeout))
+        self._jobs.append(
+            PushJob(
+                rid,
+                source,
+                tuple(request.prompt_token_ids or ()),
+                request.cache_salt,
+                lora_name(request),
+                first,
+                tuple(dst),
+                source_engine_timeout_s=source_timeout,
+            )
+        )
         self.stats["requests"] += 1
 
     def take_jobs(self) -> list[PushJob]:
@@ -323,22 +400,35 @@ class PushScheduler:
             landed = max(0, min(landed, inf.n_blocks))
             self.stats["pushed_blocks"] += landed
             now = time.monotonic()
-            logger.info("Prefix push for %s from %s: %d/%d blocks; match %.0f ms, scheduled "
-                        "after %.0f ms, push %.0f ms", rid, inf.source, landed, inf.n_blocks,
-                        1e3 * (inf.matched - inf.asked), 1e3 * (inf.allocated - inf.matched),
-                        1e3 * (now - inf.allocated))
+            logger.info(
+                "Prefix push for %s from %s: %d/%d blocks; match %.0f ms, scheduled "
+                "after %.0f ms, push %.0f ms",
+                rid,
+                inf.source,
+                landed,
+                inf.n_blocks,
+                1e3 * (inf.matched - inf.asked),
+                1e3 * (inf.allocated - inf.matched),
+                1e3 * (now - inf.allocated),
+            )
             if landed < inf.n_blocks:
                 missing = inf.n_blocks - landed
                 self.stats["fallback_blocks"] += missing
                 req = inf.request
                 req.num_computed_tokens = (inf.first_block + landed) * self.block_size
                 req.num_external_computed_tokens = landed * self.block_size
-                logger.warning("Prefix push for %s from %s: %d of %d blocks landed; "
-                               "prefilling the other %d tokens locally", rid, inf.source,
-                               landed, inf.n_blocks, missing * self.block_size)
+                logger.warning(
+                    "Prefix push for %s from %s: %d of %d blocks landed; "
+                    "prefilling the other %d tokens locally",
+                    rid,
+                    inf.source,
+                    landed,
+                    inf.n_blocks,
+                    missing * self.block_size,
+                )
 
     # ---- end of request ----------------------------------------------------------------
-    def request_finished(self, request: "Request") -> bool:
+    def request_finished(self, request: Request) -> bool:
         """True (delay freeing the blocks) while C may still write into them."""
         rid = request.request_id
         self._planned.pop(rid, None)
@@ -351,7 +441,9 @@ class PushScheduler:
         if inf is None:
             return False
         queued = [j for j in self._jobs if j.req_id == rid]
-        if queued:  # its job never reached the worker: C was not asked, nothing can land
+        if (
+            queued
+        ):  # its job never reached the worker: C was not asked, nothing can land
             self._jobs = [j for j in self._jobs if j.req_id != rid]
             del self._inflight[rid]
             return False

@@ -76,8 +76,9 @@ class KVFingerprint(_Strict):
     # element type, dimensions and their order in memory (fingerprint.kv_layout)
     layout: StrictStr | None = None
 
-    def differences(self, peer: KVFingerprint, here: str = "here", there: str = "peer"
-                    ) -> list[str]:
+    def differences(
+        self, peer: KVFingerprint, here: str = "here", there: str = "peer"
+    ) -> list[str]:
         out = []
         for name in type(self).model_fields:
             a, b = getattr(self, name), getattr(peer, name)
@@ -98,7 +99,9 @@ class MatchBlocksResponse(_Strict):
     matched_blocks: StrictInt
     matched_tokens: StrictInt
     total_full_blocks: StrictInt
-    fingerprint: KVFingerprint  # C's: D compares it with its own before asking for a push
+    fingerprint: (
+        KVFingerprint  # C's: D compares it with its own before asking for a push
+    )
     # what D's hold for a push from C needs: C's engine timeout (MC_TRANSFER_TIMEOUT
     # as C's engine reads it, s) and C's wall clock when it answered (ms since the
     # epoch; D measures the clock skew with it)
@@ -119,7 +122,9 @@ class PushBlocksRequest(_Strict):
     # (D skips the leading blocks its own prefix cache already holds)
     dst_block_ids: list[StrictInt]
     first_block: StrictInt = 0
-    block_len: StrictInt | None = None  # bytes per block per KV tensor; checked if given
+    block_len: StrictInt | None = (
+        None  # bytes per block per KV tensor; checked if given
+    )
     request_id: StrictStr | None = None
     # C starts no write after this instant (D's wall clock, ms since the epoch) ...
     deadline_unix_ms: StrictInt
@@ -135,7 +140,9 @@ class PushBlocksResponse(_Strict):
     status: PushStatus
     matched_blocks: StrictInt = 0  # leading full blocks of the prompt C holds
     matched_tokens: StrictInt = 0
-    pushed_blocks: StrictInt = 0  # written into D: blocks first_block .. first_block+pushed-1
+    pushed_blocks: StrictInt = (
+        0  # written into D: blocks first_block .. first_block+pushed-1
+    )
     total_full_blocks: StrictInt = 0
     bytes: StrictInt = 0
     seconds: float = 0.0
@@ -144,7 +151,9 @@ class PushBlocksResponse(_Strict):
     push_id: StrictStr | None = None
 
 
-Probe = tuple[StrictInt, StrictInt, StrictInt]  # (index among the pushed blocks, KV tensor, offset)
+Probe = tuple[
+    StrictInt, StrictInt, StrictInt
+]  # (index among the pushed blocks, KV tensor, offset)
 
 
 class PushProofRequest(_Strict):
@@ -157,8 +166,12 @@ class PushProofRequest(_Strict):
 
 
 class PushProofResponse(_Strict):
-    status: Literal["ok", "failed"]  # failed: a pushed source block changed since the write
-    probe_values: list[StrictStr] = []  # hex of C's source bytes at each probe, in order
+    status: Literal[
+        "ok", "failed"
+    ]  # failed: a pushed source block changed since the write
+    probe_values: list[
+        StrictStr
+    ] = []  # hex of C's source bytes at each probe, in order
     message: str = ""
 
 
@@ -196,24 +209,41 @@ def _check_session(session: str) -> None:
 ADDRESS_LIMIT = 1 << 64
 
 
-def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
-             block_len: int | None = None, fingerprint: KVFingerprint | None = None,
-             max_tokens: int | None = None) -> None:
+def validate(
+    req: PushBlocksRequest,
+    *,
+    block_size: int,
+    num_kv_tensors: int,
+    block_len: int | None = None,
+    fingerprint: KVFingerprint | None = None,
+    max_tokens: int | None = None,
+) -> None:
     """Check ``req`` against the serving instance; raise ``PushRequestError``."""
     if not req.token_ids:
         raise PushRequestError("token_ids", "must not be empty")
     if max_tokens is not None and len(req.token_ids) > max_tokens:
-        raise PushRequestError("token_ids", f"{len(req.token_ids)} tokens, more than this "
-                               f"instance serves in a push ({max_tokens})", 413)
+        raise PushRequestError(
+            "token_ids",
+            f"{len(req.token_ids)} tokens, more than this "
+            f"instance serves in a push ({max_tokens})",
+            413,
+        )
     if fingerprint is not None:
         diff = fingerprint.differences(req.fingerprint, "source", "destination")
         if diff:
-            raise PushRequestError("fingerprint", "the two instances' KV caches differ: "
-                                   + "; ".join(diff), 409)
+            raise PushRequestError(
+                "fingerprint",
+                "the two instances' KV caches differ: " + "; ".join(diff),
+                409,
+            )
         if fingerprint.tp_size != 1 or req.fingerprint.tp_size != 1:
-            raise PushRequestError("fingerprint", "prefix push supports TP=1 on both "
-                                   f"instances (source {fingerprint.tp_size}, destination "
-                                   f"{req.fingerprint.tp_size})", 409)
+            raise PushRequestError(
+                "fingerprint",
+                "prefix push supports TP=1 on both "
+                f"instances (source {fingerprint.tp_size}, destination "
+                f"{req.fingerprint.tp_size})",
+                409,
+            )
     if any(t < 0 for t in req.token_ids):
         raise PushRequestError("token_ids", "token ids must be non-negative")
     if req.block_size != block_size:
@@ -223,7 +253,8 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
     total_full_blocks = len(req.token_ids) // block_size
     if total_full_blocks == 0:
         raise PushRequestError(
-            "token_ids", f"{len(req.token_ids)} tokens hold no full block of {block_size}"
+            "token_ids",
+            f"{len(req.token_ids)} tokens hold no full block of {block_size}",
         )
     _check_session(req.dst_session)
     if len(req.dst_kv_base_addrs) != num_kv_tensors:
@@ -244,10 +275,16 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
             f"{n} destination blocks from block {req.first_block} for "
             f"{total_full_blocks} full prompt blocks",
         )
-    if block_len is not None and req.block_len is not None and req.block_len != block_len:
+    if (
+        block_len is not None
+        and req.block_len is not None
+        and req.block_len != block_len
+    ):
         raise PushRequestError(
-            "block_len", f"{req.block_len} != this instance's {block_len} bytes per block "
-            "(different model, dtype or KV layout)")
+            "block_len",
+            f"{req.block_len} != this instance's {block_len} bytes per block "
+            "(different model, dtype or KV layout)",
+        )
     if any(b < 0 for b in req.dst_block_ids):
         raise PushRequestError("dst_block_ids", "block ids must be non-negative")
     if len(set(req.dst_block_ids)) != n:
@@ -259,30 +296,47 @@ def validate(req: PushBlocksRequest, *, block_size: int, num_kv_tensors: int,
     if req.dst_num_blocks <= 0:
         raise PushRequestError("dst_num_blocks", "must be positive")
     if max(req.dst_block_ids) >= req.dst_num_blocks:
-        raise PushRequestError("dst_block_ids", f"block id {max(req.dst_block_ids)} >= the "
-                               f"destination's {req.dst_num_blocks} blocks")
+        raise PushRequestError(
+            "dst_block_ids",
+            f"block id {max(req.dst_block_ids)} >= the "
+            f"destination's {req.dst_num_blocks} blocks",
+        )
     if block_len is not None:
         size = req.dst_num_blocks * block_len
         spans = sorted((a, a + size) for a in req.dst_kv_base_addrs)
         if spans[-1][1] > ADDRESS_LIMIT:
             raise PushRequestError("dst_kv_base_addrs", "a KV tensor ends beyond 2**64")
         if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
-            raise PushRequestError("dst_kv_base_addrs", "the destination's KV tensors overlap")
+            raise PushRequestError(
+                "dst_kv_base_addrs", "the destination's KV tensors overlap"
+            )
 
 
-def validate_probes(probes: list[tuple[int, int, int]], *, pushed_blocks: int,
-                    num_kv_tensors: int, block_len: int) -> None:
+def validate_probes(
+    probes: list[tuple[int, int, int]],
+    *,
+    pushed_blocks: int,
+    num_kv_tensors: int,
+    block_len: int,
+) -> None:
     """Every probe lies inside one of the ``pushed_blocks`` blocks a push wrote;
     raise ``PushRequestError`` (422) naming the first that does not."""
     for i, slot, offset in probes:
-        if not (0 <= i < pushed_blocks and 0 <= slot < num_kv_tensors
-                and 0 <= offset <= block_len - PROBE_BYTES):
-            raise PushRequestError("probes", f"probe ({i}, {slot}, {offset}) is outside the "
-                                   f"{pushed_blocks} blocks of {num_kv_tensors} KV tensors of "
-                                   f"{block_len} bytes this push wrote")
+        if not (
+            0 <= i < pushed_blocks
+            and 0 <= slot < num_kv_tensors
+            and 0 <= offset <= block_len - PROBE_BYTES
+        ):
+            raise PushRequestError(
+                "probes",
+                f"probe ({i}, {slot}, {offset}) is outside the "
+                f"{pushed_blocks} blocks of {num_kv_tensors} KV tensors of "
+                f"{block_len} bytes this push wrote",
+            )
 
 
 # ---- inside D: scheduler <-> worker -------------------------------------------------
+
 
 @dataclass(frozen=True)
 class PushJob:
@@ -309,6 +363,9 @@ class PushOutcome(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PushOutcome)
         merged = dict(self.landed)
-        for rid, n in other.landed.items():  # several workers: a block is valid on all or none
+        for (
+            rid,
+            n,
+        ) in other.landed.items():  # several workers: a block is valid on all or none
             merged[rid] = min(n, merged.get(rid, n))
         return PushOutcome(merged)

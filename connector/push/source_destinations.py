@@ -42,9 +42,10 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    PushRequestError,
+)
 from vllm.logger import init_logger
-
-from .protocol import PushRequestError
 
 logger = init_logger(__name__)
 
@@ -79,9 +80,18 @@ def parse_session(session: str) -> Session:
     host, sep, port = session.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if (not sep or not host or not port.isascii() or not port.isdigit() or len(port) > 8
-            or not 0 < int(port) < 65536 or any(c.isspace() for c in host)):
-        raise PushRequestError("dst_session", f"expected 'host:port', got {session[:100]!r}")
+    if (
+        not sep
+        or not host
+        or not port.isascii()
+        or not port.isdigit()
+        or len(port) > 8
+        or not 0 < int(port) < 65536
+        or any(c.isspace() for c in host)
+    ):
+        raise PushRequestError(
+            "dst_session", f"expected 'host:port', got {session[:100]!r}"
+        )
     return Session(host, int(port))
 
 
@@ -111,8 +121,11 @@ def _getaddrinfo(host: str) -> list[IPAddress]:
     return out
 
 
-def resolve(host: str, timeout_s: float = RESOLVE_TIMEOUT_S,
-            lookup: Callable[[str], list[IPAddress]] = _getaddrinfo) -> list[IPAddress]:
+def resolve(
+    host: str,
+    timeout_s: float = RESOLVE_TIMEOUT_S,
+    lookup: Callable[[str], list[IPAddress]] = _getaddrinfo,
+) -> list[IPAddress]:
     """Every address ``host`` names: a literal at once, else a lookup of at most
     ``timeout_s`` (on a daemon thread: a hung resolver keeps only that thread).
     A name the resolver does not know names nothing ([]): the engine, which
@@ -150,7 +163,10 @@ def resolve(host: str, timeout_s: float = RESOLVE_TIMEOUT_S,
 def _interface_addresses() -> set[IPAddress]:
     """This host's interface addresses (Linux; best effort, empty elsewhere)."""
     out: set[IPAddress] = set()
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with (
+        contextlib.suppress(OSError),
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s,
+    ):
         for _, name in socket.if_nameindex():
             with contextlib.suppress(OSError):
                 req = struct.pack("256s", name.encode()[:15])
@@ -162,8 +178,9 @@ def _interface_addresses() -> set[IPAddress]:
     return out
 
 
-def this_host_addresses(own_session_host: str | None = None,
-                        timeout_s: float = RESOLVE_TIMEOUT_S) -> set[IPAddress]:
+def this_host_addresses(
+    own_session_host: str | None = None, timeout_s: float = RESOLVE_TIMEOUT_S
+) -> set[IPAddress]:
     """Addresses that reach this host: its interfaces', its hostname's and its
     engine session's host's."""
     out = {normalize(a) for a in _interface_addresses()}
@@ -182,19 +199,29 @@ def reaches_this_host(addr: IPAddress, own: Iterable[IPAddress]) -> bool:
 class OwnEngine:
     """Refuses destinations that are this instance's own transfer engine."""
 
-    def __init__(self, local_session: str, addresses: set[IPAddress] | None = None,
-                 timeout_s: float = RESOLVE_TIMEOUT_S,
-                 lookup: Callable[[str], list[IPAddress]] = _getaddrinfo):
+    def __init__(
+        self,
+        local_session: str,
+        addresses: set[IPAddress] | None = None,
+        timeout_s: float = RESOLVE_TIMEOUT_S,
+        lookup: Callable[[str], list[IPAddress]] = _getaddrinfo,
+    ):
         own = parse_session(local_session)
         self.session = local_session
         self.port = own.port
         self.timeout_s = timeout_s
         self._lookup = lookup
-        self.addresses = (set(addresses) if addresses is not None
-                          else this_host_addresses(own.host, timeout_s))
+        self.addresses = (
+            set(addresses)
+            if addresses is not None
+            else this_host_addresses(own.host, timeout_s)
+        )
         self.addresses |= {a for a in [literal(own.host)] if a is not None}
-        self.names = {n.lower().rstrip(".") for n in ("localhost", socket.gethostname(),
-                                                      own.host) if n}
+        self.names = {
+            n.lower().rstrip(".")
+            for n in ("localhost", socket.gethostname(), own.host)
+            if n
+        }
 
     def check(self, session: str) -> Session:
         """The parsed destination; PushRequestError 409 if it is this engine (or
@@ -204,22 +231,37 @@ class OwnEngine:
             return dst
         name = dst.host.lower().rstrip(".")
         if name in self.names or name.endswith(".localhost"):
-            raise PushRequestError("dst_session", (
-                f"{session[:100]!r} is this instance's own transfer engine (this host's "
-                f"name, port {self.port}): a push never writes into its source"), 409)
+            raise PushRequestError(
+                "dst_session",
+                (
+                    f"{session[:100]!r} is this instance's own transfer engine (this host's "
+                    f"name, port {self.port}): a push never writes into its source"
+                ),
+                409,
+            )
         try:
             addrs = resolve(dst.host, self.timeout_s, self._lookup)
         except Unresolved as e:
-            raise PushRequestError("dst_session", (
-                f"{session[:100]!r} names this instance's engine port and its host did not "
-                f"resolve ({e}): a push is written only where this instance can tell it is "
-                "not its own engine"), 409) from None
+            raise PushRequestError(
+                "dst_session",
+                (
+                    f"{session[:100]!r} names this instance's engine port and its host did not "
+                    f"resolve ({e}): a push is written only where this instance can tell it is "
+                    "not its own engine"
+                ),
+                409,
+            ) from None
         hit = next((a for a in addrs if reaches_this_host(a, self.addresses)), None)
         if hit is not None:
-            raise PushRequestError("dst_session", (
-                f"{session[:100]!r} is this instance's own transfer engine ({hit} port "
-                f"{self.port}, own session {self.session}): a push never writes into its "
-                "source"), 409)
+            raise PushRequestError(
+                "dst_session",
+                (
+                    f"{session[:100]!r} is this instance's own transfer engine ({hit} port "
+                    f"{self.port}, own session {self.session}): a push never writes into its "
+                    "source"
+                ),
+                409,
+            )
         return dst
 
 
@@ -239,8 +281,13 @@ class Destinations:
         self._lock = threading.Lock()
         self._layouts: collections.OrderedDict[str, _Layout] = collections.OrderedDict()
 
-    def check(self, session: str, num_blocks: int, base_addrs: list[int],
-              signed_ms: int | None = None) -> None:
+    def check(
+        self,
+        session: str,
+        num_blocks: int,
+        base_addrs: list[int],
+        signed_ms: int | None = None,
+    ) -> None:
         """Raise PushRequestError unless a push into ``session`` with this layout
         may be written; record the layout. ``signed_ms``: the push's signed
         timestamp if it was authenticated (auth.EndpointGuard.verify)."""
@@ -249,22 +296,33 @@ class Destinations:
         with self._lock:
             known = self._layouts.get(key)
             if known is not None and (known.num_blocks, known.base_addrs) != layout:
-                if signed_ms is None or (known.signed_ms is not None
-                                         and signed_ms <= known.signed_ms):
-                    raise PushRequestError("dst_session", (
-                        f"{key} was registered with {known.num_blocks} blocks at other base "
-                        "addresses; a destination's layout changes only through an "
-                        "authenticated push (MOONCAKE_BOOTSTRAP_TOKEN set) signed after the "
-                        "one that registered it (a restarted instance), or under a new "
-                        "session"), 409)
-                logger.info("push destination %s re-registered: %d blocks at new base "
-                            "addresses (was %d); a restarted instance", key, num_blocks,
-                            known.num_blocks)
+                if signed_ms is None or (
+                    known.signed_ms is not None and signed_ms <= known.signed_ms
+                ):
+                    raise PushRequestError(
+                        "dst_session",
+                        (
+                            f"{key} was registered with {known.num_blocks} blocks at other base "
+                            "addresses; a destination's layout changes only through an "
+                            "authenticated push (MOONCAKE_BOOTSTRAP_TOKEN set) signed after the "
+                            "one that registered it (a restarted instance), or under a new "
+                            "session"
+                        ),
+                        409,
+                    )
+                logger.info(
+                    "push destination %s re-registered: %d blocks at new base "
+                    "addresses (was %d); a restarted instance",
+                    key,
+                    num_blocks,
+                    known.num_blocks,
+                )
                 known = None
             if known is None:
                 self._layouts[key] = _Layout(num_blocks, tuple(base_addrs), signed_ms)
-            elif signed_ms is not None and (known.signed_ms is None
-                                            or signed_ms > known.signed_ms):
+            elif signed_ms is not None and (
+                known.signed_ms is None or signed_ms > known.signed_ms
+            ):
                 known.signed_ms = signed_ms
             self._layouts.move_to_end(key)
             while len(self._layouts) > self.kept:

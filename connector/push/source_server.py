@@ -17,7 +17,7 @@ returned: once D has it, no byte of this push can still arrive.
 Verified on the CPU backend over TCP only. With CUDA the KV lives in device
 memory registered with the engine and the write is the same call; a block
 is matchable only after the event recorded after the step that computed it
-has completed (hashsync/table.py), so the engine never reads KV still being
+has completed (connector/hashsync/worker_table.py), so the engine never reads KV still being
 computed. Tensor parallelism: one worker answers, so only TP=1 is supported.
 
 Proof of write (``POST /push_proof``): an "ok" answer names the push by a
@@ -35,7 +35,6 @@ ever read.
 from __future__ import annotations
 
 import array
-import asyncio
 import collections
 import math
 import secrets
@@ -44,18 +43,23 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
-
-from vllm.logger import init_logger
-
-from ...hashsync.sync import WorkerHashSync
-from ..auth import EndpointGuard, signed_target
-from ..block_runs import block_entries
-from ..config import ExtConfig, FaultConfig
-from ..fault_injection import write_fault
-from ..kv_reader import ReadFn
-from .protocol import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.block_runs import (
+    block_entries,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+    FaultConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fault_injection import (
+    write_fault,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
+    ReadFn,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
+    WorkerHashSync,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
     MatchBlocksResponse,
     PushBlocksResponse,
@@ -67,8 +71,15 @@ from .protocol import (
     validate,
     validate_probes,
 )
-from .destination import Destinations, OwnEngine
-from .writer import LowPriorityWriter, WriteFn
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_destinations import (
+    Destinations,
+    OwnEngine,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_writer import (
+    LowPriorityWriter,
+    WriteFn,
+)
+from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
@@ -91,7 +102,8 @@ class _Pushed:
 NO_PREFIX_CACHING = (
     "this instance serves no prefix pushes: prefix caching is off on it, so it holds no "
     "prefix to match or push; retrying will not help (start it with --enable-prefix-caching "
-    "to serve /match_blocks and /push_blocks)")
+    "to serve /match_blocks and /push_blocks)"
+)
 
 
 class Counters(dict):
@@ -127,11 +139,20 @@ class PushServer:
     unless it is authenticated and signed later (a restarted destination;
     destination.py)."""
 
-    def __init__(self, sync: WorkerHashSync, write_fn: WriteFn, base_addrs: Sequence[int],
-                 block_len: int, fingerprint: KVFingerprint, local_session: str,
-                 config: ExtConfig = ExtConfig(),
-                 wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
-                 reader: ReadFn | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        sync: WorkerHashSync,
+        write_fn: WriteFn,
+        base_addrs: Sequence[int],
+        block_len: int,
+        fingerprint: KVFingerprint,
+        local_session: str,
+        config: ExtConfig | None = None,
+        wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        reader: ReadFn | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        config = config or ExtConfig()
         self.sync = sync
         self.reader = reader  # proof of write: source bytes at D's probes
         # the write polls the engine on its caller: at nice 19 (writer.py)
@@ -142,7 +163,6 @@ class PushServer:
         self.local_session = local_session
         self.config = config
         self.faults: FaultConfig = config.faults
-        self.guard = EndpointGuard(config)
         self._now_ms = wall_clock_ms
         self.clock = clock  # monotonic: a push's budget runs from its receipt
         # what D's hold needs (protocol.MatchBlocksResponse): the engine reads
@@ -151,9 +171,21 @@ class PushServer:
         self._slots = threading.BoundedSemaphore(config.push_max_concurrent)
         # never into this instance's own engine, by address; each destination's layout
         self.destinations = Destinations(OwnEngine(local_session))
-        self.stats = Counters(pushes=0, ok=0, failed=0, no_match=0, past_deadline=0, refused=0,
-                              busy=0, bytes=0, entries=0, write_seconds=0.0,
-                              proofs_ok=0, proofs_failed=0, proofs_refused=0)
+        self.stats = Counters(
+            pushes=0,
+            ok=0,
+            failed=0,
+            no_match=0,
+            past_deadline=0,
+            refused=0,
+            busy=0,
+            bytes=0,
+            entries=0,
+            write_seconds=0.0,
+            proofs_ok=0,
+            proofs_failed=0,
+            proofs_refused=0,
+        )
         # proof of write: push id -> what it wrote, oldest first
         self._pushed: collections.OrderedDict[str, _Pushed] = collections.OrderedDict()
         self._pushed_blocks = 0
@@ -176,27 +208,44 @@ class PushServer:
         except PushRequestError as e:
             return e.status, {"detail": e.detail()}
         if not req.token_ids:
-            return 422, {"detail": {"field": "token_ids", "message": "must not be empty"}}
+            return 422, {
+                "detail": {"field": "token_ids", "message": "must not be empty"}
+            }
         if any(t < 0 for t in req.token_ids):
-            return 422, {"detail": {"field": "token_ids",
-                                    "message": "token ids must be non-negative"}}
+            return 422, {
+                "detail": {
+                    "field": "token_ids",
+                    "message": "token ids must be non-negative",
+                }
+            }
         if len(req.token_ids) > self.config.push_max_tokens:
-            return 413, {"detail": {"field": "token_ids", "message": (
-                f"{len(req.token_ids)} tokens, more than {self.config.push_max_tokens}")}}
+            return 413, {
+                "detail": {
+                    "field": "token_ids",
+                    "message": (
+                        f"{len(req.token_ids)} tokens, more than {self.config.push_max_tokens}"
+                    ),
+                }
+            }
         try:
-            block_ids, _, total = self.sync.match(req.token_ids, req.cache_salt, req.lora_name)
+            block_ids, _, total = self.sync.match(
+                req.token_ids, req.cache_salt, req.lora_name
+            )
         except RuntimeError as e:  # no step has run yet: no hash configuration
             return 503, {"detail": {"field": "", "message": str(e)}}
         bs = self.sync.block_size
-        return 200, MatchBlocksResponse(matched_blocks=len(block_ids),
-                                        matched_tokens=len(block_ids) * bs,
-                                        total_full_blocks=total,
-                                        fingerprint=self.fingerprint,
-                                        engine_timeout_s=self.engine_timeout_s,
-                                        now_unix_ms=self._now_ms()).model_dump()
+        return 200, MatchBlocksResponse(
+            matched_blocks=len(block_ids),
+            matched_tokens=len(block_ids) * bs,
+            total_full_blocks=total,
+            fingerprint=self.fingerprint,
+            engine_timeout_s=self.engine_timeout_s,
+            now_unix_ms=self._now_ms(),
+        ).model_dump()
 
-    def push(self, payload: Any, received: float | None = None, signed_ms: int | None = None
-             ) -> tuple[int, dict[str, Any]]:
+    def push(
+        self, payload: Any, received: float | None = None, signed_ms: int | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """Serve one /push_blocks body received at ``received`` (this server's
         clock; None: now), authenticated with a signature of ``signed_ms`` (None:
         not signed); returns (HTTP status, JSON body)."""
@@ -204,34 +253,55 @@ class PushServer:
             received = self.clock()
         try:
             req = parse_push_request(payload)
-            validate(req, block_size=self.sync.block_size, num_kv_tensors=len(self.base_addrs),
-                     block_len=self.block_len, fingerprint=self.fingerprint,
-                     max_tokens=self.config.push_max_tokens)
-            self.destinations.check(req.dst_session, req.dst_num_blocks, req.dst_kv_base_addrs,
-                                    signed_ms)
+            validate(
+                req,
+                block_size=self.sync.block_size,
+                num_kv_tensors=len(self.base_addrs),
+                block_len=self.block_len,
+                fingerprint=self.fingerprint,
+                max_tokens=self.config.push_max_tokens,
+            )
+            self.destinations.check(
+                req.dst_session, req.dst_num_blocks, req.dst_kv_base_addrs, signed_ms
+            )
         except PushRequestError as e:
             if e.status == 409:
                 self.stats.add(refused=1)
-                logger.warning("push_blocks %s refused: %s", payload_request_id(payload), e)
+                logger.warning(
+                    "push_blocks %s refused: %s", payload_request_id(payload), e
+                )
             return e.status, {"detail": e.detail()}
         try:
-            c_blocks, gens, total = self.sync.match(req.token_ids, req.cache_salt, req.lora_name)
+            c_blocks, gens, total = self.sync.match(
+                req.token_ids, req.cache_salt, req.lora_name
+            )
         except RuntimeError as e:  # no step has run yet: no hash configuration
             return 503, {"detail": {"field": "", "message": str(e)}}
         bs = self.sync.block_size
         lo, hi = req.first_block, req.first_block + len(req.dst_block_ids)
         src_blocks, src_gens = c_blocks[lo:hi], gens[lo:hi]
         n = len(src_blocks)
-        resp = PushBlocksResponse(status="no_match", matched_blocks=len(c_blocks),
-                                  matched_tokens=len(c_blocks) * bs, total_full_blocks=total)
+        resp = PushBlocksResponse(
+            status="no_match",
+            matched_blocks=len(c_blocks),
+            matched_tokens=len(c_blocks) * bs,
+            total_full_blocks=total,
+        )
         self.stats.add(pushes=1)
         if n == 0:
-            resp.message = (f"this instance holds {len(c_blocks)} leading blocks of the prompt, "
-                            f"none from block {lo}")
+            resp.message = (
+                f"this instance holds {len(c_blocks)} leading blocks of the prompt, "
+                f"none from block {lo}"
+            )
             self.stats.add(no_match=1)
             return 200, resp.model_dump()
-        src, dst, lens = block_entries(self.base_addrs, req.dst_kv_base_addrs, self.block_len,
-                                       src_blocks, req.dst_block_ids[:n])
+        src, dst, lens = block_entries(
+            self.base_addrs,
+            req.dst_kv_base_addrs,
+            self.block_len,
+            src_blocks,
+            req.dst_block_ids[:n],
+        )
         late_ms = self._now_ms() - req.deadline_unix_ms
         what = "deadline"
         if req.budget_ms is not None:
@@ -242,13 +312,17 @@ class PushServer:
         if late_ms > 0:
             # D may already have given these blocks to another request.
             resp.status = "failed"
-            resp.message = (f"the push's {what} passed {late_ms} ms before the write could "
-                            "start; nothing written")
+            resp.message = (
+                f"the push's {what} passed {late_ms} ms before the write could "
+                "start; nothing written"
+            )
             self.stats.add(failed=1, past_deadline=1)
             logger.warning("push_blocks %s: %s", log_id(req.request_id), resp.message)
             return 200, resp.model_dump()
         t0 = time.perf_counter()
-        err = write_fault(self.faults, len(req.token_ids)) if self.faults.armed else None
+        err = (
+            write_fault(self.faults, len(req.token_ids)) if self.faults.armed else None
+        )
         try:
             if err is None:
                 rc = self._writer(req.dst_session, src, dst, lens)
@@ -257,7 +331,9 @@ class PushServer:
         except Exception as e:  # the engine raising must not take the server down
             err = f"transfer engine raised {e!r} writing to {req.dst_session}"
         resp.seconds = time.perf_counter() - t0
-        if err is None and not self.sync.table.generations_unchanged(src_blocks, src_gens):
+        if err is None and not self.sync.table.generations_unchanged(
+            src_blocks, src_gens
+        ):
             err = "a source block was evicted or reused during the push; its bytes are not valid"
         if err is not None:
             resp.status, resp.message = "failed", err
@@ -266,14 +342,25 @@ class PushServer:
             return 200, resp.model_dump()
         resp.status, resp.pushed_blocks, resp.bytes = "ok", n, sum(lens)
         if self.reader is not None:
-            resp.push_id = self._remember(src_blocks, src_gens,
-                                          received + self.proof_kept_s(resp.bytes))
+            resp.push_id = self._remember(
+                src_blocks, src_gens, received + self.proof_kept_s(resp.bytes)
+            )
         if n < len(req.dst_block_ids):
             resp.message = f"{n} of {len(req.dst_block_ids)} requested blocks held"
-        self.stats.add(ok=1, bytes=resp.bytes, entries=len(lens), write_seconds=resp.seconds)
-        logger.info("push_blocks %s: %d blocks (%.1f MiB, %d entries) to %s in %.3f s "
-                    "(%.2f GB/s)", log_id(req.request_id), n, resp.bytes / 2**20, len(lens),
-                    req.dst_session, resp.seconds, resp.bytes / max(resp.seconds, 1e-9) / 1e9)
+        self.stats.add(
+            ok=1, bytes=resp.bytes, entries=len(lens), write_seconds=resp.seconds
+        )
+        logger.info(
+            "push_blocks %s: %d blocks (%.1f MiB, %d entries) to %s in %.3f s "
+            "(%.2f GB/s)",
+            log_id(req.request_id),
+            n,
+            resp.bytes / 2**20,
+            len(lens),
+            req.dst_session,
+            resp.seconds,
+            resp.bytes / max(resp.seconds, 1e-9) / 1e9,
+        )
         return 200, resp.model_dump()
 
     def proof_kept_s(self, nbytes: int) -> float:
@@ -282,15 +369,19 @@ class PushServer:
         past which D no longer waits for anything of it."""
         return self.config.push_hold_for_s(nbytes)
 
-    def _remember(self, blocks: Sequence[int], gens: Sequence[int], expires: float) -> str:
+    def _remember(
+        self, blocks: Sequence[int], gens: Sequence[int], expires: float
+    ) -> str:
         push_id = secrets.token_urlsafe(18)
         with self._pushed_lock:
             self._pushed[push_id] = _Pushed(blocks, gens, expires)
             self._pushed_blocks += len(blocks)
             now = self.clock()
-            while self._pushed and (len(self._pushed) > PROOFS_KEPT
-                                    or self._pushed_blocks > PROOF_BLOCKS_KEPT
-                                    or next(iter(self._pushed.values())).expires <= now):
+            while self._pushed and (
+                len(self._pushed) > PROOFS_KEPT
+                or self._pushed_blocks > PROOF_BLOCKS_KEPT
+                or next(iter(self._pushed.values())).expires <= now
+            ):
                 self._forget(next(iter(self._pushed)))
         return push_id
 
@@ -300,7 +391,9 @@ class PushServer:
             self._pushed_blocks -= len(pushed.blocks)
         return pushed
 
-    def proof(self, payload: Any, received: float | None = None) -> tuple[int, dict[str, Any]]:
+    def proof(
+        self, payload: Any, received: float | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """Serve one /push_proof body; returns (HTTP status, JSON body)."""
         now = self.clock() if received is None else received
         try:
@@ -309,93 +402,52 @@ class PushServer:
             self.stats.add(proofs_refused=1)
             return e.status, {"detail": e.detail()}
         with self._pushed_lock:
-            pushed = self._forget(req.push_id)  # one proof per push, whatever the answer
+            pushed = self._forget(
+                req.push_id
+            )  # one proof per push, whatever the answer
         if pushed is None or pushed.expires <= now:
             self.stats.add(proofs_refused=1)
-            return 404, {"detail": {"field": "push_id", "message": (
-                "no push to prove under this id: never issued, already proven, or expired "
-                "(a push is kept until its hold has passed, MOONCAKE_PUSH_TIMEOUT_S + the "
-                "write bound + MOONCAKE_PUSH_CLOCK_SKEW_S after it was received)")}}
+            return 404, {
+                "detail": {
+                    "field": "push_id",
+                    "message": (
+                        "no push to prove under this id: never issued, already proven, or expired "
+                        "(a push is kept until its hold has passed, MOONCAKE_PUSH_TIMEOUT_S + the "
+                        "write bound + MOONCAKE_PUSH_CLOCK_SKEW_S after it was received)"
+                    ),
+                }
+            }
         try:
-            validate_probes(req.probes, pushed_blocks=len(pushed.blocks),
-                            num_kv_tensors=len(self.base_addrs), block_len=self.block_len)
+            validate_probes(
+                req.probes,
+                pushed_blocks=len(pushed.blocks),
+                num_kv_tensors=len(self.base_addrs),
+                block_len=self.block_len,
+            )
         except PushRequestError as e:
             self.stats.add(proofs_refused=1)
             return e.status, {"detail": e.detail()}
         assert self.reader is not None  # no id is issued without one
         if not self.sync.table.generations_unchanged(pushed.blocks, pushed.gens):
             self.stats.add(proofs_failed=1)
-            return 200, PushProofResponse(status="failed", message=(
-                "a pushed source block was evicted or reused since the write; its bytes can "
-                "no longer be shown")).model_dump()
-        values = [self.reader(slot, pushed.blocks[i], off).hex() for i, slot, off in req.probes]
+            return 200, PushProofResponse(
+                status="failed",
+                message=(
+                    "a pushed source block was evicted or reused since the write; its bytes can "
+                    "no longer be shown"
+                ),
+            ).model_dump()
+        values = [
+            self.reader(slot, pushed.blocks[i], off).hex()
+            for i, slot, off in req.probes
+        ]
         self.stats.add(proofs_ok=1)
         return 200, PushProofResponse(status="ok", probe_values=values).model_dump()
 
 
 def payload_request_id(payload: Any) -> str:
-    return "(request)" if not isinstance(payload, dict) else log_id(payload.get("request_id"))
-
-
-async def read_capped(request: Any, limit: int) -> bytes | None:
-    """The request body, or None once it exceeds ``limit`` bytes (nothing more is read)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return None
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            return None
-    return bytes(body)
-
-
-def register_routes(app: Any, get_server: Callable[[], PushServer | None],
-                    prefix_caching: bool = True) -> None:
-    """Add POST /match_blocks, /push_blocks and /push_proof to a FastAPI app.
-    get_server() returns None while the worker is not ready (503, retry), or for
-    good on an instance without prefix caching (``prefix_caching`` False: 503
-    saying so). Requests are signed (auth.py): a header that cannot be a
-    signature is refused before the body is read, the signature once it is.
-    (Request is imported at module level: FastAPI resolves annotations by name.)"""
-
-    def route(method: Callable[[PushServer, bytes, float, int | None],
-                               tuple[int, dict[str, Any]]], *, limited: bool,
-              max_body: int | None = None):
-        async def handler(request: Request) -> JSONResponse:
-            server = get_server()
-            if server is None:
-                return JSONResponse({"detail": NO_PREFIX_CACHING if not prefix_caching else
-                                     "KV caches not registered yet; retry"}, 503)
-            received = server.clock()  # a push's budget runs from here
-            authorization = request.headers.get("authorization")
-            if (denied := server.guard.check_signed_header(authorization)) is not None:
-                return JSONResponse({"detail": denied[1]}, denied[0])
-            cap = server.config.push_max_body_bytes if max_body is None else max_body
-            body = await read_capped(request, cap)
-            if body is None:
-                return JSONResponse({"detail": {"field": "body", "message": (
-                    f"larger than {cap} bytes")}}, 413)
-            verified = server.guard.verify(request.method, signed_target(request.scope),
-                                           authorization, body)
-            if verified.denied is not None:
-                return JSONResponse({"detail": verified.denied[1]}, verified.denied[0])
-            if limited and not server.try_begin():
-                return JSONResponse({"detail": (
-                    f"{server.config.push_max_concurrent} pushes in progress; retry later")}, 429)
-            try:
-                # hashing and the write block (the engine releases the GIL): off the event loop
-                code, out = await asyncio.to_thread(method, server, body, received,
-                                                    verified.signed_ms)
-            finally:
-                if limited:
-                    server.end()
-            return JSONResponse(out, status_code=code)
-
-        return handler
-
-    app.post("/match_blocks")(route(lambda s, body, _, __: s.match(body), limited=False))
-    app.post("/push_blocks")(route(lambda s, body, received, signed_ms: s.push(
-        body, received, signed_ms), limited=True))
-    app.post("/push_proof")(route(lambda s, body, received, _: s.proof(body, received),
-                                  limited=False, max_body=PROOF_MAX_BODY_BYTES))
+    return (
+        "(request)"
+        if not isinstance(payload, dict)
+        else log_id(payload.get("request_id"))
+    )

@@ -29,7 +29,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from ..io_affinity import POLLER_NICE, lower_current_thread_priority
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.io_affinity import (
+    POLLER_NICE,
+    lower_current_thread_priority,
+)
 
 WriteFn = Callable[[str, list[int], list[int], list[int]], int]
 
@@ -42,12 +45,16 @@ class LowPriorityWriter:
 
     def __init__(self, write_fn: WriteFn, nice: int = WRITER_NICE):
         if not 0 <= nice <= 19:
-            raise ValueError(f"nice {nice} is not in 0..19 (a writer never raises its priority)")
+            raise ValueError(
+                f"nice {nice} is not in 0..19 (a writer never raises its priority)"
+            )
         self.write_fn = write_fn
         self.nice = nice
         self.lowered: bool | None = None  # did the last write's thread get its nice
 
-    def __call__(self, session: str, src: list[int], dst: list[int], lens: list[int]) -> int:
+    def __call__(
+        self, session: str, src: list[int], dst: list[int], lens: list[int]
+    ) -> int:
         result: list[int] = []
         error: list[BaseException] = []
 

@@ -40,14 +40,26 @@ from pathlib import Path
 import httpx
 
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec
+from harness.launcher import BLOCK, Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
-from harness.pd_client import RequestFailed, bootstrap_headers, complete, model_name, pd_generate
+from harness.pd_client import (
+    RequestFailed,
+    bootstrap_headers,
+    complete,
+    model_name,
+    pd_generate,
+)
 from harness.prompts import PromptSource
-from microbench.common import DEFAULT_RESULTS_DIR, finish, machine_info, model_facts, stamp
+from microbench.common import (
+    DEFAULT_RESULTS_DIR,
+    finish,
+    machine_info,
+    model_facts,
+    stamp,
+)
 from microbench.load import DecodeLoad
 
-from .measure import BLOCK_SIZE, measure, one_layer_writes
+from .measure import measure, one_layer_writes
 from .plan import LAYERWISE, POSTHOC, TRANSFER_ARMS, Progress, Step, plan
 from .report import TABLE, build_rows, plot, summary_lines, table_rows, targets
 
@@ -71,45 +83,82 @@ def cluster_plan(loads: list[int], io_cpus: str) -> list[tuple[bool, list[int]]]
 
 
 def cluster_specs(args, facts: dict, io_on: bool) -> list[InstanceSpec]:
-    common = dict(model=facts["path"], protocol=args.protocol, kv_cache_gib=args.kv_cache_gib,
-                  max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens, dtype=facts["dtype"],
-                  extra_args=["--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE)])
+    common = dict(
+        model=facts["path"],
+        protocol=args.protocol,
+        kv_cache_gib=args.kv_cache_gib,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=facts["dtype"],
+        extra_args=["--enable-prompt-tokens-details"],
+    )
     # All transfer threads (P's sending, D's receiving) on D's cores when io_on:
     # P's compute core does nothing but compute, as with a GPU and a NIC.
     io = {"MOONCAKE_IO_CPUS": args.d_cores} if io_on else {}
     env = {"MOONCAKE_LAYERWISE": "1", **io}  # the mode is chosen per request
     gpus = lambda ids: {"CUDA_VISIBLE_DEVICES": ids} if ids else {}  # noqa: E731
-    return [InstanceSpec("prefill", role="kv_producer", cores=args.p_cores,
-                         env={**env, **gpus(args.p_gpus)}, **common),
-            InstanceSpec("decode", role="kv_consumer", cores=args.d_cores,
-                         env={**env, **gpus(args.d_gpus)}, **common)]
+    return [
+        InstanceSpec(
+            "prefill",
+            role="kv_producer",
+            cores=args.p_cores,
+            env={**env, **gpus(args.p_gpus)},
+            **common,
+        ),
+        InstanceSpec(
+            "decode",
+            role="kv_consumer",
+            cores=args.d_cores,
+            env={**env, **gpus(args.d_gpus)},
+            **common,
+        ),
+    ]
 
 
-def warm_up(p, d, p_model: str, d_model: str, prompts, progress: Progress) -> list[dict]:
+def warm_up(
+    p, d, p_model: str, d_model: str, prompts, progress: Progress
+) -> list[dict]:
     """The first requests after start, timed (they pay one-time costs: reported
     in the JSON, never measured as samples). Shaped like the measurements (top-5
     logprobs on D): the first one that asked for logprobs was ~60 ms slower."""
     out = []
     for i, mode in enumerate((LAYERWISE, POSTHOC, LAYERWISE)):
         t0 = time.perf_counter()
-        r = pd_generate(p.url, p.bootstrap_url, d.url, prompts(BLOCK_SIZE * 4 + 1), max_tokens=1,
-                        logprobs=5, extra_prefill_params={"mooncake_mode": mode},
-                        timeout=REQUEST_TIMEOUT_S)
-        out.append({"request": i + 1, "mode": mode, "total_s": time.perf_counter() - t0,
-                    "prefill_s": r.prefill.latency_s})
+        r = pd_generate(
+            p.url,
+            p.bootstrap_url,
+            d.url,
+            prompts(BLOCK * 4 + 1),
+            max_tokens=1,
+            logprobs=5,
+            extra_prefill_params={"mooncake_mode": mode},
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        out.append(
+            {
+                "request": i + 1,
+                "mode": mode,
+                "total_s": time.perf_counter() - t0,
+                "prefill_s": r.prefill.latency_s,
+            }
+        )
     complete(p.url, prompts(64), max_tokens=1, logprobs=None, model=p_model)
     complete(d.url, prompts(64), max_tokens=1, logprobs=None, model=d_model)
-    progress.note("warm-up P->D requests after start: " + ", ".join(
-        f"#{w['request']} {w['mode']} {w['total_s']:.2f}s" for w in out))
+    progress.note(
+        "warm-up P->D requests after start: "
+        + ", ".join(f"#{w['request']} {w['mode']} {w['total_s']:.2f}s" for w in out)
+    )
     return out
 
 
 def transfer_timelines(p_bootstrap_url: str) -> dict[str, dict]:
     """transfer id -> P's timeline of it (time.monotonic() of P's worker, the same
-    clock as this process's on one host; connector/layerwise/sender.py TransferStats)."""
-    r = httpx.get(p_bootstrap_url + "/layerwise/transfers", headers=bootstrap_headers(),
-                  timeout=30)
+    clock as this process's on one host; connector/layerwise/prefill_sender.py TransferStats)."""
+    r = httpx.get(
+        p_bootstrap_url + "/layerwise/transfers",
+        headers=bootstrap_headers(),
+        timeout=30,
+    )
     r.raise_for_status()
     return {t["transfer_id"]: t for t in r.json()["transfers"]}
 
@@ -120,17 +169,25 @@ def where_the_tail_goes(sample: dict, t: dict | None) -> dict:
     done, last write -> D answered (P's end of the transfer), P's response -> D
     answered, D answered -> D's response at the client (ZMQ answer, D's next
     step, one token, HTTP)."""
-    if not t or not t.get("bytes_written") or sample.get("started_monotonic") is None \
-            or sample.get("tail_s") is None:
+    if (
+        not t
+        or not t.get("bytes_written")
+        or sample.get("started_monotonic") is None
+        or sample.get("tail_s") is None
+    ):
         return {}
     p_resp = sample["started_monotonic"] + sample["p_latency_s"]
     d_resp = sample["started_monotonic"] + sample["total_s"]
     ms = lambda a, b: None if a is None or b is None else 1e3 * (b - a)  # noqa: E731
-    return {"share_before_prefill_end": t["bytes_before_prefill_end"] / t["bytes_written"],
-            "prefill_end_to_last_write_ms": ms(t.get("prefill_end"), t.get("last_write_end")),
-            "last_write_to_end_ms": ms(t.get("last_write_end"), t.get("ended_at")),
-            "p_response_to_end_ms": ms(p_resp, t.get("ended_at")),
-            "end_to_d_response_ms": ms(t.get("ended_at"), d_resp)}
+    return {
+        "share_before_prefill_end": t["bytes_before_prefill_end"] / t["bytes_written"],
+        "prefill_end_to_last_write_ms": ms(
+            t.get("prefill_end"), t.get("last_write_end")
+        ),
+        "last_write_to_end_ms": ms(t.get("last_write_end"), t.get("ended_at")),
+        "p_response_to_end_ms": ms(p_resp, t.get("ended_at")),
+        "end_to_d_response_ms": ms(t.get("ended_at"), d_resp),
+    }
 
 
 def blocks_held(p, d, modes, prompts, kv_tokens: int, phase: str) -> list[dict]:
@@ -140,16 +197,31 @@ def blocks_held(p, d, modes, prompts, kv_tokens: int, phase: str) -> list[dict]:
     for mode in modes:
         error = None
         try:
-            pd_generate(p.url, p.bootstrap_url, d.url, prompts(kv_tokens + 1), max_tokens=1,
-                        logprobs=None, extra_prefill_params={"mooncake_mode": mode},
-                        timeout=REQUEST_TIMEOUT_S)
+            pd_generate(
+                p.url,
+                p.bootstrap_url,
+                d.url,
+                prompts(kv_tokens + 1),
+                max_tokens=1,
+                logprobs=None,
+                extra_prefill_params={"mooncake_mode": mode},
+                timeout=REQUEST_TIMEOUT_S,
+            )
         except RequestFailed as e:  # a failed request must leave no block held either
             error = str(e)[:300]
         t0 = time.monotonic()
         pu, du = wait_no_blocks_in_use(p.url, d.url, timeout=HELD_WAIT_S, poll=0.2)
-        out.append({"mode": mode, "phase": phase, "p_usage": pu, "d_usage": du,
-                    "returned": pu == 0.0 and du == 0.0, "seconds": time.monotonic() - t0,
-                    "request_error": error})
+        out.append(
+            {
+                "mode": mode,
+                "phase": phase,
+                "p_usage": pu,
+                "d_usage": du,
+                "returned": pu == 0.0 and du == 0.0,
+                "seconds": time.monotonic() - t0,
+                "request_error": error,
+            }
+        )
     return out
 
 
@@ -159,17 +231,30 @@ def describe(s) -> str:
     if s.arm == "prefill_only":
         return f"P alone {s.p_latency_s:.2f}s"
     hit = f"{1e3 * s.local_hit_s:.0f}ms" if s.local_hit_s is not None else "-"
-    hit += f" (client {1e3 * s.local_hit_client_s:.0f}ms)" if s.local_hit_client_s else ""
-    return (f"tail {1e3 * s.tail_s:.0f}ms (P {s.p_latency_s:.2f}s), local hit {hit}, "
-            f"correct={s.correct}")
+    hit += (
+        f" (client {1e3 * s.local_hit_client_s:.0f}ms)" if s.local_hit_client_s else ""
+    )
+    return (
+        f"tail {1e3 * s.tail_s:.0f}ms (P {s.p_latency_s:.2f}s), local hit {hit}, "
+        f"correct={s.correct}"
+    )
 
 
-def run_cluster(args, facts: dict, log_dir: Path, io_on: bool, steps: dict[int, list[Step]],
-                progress: Progress, modes: tuple[str, ...]) -> tuple[list[dict], list, list]:
+def run_cluster(
+    args,
+    facts: dict,
+    log_dir: Path,
+    io_on: bool,
+    steps: dict[int, list[Step]],
+    progress: Progress,
+    modes: tuple[str, ...],
+) -> tuple[list[dict], list, list]:
     samples, held, warm = [], [], []
     prompts = PromptSource(facts["vocab_size"], seed=args.seed + (0 if io_on else 1000))
-    progress.note(f"starting P (cores {args.p_cores}) and D (cores {args.d_cores}), transfer "
-                  f"threads {'on D' if io_on else 'per instance'}; logs in {log_dir}")
+    progress.note(
+        f"starting P (cores {args.p_cores}) and D (cores {args.d_cores}), transfer "
+        f"threads {'on D' if io_on else 'per instance'}; logs in {log_dir}"
+    )
     with Cluster(cluster_specs(args, facts, io_on), log_dir) as cluster:
         p, d = cluster["prefill"], cluster["decode"]
         pm, dm = model_name(p.url), model_name(d.url)
@@ -178,17 +263,27 @@ def run_cluster(args, facts: dict, log_dir: Path, io_on: bool, steps: dict[int, 
         for load, load_steps in steps.items():
             with contextlib.ExitStack() as streams:
                 if load:
-                    streams.enter_context(DecodeLoad(p.url, pm, load, facts["vocab_size"],
-                                                     seed=args.seed + 1))
-                    streams.enter_context(DecodeLoad(d.url, dm, load, facts["vocab_size"],
-                                                     seed=args.seed + 2))
-                    progress.note(f"load {load}: {load} decode streams on each of P and D")
+                    streams.enter_context(
+                        DecodeLoad(
+                            p.url, pm, load, facts["vocab_size"], seed=args.seed + 1
+                        )
+                    )
+                    streams.enter_context(
+                        DecodeLoad(
+                            d.url, dm, load, facts["vocab_size"], seed=args.seed + 2
+                        )
+                    )
+                    progress.note(
+                        f"load {load}: {load} decode streams on each of P and D"
+                    )
                 phase = []
                 for step in load_steps:
                     t0 = time.monotonic()
                     sample = measure(step, p, d, pm, dm, prompts, REQUEST_TIMEOUT_S)
                     phase.append(sample)
-                    progress.step_done(step, describe(sample), seconds=time.monotonic() - t0)
+                    progress.step_done(
+                        step, describe(sample), seconds=time.monotonic() - t0
+                    )
             try:
                 timelines = transfer_timelines(p.bootstrap_url)
             except (httpx.HTTPError, KeyError) as e:
@@ -207,36 +302,75 @@ def run_cluster(args, facts: dict, log_dir: Path, io_on: bool, steps: dict[int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m microbench.mb7",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=None,
-                    help="model dir (default: the generated default model)")
-    ap.add_argument("--full", action="store_true",
-                    help=f"the long sweep: sizes {FULL['sizes']}, {FULL['reps']} reps")
-    ap.add_argument("--sizes", default=None,
-                    help=f"KV tokens per request, comma separated (default {QUICK['sizes']}; "
-                    "the prompt is one token longer)")
+    ap = argparse.ArgumentParser(
+        prog="python -m microbench.mb7", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model dir (default: the generated default model)",
+    )
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the long sweep: sizes {FULL['sizes']}, {FULL['reps']} reps",
+    )
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help=f"KV tokens per request, comma separated (default {QUICK['sizes']}; "
+        "the prompt is one token longer)",
+    )
     ap.add_argument("--reps", type=int, default=None, help=f"default {QUICK['reps']}")
-    ap.add_argument("--modes", default=",".join(TRANSFER_ARMS),
-                    help=f"comma separated of {list(TRANSFER_ARMS)}")
-    ap.add_argument("--load", default=None,
-                    help="background decode streams per instance, comma separated "
-                    f"(0 = idle; default {QUICK['load']})")
-    ap.add_argument("--protocol", default="tcp", help="Mooncake protocol (tcp here; rdma on RDMA hosts)")
+    ap.add_argument(
+        "--modes",
+        default=",".join(TRANSFER_ARMS),
+        help=f"comma separated of {list(TRANSFER_ARMS)}",
+    )
+    ap.add_argument(
+        "--load",
+        default=None,
+        help="background decode streams per instance, comma separated "
+        f"(0 = idle; default {QUICK['load']})",
+    )
+    ap.add_argument(
+        "--protocol",
+        default="tcp",
+        help="Mooncake protocol (tcp here; rdma on RDMA hosts)",
+    )
     ap.add_argument("--kv-cache-gib", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--p-cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND of P (CPU only)")
-    ap.add_argument("--d-cores", default="1", help="VLLM_CPU_OMP_THREADS_BIND of D (CPU only)")
-    ap.add_argument("--p-gpus", default=None,
-                    help="GPU hosts: CUDA_VISIBLE_DEVICES of P (e.g. 0); unverified here")
-    ap.add_argument("--d-gpus", default=None,
-                    help="GPU hosts: CUDA_VISIBLE_DEVICES of D (e.g. 1); unverified here")
-    ap.add_argument("--io-cpus", choices=["auto", "on", "off"], default="auto",
-                    help="transfer threads on D's cores (MOONCAKE_IO_CPUS): auto = idle only")
+    ap.add_argument(
+        "--p-cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND of P (CPU only)"
+    )
+    ap.add_argument(
+        "--d-cores", default="1", help="VLLM_CPU_OMP_THREADS_BIND of D (CPU only)"
+    )
+    ap.add_argument(
+        "--p-gpus",
+        default=None,
+        help="GPU hosts: CUDA_VISIBLE_DEVICES of P (e.g. 0); unverified here",
+    )
+    ap.add_argument(
+        "--d-gpus",
+        default=None,
+        help="GPU hosts: CUDA_VISIBLE_DEVICES of D (e.g. 1); unverified here",
+    )
+    ap.add_argument(
+        "--io-cpus",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="transfer threads on D's cores (MOONCAKE_IO_CPUS): auto = idle only",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON path (default results/mb7-<time>.json)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default results/mb7-<time>.json)",
+    )
     args = ap.parse_args(argv)
     defaults = FULL if args.full else QUICK
     args.sizes = [int(s) for s in (args.sizes or defaults["sizes"]).split(",")]
@@ -253,23 +387,44 @@ def main(argv: list[str] | None = None) -> int:
     run_id = stamp()
     out = args.out or DEFAULT_RESULTS_DIR / f"mb7-{run_id}.json"
     log_dir = out.parent / f"mb7-{run_id}-logs"
-    steps = {load: plan(args.sizes, args.reps, load, modes, prefill_only=(load == 0))
-             for load in args.loads}
+    steps = {
+        load: plan(args.sizes, args.reps, load, modes, prefill_only=(load == 0))
+        for load in args.loads
+    }
     progress = Progress([s for v in steps.values() for s in v])
-    progress.note(f"model {facts['path']} ({facts['layers']} layers, "
-                  f"{facts['kv_bytes_per_token'] / 1024:.0f} KiB KV/token); KV tokens "
-                  f"{args.sizes}; {args.reps} reps; modes {list(modes)}; loads {args.loads}; "
-                  f"{progress.count} measurements")
+    progress.note(
+        f"model {facts['path']} ({facts['layers']} layers, "
+        f"{facts['kv_bytes_per_token'] / 1024:.0f} KiB KV/token); KV tokens "
+        f"{args.sizes}; {args.reps} reps; modes {list(modes)}; loads {args.loads}; "
+        f"{progress.count} measurements"
+    )
     probe_log = log_dir / "engine-probe.log"
-    layer = one_layer_writes(args.sizes, facts["kv_bytes_per_token"], facts["layers"],
-                             args.protocol, probe_log)
-    progress.note("one layer's write on the engine: " + ", ".join(
-        f"{n} tok {v['layer_bytes'] / 2**20:.1f} MiB in {1e3 * v['median_s']:.1f} ms"
-        for n, v in layer.items()) + f" (engine log: {probe_log})")
+    layer = one_layer_writes(
+        args.sizes,
+        facts["kv_bytes_per_token"],
+        facts["layers"],
+        args.protocol,
+        probe_log,
+    )
+    progress.note(
+        "one layer's write on the engine: "
+        + ", ".join(
+            f"{n} tok {v['layer_bytes'] / 2**20:.1f} MiB in {1e3 * v['median_s']:.1f} ms"
+            for n, v in layer.items()
+        )
+        + f" (engine log: {probe_log})"
+    )
     samples, held, warm = [], [], []
     for io_on, loads in cluster_plan(args.loads, args.io_cpus):
-        s, h, w = run_cluster(args, facts, log_dir / ("io-on-d" if io_on else "io-per-instance"),
-                              io_on, {x: steps[x] for x in loads}, progress, modes)
+        s, h, w = run_cluster(
+            args,
+            facts,
+            log_dir / ("io-on-d" if io_on else "io-per-instance"),
+            io_on,
+            {x: steps[x] for x in loads},
+            progress,
+            modes,
+        )
         samples += s
         held += h
         warm.append({"io_cpus": io_on, "requests": w})
@@ -281,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "mb7",
         "machine": machine,
         "model": facts,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+        },
         "one_layer_write": layer,
         "warm_up": warm,
         "rows": rows,
@@ -292,12 +449,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     mname = f"{machine.get('model_name', '?')}, {machine.get('cores')} cores"
     lines = summary_lines(rows, tgts, held)
-    lines.append(f"[mb7] {len(samples)} measurements in {result['seconds'] / 60:.1f} min on "
-                 f"{mname}; logs in {log_dir}")
+    lines.append(
+        f"[mb7] {len(samples)} measurements in {result['seconds'] / 60:.1f} min on "
+        f"{mname}; logs in {log_dir}"
+    )
     result["summary"] = {"lines": lines}
     png = plot(rows, out.with_suffix(".png"), facts, mname)
-    return finish("mb7", out, result, TABLE, lambda r: (r["load"], r["mode"], r["kv_tokens"]),
-                  png, display=table_rows)
+    return finish(
+        "mb7",
+        out,
+        result,
+        TABLE,
+        lambda r: (r["load"], r["mode"], r["kv_tokens"]),
+        png,
+        display=table_rows,
+    )
 
 
 if __name__ == "__main__":

@@ -38,12 +38,12 @@ from pathlib import Path
 import httpx
 
 from harness.correctness import compare
+from harness.launcher import BLOCK
 from harness.metrics import histogram
 from harness.pd_client import RequestFailed, complete, pd_generate
 
 from .plan import PREFILL_ONLY, Step
 
-BLOCK_SIZE = 128
 TTFT = "vllm:time_to_first_token_seconds"
 
 
@@ -57,7 +57,9 @@ class Sample:
     p_latency_s: float | None = None  # P's response (prefill-only: P alone)
     total_s: float | None = None  # P -> D: D's response after both were sent
     tail_s: float | None = None  # total - P's response
-    local_hit_s: float | None = None  # D's engine TTFT for the same prompt, prefix cached
+    local_hit_s: float | None = (
+        None  # D's engine TTFT for the same prompt, prefix cached
+    )
     local_hit_client_s: float | None = None  # the same request's latency at the client
     local_hit_cached: int | None = None
     transfer_id: str | None = None
@@ -73,34 +75,56 @@ class Sample:
 
 def kv_bytes(kv_tokens: int, kv_bytes_per_token: int) -> int:
     """Bytes one transfer moves: whole blocks covering the KV tokens, all layers."""
-    return math.ceil(kv_tokens / BLOCK_SIZE) * BLOCK_SIZE * kv_bytes_per_token
+    return math.ceil(kv_tokens / BLOCK) * BLOCK * kv_bytes_per_token
 
 
-def measure(step: Step, p, d, p_model: str, d_model: str, prompts, timeout: float) -> Sample:
+def measure(
+    step: Step, p, d, p_model: str, d_model: str, prompts, timeout: float
+) -> Sample:
     """Run one step; a failed request is recorded in the sample, never raised."""
     s = Sample(step.load, step.kv_tokens, step.rep, step.arm)
     prompt = prompts(step.kv_tokens + 1)
     try:
         if step.arm == PREFILL_ONLY:
-            s.p_latency_s = complete(p.url, prompt, max_tokens=1, logprobs=None, model=p_model,
-                                     timeout=timeout).latency_s
+            s.p_latency_s = complete(
+                p.url,
+                prompt,
+                max_tokens=1,
+                logprobs=None,
+                model=p_model,
+                timeout=timeout,
+            ).latency_s
             return s
-        r = pd_generate(p.url, p.bootstrap_url, d.url, prompt, max_tokens=1, logprobs=5,
-                        extra_prefill_params={"mooncake_mode": step.arm}, timeout=timeout)
+        r = pd_generate(
+            p.url,
+            p.bootstrap_url,
+            d.url,
+            prompt,
+            max_tokens=1,
+            logprobs=5,
+            extra_prefill_params={"mooncake_mode": step.arm},
+            timeout=timeout,
+        )
         s.transfer_id, s.started_monotonic = r.transfer_id, r.started_monotonic
         s.p_latency_s, s.total_s = r.prefill.latency_s, r.total_s
         s.tail_s = r.total_s - r.prefill.latency_s
         ttft0 = histogram(d.url, TTFT)
-        hit = complete(d.url, prompt, max_tokens=1, logprobs=5, model=d_model, timeout=timeout)
+        hit = complete(
+            d.url, prompt, max_tokens=1, logprobs=5, model=d_model, timeout=timeout
+        )
         ttft1 = histogram(d.url, TTFT)
         s.local_hit_cached, s.local_hit_client_s = hit.cached_tokens, hit.latency_s
         if hit.cached_tokens != step.kv_tokens:
-            s.problems.append(f"local hit on D cached {hit.cached_tokens} tokens, not "
-                              f"{step.kv_tokens}: not used for the floor")
+            s.problems.append(
+                f"local hit on D cached {hit.cached_tokens} tokens, not "
+                f"{step.kv_tokens}: not used for the floor"
+            )
         elif ttft1[1] - ttft0[1] == 1:
             s.local_hit_s = ttft1[0] - ttft0[0]
         # else another request (decode load) got its first token meanwhile: no sample
-        ref = complete(p.url, prompt, max_tokens=1, logprobs=5, model=p_model, timeout=timeout)
+        ref = complete(
+            p.url, prompt, max_tokens=1, logprobs=5, model=p_model, timeout=timeout
+        )
         check = compare(r.decode, ref, expected_cached_tokens=step.kv_tokens)
         s.correct, s.cached_tokens = check.ok, check.cached_tokens
         s.max_logprob_diff = check.max_logprob_diff
@@ -110,8 +134,14 @@ def measure(step: Step, p, d, p_model: str, d_model: str, prompts, timeout: floa
     return s
 
 
-def one_layer_writes(sizes: list[int], kv_bytes_per_token: int, layers: int, protocol: str,
-                     log_path: Path, reps: int = 7) -> dict[int, dict]:
+def one_layer_writes(
+    sizes: list[int],
+    kv_bytes_per_token: int,
+    layers: int,
+    protocol: str,
+    log_path: Path,
+    reps: int = 7,
+) -> dict[int, dict]:
     """Per KV token count: the engine's time to write one layer's KV, laid out as
     the layer-wise sender lays it out: one entry per KV tensor (K and V) covering
     the request's run of blocks (D allocates a fresh request's blocks
@@ -120,12 +150,21 @@ def one_layer_writes(sizes: list[int], kv_bytes_per_token: int, layers: int, pro
     from microbench.bandwidth import engine_write_bandwidths
 
     layer_bytes = {n: kv_bytes(n, kv_bytes_per_token) // layers for n in sizes}
-    probes = engine_write_bandwidths([(b, b // 2) for b in layer_bytes.values()], protocol,
-                                     reps=reps, log_path=log_path)
+    probes = engine_write_bandwidths(
+        [(b, b // 2) for b in layer_bytes.values()],
+        protocol,
+        reps=reps,
+        log_path=log_path,
+    )
     out = {}
     for (n, b), probe in zip(layer_bytes.items(), probes):
         secs = probe["seconds"]
-        out[n] = {"kv_tokens": n, "layer_bytes": b, "entries": 2, "seconds": secs,
-                  "median_s": statistics.median(secs),
-                  "gb_per_s": b / statistics.median(secs) / 1e9}
+        out[n] = {
+            "kv_tokens": n,
+            "layer_bytes": b,
+            "entries": 2,
+            "seconds": secs,
+            "median_s": statistics.median(secs),
+            "gb_per_s": b / statistics.median(secs) / 1e9,
+        }
     return out

@@ -52,13 +52,18 @@ def arm_order(rep: int, arms: tuple[str, ...]) -> tuple[str, ...]:
     return arms if rep % 2 == 0 else tuple(reversed(arms))
 
 
-def plan(sizes: list[int], reps: int, load: int, modes: tuple[str, ...],
-         prefill_only: bool) -> list[Step]:
+def plan(
+    sizes: list[int], reps: int, load: int, modes: tuple[str, ...], prefill_only: bool
+) -> list[Step]:
     """The steps of one load level: repetitions outermost, so every size and arm
     is sampled across the whole phase rather than in one burst."""
     arms = ((PREFILL_ONLY,) if prefill_only else ()) + tuple(modes)
-    return [Step(load, n, rep, arm)
-            for rep in range(reps) for n in sizes for arm in arm_order(rep, arms)]
+    return [
+        Step(load, n, rep, arm)
+        for rep in range(reps)
+        for n in sizes
+        for arm in arm_order(rep, arms)
+    ]
 
 
 class Progress:
@@ -73,8 +78,13 @@ class Progress:
     any remaining kind has been measured.
     """
 
-    def __init__(self, steps: list[Step], tag: str = "mb7",
-                 clock: Callable[[], float] = time.monotonic, out: TextIO | None = None):
+    def __init__(
+        self,
+        steps: list[Step],
+        tag: str = "mb7",
+        clock: Callable[[], float] = time.monotonic,
+        out: TextIO | None = None,
+    ):
         self.remaining: Counter[Step] = Counter(steps)
         self.count = len(steps)
         self.done = 0
@@ -82,7 +92,9 @@ class Progress:
         self.clock = clock
         self.out = out if out is not None else sys.stdout
         self.t0 = self.last_line = clock()
-        self.measured: dict[tuple[int, str], tuple[float, float]] = {}  # kind -> (s, weight)
+        self.measured: dict[
+            tuple[int, str], tuple[float, float]
+        ] = {}  # kind -> (s, weight)
 
     def _remaining_s(self) -> tuple[float, bool]:
         """(estimated seconds of the remaining steps whose kind was measured,
@@ -120,15 +132,21 @@ class Progress:
             self.remaining.pop(step, None)
         secs, weight = self.measured.get(step.kind, (0.0, 0.0))
         self.measured[step.kind] = (secs + max(0.0, took), weight + step.weight)
-        print(f"[{self.tag} {self.done}/{self.count} {fmt_duration(now - self.t0)}, ETA "
-              f"{self.eta_text()}] {'idle' if not step.load else f'load {step.load}'} "
-              f"{step.kv_tokens} tok rep {step.rep + 1} {step.arm}: {message}", file=self.out,
-              flush=True)
+        print(
+            f"[{self.tag} {self.done}/{self.count} {fmt_duration(now - self.t0)}, ETA "
+            f"{self.eta_text()}] {'idle' if not step.load else f'load {step.load}'} "
+            f"{step.kv_tokens} tok rep {step.rep + 1} {step.arm}: {message}",
+            file=self.out,
+            flush=True,
+        )
 
     def note(self, message: str) -> None:
         self.last_line = self.clock()
-        print(f"[{self.tag} {fmt_duration(self.last_line - self.t0)}] {message}", file=self.out,
-              flush=True)
+        print(
+            f"[{self.tag} {fmt_duration(self.last_line - self.t0)}] {message}",
+            file=self.out,
+            flush=True,
+        )
 
 
 def fmt_duration(s: float) -> str:

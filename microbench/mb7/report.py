@@ -25,15 +25,24 @@ IDLE_RATIO, IDLE_RATIO_AT = 8.0, 2048
 LOAD_RATIO = 4.0
 SLOWDOWN = 0.05
 # P's timeline of a transfer against the client's clock (__main__.where_the_tail_goes)
-SPLIT_KEYS = ("prefill_end_to_last_write_ms", "last_write_to_end_ms", "p_response_to_end_ms",
-              "end_to_d_response_ms")
+SPLIT_KEYS = (
+    "prefill_end_to_last_write_ms",
+    "last_write_to_end_ms",
+    "p_response_to_end_ms",
+    "end_to_d_response_ms",
+)
 
 
 def spread(xs: list[float]) -> dict | None:
     xs = [x for x in xs if x is not None]
     if not xs:
         return None
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+    return {
+        "min": min(xs),
+        "median": statistics.median(xs),
+        "max": max(xs),
+        "n": len(xs),
+    }
 
 
 def _med(xs: list[float]) -> float | None:
@@ -41,49 +50,82 @@ def _med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def build_rows(samples: list[dict], layer_s: dict[int, float], facts: dict) -> list[dict]:
+def build_rows(
+    samples: list[dict], layer_s: dict[int, float], facts: dict
+) -> list[dict]:
     """One row per (load, mode, size) of the transfer arms."""
     rows = []
-    keys = sorted({(s["load"], s["arm"], s["kv_tokens"]) for s in samples
-                   if s["arm"] != PREFILL_ONLY})
+    keys = sorted(
+        {
+            (s["load"], s["arm"], s["kv_tokens"])
+            for s in samples
+            if s["arm"] != PREFILL_ONLY
+        }
+    )
     for load, arm, n in keys:
-        mine = [s for s in samples if (s["load"], s["arm"], s["kv_tokens"]) == (load, arm, n)]
+        mine = [
+            s
+            for s in samples
+            if (s["load"], s["arm"], s["kv_tokens"]) == (load, arm, n)
+        ]
         same = [s for s in samples if (s["load"], s["kv_tokens"]) == (load, n)]
         ok = [s for s in mine if not s["error"]]
         hits = [s["local_hit_s"] for s in same if s["arm"] != PREFILL_ONLY]
         local_hit = _med(hits)
-        floor = local_hit + layer_s[n] if local_hit is not None and n in layer_s else None
-        po = {s["rep"]: s["p_latency_s"] for s in same
-              if s["arm"] == PREFILL_ONLY and not s["error"]}
+        floor = (
+            local_hit + layer_s[n] if local_hit is not None and n in layer_s else None
+        )
+        po = {
+            s["rep"]: s["p_latency_s"]
+            for s in same
+            if s["arm"] == PREFILL_ONLY and not s["error"]
+        }
         other = LAYERWISE if arm == POSTHOC else POSTHOC
-        other_tail = {s["rep"]: s["tail_s"] for s in same if s["arm"] == other and not s["error"]}
+        other_tail = {
+            s["rep"]: s["tail_s"] for s in same if s["arm"] == other and not s["error"]
+        }
         row = {
-            "load": load, "mode": arm, "kv_tokens": n, "prompt_len": n + 1,
+            "load": load,
+            "mode": arm,
+            "kv_tokens": n,
+            "prompt_len": n + 1,
             "bytes": kv_bytes(n, facts["kv_bytes_per_token"]),
-            "reps": len(mine), "errors": [s["error"] for s in mine if s["error"]],
+            "reps": len(mine),
+            "errors": [s["error"] for s in mine if s["error"]],
             "tail_s": spread([s["tail_s"] for s in ok]),
             "local_hit_s": spread(hits),
             "one_layer_s": layer_s.get(n),
             "floor_s": floor,
-            "tail_over_floor": spread([s["tail_s"] / floor for s in ok]) if floor else None,
+            "tail_over_floor": spread([s["tail_s"] / floor for s in ok])
+            if floor
+            else None,
             "p_latency_s": spread([s["p_latency_s"] for s in ok]),
             "prefill_only_s": spread(list(po.values())),
             # paired by repetition: the same rep's P alone vs P with this mode's transfer
-            "prefill_slowdown": spread([s["p_latency_s"] / po[s["rep"]] - 1 for s in ok
-                                        if po.get(s["rep"])]),
+            "prefill_slowdown": spread(
+                [s["p_latency_s"] / po[s["rep"]] - 1 for s in ok if po.get(s["rep"])]
+            ),
             # post-hoc tail / layer-wise tail of the same repetition (on the posthoc row)
             "posthoc_over_layerwise": spread(
-                [s["tail_s"] / other_tail[s["rep"]] for s in ok
-                 if arm == POSTHOC and other_tail.get(s["rep"])]) if arm == POSTHOC else None,
-            "share_before_prefill_end": spread([s.get("share_before_prefill_end")
-                                                for s in ok]),
+                [
+                    s["tail_s"] / other_tail[s["rep"]]
+                    for s in ok
+                    if arm == POSTHOC and other_tail.get(s["rep"])
+                ]
+            )
+            if arm == POSTHOC
+            else None,
+            "share_before_prefill_end": spread(
+                [s.get("share_before_prefill_end") for s in ok]
+            ),
             "tail_split_ms": {k: spread([s.get(k) for s in ok]) for k in SPLIT_KEYS},
             # wrong KV in a completed request; failed requests are counted in "errors"
             "correct": bool(ok) and all(s["correct"] for s in ok),
             "problems": sorted({p for s in mine for p in s["problems"]})[:5],
             # demoted (JSON only): two prefills of seconds subtracted from each other
             "overhead_s": (_med([s["total_s"] for s in ok]) - _med(list(po.values())))
-            if ok and po else None,
+            if ok and po
+            else None,
         }
         rows.append(row)
     return rows
@@ -105,8 +147,15 @@ def targets(rows: list[dict]) -> list[dict]:
     out = []
 
     def row(load, mode, n):
-        return next((r for r in rows if (r["load"], r["mode"], r["kv_tokens"]) == (load, mode, n)
-                     and r["tail_s"]), None)
+        return next(
+            (
+                r
+                for r in rows
+                if (r["load"], r["mode"], r["kv_tokens"]) == (load, mode, n)
+                and r["tail_s"]
+            ),
+            None,
+        )
 
     for load in sorted({r["load"] for r in rows}):
         tag = "idle" if load == 0 else f"{load} decode streams"
@@ -114,41 +163,79 @@ def targets(rows: list[dict]) -> list[dict]:
         bound = IDLE_TAIL_OVER_FLOOR if load == 0 else LOAD_TAIL_OVER_FLOOR
         tof = {n: _get(row(load, LAYERWISE, n), "tail_over_floor") for n in sizes}
         vals = [v for v in tof.values() if v is not None]
-        worst_n = max((n for n in sizes if tof[n] is not None), key=lambda n: tof[n], default=None)
-        out.append({"load": load, "target": f"{tag}: layer-wise tail/floor <= {bound} at every size",
-                    "value": max(vals) if vals else None,
-                    "detail": ", ".join(f"{n}: {tof[n]:.2f}" for n in sizes if tof[n] is not None),
-                    "met": (max(vals) <= bound) if len(vals) == len(sizes) and vals else None,
-                    "worst_at": worst_n})
+        worst_n = max(
+            (n for n in sizes if tof[n] is not None), key=lambda n: tof[n], default=None
+        )
+        out.append(
+            {
+                "load": load,
+                "target": f"{tag}: layer-wise tail/floor <= {bound} at every size",
+                "value": max(vals) if vals else None,
+                "detail": ", ".join(
+                    f"{n}: {tof[n]:.2f}" for n in sizes if tof[n] is not None
+                ),
+                "met": (max(vals) <= bound)
+                if len(vals) == len(sizes) and vals
+                else None,
+                "worst_at": worst_n,
+            }
+        )
         if load == 0:
             tails = {n: _get(row(load, LAYERWISE, n), "tail_s") for n in sizes}
             t = [v for v in tails.values() if v]
             span = sizes[-1] / sizes[0] if sizes else 0
             flat = max(t) / min(t) if len(t) == len(sizes) and len(t) >= 2 else None
-            out.append({"load": load, "target": f"{tag}: layer-wise tail max/min <= {FLATNESS} "
-                        f"over {span:.0f}x of KV", "value": flat,
-                        "met": (flat <= FLATNESS) if flat is not None and span >= 4 else None,
-                        "detail": ", ".join(f"{n}: {1e3 * v:.0f} ms" for n, v in tails.items()
-                                            if v)})
+            out.append(
+                {
+                    "load": load,
+                    "target": f"{tag}: layer-wise tail max/min <= {FLATNESS} "
+                    f"over {span:.0f}x of KV",
+                    "value": flat,
+                    "met": (flat <= FLATNESS)
+                    if flat is not None and span >= 4
+                    else None,
+                    "detail": ", ".join(
+                        f"{n}: {1e3 * v:.0f} ms" for n, v in tails.items() if v
+                    ),
+                }
+            )
             slow = {n: _get(row(load, LAYERWISE, n), "prefill_slowdown") for n in sizes}
             s = [v for v in slow.values() if v is not None]
-            out.append({"load": load, "target": f"{tag}: P's prefill slowdown (layer-wise) "
-                        f"<= {100 * SLOWDOWN:.0f}% at every size",
-                        "value": max(s) if s else None,
-                        "met": (max(s) <= SLOWDOWN) if s and len(s) == len(sizes) else None,
-                        "detail": ", ".join(f"{n}: {100 * v:+.1f}%" for n, v in slow.items()
-                                            if v is not None)})
+            out.append(
+                {
+                    "load": load,
+                    "target": f"{tag}: P's prefill slowdown (layer-wise) "
+                    f"<= {100 * SLOWDOWN:.0f}% at every size",
+                    "value": max(s) if s else None,
+                    "met": (max(s) <= SLOWDOWN) if s and len(s) == len(sizes) else None,
+                    "detail": ", ".join(
+                        f"{n}: {100 * v:+.1f}%"
+                        for n, v in slow.items()
+                        if v is not None
+                    ),
+                }
+            )
         at = IDLE_RATIO_AT if IDLE_RATIO_AT in sizes else (sizes[-1] if sizes else None)
         bound = IDLE_RATIO if load == 0 else LOAD_RATIO
         ph = row(load, POSTHOC, at)
         ratio = _get(ph, "posthoc_over_layerwise")
-        out.append({"load": load, "target": f"{tag}: post-hoc/layer-wise tail >= {bound:g}x "
-                    f"at {at} tokens", "value": ratio,
-                    "met": (ratio >= bound) if ratio is not None and at == IDLE_RATIO_AT
-                    else None,
-                    "detail": (f"per rep min {_get(ph, 'posthoc_over_layerwise', 'min'):.1f}x, "
-                               f"max {_get(ph, 'posthoc_over_layerwise', 'max'):.1f}x")
-                    if ratio is not None else ""})
+        out.append(
+            {
+                "load": load,
+                "target": f"{tag}: post-hoc/layer-wise tail >= {bound:g}x "
+                f"at {at} tokens",
+                "value": ratio,
+                "met": (ratio >= bound)
+                if ratio is not None and at == IDLE_RATIO_AT
+                else None,
+                "detail": (
+                    f"per rep min {_get(ph, 'posthoc_over_layerwise', 'min'):.1f}x, "
+                    f"max {_get(ph, 'posthoc_over_layerwise', 'max'):.1f}x"
+                )
+                if ratio is not None
+                else "",
+            }
+        )
     return out
 
 
@@ -156,18 +243,26 @@ def summary_lines(rows: list[dict], tgts: list[dict], held: list[dict]) -> list[
     lines = []
     for r in rows:
         if r["errors"]:
-            lines.append(f"[mb7] {len(r['errors'])} FAILED request(s) at load {r['load']} "
-                         f"{r['mode']} {r['kv_tokens']} tok: {r['errors'][0][:200]}")
+            lines.append(
+                f"[mb7] {len(r['errors'])} FAILED request(s) at load {r['load']} "
+                f"{r['mode']} {r['kv_tokens']} tok: {r['errors'][0][:200]}"
+            )
     for t in tgts:
         v = t["value"]
-        shown = "-" if v is None else (f"{100 * v:+.1f}%" if "slowdown" in t["target"]
-                                       else f"{v:.2f}")
-        lines.append(f"[mb7] {_verdict(t['met']):>12}  {t['target']}: {shown}"
-                     + (f" ({t['detail']})" if t.get("detail") else ""))
+        shown = (
+            "-"
+            if v is None
+            else (f"{100 * v:+.1f}%" if "slowdown" in t["target"] else f"{v:.2f}")
+        )
+        lines.append(
+            f"[mb7] {_verdict(t['met']):>12}  {t['target']}: {shown}"
+            + (f" ({t['detail']})" if t.get("detail") else "")
+        )
     for r in rows:
         split = r.get("tail_split_ms") or {}
         if r["kv_tokens"] != max(x["kv_tokens"] for x in rows) or not split.get(
-                "end_to_d_response_ms"):
+            "end_to_d_response_ms"
+        ):
             continue
         med = {k: v["median"] for k, v in split.items() if v}
         tag = "idle" if r["load"] == 0 else f"load {r['load']}"
@@ -176,12 +271,15 @@ def summary_lines(rows: list[dict], tgts: list[dict], held: list[dict]) -> list[
             f"{r['mode']} {r['kv_tokens']} tok (median ms): P's last layer -> last write done "
             f"{med.get('prefill_end_to_last_write_ms', float('nan')):.0f}, P's response -> "
             f"transfer ended (D answered) {med.get('p_response_to_end_ms', float('nan')):.0f}, "
-            f"ended -> D's first token at the client {med['end_to_d_response_ms']:.0f}")
+            f"ended -> D's first token at the client {med['end_to_d_response_ms']:.0f}"
+        )
     for h in held:
-        lines.append(f"[mb7] KV blocks held after the last {h['mode']} request ({h['phase']}"
-                     f"{', which FAILED' if h.get('request_error') else ''}): "
-                     f"P {100 * h['p_usage']:.1f}%, D {100 * h['d_usage']:.1f}% "
-                     f"{'after' if h['returned'] else 'still after'} {h['seconds']:.1f} s")
+        lines.append(
+            f"[mb7] KV blocks held after the last {h['mode']} request ({h['phase']}"
+            f"{', which FAILED' if h.get('request_error') else ''}): "
+            f"P {100 * h['p_usage']:.1f}%, D {100 * h['d_usage']:.1f}% "
+            f"{'after' if h['returned'] else 'still after'} {h['seconds']:.1f} s"
+        )
     return lines
 
 
@@ -198,28 +296,40 @@ def table_rows(rows: list[dict]) -> list[dict]:
     for r in rows:
         tof, ratio = r.get("tail_over_floor"), r.get("posthoc_over_layerwise")
         slow, share = r.get("prefill_slowdown"), r.get("share_before_prefill_end")
-        out.append({
-            "load": "idle" if r["load"] == 0 else str(r["load"]),
-            "mode": r["mode"], "tokens": str(r["kv_tokens"]),
-            "mib": f"{r['bytes'] / 2**20:.0f}",
-            "tail": _ms(r, "tail_s"),
-            "floor": f"{1e3 * r['floor_s']:.0f}" if r.get("floor_s") else "-",
-            "tof": f"{tof['min']:.2f}/{tof['median']:.2f}/{tof['max']:.2f}" if tof else "-",
-            "ratio": f"{ratio['min']:.1f}/{ratio['median']:.1f}/{ratio['max']:.1f}"
-            if ratio else "",
-            "slow": f"{100 * slow['median']:+.1f}" if slow else "-",
-            "share": f"{100 * share['median']:.0f}" if share else "",
-            "correct": ("yes" if r["correct"] else "NO") + (f", {len(r['errors'])} failed"
-                                                             if r["errors"] else ""),
-        })
+        out.append(
+            {
+                "load": "idle" if r["load"] == 0 else str(r["load"]),
+                "mode": r["mode"],
+                "tokens": str(r["kv_tokens"]),
+                "mib": f"{r['bytes'] / 2**20:.0f}",
+                "tail": _ms(r, "tail_s"),
+                "floor": f"{1e3 * r['floor_s']:.0f}" if r.get("floor_s") else "-",
+                "tof": f"{tof['min']:.2f}/{tof['median']:.2f}/{tof['max']:.2f}"
+                if tof
+                else "-",
+                "ratio": f"{ratio['min']:.1f}/{ratio['median']:.1f}/{ratio['max']:.1f}"
+                if ratio
+                else "",
+                "slow": f"{100 * slow['median']:+.1f}" if slow else "-",
+                "share": f"{100 * share['median']:.0f}" if share else "",
+                "correct": ("yes" if r["correct"] else "NO")
+                + (f", {len(r['errors'])} failed" if r["errors"] else ""),
+            }
+        )
     return out
 
 
 TABLE = [
-    ("load", "load", ""), ("mode", "mode", ""), ("tokens", "KV tokens", ""), ("mib", "MiB", ""),
-    ("tail", "tail ms min/med/max", ""), ("floor", "floor ms", ""),
-    ("tof", "tail/floor min/med/max", ""), ("ratio", "post/lw min/med/max", ""),
-    ("slow", "P slowdown %", ""), ("share", "written before P ended %", ""),
+    ("load", "load", ""),
+    ("mode", "mode", ""),
+    ("tokens", "KV tokens", ""),
+    ("mib", "MiB", ""),
+    ("tail", "tail ms min/med/max", ""),
+    ("floor", "floor ms", ""),
+    ("tof", "tail/floor min/med/max", ""),
+    ("ratio", "post/lw min/med/max", ""),
+    ("slow", "P slowdown %", ""),
+    ("share", "written before P ended %", ""),
     ("correct", "correct", ""),
 ]
 
@@ -239,24 +349,46 @@ def plot(rows: list[dict], path: Path, facts: dict, machine: str) -> Path | None
         ls = "-" if load == 0 else "--"
         tag = "idle" if load == 0 else f"{load} decode streams"
         for mode in (LAYERWISE, POSTHOC):
-            sel = sorted((r for r in rows if r["mode"] == mode and r["load"] == load),
-                         key=lambda r: r["bytes"])
+            sel = sorted(
+                (r for r in rows if r["mode"] == mode and r["load"] == load),
+                key=lambda r: r["bytes"],
+            )
             if not sel:
                 continue
             x = [r["bytes"] / 2**20 for r in sel]
-            for ax, key, scale in ((axes[0], "tail_s", 1e3), (axes[1], "tail_over_floor", 1)):
+            for ax, key, scale in (
+                (axes[0], "tail_s", 1e3),
+                (axes[1], "tail_over_floor", 1),
+            ):
                 sel2 = [(xi, r) for xi, r in zip(x, sel) if r.get(key)]
                 med = [r[key]["median"] * scale for _, r in sel2]
                 lo = [m - r[key]["min"] * scale for m, (_, r) in zip(med, sel2)]
                 hi = [r[key]["max"] * scale - m for m, (_, r) in zip(med, sel2)]
-                ax.errorbar([xi for xi, _ in sel2], med, yerr=[lo, hi], capsize=3,
-                            marker="o" if mode == LAYERWISE else "s", linestyle=ls,
-                            label=f"{mode}, {tag}")
-        floor = sorted((r for r in rows if r["mode"] == LAYERWISE and r["load"] == load
-                        and r.get("floor_s")), key=lambda r: r["bytes"])
+                ax.errorbar(
+                    [xi for xi, _ in sel2],
+                    med,
+                    yerr=[lo, hi],
+                    capsize=3,
+                    marker="o" if mode == LAYERWISE else "s",
+                    linestyle=ls,
+                    label=f"{mode}, {tag}",
+                )
+        floor = sorted(
+            (
+                r
+                for r in rows
+                if r["mode"] == LAYERWISE and r["load"] == load and r.get("floor_s")
+            ),
+            key=lambda r: r["bytes"],
+        )
         if floor:
-            axes[0].plot([r["bytes"] / 2**20 for r in floor], [1e3 * r["floor_s"] for r in floor],
-                         color="gray", linestyle=ls, label=f"floor, {tag}")
+            axes[0].plot(
+                [r["bytes"] / 2**20 for r in floor],
+                [1e3 * r["floor_s"] for r in floor],
+                color="gray",
+                linestyle=ls,
+                label=f"floor, {tag}",
+            )
     axes[0].set_ylabel("tail = D's first token - P's response (ms)")
     axes[1].set_ylabel("tail / floor")
     for bound in (IDLE_TAIL_OVER_FLOOR, LOAD_TAIL_OVER_FLOOR):
@@ -266,8 +398,11 @@ def plot(rows: list[dict], path: Path, facts: dict, machine: str) -> Path | None
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.suptitle(f"mb7: {facts['layers']}-layer model, {facts['kv_bytes_per_token'] // 1024} KiB "
-                 f"KV/token; bars min-max over reps; {machine}", fontsize=10)
+    fig.suptitle(
+        f"mb7: {facts['layers']}-layer model, {facts['kv_bytes_per_token'] // 1024} KiB "
+        f"KV/token; bars min-max over reps; {machine}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

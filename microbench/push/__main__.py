@@ -19,7 +19,7 @@ here (microbench/bandwidth.py, in a child process whose log goes beside the
 instances' logs), with the targets
 push <= local + 1.25 x bytes / bandwidth + 50 ms and push <= 0.3 x cold.
 
-Write efficiency: C's push stats (GET /hashsync, "push": bytes, entries,
+Write efficiency: C's push stats (GET /push/stats: bytes, entries,
 write_seconds) are read around each push, giving the write's seconds, bytes
 and entry layout as C saw them. After each length's repetitions, with both
 instances idle, the engine writes the same layout (entry count and size)
@@ -47,17 +47,21 @@ from pathlib import Path
 import httpx
 
 from harness.correctness import compare, reference_completion
-from harness.launcher import Cluster, InstanceSpec
+from harness.launcher import BLOCK, Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.pd_client import (
     RequestFailed,
-    bootstrap_headers,
     complete,
     model_name,
+    push_stats,
     wait_for_matched_blocks,
 )
 from harness.prompts import PromptSource
-from microbench.bandwidth import WriteLayout, engine_write_bandwidths, placed_write_bandwidth_logged
+from microbench.bandwidth import (
+    WriteLayout,
+    engine_write_bandwidths,
+    placed_write_bandwidth_logged,
+)
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
     finish,
@@ -67,26 +71,33 @@ from microbench.common import (
     stamp,
 )
 
-BLOCK_SIZE = 128
 REQUEST_TIMEOUT_S = 900
 WRITE_EFFICIENCY_TARGET = 0.8  # C's write GB/s over the engine's with the same layout
 
 
 def c_push_stats(c) -> dict:
-    r = httpx.get(c.bootstrap_url + "/hashsync", timeout=30, headers=bootstrap_headers())
-    r.raise_for_status()
-    stats = r.json().get("push")
-    if not stats or "write_seconds" not in stats:
-        raise RuntimeError(f"C's /hashsync has no push write stats ({stats!r}): is the patch "
-                           "series applied (python build.py apply)?")
+    try:
+        stats = push_stats(c.bootstrap_url)
+    except RequestFailed as e:
+        raise RuntimeError(
+            f"C serves no push stats ({e}): is the patch series applied "
+            "(python build.py apply)?"
+        ) from e
+    if "write_seconds" not in stats:
+        raise RuntimeError(
+            f"C's /push/stats has no write stats ({stats!r}): is the patch "
+            "series applied (python build.py apply)?"
+        )
     return stats
 
 
 def write_of(before: dict, after: dict) -> dict:
     """C's write between two snapshots of its push stats (one push in between)."""
-    return {"bytes": after["bytes"] - before["bytes"],
-            "entries": after["entries"] - before["entries"],
-            "seconds": after["write_seconds"] - before["write_seconds"]}
+    return {
+        "bytes": after["bytes"] - before["bytes"],
+        "entries": after["entries"] - before["entries"],
+        "seconds": after["write_seconds"] - before["write_seconds"],
+    }
 
 
 def write_efficiency(writes: list[dict], engine: dict | None) -> dict:
@@ -94,70 +105,128 @@ def write_efficiency(writes: list[dict], engine: dict | None) -> dict:
     with the same layout."""
     moved = [w for w in writes if w["bytes"] > 0 and w["seconds"] > 0]
     if not moved:
-        return {"write_s": None, "write_gb_per_s": None, "write_entries": None,
-                "write_entry_kib": None, "engine_layout_gb_per_s": None, "write_over_engine": None}
+        return {
+            "write_s": None,
+            "write_gb_per_s": None,
+            "write_entries": None,
+            "write_entry_kib": None,
+            "engine_layout_gb_per_s": None,
+            "write_over_engine": None,
+        }
     gbps = median([w["bytes"] / w["seconds"] / 1e9 for w in moved])
     entries = median([w["entries"] for w in moved])
-    out = {"write_s": median([w["seconds"] for w in moved]), "write_gb_per_s": gbps,
-           "write_entries": entries,
-           "write_entry_kib": median([w["bytes"] / w["entries"] / 1024 for w in moved]),
-           "engine_layout_gb_per_s": engine["gb_per_s"] if engine else None}
+    out = {
+        "write_s": median([w["seconds"] for w in moved]),
+        "write_gb_per_s": gbps,
+        "write_entries": entries,
+        "write_entry_kib": median([w["bytes"] / w["entries"] / 1024 for w in moved]),
+        "engine_layout_gb_per_s": engine["gb_per_s"] if engine else None,
+    }
     out["write_over_engine"] = gbps / engine["gb_per_s"] if engine else None
     return out
 
 
-def one_session(c, d, prompts, n: int, args, cm: str, dm: str, *, logprobs: int | None,
-                max_tokens: int) -> dict:
+def one_session(
+    c,
+    d,
+    prompts,
+    n: int,
+    args,
+    cm: str,
+    dm: str,
+    *,
+    logprobs: int | None,
+    max_tokens: int,
+) -> dict:
     turn1 = prompts(n)
-    out1 = complete(c.url, turn1, max_tokens=args.turn1_output, logprobs=None, model=cm,
-                    timeout=REQUEST_TIMEOUT_S)
+    out1 = complete(
+        c.url,
+        turn1,
+        max_tokens=args.turn1_output,
+        logprobs=None,
+        model=cm,
+        timeout=REQUEST_TIMEOUT_S,
+    )
     turn2 = turn1 + out1.token_ids + prompts(args.new_tokens)
     # the last output token's KV is not computed by turn 1
-    m = wait_for_matched_blocks(c.bootstrap_url, turn2,
-                                (len(turn1) + len(out1.token_ids) - 1) // BLOCK_SIZE)
+    m = wait_for_matched_blocks(
+        c.bootstrap_url, turn2, (len(turn1) + len(out1.token_ids) - 1) // BLOCK
+    )
     before = c_push_stats(c)
-    push = complete(d.url, turn2, max_tokens=max_tokens, logprobs=logprobs, model=dm,
-                    kv_transfer_params={"push_from": c.bootstrap_url}, timeout=REQUEST_TIMEOUT_S)
-    return {"turn2": turn2, "match": m, "push": push, "write": write_of(before, c_push_stats(c))}
+    push = complete(
+        d.url,
+        turn2,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        model=dm,
+        kv_transfer_params={"push_from": c.bootstrap_url},
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    return {
+        "turn2": turn2,
+        "match": m,
+        "push": push,
+        "write": write_of(before, c_push_stats(c)),
+    }
 
 
-def measure_size(c, d, prompts, n: int, args, cm: str, dm: str, facts: dict,
-                 probe_log: Path) -> dict:
+def measure_size(
+    c, d, prompts, n: int, args, cm: str, dm: str, facts: dict, probe_log: Path
+) -> dict:
     ttft = {"push": [], "local": [], "cold": []}
     matched, pushed, total_blocks, hit, writes = [], [], [], [], []
     for rep in range(args.reps):
         s = one_session(c, d, prompts, n, args, cm, dm, logprobs=None, max_tokens=1)
-        local = complete(c.url, s["turn2"], max_tokens=1, logprobs=None, model=cm,
-                         timeout=REQUEST_TIMEOUT_S)
-        cold = complete(d.url, s["turn2"], max_tokens=1, logprobs=None, model=dm,
-                        cache_salt=f"cold-{uuid.uuid4().hex}", timeout=REQUEST_TIMEOUT_S)
+        local = complete(
+            c.url,
+            s["turn2"],
+            max_tokens=1,
+            logprobs=None,
+            model=cm,
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        cold = complete(
+            d.url,
+            s["turn2"],
+            max_tokens=1,
+            logprobs=None,
+            model=dm,
+            cache_salt=f"cold-{uuid.uuid4().hex}",
+            timeout=REQUEST_TIMEOUT_S,
+        )
         ttft["push"].append(s["push"].latency_s)
         ttft["local"].append(local.latency_s)
         ttft["cold"].append(cold.latency_s)
         matched.append(s["match"]["matched_blocks"])
         total_blocks.append(s["match"]["total_full_blocks"])
         cached = s["push"].cached_tokens or 0
-        pushed.append(cached // BLOCK_SIZE)
+        pushed.append(cached // BLOCK)
         hit.append(cached / len(s["turn2"]))
         writes.append(w := s["write"])
-        print(f"[push] n={n} rep {rep + 1}/{args.reps}: push {ttft['push'][-1]:.3f}s local "
-              f"{ttft['local'][-1]:.3f}s cold {ttft['cold'][-1]:.3f}s; matched "
-              f"{matched[-1]}/{total_blocks[-1]} blocks, D cached {cached} tokens; C wrote "
-              f"{w['bytes'] / 2**20:.0f} MiB in {w['entries']} entries in {w['seconds']:.3f}s",
-              flush=True)
+        print(
+            f"[push] n={n} rep {rep + 1}/{args.reps}: push {ttft['push'][-1]:.3f}s local "
+            f"{ttft['local'][-1]:.3f}s cold {ttft['cold'][-1]:.3f}s; matched "
+            f"{matched[-1]}/{total_blocks[-1]} blocks, D cached {cached} tokens; C wrote "
+            f"{w['bytes'] / 2**20:.0f} MiB in {w['entries']} entries in {w['seconds']:.3f}s",
+            flush=True,
+        )
     engine = engine_same_layout(writes, args, probe_log)
     # correctness on a fresh session: D's tokens/logprobs via push vs C from scratch
     s = one_session(c, d, prompts, n, args, cm, dm, logprobs=5, max_tokens=4)
     ref = reference_completion(c.url, s["turn2"], max_tokens=4)
-    check = compare(s["push"], ref, expected_cached_tokens=s["match"]["matched_blocks"] * BLOCK_SIZE)
-    pushed_bytes = median(pushed) * BLOCK_SIZE * facts["kv_bytes_per_token"]
+    check = compare(
+        s["push"], ref, expected_cached_tokens=s["match"]["matched_blocks"] * BLOCK
+    )
+    pushed_bytes = median(pushed) * BLOCK * facts["kv_bytes_per_token"]
     row = {
         "prefix_len": n,
         "turn2_len": len(s["turn2"]),
         "matched_blocks": median(matched),
         "total_full_blocks": median(total_blocks),
         "pushed_blocks": median(pushed),
-        "pushed_over_matched": min(p / m for p, m in zip(pushed, matched)) if all(matched) else 0.0,
+        "pushed_over_matched": min(p / m for p, m in zip(pushed, matched))
+        if all(matched)
+        else 0.0,
         "external_hit_rate": median(hit),
         "ttft_push_s": median(ttft["push"]),
         "ttft_local_s": median(ttft["local"]),
@@ -184,12 +253,19 @@ def engine_same_layout(writes: list[dict], args, probe_log: Path) -> dict | None
         return None
     w = sorted(moved, key=lambda w: w["bytes"])[len(moved) // 2]
     layout = WriteLayout.of_write(w["bytes"], w["entries"])
-    probe = placed_write_bandwidth_logged(layout, log_path=probe_log, src_cpus=args.c_cores,
-                                          dst_cpus=args.d_cores, protocol=args.protocol,
-                                          reps=max(3, args.reps))
-    print(f"[push] engine alone, {layout.describe()}, writer on cores {args.c_cores}, reader on "
-          f"{args.d_cores}: {probe['gb_per_s']:.2f} GB/s (median of {len(probe['seconds'])})",
-          flush=True)
+    probe = placed_write_bandwidth_logged(
+        layout,
+        log_path=probe_log,
+        src_cpus=args.c_cores,
+        dst_cpus=args.d_cores,
+        protocol=args.protocol,
+        reps=max(3, args.reps),
+    )
+    print(
+        f"[push] engine alone, {layout.describe()}, writer on cores {args.c_cores}, reader on "
+        f"{args.d_cores}: {probe['gb_per_s']:.2f} GB/s (median of {len(probe['seconds'])})",
+        flush=True,
+    )
     return probe
 
 
@@ -207,7 +283,8 @@ def efficiency_lines(ok: list[dict]) -> tuple[bool, list[str]]:
             f"GB/s ({r['write_entries']:.0f} entries of {r['write_entry_kib']:.0f} KiB) vs engine "
             f"{r['engine_layout_gb_per_s']:.2f} GB/s with that layout -> "
             f"{r['write_over_engine']:.2f} (target >= {WRITE_EFFICIENCY_TARGET}) "
-            f"{'met' if this else 'NOT met'}")
+            f"{'met' if this else 'NOT met'}"
+        )
     return met, lines
 
 
@@ -246,27 +323,51 @@ def summarize(rows: list[dict], bw: dict) -> dict:
 
 
 TABLE = [
-    ("prefix_len", "prefix", "d"), ("turn2_len", "turn2", "d"),
-    ("matched_blocks", "matched", ".0f"), ("total_full_blocks", "of blocks", ".0f"),
-    ("pushed_blocks", "pushed", ".0f"), ("external_hit_rate", "ext hit", ".2f"),
-    ("mib", "MiB", ".0f"), ("ttft_local_s", "local s", ".3f"), ("ttft_push_s", "push s", ".3f"),
-    ("ttft_cold_s", "cold s", ".3f"), ("push_over_local", "push/local", ".2f"),
-    ("push_over_cold", "push/cold", ".2f"), ("write_s", "write s", ".3f"),
-    ("write_gb_per_s", "write GB/s", ".2f"), ("write_entries", "entries", ".0f"),
-    ("engine_layout_gb_per_s", "engine GB/s", ".2f"), ("write_over_engine", "write/engine", ".2f"),
+    ("prefix_len", "prefix", "d"),
+    ("turn2_len", "turn2", "d"),
+    ("matched_blocks", "matched", ".0f"),
+    ("total_full_blocks", "of blocks", ".0f"),
+    ("pushed_blocks", "pushed", ".0f"),
+    ("external_hit_rate", "ext hit", ".2f"),
+    ("mib", "MiB", ".0f"),
+    ("ttft_local_s", "local s", ".3f"),
+    ("ttft_push_s", "push s", ".3f"),
+    ("ttft_cold_s", "cold s", ".3f"),
+    ("push_over_local", "push/local", ".2f"),
+    ("push_over_cold", "push/cold", ".2f"),
+    ("write_s", "write s", ".3f"),
+    ("write_gb_per_s", "write GB/s", ".2f"),
+    ("write_entries", "entries", ".0f"),
+    ("engine_layout_gb_per_s", "engine GB/s", ".2f"),
+    ("write_over_engine", "write/engine", ".2f"),
     ("correct", "correct", ""),
 ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m microbench.push", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="model dir (default: generated, --layers)")
-    ap.add_argument("--layers", type=int, default=8, help="layers of the generated default model")
-    ap.add_argument("--full", action="store_true",
-                    help="the long sweep: sizes 2048,8192,16384, 5 reps (about 20 min here)")
-    ap.add_argument("--sizes", default=None,
-                    help="turn-1 prompt lengths (default 8192,16384: the sizes the bound is "
-                    "checked at; --full adds 2048)")
+    ap = argparse.ArgumentParser(
+        prog="python -m microbench.push", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model dir (default: generated, --layers)",
+    )
+    ap.add_argument(
+        "--layers", type=int, default=8, help="layers of the generated default model"
+    )
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="the long sweep: sizes 2048,8192,16384, 5 reps (about 20 min here)",
+    )
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="turn-1 prompt lengths (default 8192,16384: the sizes the bound is "
+        "checked at; --full adds 2048)",
+    )
     ap.add_argument("--reps", type=int, default=None, help="default 3 (--full: 5)")
     ap.add_argument("--turn1-output", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -276,56 +377,100 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--c-cores", default="0")
     ap.add_argument("--d-cores", default="1")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/push-<time>.json)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default results/push-<time>.json)",
+    )
     args = ap.parse_args(argv)
-    args.sizes = [int(s) for s in (args.sizes or ("2048,8192,16384" if args.full
-                                                  else "8192,16384")).split(",")]
+    args.sizes = [
+        int(s)
+        for s in (
+            args.sizes or ("2048,8192,16384" if args.full else "8192,16384")
+        ).split(",")
+    ]
     args.reps = args.reps or (5 if args.full else 3)
 
     model_dir = args.model or ensure_model(ModelShape(num_layers=args.layers))
     facts = model_facts(Path(model_dir))
     run_id = stamp()
     out = args.out or DEFAULT_RESULTS_DIR / f"push-{run_id}.json"
-    max_len = max(args.sizes) + args.turn1_output + args.new_tokens + BLOCK_SIZE
-    largest = (max(args.sizes) + args.turn1_output) // BLOCK_SIZE * BLOCK_SIZE * facts["kv_bytes_per_token"]
-    print(f"[push] model {facts['path']} ({facts['layers']} layers, "
-          f"{facts['kv_bytes_per_token'] / 1024:.0f} KiB KV/token); sizes {args.sizes}; reps {args.reps}",
-          flush=True)
+    max_len = max(args.sizes) + args.turn1_output + args.new_tokens + BLOCK
+    largest = (
+        (max(args.sizes) + args.turn1_output)
+        // BLOCK
+        * BLOCK
+        * facts["kv_bytes_per_token"]
+    )
+    print(
+        f"[push] model {facts['path']} ({facts['layers']} layers, "
+        f"{facts['kv_bytes_per_token'] / 1024:.0f} KiB KV/token); sizes {args.sizes}; reps {args.reps}",
+        flush=True,
+    )
     log_dir = out.parent / f"push-{run_id}-logs"
     probe_log = log_dir / "engine-probe.log"
-    [bw] = engine_write_bandwidths([(largest, 1 << 20)], args.protocol, log_path=probe_log)
-    print(f"[push] the transfer engine's bandwidth: {bw['gb_per_s']:.2f} GB/s (engine log: "
-          f"{probe_log})", flush=True)
+    [bw] = engine_write_bandwidths(
+        [(largest, 1 << 20)], args.protocol, log_path=probe_log
+    )
+    print(
+        f"[push] the transfer engine's bandwidth: {bw['gb_per_s']:.2f} GB/s (engine log: "
+        f"{probe_log})",
+        flush=True,
+    )
 
-    common = dict(model=facts["path"], protocol=args.protocol, kv_cache_gib=args.kv_cache_gib,
-                  max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                  dtype=facts["dtype"],
-                  extra_args=["--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE)])
-    specs = [InstanceSpec("c", role="kv_producer", cores=args.c_cores, **common),
-             InstanceSpec("d", role="kv_consumer", cores=args.d_cores, **common)]
+    common = dict(
+        model=facts["path"],
+        protocol=args.protocol,
+        kv_cache_gib=args.kv_cache_gib,
+        max_model_len=max_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=facts["dtype"],
+        extra_args=["--enable-prompt-tokens-details"],
+    )
+    specs = [
+        InstanceSpec("c", role="kv_producer", cores=args.c_cores, **common),
+        InstanceSpec("d", role="kv_consumer", cores=args.d_cores, **common),
+    ]
     prompts = PromptSource(facts["vocab_size"], seed=args.seed)
     rows = []
-    print(f"[push] starting C (cores {args.c_cores}) and D (cores {args.d_cores}); logs in "
-          f"{log_dir}", flush=True)
+    print(
+        f"[push] starting C (cores {args.c_cores}) and D (cores {args.d_cores}); logs in "
+        f"{log_dir}",
+        flush=True,
+    )
     with Cluster(specs, log_dir) as cluster:
         c, d = cluster["c"], cluster["d"]
         cm, dm = model_name(c.url), model_name(d.url)
-        one_session(c, d, prompts, 256, args, cm, dm, logprobs=None, max_tokens=1)  # warm-up
+        one_session(
+            c, d, prompts, 256, args, cm, dm, logprobs=None, max_tokens=1
+        )  # warm-up
         for n in args.sizes:
             try:
-                rows.append(measure_size(c, d, prompts, n, args, cm, dm, facts, probe_log))
+                rows.append(
+                    measure_size(c, d, prompts, n, args, cm, dm, facts, probe_log)
+                )
             except (RequestFailed, httpx.HTTPError) as e:
                 print(f"[push] n={n}: FAILED: {e}", file=sys.stderr, flush=True)
                 rows.append({"prefix_len": n, "error": str(e), "correct": False})
-        push_stats = c_push_stats(c)
+        c_stats = c_push_stats(c)
     for r in rows:
         if not r.get("error"):
             r["mib"] = r["pushed_bytes"] / 2**20
-    result = {"benchmark": "push", "machine": machine_info(), "model": facts,
-              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "engine_bandwidth": bw, "c_push_stats": push_stats, "rows": rows}
+    result = {
+        "benchmark": "push",
+        "machine": machine_info(),
+        "model": facts,
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+        },
+        "engine_bandwidth": bw,
+        "c_push_stats": c_stats,
+        "rows": rows,
+    }
     result["summary"] = summarize(rows, bw)
     return finish("push", out, result, TABLE, lambda r: r["prefix_len"])
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import pytest
 
-from harness.launcher import Cluster, InstanceSpec
-from harness.model import ModelShape, ensure_model
 from harness.pd_client import pd_generate
 from harness.prompts import PromptSource
 
@@ -25,20 +23,31 @@ pytestmark = pytest.mark.integration
 FACTOR, SLACK_S = 2.0, 1.5
 
 
-def test_first_pd_request_after_start_is_not_slower_than_the_second(tmp_path):
-    model = str(ensure_model(ModelShape()))
-    common = dict(model=model, kv_cache_gib=2, max_model_len=4096,
-                  extra_args=["--enable-prompt-tokens-details", "--block-size", "128"],
-                  env={"MOONCAKE_LAYERWISE": "1"})
-    specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
-             InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
+@pytest.fixture(scope="module")
+def cluster(pd_cluster):
+    """Started for this module's one test: its first request is the first after start."""
+    return pd_cluster(env={"MOONCAKE_LAYERWISE": "1"})
+
+
+def test_first_pd_request_after_start_is_not_slower_than_the_second(cluster):
+    p, d = cluster["prefill"], cluster["decode"]
     prompts = PromptSource(seed=13)
-    with Cluster(specs, tmp_path / "logs") as c:
-        p, d = c["prefill"], c["decode"]
-        runs = [pd_generate(p.url, p.bootstrap_url, d.url, prompts(513), max_tokens=2,
-                            logprobs=5, temperature=1.0, timeout=120) for _ in range(3)]
+    runs = [
+        pd_generate(
+            p.url,
+            p.bootstrap_url,
+            d.url,
+            prompts(513),
+            max_tokens=2,
+            logprobs=5,
+            temperature=1.0,
+            timeout=120,
+        )
+        for _ in range(3)
+    ]
     first, second = runs[0].total_s, min(r.total_s for r in runs[1:])
     assert first <= FACTOR * second + SLACK_S, (
         f"first P->D request after start took {first:.2f} s, the next {second:.2f} s: "
-        "a one-time cost (compile, handshake) lands on a user's request")
+        "a one-time cost (compile, handshake) lands on a user's request"
+    )
     assert all(r.decode.logprobs for r in runs)

@@ -59,9 +59,13 @@ def write_to_a_stopped_receiver(mode: str) -> dict:
         recv.send("count")
         later = int(recv.expect("COUNT", 30)[0].split()[1])
         writer.send("exit")
-        return {"rc": int(line.split()[1]), "returned_after_stop_s": t_ret - t_stop,
-                "returned_while_stopped": t_ret < t_cont, "landed_at_return": at_return,
-                "landed_later": later}
+        return {
+            "rc": int(line.split()[1]),
+            "returned_after_stop_s": t_ret - t_stop,
+            "returned_while_stopped": t_ret < t_cont,
+            "landed_at_return": at_return,
+            "landed_later": later,
+        }
     finally:
         if writer is not None:
             writer.close()

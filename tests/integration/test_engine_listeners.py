@@ -23,13 +23,18 @@ pytestmark = pytest.mark.integration
 
 NBYTES = 1 << 20
 PORTS = (21000, 21019)
-PINNED = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_MIN_RPC_PORT": str(PORTS[0]),
-          "MC_MAX_RPC_PORT": str(PORTS[1])}
+PINNED = {
+    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    "MC_MIN_RPC_PORT": str(PORTS[0]),
+    "MC_MAX_RPC_PORT": str(PORTS[1]),
+}
 
 
 def listeners(pid: int) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket ``pid`` listens on (ss -ltnp)."""
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ss", "-ltnpH"], capture_output=True, text=True, check=True
+    ).stdout
     found = []
     for line in out.splitlines():
         if f"pid={pid}," not in line:
@@ -49,19 +54,36 @@ def test_the_engine_listens_on_every_interface_whatever_the_bind_address_says():
     finally:
         peer.close()
     assert len(found) >= 2, found  # the handshake daemon and the TCP data acceptor
-    assert ("0.0.0.0", int(port)) in found, found  # the handshake port, on every IPv4 address
+    assert ("0.0.0.0", int(port)) in found, (
+        found
+    )  # the handshake port, on every IPv4 address
     assert all(addr in ("0.0.0.0", "*", "[::]") for addr, _ in found), found
-    assert all(PORTS[0] <= p <= PORTS[1] for _, p in found), found  # pinned by the range
+    assert all(PORTS[0] <= p <= PORTS[1] for _, p in found), (
+        found
+    )  # pinned by the range
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("ip") is None,
-                    reason="unshare / ip are not installed")
+@pytest.mark.skipif(
+    shutil.which("unshare") is None or shutil.which("ip") is None,
+    reason="unshare / ip are not installed",
+)
 def test_a_network_namespace_confines_the_engines_listeners():
     """Run in a namespace of its own (only its loopback), the engine's ports are
     not reachable from this one, although it listens on 0.0.0.0 there."""
-    peer = EnginePeer("receiver", str(NBYTES), env=PINNED,
-                      prefix=["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"',
-                              "sh"])
+    peer = EnginePeer(
+        "receiver",
+        str(NBYTES),
+        env=PINNED,
+        prefix=[
+            "unshare",
+            "--net",
+            "--",
+            "sh",
+            "-c",
+            'ip link set lo up && exec "$@"',
+            "sh",
+        ],
+    )
     try:
         _, port, _ = peer.expect("READY", 60)[0].split()
         with socket.socket() as s:

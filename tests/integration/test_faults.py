@@ -1,12 +1,12 @@
 """Faults on two hosts (network namespaces), with real instances and the real engine.
 
-The CI subset of harness/faults.py's matrix: each capability across the link, P's
-link down for less and for more than the transfer timeout and past the engine's
-call timeout, P killed mid-transfer
-and restarted, and 20 client disconnects mid layer-wise transfer. After each: every
-request ended within its deadline, no wrong answer, no KV block left allocated on a
-surviving instance, and a fresh P->D request served (the restarted peer too, D never
-restarted). The full matrix: ``python -m harness.faults``.
+The CI subset of the fault matrix (microbench/faults): each capability across the
+link, P's link down for less and for more than the transfer timeout and past the
+engine's call timeout, P killed mid-transfer and restarted, and 20 client
+disconnects mid layer-wise transfer. After each: every request ended within its
+deadline, no wrong answer, no KV block left allocated on a surviving instance, and a
+fresh P->D request served (the restarted peer too, D never restarted). The full
+matrix: ``python -m microbench.faults``.
 """
 
 from __future__ import annotations
@@ -14,22 +14,27 @@ from __future__ import annotations
 import pytest
 
 from harness import netns
-from harness.faults import FaultBench, fault_cluster, run_fault
+from harness.model import ModelShape, ensure_model
+from microbench.faults.bench import FaultBench, cluster_specs, run_fault
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(netns.available() is not None,
-                       reason=f"no network namespaces here: {netns.available()}"),
+    pytest.mark.skipif(
+        netns.available() is not None,
+        reason=f"no network namespaces here: {netns.available()}",
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    with fault_cluster(tmp_path_factory.mktemp("fault-logs")) as cluster:
-        bench = FaultBench(cluster)
-        yield bench
-        bench.close()
-    assert cluster.topology.leftovers() == [], "the topology was not torn down"
+def bench(pd_cluster):
+    """The bench's own cluster (P and D armed with its fault hooks), each on a host of
+    its own; pd_cluster checks that the topology is gone afterwards."""
+    bench = FaultBench(
+        pd_cluster(specs=cluster_specs(str(ensure_model(ModelShape()))), hosts=True)
+    )
+    yield bench
+    bench.close()
 
 
 def assert_held(outcome, *, errors_allowed: bool) -> None:

@@ -16,10 +16,8 @@ import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec
-from harness.model import ModelShape, ensure_model
-from harness.prompts import random_prompt as prompt
 from harness.pd_client import bootstrap_headers, engine_id, model_name, pd_generate
+from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
 
@@ -29,25 +27,28 @@ UNKNOWN_TIMEOUT_S = 8
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = str(ensure_model(ModelShape()))
-    common = dict(model=model, kv_cache_gib=2, max_model_len=4096, max_num_batched_tokens=MAX_BATCHED,
-                  extra_args=["--enable-prompt-tokens-details"],
-                  env={"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
-                       # only a prompt of exactly this length gets its writes failed
-                       "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN),
-                       "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": str(UNKNOWN_TIMEOUT_S)})
-    specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
-             InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
-    with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
-        yield c
+def cluster(pd_cluster):
+    return pd_cluster(
+        max_num_batched_tokens=MAX_BATCHED,
+        env={
+            "MOONCAKE_LAYERWISE": "1",
+            "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
+            # only a prompt of exactly this length gets its writes failed
+            "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN),
+            "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": str(UNKNOWN_TIMEOUT_S),
+        },
+    )
 
 
-@pytest.mark.parametrize("n", [100, 700], ids=["below-threshold-posthoc", "layerwise-chunked"])
+@pytest.mark.parametrize(
+    "n", [100, 700], ids=["below-threshold-posthoc", "layerwise-chunked"]
+)
 def test_layerwise_kv_lands_byte_exact(cluster, n):
     p, d = cluster["prefill"], cluster["decode"]
     ids = prompt(n, seed=1000 + n)
-    r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=4, logprobs=5, timeout=300)
+    r = pd_generate(
+        p.url, p.bootstrap_url, d.url, ids, max_tokens=4, logprobs=5, timeout=300
+    )
     ref = reference_completion(p.url, ids, max_tokens=4)
     check = compare(r.decode, ref, expected_cached_tokens=n - 1)
     assert check.ok, check.problems
@@ -62,19 +63,37 @@ def test_layerwise_writes_start_before_the_prefill_ends(cluster):
     p, d = cluster["prefill"], cluster["decode"]
     ids = prompt(1500, seed=1500)  # 6 chunks of 256 tokens on P
     transfer_id = f"xfer-overlap-{time.time_ns()}"
-    r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=2, logprobs=5,
-                    transfer_id=transfer_id, timeout=300)
-    check = compare(r.decode, reference_completion(p.url, ids, max_tokens=2),
-                    expected_cached_tokens=len(ids) - 1)
+    r = pd_generate(
+        p.url,
+        p.bootstrap_url,
+        d.url,
+        ids,
+        max_tokens=2,
+        logprobs=5,
+        transfer_id=transfer_id,
+        timeout=300,
+    )
+    check = compare(
+        r.decode,
+        reference_completion(p.url, ids, max_tokens=2),
+        expected_cached_tokens=len(ids) - 1,
+    )
     assert check.ok, check.problems
-    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10, headers=bootstrap_headers()).json()
+    stats = httpx.get(
+        p.bootstrap_url + "/layerwise/transfers",
+        timeout=10,
+        headers=bootstrap_headers(),
+    ).json()
     (t,) = [t for t in stats["transfers"] if t["transfer_id"] == transfer_id]
     assert t["outcome"] == "completed", t
     assert t["prefill_end"] is not None and t["first_write_start"] is not None, t
-    assert t["first_write_start"] < t["prefill_end"], \
+    assert t["first_write_start"] < t["prefill_end"], (
         f"the first write started {t['first_write_start'] - t['prefill_end']:.3f}s after the prefill ended"
+    )
     share = t["bytes_before_prefill_end"] / t["bytes_written"]
-    assert share > 0.5, f"only {share:.0%} of the KV was written before the prefill ended: {t}"
+    assert share > 0.5, (
+        f"only {share:.0%} of the KV was written before the prefill ended: {t}"
+    )
 
 
 def test_concurrent_layerwise_transfers(cluster):
@@ -83,9 +102,20 @@ def test_concurrent_layerwise_transfers(cluster):
     p, d = cluster["prefill"], cluster["decode"]
     prompts = [prompt(500 + 37 * i, seed=2000 + i) for i in range(3)]
     with cf.ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(
-            lambda ids: pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5,
-                                    timeout=300), prompts))
+        results = list(
+            pool.map(
+                lambda ids: pd_generate(
+                    p.url,
+                    p.bootstrap_url,
+                    d.url,
+                    ids,
+                    max_tokens=3,
+                    logprobs=5,
+                    timeout=300,
+                ),
+                prompts,
+            )
+        )
     for ids, r in zip(prompts, results):
         ref = reference_completion(p.url, ids, max_tokens=3)
         check = compare(r.decode, ref, expected_cached_tokens=len(ids) - 1)
@@ -97,17 +127,29 @@ def test_abort_mid_transfer_frees_blocks_on_both_sides(cluster):
     ids = prompt(2048, seed=3000)  # 8 chunks of 256 tokens on P: several seconds
     transfer_id = f"xfer-abort-{time.time_ns()}"
     body = {"prompt": ids, "max_tokens": 1, "temperature": 0.0}
-    p_body = {**body, "model": model_name(p.url),
-              "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}
-    d_body = {**body, "model": model_name(d.url), "max_tokens": 4,
-              "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
-                                     "remote_bootstrap_addr": p.bootstrap_url,
-                                     "remote_engine_id": engine_id(p.bootstrap_url)}}
+    p_body = {
+        **body,
+        "model": model_name(p.url),
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id},
+    }
+    d_body = {
+        **body,
+        "model": model_name(d.url),
+        "max_tokens": 4,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_bootstrap_addr": p.bootstrap_url,
+            "remote_engine_id": engine_id(p.bootstrap_url),
+        },
+    }
     import concurrent.futures as cf
 
     def post_and_drop(url, b):
         try:
-            httpx.post(url + "/v1/completions", json=b, timeout=1.5)  # client gives up mid-prefill
+            httpx.post(
+                url + "/v1/completions", json=b, timeout=1.5
+            )  # client gives up mid-prefill
         except httpx.TimeoutException:
             return "dropped"
         return "finished"
@@ -116,10 +158,14 @@ def test_abort_mid_transfer_frees_blocks_on_both_sides(cluster):
         outcomes = list(pool.map(post_and_drop, [p.url, d.url], [p_body, d_body]))
     assert outcomes == ["dropped", "dropped"], outcomes
     usage = wait_no_blocks_in_use(p.url, d.url, timeout=120)
-    assert usage == (0.0, 0.0), f"KV blocks still allocated after abort (P, D usage): {usage}"
+    assert usage == (0.0, 0.0), (
+        f"KV blocks still allocated after abort (P, D usage): {usage}"
+    )
     # both keep serving, correctly
     ids = prompt(400, seed=3001)
-    r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300)
+    r = pd_generate(
+        p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300
+    )
     ref = reference_completion(p.url, ids, max_tokens=3)
     check = compare(r.decode, ref, expected_cached_tokens=399)
     assert check.ok, check.problems
@@ -136,14 +182,23 @@ def test_failed_write_fails_one_request_and_both_keep_serving(cluster):
     ids = prompt(FAULTY_PROMPT_LEN, seed=4000)
     started = time.monotonic()
     with pytest.raises(RequestFailed):
-        pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120)
+        pd_generate(
+            p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120
+        )
     assert time.monotonic() - started < 120
-    assert "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN" in p.log_path.read_text()
+    assert (
+        "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"
+        in p.log_path.read_text()
+    )
     usage = wait_no_blocks_in_use(p.url, d.url)
-    assert usage == (0.0, 0.0), f"KV blocks still allocated after a failed write (P, D): {usage}"
+    assert usage == (0.0, 0.0), (
+        f"KV blocks still allocated after a failed write (P, D): {usage}"
+    )
     assert "Counters can only be incremented" not in d.log_path.read_text()
     ids = prompt(600, seed=4001)
-    r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300)
+    r = pd_generate(
+        p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300
+    )
     ref = reference_completion(p.url, ids, max_tokens=3)
     check = compare(r.decode, ref, expected_cached_tokens=599)
     assert check.ok, check.problems
@@ -168,7 +223,9 @@ def fuzz_socket(ctx, addr, valid, rng) -> tuple[int, int]:
             msg = raw[: rng.randrange(len(raw))]
         elif kind == 2:
             m = dict(valid)
-            m[rng.choice(list(m))] = rng.choice([None, -1, "x", 2**64 - 1, -2**63, [], {"a": 1}])
+            m[rng.choice(list(m))] = rng.choice(
+                [None, -1, "x", 2**64 - 1, -(2**63), [], {"a": 1}]
+            )
             msg = msgspec.msgpack.encode(m)
         else:
             msg = msgspec.msgpack.encode([1, 2, 3]) if i % 8 == 3 else b"\xc1"
@@ -205,9 +262,14 @@ def test_fuzzing_the_prefill_zmq_socket_leaves_p_serving_and_nothing_waiting(clu
     addr = next(iter(next(iter(q.values()))["worker_addr"].values()))
     addr = addr if isinstance(addr, str) else next(iter(addr.values()))
     rng = random.Random(11)
-    valid = {"remote_hostname": "127.0.0.1", "remote_port": 1, "remote_tp_size": 1,
-             "remote_tp_rank": 0, "req_blocks": {"r": ["t", [1, 2]]},
-             "kv_caches_base_addr": [4096] * 4}
+    valid = {
+        "remote_hostname": "127.0.0.1",
+        "remote_port": 1,
+        "remote_tp_size": 1,
+        "remote_tp_rank": 0,
+        "req_blocks": {"r": ["t", [1, 2]]},
+        "kv_caches_base_addr": [4096] * 4,
+    }
     ctx = zmq.Context()
     try:
         sent, answered = fuzz_socket(ctx, addr, valid, rng)
@@ -215,11 +277,20 @@ def test_fuzzing_the_prefill_zmq_socket_leaves_p_serving_and_nothing_waiting(clu
         ctx.destroy(linger=0)  # never leave a socket open: Context.__del__ would block
     assert answered == sent, f"{sent - answered} of {sent} messages never answered"
     assert httpx.get(p.url + "/health", timeout=10).status_code == 200
-    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10, headers=bootstrap_headers()).json()["totals"]
+    stats = httpx.get(
+        p.bootstrap_url + "/layerwise/transfers",
+        timeout=10,
+        headers=bootstrap_headers(),
+    ).json()["totals"]
     assert stats["waiting_unknown"] == 0, f"unknown transfers still waiting: {stats}"
     ids = prompt(500, seed=5000)
-    r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300)
-    check = compare(r.decode, reference_completion(p.url, ids, max_tokens=3),
-                    expected_cached_tokens=499)
+    r = pd_generate(
+        p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300
+    )
+    check = compare(
+        r.decode,
+        reference_completion(p.url, ids, max_tokens=3),
+        expected_cached_tokens=499,
+    )
     assert check.ok, check.problems
     print(f"zmq fuzz: {sent} messages, P alive, 0 unknown transfers left waiting")

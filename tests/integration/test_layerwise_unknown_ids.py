@@ -24,8 +24,6 @@ import zmq
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import kv_usage, wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec
-from harness.model import ModelShape, ensure_model
 from harness.pd_client import bootstrap_headers, complete, model_name, pd_generate
 from harness.prompts import random_prompt as prompt
 
@@ -36,17 +34,16 @@ TRANSFER_TIMEOUT_S = 20
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = str(ensure_model(ModelShape()))
-    common = dict(model=model, kv_cache_gib=2, max_model_len=4096, max_num_batched_tokens=256,
-                  extra_args=["--enable-prompt-tokens-details"],
-                  env={"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
-                       "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": str(UNKNOWN_TIMEOUT_S),
-                       "MOONCAKE_LAYERWISE_TIMEOUT_S": str(TRANSFER_TIMEOUT_S)})
-    specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
-             InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
-    with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
-        yield c
+def cluster(pd_cluster):
+    return pd_cluster(
+        max_num_batched_tokens=256,
+        env={
+            "MOONCAKE_LAYERWISE": "1",
+            "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
+            "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": str(UNKNOWN_TIMEOUT_S),
+            "MOONCAKE_LAYERWISE_TIMEOUT_S": str(TRANSFER_TIMEOUT_S),
+        },
+    )
 
 
 def worker_addr(bootstrap_url: str) -> str:
@@ -56,20 +53,31 @@ def worker_addr(bootstrap_url: str) -> str:
     return addr if isinstance(addr, str) else next(iter(addr.values()))
 
 
-def forge_pull(addr: str, transfer_id: str, timeout_s: float,
-               limits: dict[str, float] | None = None):
+def forge_pull(
+    addr: str,
+    transfer_id: str,
+    timeout_s: float,
+    limits: dict[str, float] | None = None,
+):
     """Send D's pull request for ``transfer_id`` (encoded as D encodes it, with the
     decode side's ``limits``) and return P's answers until the last one."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import ExtXferMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import (
+        ExtXferMetadata,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
         MooncakeXferResponse,
         MooncakeXferResponseStatus,
     )
 
     meta = ExtXferMetadata(
-        remote_hostname="127.0.0.1", remote_port=1, remote_tp_size=1, remote_tp_rank=0,
-        req_blocks={"forged-req": (transfer_id, [1, 2])}, kv_caches_base_addr=[4096] * 4,
-        ext=limits)
+        remote_hostname="127.0.0.1",
+        remote_port=1,
+        remote_tp_size=1,
+        remote_tp_rank=0,
+        req_blocks={"forged-req": (transfer_id, [1, 2])},
+        kv_caches_base_addr=[4096] * 4,
+        ext=limits,
+    )
     decoder = msgspec.msgpack.Decoder(MooncakeXferResponse)
     ctx = zmq.Context()
     try:
@@ -84,7 +92,9 @@ def forge_pull(addr: str, transfer_id: str, timeout_s: float,
                 answers.append(decoder.decode(sock.recv()))
                 if answers[-1].status != MooncakeXferResponseStatus.CONTINUE:
                     return answers
-        raise AssertionError(f"P did not answer the pull for {transfer_id} in {timeout_s}s")
+        raise AssertionError(
+            f"P did not answer the pull for {transfer_id} in {timeout_s}s"
+        )
     finally:
         ctx.destroy(linger=0)  # never leave a socket open: Context.__del__ would block
 
@@ -94,31 +104,46 @@ def test_a_forged_pull_for_a_future_transfer_id_leaves_its_request_unharmed(clus
     p, d = cluster["prefill"], cluster["decode"]
     transfer_id = f"xfer-named-early-{n}-{uuid.uuid4().hex}"
     started = time.monotonic()
-    answers = forge_pull(worker_addr(p.bootstrap_url), transfer_id, UNKNOWN_TIMEOUT_S + 30)
+    answers = forge_pull(
+        worker_addr(p.bootstrap_url), transfer_id, UNKNOWN_TIMEOUT_S + 30
+    )
     assert answers[-1].err_reqs == ["forged-req"], answers
     assert "never scheduled" in (answers[-1].err_msg or ""), answers
     assert time.monotonic() - started < UNKNOWN_TIMEOUT_S + 15
 
     # P runs the real request named X; its decode side never asks for the KV.
     ids = prompt(n, seed=7000 + n)
-    r = complete(p.url, ids, max_tokens=1, logprobs=None, model=model_name(p.url),
-                 kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id},
-                 timeout=120)
+    r = complete(
+        p.url,
+        ids,
+        max_tokens=1,
+        logprobs=None,
+        model=model_name(p.url),
+        kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id},
+        timeout=120,
+    )
     assert r.prompt_tokens == n
     # P keeps serving: a normal P->D request right after, byte-exact.
     other = prompt(300, seed=7100 + n)
-    pd = pd_generate(p.url, p.bootstrap_url, d.url, other, max_tokens=3, logprobs=5,
-                     timeout=120)
-    check = compare(pd.decode, reference_completion(p.url, other, max_tokens=3),
-                    expected_cached_tokens=299)
+    pd = pd_generate(
+        p.url, p.bootstrap_url, d.url, other, max_tokens=3, logprobs=5, timeout=120
+    )
+    check = compare(
+        pd.decode,
+        reference_completion(p.url, other, max_tokens=3),
+        expected_cached_tokens=299,
+    )
     assert check.ok, check.problems
     assert httpx.get(p.url + "/health", timeout=10).status_code == 200
     # X expires the normal way and its blocks are freed (under its real request id).
     usage = wait_no_blocks_in_use(p.url, d.url, timeout=TRANSFER_TIMEOUT_S + 60)
     assert usage == (0.0, 0.0), f"KV blocks still allocated (P, D usage): {usage}"
     assert httpx.get(p.url + "/health", timeout=10).status_code == 200
-    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10,
-                      headers=bootstrap_headers()).json()
+    stats = httpx.get(
+        p.bootstrap_url + "/layerwise/transfers",
+        timeout=10,
+        headers=bootstrap_headers(),
+    ).json()
     (t,) = [t for t in stats["transfers"] if t["transfer_id"] == transfer_id]
     assert t["outcome"] and t["outcome"].startswith("expired"), t
     assert t["bytes_written"] == 0, t
@@ -130,35 +155,53 @@ def test_a_forged_pull_for_a_future_transfer_id_leaves_its_request_unharmed(clus
 
 
 @pytest.mark.parametrize("give_up_s", [50.0, float("nan"), -1.0])
-def test_a_decode_that_gives_up_before_the_prefill_may_answer_is_refused(cluster, give_up_s):
+def test_a_decode_that_gives_up_before_the_prefill_may_answer_is_refused(
+    cluster, give_up_s
+):
     """P may answer a pull up to MOONCAKE_LAYERWISE_TIMEOUT_S + the bound on an
     in-flight write (20 + 65 s here) after it: a decode side that gives up (and
     frees the blocks) after 50 s, or says nonsense, is refused at once, naming
     the values; P keeps serving."""
     p = cluster["prefill"]
     started = time.monotonic()
-    answers = forge_pull(worker_addr(p.bootstrap_url), f"xfer-limits-{uuid.uuid4().hex}", 30,
-                         limits={"pull_give_up_s": give_up_s})
+    answers = forge_pull(
+        worker_addr(p.bootstrap_url),
+        f"xfer-limits-{uuid.uuid4().hex}",
+        30,
+        limits={"pull_give_up_s": give_up_s},
+    )
     assert time.monotonic() - started < 10, "refused at once, not after a timeout"
     msg = answers[-1].err_msg or ""
     if give_up_s > 0:
-        assert "gives up after 50 s" in msg and "MOONCAKE_LAYERWISE_TIMEOUT_S=20" in msg, answers
+        assert (
+            "gives up after 50 s" in msg and "MOONCAKE_LAYERWISE_TIMEOUT_S=20" in msg
+        ), answers
     else:
         assert "invalid pull timeout" in msg, answers
     assert httpx.get(p.url + "/health", timeout=10).status_code == 200
-    stats = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10,
-                      headers=bootstrap_headers()).json()
+    stats = httpx.get(
+        p.bootstrap_url + "/layerwise/transfers",
+        timeout=10,
+        headers=bootstrap_headers(),
+    ).json()
     assert stats["totals"]["waiting_unknown"] == 0, stats["totals"]
 
 
-def test_a_decode_within_the_limits_is_served_and_real_decodes_send_their_limits(cluster):
+def test_a_decode_within_the_limits_is_served_and_real_decodes_send_their_limits(
+    cluster,
+):
     """The real D sends its limits (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 = 540 s)
     with every pull; P accepts them and the transfer is byte-exact."""
     p, d = cluster["prefill"], cluster["decode"]
     ids = prompt(400, seed=7300)
-    pd = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120)
-    check = compare(pd.decode, reference_completion(p.url, ids, max_tokens=3),
-                    expected_cached_tokens=399)
+    pd = pd_generate(
+        p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120
+    )
+    check = compare(
+        pd.decode,
+        reference_completion(p.url, ids, max_tokens=3),
+        expected_cached_tokens=399,
+    )
     assert check.ok, check.problems
     # P warns once per decode session whose requests carry no limits: only the
     # forged requests of this module (session 127.0.0.1:1) may have none

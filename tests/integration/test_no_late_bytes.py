@@ -29,11 +29,10 @@ import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec
-from harness.model import ModelShape, ensure_model
+from harness.launcher import BLOCK
 from harness.pd_client import (
-    bootstrap_headers,
     RequestFailed,
+    bootstrap_headers,
     complete,
     model_name,
     pd_generate,
@@ -44,7 +43,6 @@ from harness.prompts import random_prompt as prompt
 pytestmark = pytest.mark.integration
 
 DELAYED_LEN = 600
-BLOCK = 128  # the CPU backend's default block size
 D_BLOCKS = 12
 DELAY_S = 12
 P_TIMEOUT_S = 5
@@ -52,25 +50,31 @@ PUSH_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = str(ensure_model(ModelShape()))
-    common = dict(model=model, kv_cache_gib=1, max_model_len=1024,
-                  extra_args=["--enable-prompt-tokens-details"],
-                  env={"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
-                       "MOONCAKE_FAULT_DELAY_WRITE": f"{DELAYED_LEN}:{DELAY_S}",
-                       "MOONCAKE_LAYERWISE_TIMEOUT_S": str(P_TIMEOUT_S),
-                       "MOONCAKE_PUSH_TIMEOUT_S": str(PUSH_TIMEOUT_S),
-                       "MC_TRANSFER_TIMEOUT": "15", "MOONCAKE_PUSH_CLOCK_SKEW_S": "1"})
-    specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
-             InstanceSpec("decode", role="kv_consumer", cores="1",
-                          **{**common, "extra_args": common["extra_args"]
-                             + ["--num-gpu-blocks-override", str(D_BLOCKS)]})]
-    with Cluster(specs, tmp_path_factory.mktemp("logs")) as c:
-        yield c
+def cluster(pd_cluster):
+    return pd_cluster(
+        kv_cache_gib=1,
+        max_model_len=1024,
+        env={
+            "MOONCAKE_LAYERWISE": "1",
+            "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
+            "MOONCAKE_FAULT_DELAY_WRITE": f"{DELAYED_LEN}:{DELAY_S}",
+            "MOONCAKE_LAYERWISE_TIMEOUT_S": str(P_TIMEOUT_S),
+            "MOONCAKE_PUSH_TIMEOUT_S": str(PUSH_TIMEOUT_S),
+            "MC_TRANSFER_TIMEOUT": "15",
+            "MOONCAKE_PUSH_CLOCK_SKEW_S": "1",
+        },
+        instances={
+            "decode": {"extra_args": ["--num-gpu-blocks-override", str(D_BLOCKS)]}
+        },
+    )
 
 
 def layerwise_stats(p) -> dict:
-    r = httpx.get(p.bootstrap_url + "/layerwise/transfers", timeout=10, headers=bootstrap_headers())
+    r = httpx.get(
+        p.bootstrap_url + "/layerwise/transfers",
+        timeout=10,
+        headers=bootstrap_headers(),
+    )
     r.raise_for_status()
     return {t["transfer_id"]: t for t in r.json()["transfers"]}
 
@@ -79,11 +83,27 @@ def test_layerwise_write_of_a_timed_out_transfer_never_lands(cluster):
     p, d = cluster["prefill"], cluster["decode"]
     ids_a, ids_b = prompt(DELAYED_LEN, seed=9100), prompt(500, seed=9101)
     with cf.ThreadPoolExecutor(3) as pool:
-        fa = pool.submit(pd_generate, p.url, p.bootstrap_url, d.url, ids_a, max_tokens=2,
-                         logprobs=5, timeout=120)
+        fa = pool.submit(
+            pd_generate,
+            p.url,
+            p.bootstrap_url,
+            d.url,
+            ids_a,
+            max_tokens=2,
+            logprobs=5,
+            timeout=120,
+        )
         time.sleep(1.0)  # A's first write is inside the (delayed) engine call
-        fb = pool.submit(pd_generate, p.url, p.bootstrap_url, d.url, ids_b, max_tokens=2,
-                         logprobs=5, timeout=120)
+        fb = pool.submit(
+            pd_generate,
+            p.url,
+            p.bootstrap_url,
+            d.url,
+            ids_b,
+            max_tokens=2,
+            logprobs=5,
+            timeout=120,
+        )
         with pytest.raises(RequestFailed):
             fb.result(timeout=60)  # B timed out on P: D failed it and freed its blocks
         # N takes B's freed blocks on D and is still decoding when A's write returns
@@ -99,10 +119,13 @@ def test_layerwise_write_of_a_timed_out_transfer_never_lands(cluster):
     a, b = a[0], b[0]
     assert a["last_write_end"] is not None and n_end > a["last_write_end"], (
         "inconclusive: N ended before A's delayed write returned (when B's queued write "
-        f"would have run): N {n_end:.1f}, A's write {a['last_write_end']}")
+        f"would have run): N {n_end:.1f}, A's write {a['last_write_end']}"
+    )
     ref = reference_completion(d.url, ids_n, max_tokens=200)
     check = compare(n, ref, expected_cached_tokens=None)
-    assert check.ok, f"request N decoded from KV overwritten by a late write: {check.problems}"
+    assert check.ok, (
+        f"request N decoded from KV overwritten by a late write: {check.problems}"
+    )
     assert b["outcome"] != "completed" and b["writes"] == 0, b
     assert b["writes_dropped"] >= 1, b
     # A's end was reported only after its in-flight write returned
@@ -115,26 +138,46 @@ def test_push_blocks_are_kept_until_the_source_stopped_writing(cluster):
     c, d = cluster["prefill"], cluster["decode"]
     turn1 = prompt(DELAYED_LEN - 40, seed=9200)
     complete(c.url, turn1, max_tokens=1, timeout=120)  # C caches turn 1
-    assert wait_for_matched_blocks(c.bootstrap_url, turn1, len(turn1) // BLOCK)["matched_blocks"] \
+    assert (
+        wait_for_matched_blocks(c.bootstrap_url, turn1, len(turn1) // BLOCK)[
+            "matched_blocks"
+        ]
         == len(turn1) // BLOCK
+    )
     turn2 = turn1 + prompt(40, seed=9201)
     assert len(turn2) == DELAYED_LEN
     started = time.monotonic()
-    r1 = complete(d.url, turn2, max_tokens=2, logprobs=5, timeout=120,
-                  kv_transfer_params={"push_from": c.bootstrap_url})
+    r1 = complete(
+        d.url,
+        turn2,
+        max_tokens=2,
+        logprobs=5,
+        timeout=120,
+        kv_transfer_params={"push_from": c.bootstrap_url},
+    )
     took = time.monotonic() - started
     # D waited for C's (delayed) answer instead of giving up at its deadline and
     # letting the blocks C was writing go to another request
-    assert took > DELAY_S - 1, f"turn 2 ended after {took:.1f}s, before C's write returned"
+    assert took > DELAY_S - 1, (
+        f"turn 2 ended after {took:.1f}s, before C's write returned"
+    )
     # N right away (the blocks of turn 2 are free again), then the references
     ids_n = prompt(400, seed=9202)
     n = complete(d.url, ids_n, max_tokens=200, logprobs=5, timeout=120)
-    check = compare(r1, reference_completion(d.url, turn2, max_tokens=2),
-                    expected_cached_tokens=None)
+    check = compare(
+        r1,
+        reference_completion(d.url, turn2, max_tokens=2),
+        expected_cached_tokens=None,
+    )
     assert check.ok, check.problems
-    check = compare(n, reference_completion(d.url, ids_n, max_tokens=200),
-                    expected_cached_tokens=None)
-    assert check.ok, f"request N decoded from KV overwritten by a late push: {check.problems}"
+    check = compare(
+        n,
+        reference_completion(d.url, ids_n, max_tokens=200),
+        expected_cached_tokens=None,
+    )
+    assert check.ok, (
+        f"request N decoded from KV overwritten by a late push: {check.problems}"
+    )
     usage = wait_no_blocks_in_use(c.url, d.url, timeout=120)
     assert usage == (0.0, 0.0), f"KV blocks still allocated (C, D): {usage}"
 
@@ -147,13 +190,24 @@ def test_aborted_push_releases_its_blocks_on_an_idle_instance(cluster):
     c, d = cluster["prefill"], cluster["decode"]
     turn1 = prompt(DELAYED_LEN - 40, seed=9300)
     complete(c.url, turn1, max_tokens=1, timeout=120)
-    assert wait_for_matched_blocks(c.bootstrap_url, turn1, len(turn1) // BLOCK)["matched_blocks"] \
+    assert (
+        wait_for_matched_blocks(c.bootstrap_url, turn1, len(turn1) // BLOCK)[
+            "matched_blocks"
+        ]
         == len(turn1) // BLOCK
+    )
     turn2 = turn1 + prompt(40, seed=9301)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(d.url + "/v1/completions", timeout=4.0, json={
-            "model": model_name(d.url), "prompt": turn2, "max_tokens": 2,
-            "kv_transfer_params": {"push_from": c.bootstrap_url}})
+        httpx.post(
+            d.url + "/v1/completions",
+            timeout=4.0,
+            json={
+                "model": model_name(d.url),
+                "prompt": turn2,
+                "max_tokens": 2,
+                "kv_transfer_params": {"push_from": c.bootstrap_url},
+            },
+        )
     aborted = time.monotonic()
     usage = wait_no_blocks_in_use(d.url, timeout=60)
     assert usage == (0.0,), f"D still holds the aborted push's blocks: {usage}"
@@ -161,6 +215,7 @@ def test_aborted_push_releases_its_blocks_on_an_idle_instance(cluster):
     assert time.monotonic() - aborted > DELAY_S - 6
     ids = prompt(300, seed=9302)
     n = complete(d.url, ids, max_tokens=20, logprobs=5, timeout=120)
-    check = compare(n, reference_completion(d.url, ids, max_tokens=20),
-                    expected_cached_tokens=None)
+    check = compare(
+        n, reference_completion(d.url, ids, max_tokens=20), expected_cached_tokens=None
+    )
     assert check.ok, check.problems

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.launcher import Cluster, InstanceSpec, InstanceStartError
-from harness.model import ModelShape, ensure_model
-from harness.prompts import random_prompt as prompt
 from harness.pd_client import bootstrap_headers, pd_generate
+from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
 
@@ -25,24 +25,16 @@ MAX_BATCHED = 256  # below the 600-token prompt: chunked prefill on P
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return str(ensure_model(ModelShape()))
-
-
-@pytest.fixture(scope="module")
-def cluster(model_dir, tmp_path_factory):
-    common = dict(model=model_dir, kv_cache_gib=2, max_model_len=4096,
-                  max_num_batched_tokens=MAX_BATCHED,
-                  extra_args=["--enable-prompt-tokens-details"])
-    specs = [
-        InstanceSpec("prefill", role="kv_producer", cores="0", **common),
-        InstanceSpec("decode", role="kv_consumer", cores="1", **common),
-        InstanceSpec("decode_faulty", role="kv_consumer", cores="1",
-                     env={"MOONCAKE_FAULT_ZERO_RECV_BLOCK": "0"}, **common),
-    ]
-    c = Cluster(specs, tmp_path_factory.mktemp("logs"))
-    with c:
-        yield c
+def cluster(pd_cluster):
+    return pd_cluster(
+        {
+            "prefill": "kv_producer",
+            "decode": "kv_consumer",
+            "decode_faulty": "kv_consumer",
+        },
+        max_num_batched_tokens=MAX_BATCHED,
+        instances={"decode_faulty": {"env": {"MOONCAKE_FAULT_ZERO_RECV_BLOCK": "0"}}},
+    )
 
 
 @pytest.mark.parametrize("n", [300, 600], ids=["single-chunk", "chunked-prefill"])
@@ -64,7 +56,9 @@ def test_check_goes_red_when_a_transferred_block_is_zeroed(cluster):
     ref = reference_completion(p.url, ids, max_tokens=4)
     check = compare(r.decode, ref, expected_cached_tokens=599)
     assert not check.ok
-    assert any("logprobs" in x or "top-k" in x or "tokens differ" in x for x in check.problems)
+    assert any(
+        "logprobs" in x or "top-k" in x or "tokens differ" in x for x in check.problems
+    )
     # The transfer itself happened: the failure is the KV content, not a fallback.
     assert r.decode.cached_tokens == 599
 
@@ -83,13 +77,25 @@ def test_block_hash_sync_tracks_the_prefix_cache(cluster):
     def match(token_ids, salt=None):
         return match_blocks(p.bootstrap_url, token_ids, salt)["matched_blocks"]
 
-    assert wait_for_matched_blocks(p.bootstrap_url, ids, 4, "salt-a")["matched_blocks"] == 4
+    assert (
+        wait_for_matched_blocks(p.bootstrap_url, ids, 4, "salt-a")["matched_blocks"]
+        == 4
+    )
     assert match(ids, "salt-b") == 0  # never served across cache_salt
     assert match(ids) == 0
-    assert match(ids[:300] + prompt(300, seed=12), "salt-a") == 2  # shared 2-block prefix
-    dbg = httpx.get(p.bootstrap_url + "/hashsync", timeout=30, headers=bootstrap_headers()).json()
+    assert (
+        match(ids[:300] + prompt(300, seed=12), "salt-a") == 2
+    )  # shared 2-block prefix
+    dbg = httpx.get(
+        p.bootstrap_url + "/hashsync", timeout=30, headers=bootstrap_headers()
+    ).json()
     assert dbg["size"] >= 4 and dbg["hash_algo"]
-    bad = httpx.post(p.bootstrap_url + "/match_blocks", json={"token_ids": []}, timeout=30, headers=bootstrap_headers())
+    bad = httpx.post(
+        p.bootstrap_url + "/match_blocks",
+        json={"token_ids": []},
+        timeout=30,
+        headers=bootstrap_headers(),
+    )
     assert bad.status_code == 422 and "token_ids" in bad.text
 
 
@@ -100,10 +106,10 @@ def live_processes_in_group(pgid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            stat = open(f"/proc/{entry}/stat").read()
+            stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         state, group = fields[0], int(fields[2])
         if group == pgid and state != "Z":
             pids.append(int(entry))
@@ -112,10 +118,14 @@ def live_processes_in_group(pgid: int) -> list[int]:
 
 def test_teardown_leaves_no_processes(cluster):
     pgids = [inst.proc.pid for inst in cluster.instances.values()]
-    assert all(live_processes_in_group(g) for g in pgids)  # API server + EngineCore each
+    assert all(
+        live_processes_in_group(g) for g in pgids
+    )  # API server + EngineCore each
     cluster.stop()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(live_processes_in_group(g) for g in pgids):
+    while time.monotonic() < deadline and any(
+        live_processes_in_group(g) for g in pgids
+    ):
         time.sleep(0.5)
     assert not any(live_processes_in_group(g) for g in pgids)
 

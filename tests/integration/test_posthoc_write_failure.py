@@ -17,41 +17,49 @@ import time
 import pytest
 
 from harness.kv_usage import kv_usage, wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec
-from harness.model import ModelShape, ensure_model
 from harness.pd_client import RequestFailed, complete, pd_generate
 from harness.prompts import PromptSource
 
 pytestmark = pytest.mark.integration
 
-FREED_WITHIN_S = 60.0  # far below the 480 s abort timeout, above Mooncake's 30 s transfer timeout
+FREED_WITHIN_S = (
+    60.0  # far below the 480 s abort timeout, above Mooncake's 30 s transfer timeout
+)
 
 
-def test_a_failed_posthoc_write_frees_the_prefill_blocks(tmp_path):
-    model = str(ensure_model(ModelShape()))
-    common = dict(model=model, kv_cache_gib=2, max_model_len=4096,
-                  extra_args=["--enable-prompt-tokens-details"])
-    specs = [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
-             InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
+@pytest.fixture(scope="module")
+def cluster(pd_cluster):
+    """Upstream's post-hoc path only (no MOONCAKE_LAYERWISE); D is killed by the test."""
+    return pd_cluster()
+
+
+def test_a_failed_posthoc_write_frees_the_prefill_blocks(cluster):
+    p, d = cluster["prefill"], cluster["decode"]
     prompts = PromptSource(seed=21)
-    with Cluster(specs, tmp_path / "logs") as c:
-        p, d = c["prefill"], c["decode"]
-        pd_generate(p.url, p.bootstrap_url, d.url, prompts(200), max_tokens=1)  # warm-up
-        assert wait_no_blocks_in_use(p.url, timeout=30) == (0.0,)
-        with cf.ThreadPoolExecutor(1) as pool:
-            # a prefill of several seconds; D asks for the KV at once, then dies
-            fut = pool.submit(pd_generate, p.url, p.bootstrap_url, d.url, prompts(3000),
-                              max_tokens=1, timeout=120)
-            time.sleep(1.5)
-            d.kill()
-            with pytest.raises(RequestFailed):
-                fut.result()
-        # P itself still serves, and its blocks come back once the write failed
-        deadline = time.monotonic() + FREED_WITHIN_S
-        usage = wait_no_blocks_in_use(p.url, timeout=FREED_WITHIN_S)
-        assert usage == (0.0,), (
-            f"P still holds {100 * usage[0]:.1f}% of its KV blocks {FREED_WITHIN_S:.0f} s after "
-            "its post-hoc write to a dead decode instance failed")
-        assert time.monotonic() <= deadline + 5
-        complete(p.url, prompts(64), max_tokens=1, logprobs=None)
-        assert kv_usage(p.url) == 0.0
+    pd_generate(p.url, p.bootstrap_url, d.url, prompts(200), max_tokens=1)  # warm-up
+    assert wait_no_blocks_in_use(p.url, timeout=30) == (0.0,)
+    with cf.ThreadPoolExecutor(1) as pool:
+        # a prefill of several seconds; D asks for the KV at once, then dies
+        fut = pool.submit(
+            pd_generate,
+            p.url,
+            p.bootstrap_url,
+            d.url,
+            prompts(3000),
+            max_tokens=1,
+            timeout=120,
+        )
+        time.sleep(1.5)
+        d.kill()
+        with pytest.raises(RequestFailed):
+            fut.result()
+    # P itself still serves, and its blocks come back once the write failed
+    deadline = time.monotonic() + FREED_WITHIN_S
+    usage = wait_no_blocks_in_use(p.url, timeout=FREED_WITHIN_S)
+    assert usage == (0.0,), (
+        f"P still holds {100 * usage[0]:.1f}% of its KV blocks {FREED_WITHIN_S:.0f} s after "
+        "its post-hoc write to a dead decode instance failed"
+    )
+    assert time.monotonic() <= deadline + 5
+    complete(p.url, prompts(64), max_tokens=1, logprobs=None)
+    assert kv_usage(p.url) == 0.0

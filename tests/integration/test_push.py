@@ -21,29 +21,33 @@ import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec
-from harness.model import ModelShape, ensure_model
-from harness.pd_client import bootstrap_headers, complete, match_blocks, wait_for_matched_blocks
+from harness.launcher import BLOCK
+from harness.pd_client import (
+    bootstrap_headers,
+    complete,
+    match_blocks,
+    push_stats,
+    wait_for_matched_blocks,
+)
 from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
 
-BLOCK = 128  # the CPU backend's block size (the launcher passes --block-size 128)
 FAULTY_PROMPT_LEN = 5 * BLOCK + 11  # C fails every push of a prompt this long
 UNREACHABLE = "http://127.0.0.1:9"  # allowed on D, nothing listens there
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = str(ensure_model(ModelShape()))
-    common = dict(model=model, kv_cache_gib=2, max_model_len=4096,
-                  extra_args=["--enable-prompt-tokens-details"])
-    specs = [InstanceSpec("c", role="kv_producer", cores="0",
-                          env={"MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)}, **common),
-             InstanceSpec("d", role="kv_consumer", cores="1",
-                          extra_push_sources=[UNREACHABLE], **common)]
-    with Cluster(specs, tmp_path_factory.mktemp("logs")) as cl:
-        yield cl
+def cluster(pd_cluster):
+    return pd_cluster(
+        {"c": "kv_producer", "d": "kv_consumer"},
+        instances={
+            "c": {
+                "env": {"MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)}
+            },
+            "d": {"extra_push_sources": [UNREACHABLE]},
+        },
+    )
 
 
 def turn_on_c(c, ids, salt=None):
@@ -53,15 +57,23 @@ def turn_on_c(c, ids, salt=None):
 
 
 def push_request(d, c, ids, salt=None, source=None):
-    return complete(d.url, ids, max_tokens=4, logprobs=5, cache_salt=salt, timeout=300,
-                    kv_transfer_params={"push_from": source or c.bootstrap_url})
+    return complete(
+        d.url,
+        ids,
+        max_tokens=4,
+        logprobs=5,
+        cache_salt=salt,
+        timeout=300,
+        kv_transfer_params={"push_from": source or c.bootstrap_url},
+    )
 
 
 def check_local(got, ids, c):
     """Nothing came from C: vLLM reports no cached tokens (it omits a zero)."""
     assert not got.cached_tokens, f"{got.cached_tokens} cached tokens, expected none"
-    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
-                    expected_cached_tokens=None)
+    check = compare(
+        got, reference_completion(c.url, ids, max_tokens=4), expected_cached_tokens=None
+    )
     assert check.ok, check.problems
 
 
@@ -74,7 +86,7 @@ def test_pushed_blocks_land_byte_exact(cluster):
     check = compare(got, ref, expected_cached_tokens=8 * BLOCK)
     assert check.ok, check.problems
     assert "push_blocks" in c.log_path.read_text()
-    stats = httpx.get(c.bootstrap_url + "/hashsync", timeout=10, headers=bootstrap_headers()).json()["push"]
+    stats = push_stats(c.bootstrap_url)
     assert stats["ok"] >= 1 and stats["bytes"] > 0, stats
     assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)
 
@@ -85,8 +97,11 @@ def test_whole_prompt_of_full_blocks(cluster):
     ids = prompt(4 * BLOCK, seed=5001)
     turn_on_c(c, ids)
     got = push_request(d, c, ids)
-    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
-                    expected_cached_tokens=4 * BLOCK - 1)
+    check = compare(
+        got,
+        reference_completion(c.url, ids, max_tokens=4),
+        expected_cached_tokens=4 * BLOCK - 1,
+    )
     assert check.ok, check.problems
 
 
@@ -104,8 +119,11 @@ def test_other_cache_salt_matches_nothing(cluster):
     got = push_request(d, c, ids, salt="tenant-b")
     check_local(got, ids, c)
     got = push_request(d, c, ids, salt="tenant-a")  # the right tenant gets the push
-    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
-                    expected_cached_tokens=3 * BLOCK)
+    check = compare(
+        got,
+        reference_completion(c.url, ids, max_tokens=4),
+        expected_cached_tokens=3 * BLOCK,
+    )
     assert check.ok, check.problems
 
 
@@ -115,7 +133,10 @@ def test_failed_push_falls_back_to_local_prefill(cluster):
     turn_on_c(c, ids)
     got = push_request(d, c, ids)  # matched 5 blocks, then C's write fails
     check_local(got, ids, c)
-    assert "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN" in c.log_path.read_text()
+    assert (
+        "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"
+        in c.log_path.read_text()
+    )
     assert "prefilling the other" in d.log_path.read_text()
     assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)
 
@@ -137,26 +158,43 @@ def test_source_outside_the_allowlist_is_never_asked(cluster):
         pytest.skip("needs a second name of the same server (on loopback: localhost)")
     ids = prompt(2 * BLOCK + 3, seed=5007)
     turn_on_c(c, ids)
-    got = push_request(d, c, ids, source=c.bootstrap_url.replace("127.0.0.1", "localhost"))
+    got = push_request(
+        d, c, ids, source=c.bootstrap_url.replace("127.0.0.1", "localhost")
+    )
     check_local(got, ids, c)  # same server, but not the allowlisted name: refused
     assert "is not in MOONCAKE_PUSH_SOURCES" in d.log_path.read_text()
 
 
 def test_malformed_push_is_422_naming_the_field(cluster):
     c = cluster["c"]
-    before = httpx.get(c.bootstrap_url + "/hashsync", timeout=10, headers=bootstrap_headers()).json()["push"]
+    before = push_stats(c.bootstrap_url)
     ids = prompt(2 * BLOCK, seed=5006)
-    turn_on_c(c, ids)  # C has stepped: /match_blocks answers (503 before the first step)
+    turn_on_c(
+        c, ids
+    )  # C has stepped: /match_blocks answers (503 before the first step)
     fingerprint = match_blocks(c.bootstrap_url, ids)["fingerprint"]
-    body = {"token_ids": ids, "block_size": BLOCK, "dst_session": "127.0.0.1:1",
-            "dst_kv_base_addrs": [4096], "dst_block_ids": [0, 1],
-            "deadline_unix_ms": int(time.time() * 1000) + 60_000,
-            "dst_num_blocks": 100, "fingerprint": fingerprint}
-    for raw, field in ((json.dumps(body).encode(), "dst_kv_base_addrs"), (b"not json", "body")):
+    body = {
+        "token_ids": ids,
+        "block_size": BLOCK,
+        "dst_session": "127.0.0.1:1",
+        "dst_kv_base_addrs": [4096],
+        "dst_block_ids": [0, 1],
+        "deadline_unix_ms": int(time.time() * 1000) + 60_000,
+        "dst_num_blocks": 100,
+        "fingerprint": fingerprint,
+    }
+    for raw, field in (
+        (json.dumps(body).encode(), "dst_kv_base_addrs"),
+        (b"not json", "body"),
+    ):
         # signed as D signs (off loopback the POST routes take a signature, not the token)
-        headers = {"content-type": "application/json",
-                   **bootstrap_headers("POST", "/push_blocks", raw)}
-        r = httpx.post(c.bootstrap_url + "/push_blocks", content=raw, timeout=30, headers=headers)
+        headers = {
+            "content-type": "application/json",
+            **bootstrap_headers("POST", "/push_blocks", raw),
+        }
+        r = httpx.post(
+            c.bootstrap_url + "/push_blocks", content=raw, timeout=30, headers=headers
+        )
         assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
-    after = httpx.get(c.bootstrap_url + "/hashsync", timeout=10, headers=bootstrap_headers()).json()["push"]
+    after = push_stats(c.bootstrap_url)
     assert after == before  # rejected before any match or write

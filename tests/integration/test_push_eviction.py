@@ -13,24 +13,28 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 
-import httpx
 import pytest
 
 from harness import netns
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec
-from harness.model import ModelShape, ensure_model
-from harness.pd_client import bootstrap_headers, complete, match_blocks, wait_for_matched_blocks
+from harness.launcher import BLOCK
+from harness.pd_client import (
+    complete,
+    match_blocks,
+    push_stats,
+    wait_for_matched_blocks,
+)
 from harness.prompts import random_prompt as prompt
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(netns.available() is not None,
-                       reason=f"no network namespaces here: {netns.available()}"),
+    pytest.mark.skipif(
+        netns.available() is not None,
+        reason=f"no network namespaces here: {netns.available()}",
+    ),
 ]
 
-BLOCK = 128
 C_BLOCKS = 16
 TURN1, TURN2 = 5 * BLOCK, 5 * BLOCK + 60
 DELAY_S = 12
@@ -38,54 +42,75 @@ FLOOD_LEN = 12 * BLOCK  # each flood prompt needs 12 of C's 16 blocks
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = str(ensure_model(ModelShape()))
-    common = dict(model=model, kv_cache_gib=1, max_model_len=2048,
-                  extra_args=["--enable-prompt-tokens-details"])
-    specs = [InstanceSpec("c", role="kv_producer", cores="0",
-                          env={"MOONCAKE_FAULT_DELAY_WRITE": f"{TURN2}:{DELAY_S}",
-                               "MOONCAKE_PUSH_TIMEOUT_S": "30"},
-                          **{**common, "extra_args": common["extra_args"]
-                             + ["--num-gpu-blocks-override", str(C_BLOCKS)]}),
-             InstanceSpec("d", role="kv_consumer", cores="1", **common)]
-    with Cluster(specs, tmp_path_factory.mktemp("logs"), hosts=True) as c:
-        yield c
-
-
-def push_stats(c) -> dict:
-    r = httpx.get(c.bootstrap_url + "/hashsync", timeout=10, headers=bootstrap_headers())
-    r.raise_for_status()
-    return r.json()["push"]
+def cluster(pd_cluster):
+    return pd_cluster(
+        {"c": "kv_producer", "d": "kv_consumer"},
+        hosts=True,
+        kv_cache_gib=1,
+        max_model_len=2048,
+        instances={
+            "c": {
+                "env": {
+                    "MOONCAKE_FAULT_DELAY_WRITE": f"{TURN2}:{DELAY_S}",
+                    "MOONCAKE_PUSH_TIMEOUT_S": "30",
+                },
+                "extra_args": ["--num-gpu-blocks-override", str(C_BLOCKS)],
+            }
+        },
+    )
 
 
 def test_blocks_evicted_during_the_push_are_never_used_by_d(cluster):
     c, d = cluster["c"], cluster["d"]
     turn1 = prompt(TURN1, seed=7100)
     complete(c.url, turn1, max_tokens=1, logprobs=None, timeout=120)
-    assert wait_for_matched_blocks(c.bootstrap_url, turn1, TURN1 // BLOCK)["matched_blocks"] \
+    assert (
+        wait_for_matched_blocks(c.bootstrap_url, turn1, TURN1 // BLOCK)[
+            "matched_blocks"
+        ]
         == TURN1 // BLOCK
-    before = push_stats(c)
+    )
+    before = push_stats(c.bootstrap_url)
     turn2 = turn1 + prompt(TURN2 - TURN1, seed=7101)
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(complete, d.url, turn2, max_tokens=4, logprobs=5, timeout=300,
-                          kv_transfer_params={"push_from": c.bootstrap_url})
+        fut = pool.submit(
+            complete,
+            d.url,
+            turn2,
+            max_tokens=4,
+            logprobs=5,
+            timeout=300,
+            kv_transfer_params={"push_from": c.bootstrap_url},
+        )
         time.sleep(1.5)  # D asked; C matched the blocks and sits in its delayed write
         t_flood = time.monotonic()
         for i in range(2):  # each takes 12 of 16 blocks: the session's 5 are reused
-            complete(c.url, prompt(FLOOD_LEN, seed=7200 + i), max_tokens=1, logprobs=None,
-                     timeout=120)
+            complete(
+                c.url,
+                prompt(FLOOD_LEN, seed=7200 + i),
+                max_tokens=1,
+                logprobs=None,
+                timeout=120,
+            )
         flood_s = time.monotonic() - t_flood
         matched = match_blocks(c.bootstrap_url, turn1)["matched_blocks"]
         got = fut.result(timeout=300)
     assert flood_s < DELAY_S, (
         f"inconclusive: the flood took {flood_s:.1f} s, C's write ({DELAY_S} s) may have "
-        "read the blocks before they were evicted")
+        "read the blocks before they were evicted"
+    )
     assert matched < TURN1 // BLOCK, (
-        f"inconclusive: C still holds {matched} blocks of the session after the flood")
-    after = push_stats(c)
-    assert after["failed"] == before["failed"] + 1 and after["ok"] == before["ok"], after
+        f"inconclusive: C still holds {matched} blocks of the session after the flood"
+    )
+    after = push_stats(c.bootstrap_url)
+    assert after["failed"] == before["failed"] + 1 and after["ok"] == before["ok"], (
+        after
+    )
     assert not got.cached_tokens, f"D used {got.cached_tokens} tokens of a failed push"
-    check = compare(got, reference_completion(d.url, turn2, max_tokens=4),
-                    expected_cached_tokens=None)
+    check = compare(
+        got,
+        reference_completion(d.url, turn2, max_tokens=4),
+        expected_cached_tokens=None,
+    )
     assert check.ok, check.problems
     assert wait_no_blocks_in_use(c.url, d.url, timeout=120) == (0.0, 0.0)

@@ -3,7 +3,7 @@
 C and D share a token (MOONCAKE_BOOTSTRAP_TOKEN). Checked here across the wire:
 - nothing unauthenticated: no or a wrong token -> 401 on every endpoint of ours,
   and the token itself (a bearer header) does not open the POST routes, which
-  take signed requests only (connector/auth.py);
+  take signed requests only (connector/common/auth.py);
 - fuzzing C's /push_blocks and /match_blocks with signed requests (so inputs reach
   validation): only 4xx, C writes nothing (its push counters), both keep serving
   and D's next answer is correct;
@@ -24,24 +24,21 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import random
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.auth import sign
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec, free_port
-from harness.model import ModelShape, ensure_model
-from harness.pd_client import complete
+from harness.launcher import BLOCK
+from harness.pd_client import complete, push_stats
 from harness.prompts import random_prompt as prompt
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import sign
 
 pytestmark = pytest.mark.integration
 
-BLOCK = 128
 TOKEN = "s3cret-token-for-tests"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
@@ -53,86 +50,77 @@ class FakeSource:
         self.mode = "ok"
         self.fingerprint: dict = {}
         self.calls = 0
-        fake = self
+        self.url = ""  # where it is served (push_source_cluster)
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                fake.calls += 1
-                n = int(self.headers.get("content-length", 0))
-                req = json.loads(self.rfile.read(n) or b"{}")
-                full = len(req.get("token_ids", [])) // BLOCK
-                if fake.mode == "slow":
-                    self.send_response(200)
-                    self.send_header("content-type", "application/json")
-                    self.send_header("content-length", "1000")
-                    self.end_headers()
-                    for _ in range(120):  # one byte a second: per-read timeouts never fire
-                        try:
-                            self.wfile.write(b" ")
-                            self.wfile.flush()
-                        except OSError:
-                            return
-                        time.sleep(1)
-                    return
-                if self.path == "/match_blocks":
-                    matched = {"huge": 10**18, "negative": -5, "more": full + 50,
-                               "ok_inconsistent": full, "ok_unwritten": full,
-                               "mismatch": full}[fake.mode]
-                    fp = dict(fake.fingerprint)
-                    if fake.mode == "mismatch":
-                        fp["block_size"] = 16
-                    body = {"matched_blocks": matched, "matched_tokens": matched * BLOCK,
-                            "total_full_blocks": full, "fingerprint": fp,
-                            "engine_timeout_s": 30, "now_unix_ms": int(time.time() * 1000)}
-                elif self.path == "/push_proof":  # bytes guessed as zeros
-                    body = {"status": "ok", "probe_values": ["00" * 8 for _ in req["probes"]]}
-                else:  # /push_blocks: claims success, writes nothing
-                    n_blocks = len(req.get("dst_block_ids", []))
-                    fp = fake.fingerprint
-                    consistent = n_blocks * fp["block_len"] * fp["num_kv_tensors"]
-                    body = {"status": "ok", "pushed_blocks": n_blocks, "matched_blocks": n_blocks,
-                            # ok_unwritten: numbers that add up, a push id to prove it by
-                            "bytes": consistent if fake.mode == "ok_unwritten" else 123,
-                            "push_id": "guessed"}
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.port = free_port()
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self):
-        self.server.shutdown()
+    def respond(
+        self, handler: BaseHTTPRequestHandler, path: str, raw: bytes
+    ) -> dict | None:
+        self.calls += 1
+        req = json.loads(raw or b"{}")
+        full = len(req.get("token_ids", [])) // BLOCK
+        if self.mode == "slow":
+            handler.send_response(200)
+            handler.send_header("content-type", "application/json")
+            handler.send_header("content-length", "1000")
+            handler.end_headers()
+            for _ in range(120):  # one byte a second: per-read timeouts never fire
+                try:
+                    handler.wfile.write(b" ")
+                    handler.wfile.flush()
+                except OSError:
+                    return None
+                time.sleep(1)
+            return None
+        if path == "/match_blocks":
+            matched = {
+                "huge": 10**18,
+                "negative": -5,
+                "more": full + 50,
+                "ok_inconsistent": full,
+                "ok_unwritten": full,
+                "mismatch": full,
+            }[self.mode]
+            fp = dict(self.fingerprint)
+            if self.mode == "mismatch":
+                fp["block_size"] = 16
+            return {
+                "matched_blocks": matched,
+                "matched_tokens": matched * BLOCK,
+                "total_full_blocks": full,
+                "fingerprint": fp,
+                "engine_timeout_s": 30,
+                "now_unix_ms": int(time.time() * 1000),
+            }
+        if path == "/push_proof":  # bytes guessed as zeros
+            return {"status": "ok", "probe_values": ["00" * 8 for _ in req["probes"]]}
+        # /push_blocks: claims success, writes nothing
+        n_blocks = len(req.get("dst_block_ids", []))
+        fp = self.fingerprint
+        consistent = n_blocks * fp["block_len"] * fp["num_kv_tensors"]
+        return {
+            "status": "ok",
+            "pushed_blocks": n_blocks,
+            "matched_blocks": n_blocks,
+            # ok_unwritten: numbers that add up, a push id to prove it by
+            "bytes": consistent if self.mode == "ok_unwritten" else 123,
+            "push_id": "guessed",
+        }
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    model = str(ensure_model(ModelShape()))
+def env(push_source_cluster):
     fake = FakeSource()
-    common = dict(model=model, kv_cache_gib=2, max_model_len=4096,
-                  extra_args=["--enable-prompt-tokens-details"],
-                  env={"MOONCAKE_BOOTSTRAP_TOKEN": TOKEN, "MOONCAKE_PUSH_MATCH_TIMEOUT_S": "3",
-                       "MOONCAKE_PUSH_MAX_CONCURRENT": "4"})
-    specs = [InstanceSpec("c", role="kv_producer", cores="0", **common),
-             InstanceSpec("d", role="kv_consumer", cores="1", extra_push_sources=[fake.url],
-                          **common),
-             # another block size: a push source and destination that must never match
-             InstanceSpec("x64", role="kv_both", cores="1",
-                          **{**common, "extra_args": common["extra_args"] + ["--block-size", "64"]})]
-    with Cluster(specs, tmp_path_factory.mktemp("logs")) as cl:
-        ENV_X64.append(cl["x64"])
-        yield cl["c"], cl["d"], fake
-    fake.close()
+    cl, source = push_source_cluster(
+        fake.respond,
+        token=TOKEN,
+        env={"MOONCAKE_PUSH_MATCH_TIMEOUT_S": "3", "MOONCAKE_PUSH_MAX_CONCURRENT": "4"},
+        # another block size: a push source and destination that must never match
+        roles={"x64": "kv_both"},
+        instances={"x64": {"block_size": 64}},
+    )
+    fake.url = source.url
+    ENV_X64.append(cl["x64"])
+    return cl["c"], cl["d"], fake
 
 
 ENV_X64: list = []
@@ -140,8 +128,12 @@ ENV_X64: list = []
 
 def signed(url: str, content: bytes, at_ms: int | None = None) -> dict:
     """Headers of a POST to one of our routes, signed as D signs (at ``at_ms``: now)."""
-    return {"authorization": sign(TOKEN, "POST", httpx.URL(url).raw_path.decode(), content,
-                                  now_ms=at_ms), "content-type": "application/json"}
+    return {
+        "authorization": sign(
+            TOKEN, "POST", httpx.URL(url).raw_path.decode(), content, now_ms=at_ms
+        ),
+        "content-type": "application/json",
+    }
 
 
 def post(url, body, headers=None, timeout=30, at_ms=None):
@@ -162,10 +154,6 @@ def cached_on_c(c, ids):
         time.sleep(0.1)
 
 
-def push_stats(c):
-    return httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH, timeout=10).json()["push"]
-
-
 def process_group_rss_mib(inst) -> float:
     """Resident memory of an instance's processes (API server, engine core)."""
     import os
@@ -179,7 +167,9 @@ def process_group_rss_mib(inst) -> float:
             if os.getpgid(int(pid)) != pgid:
                 continue
             with open(f"/proc/{pid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+                total += next(
+                    int(line.split()[1]) for line in f if line.startswith("VmRSS:")
+                )
         except (OSError, StopIteration, ProcessLookupError):
             continue
     return total / 1024
@@ -188,8 +178,9 @@ def process_group_rss_mib(inst) -> float:
 def assert_d_correct(c, d, seed):
     ids = prompt(300, seed=seed)
     got = complete(d.url, ids, max_tokens=4, logprobs=5, timeout=300)
-    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
-                    expected_cached_tokens=None)
+    check = compare(
+        got, reference_completion(c.url, ids, max_tokens=4), expected_cached_tokens=None
+    )
     assert check.ok, check.problems
 
 
@@ -197,29 +188,68 @@ def test_every_endpoint_needs_the_token(env):
     c, _, _ = env
     ids = prompt(2 * BLOCK, seed=7000)
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
-        assert post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}, headers).status_code == 401
+        assert (
+            post(
+                c.bootstrap_url + "/match_blocks", {"token_ids": ids}, headers
+            ).status_code
+            == 401
+        )
         assert post(c.bootstrap_url + "/push_blocks", {}, headers).status_code == 401
-        assert httpx.get(c.bootstrap_url + "/hashsync", headers=headers).status_code == 401
+        assert (
+            httpx.get(c.bootstrap_url + "/hashsync", headers=headers).status_code == 401
+        )
+        assert (
+            httpx.get(c.bootstrap_url + "/push/stats", headers=headers).status_code
+            == 401
+        )
     assert httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH).status_code == 200
+    assert httpx.get(c.bootstrap_url + "/push/stats", headers=AUTH).status_code == 200
     # the token as a bearer header opens only the GET routes
-    assert post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}, AUTH).status_code == 401
+    assert (
+        post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}, AUTH).status_code
+        == 401
+    )
     # signed, it passes (503 until C's first step has sent its hash configuration)
-    assert post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}).status_code in (200, 503)
+    assert post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}).status_code in (
+        200,
+        503,
+    )
 
 
 def valid_push(c, ids, fingerprint, **over):
-    body = {"token_ids": ids, "block_size": BLOCK, "dst_session": "127.0.0.1:1",
-            "dst_kv_base_addrs": [(i + 1) << 32 for i in range(fingerprint["num_kv_tensors"])],
-            "dst_block_ids": list(range(len(ids) // BLOCK)), "first_block": 0,
-            "deadline_unix_ms": int(time.time() * 1000) + 60_000, "dst_num_blocks": 64,
-            "fingerprint": fingerprint}
+    body = {
+        "token_ids": ids,
+        "block_size": BLOCK,
+        "dst_session": "127.0.0.1:1",
+        "dst_kv_base_addrs": [
+            (i + 1) << 32 for i in range(fingerprint["num_kv_tensors"])
+        ],
+        "dst_block_ids": list(range(len(ids) // BLOCK)),
+        "first_block": 0,
+        "deadline_unix_ms": int(time.time() * 1000) + 60_000,
+        "dst_num_blocks": 64,
+        "fingerprint": fingerprint,
+    }
     body.update(over)
     return body
 
 
 def mutations(rng, body):
     """Malformed variants of a valid body."""
-    weird = [None, True, -1, 2**70, 1.5, float("nan"), "5", [], {}, "x" * 1000, [1, "a"], -2**63]
+    weird = [
+        None,
+        True,
+        -1,
+        2**70,
+        1.5,
+        float("nan"),
+        "5",
+        [],
+        {},
+        "x" * 1000,
+        [1, "a"],
+        -(2**63),
+    ]
     keys = list(body)
     for _ in range(1000):
         b = json.loads(json.dumps(body))
@@ -231,10 +261,16 @@ def mutations(rng, body):
         elif kind == 2:
             b[f"extra{rng.randrange(9)}"] = rng.choice(weird)
         elif kind == 3 and b.get("dst_block_ids"):
-            b["dst_block_ids"] = [rng.choice([-1, 64, 10**9, 0, 0])] * rng.randrange(1, 5)
+            b["dst_block_ids"] = [rng.choice([-1, 64, 10**9, 0, 0])] * rng.randrange(
+                1, 5
+            )
         elif kind == 4:
-            b["fingerprint"] = {**b.get("fingerprint", {}), rng.choice(
-                ["model", "dtype", "block_size", "tp_size", "block_len"]): rng.choice(weird)}
+            b["fingerprint"] = {
+                **b.get("fingerprint", {}),
+                rng.choice(
+                    ["model", "dtype", "block_size", "tp_size", "block_len"]
+                ): rng.choice(weird),
+            }
         else:
             raw = json.dumps(b, allow_nan=True)
             yield raw[: rng.randrange(len(raw))].encode()  # truncated JSON
@@ -246,24 +282,37 @@ def test_fuzzing_the_source_writes_nothing_and_both_keep_serving(env):
     c, d, _ = env
     ids = prompt(3 * BLOCK, seed=7100)
     fp = cached_on_c(c, ids)["fingerprint"]
-    before = push_stats(c)
+    before = push_stats(c.bootstrap_url)
     rng = random.Random(7)
     codes: dict[int, int] = {}
     tried = 0
-    for path, body in (("/push_blocks", valid_push(c, ids, fp)),
-                       ("/match_blocks", {"token_ids": ids, "cache_salt": None})):
+    for path, body in (
+        ("/push_blocks", valid_push(c, ids, fp)),
+        ("/match_blocks", {"token_ids": ids, "cache_salt": None}),
+    ):
         for raw in mutations(rng, body):
-            r = httpx.post(c.bootstrap_url + path, content=raw, timeout=30,
-                           headers=signed(c.bootstrap_url + path, raw))
+            r = httpx.post(
+                c.bootstrap_url + path,
+                content=raw,
+                timeout=30,
+                headers=signed(c.bootstrap_url + path, raw),
+            )
             codes[r.status_code] = codes.get(r.status_code, 0) + 1
             tried += 1
-            assert r.status_code < 500, f"{path} answered {r.status_code} to {raw[:200]!r}"
+            assert r.status_code < 500, (
+                f"{path} answered {r.status_code} to {raw[:200]!r}"
+            )
             if path == "/push_blocks":
                 assert r.status_code != 200 or r.json()["status"] != "ok", raw[:200]
-    after = push_stats(c)
-    assert after["bytes"] == before["bytes"] and after["ok"] == before["ok"], (before, after)
-    print(f"fuzz: {tried} inputs, answers {codes}, 5xx 0, bytes written "
-          f"{after['bytes'] - before['bytes']}")
+    after = push_stats(c.bootstrap_url)
+    assert after["bytes"] == before["bytes"] and after["ok"] == before["ok"], (
+        before,
+        after,
+    )
+    print(
+        f"fuzz: {tried} inputs, answers {codes}, 5xx 0, bytes written "
+        f"{after['bytes'] - before['bytes']}"
+    )
     assert tried >= 2000
     assert_d_correct(c, d, 7101)
 
@@ -272,15 +321,20 @@ def test_destinations_the_source_refuses(env):
     c, _, _ = env
     ids = prompt(2 * BLOCK, seed=7200)
     fp = cached_on_c(c, ids)["fingerprint"]
-    before = push_stats(c)
+    before = push_stats(c.bootstrap_url)
     own = httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH).json()
     assert own["size"] > 0
     cases = {
-        "block id beyond the destination": (valid_push(c, ids, fp, dst_block_ids=[0, 64]), 422),
+        "block id beyond the destination": (
+            valid_push(c, ids, fp, dst_block_ids=[0, 64]),
+            422,
+        ),
         "fingerprint mismatch": (valid_push(c, ids, {**fp, "block_size": 16}), 409),
         "tp 2": (valid_push(c, ids, {**fp, "tp_size": 2}), 409),
-        "overlapping tensors": (valid_push(c, ids, fp, dst_kv_base_addrs=[
-            1 << 32] * fp["num_kv_tensors"]), 422),
+        "overlapping tensors": (
+            valid_push(c, ids, fp, dst_kv_base_addrs=[1 << 32] * fp["num_kv_tensors"]),
+            422,
+        ),
     }
     for name, (body, code) in cases.items():
         r = post(c.bootstrap_url + "/push_blocks", body)
@@ -288,14 +342,19 @@ def test_destinations_the_source_refuses(env):
     # a session's layout is fixed by its first push (here: a black hole, nothing listens)
     # against any push signed before it; one signed later re-registers (a restart)
     now = int(time.time() * 1000)
-    first = post(c.bootstrap_url + "/push_blocks", valid_push(c, ids, fp, dst_session="127.0.0.1:2"),
-                 at_ms=now)
+    first = post(
+        c.bootstrap_url + "/push_blocks",
+        valid_push(c, ids, fp, dst_session="127.0.0.1:2"),
+        at_ms=now,
+    )
     assert first.status_code == 200 and first.json()["status"] == "failed", first.text
-    other = post(c.bootstrap_url + "/push_blocks",
-                 valid_push(c, ids, fp, dst_session="127.0.0.1:2", dst_num_blocks=65),
-                 at_ms=now - 1000)
+    other = post(
+        c.bootstrap_url + "/push_blocks",
+        valid_push(c, ids, fp, dst_session="127.0.0.1:2", dst_num_blocks=65),
+        at_ms=now - 1000,
+    )
     assert other.status_code == 409, other.text
-    assert push_stats(c)["bytes"] == before["bytes"]
+    assert push_stats(c.bootstrap_url)["bytes"] == before["bytes"]
 
 
 def test_limits_answer_at_once_and_a_legitimate_push_still_completes(env):
@@ -305,12 +364,19 @@ def test_limits_answer_at_once_and_a_legitimate_push_still_completes(env):
     t0 = time.monotonic()
     big = b"[" + b"1," * 4_000_000 + b"1]"  # 8 MB: above the body limit
     try:
-        r = httpx.post(c.bootstrap_url + "/push_blocks", content=big,
-                       headers=signed(c.bootstrap_url + "/push_blocks", big), timeout=60)
+        r = httpx.post(
+            c.bootstrap_url + "/push_blocks",
+            content=big,
+            headers=signed(c.bootstrap_url + "/push_blocks", big),
+            timeout=60,
+        )
         assert r.status_code == 413, r.text
     except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
         pass  # the server answered 413 and closed before the whole body was sent
-    assert httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH, timeout=10).status_code == 200
+    assert (
+        httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH, timeout=10).status_code
+        == 200
+    )
     million = post(c.bootstrap_url + "/push_blocks", valid_push(c, [1] * 1_000_000, fp))
     assert million.status_code == 413, million.text
     assert time.monotonic() - t0 < 20
@@ -335,11 +401,20 @@ def test_limits_answer_at_once_and_a_legitimate_push_still_completes(env):
     assert max(busy) < 10.0, f"a 429 took {max(busy):.2f}s"
     # a legitimate push (D, via push_from) still lands
     turn2 = ids + prompt(40, seed=7301)
-    got = complete(d.url, turn2, max_tokens=4, logprobs=5, timeout=300,
-                   kv_transfer_params={"push_from": c.bootstrap_url})
+    got = complete(
+        d.url,
+        turn2,
+        max_tokens=4,
+        logprobs=5,
+        timeout=300,
+        kv_transfer_params={"push_from": c.bootstrap_url},
+    )
     assert got.cached_tokens == 4 * BLOCK, got.cached_tokens
-    check = compare(got, reference_completion(c.url, turn2, max_tokens=4),
-                    expected_cached_tokens=None)
+    check = compare(
+        got,
+        reference_completion(c.url, turn2, max_tokens=4),
+        expected_cached_tokens=None,
+    )
     assert check.ok, check.problems
 
 
@@ -352,12 +427,23 @@ def test_hostile_source_answers_leave_d_up_and_correct(env, mode):
     if not fake.fingerprint:
         fake.fingerprint = cached_on_c(c, prompt(BLOCK, seed=7400))["fingerprint"]
     fake.mode = mode
-    ids = prompt(3 * BLOCK + 5, seed=7410 + HOSTILE.index(mode))  # new to D: no local hit
-    got = complete(d.url, ids, max_tokens=4, logprobs=5, timeout=300,
-                   kv_transfer_params={"push_from": fake.url})
-    assert not got.cached_tokens, f"{mode}: {got.cached_tokens} tokens counted from a hostile source"
-    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
-                    expected_cached_tokens=None)
+    ids = prompt(
+        3 * BLOCK + 5, seed=7410 + HOSTILE.index(mode)
+    )  # new to D: no local hit
+    got = complete(
+        d.url,
+        ids,
+        max_tokens=4,
+        logprobs=5,
+        timeout=300,
+        kv_transfer_params={"push_from": fake.url},
+    )
+    assert not got.cached_tokens, (
+        f"{mode}: {got.cached_tokens} tokens counted from a hostile source"
+    )
+    check = compare(
+        got, reference_completion(c.url, ids, max_tokens=4), expected_cached_tokens=None
+    )
     assert check.ok, (mode, check.problems)
     assert httpx.get(d.url + "/health", timeout=10).status_code == 200
     assert wait_no_blocks_in_use(d.url) == (0.0,)
@@ -368,12 +454,19 @@ def test_slow_loris_source_ends_by_local_prefill_within_the_deadline(env):
     fake.mode = "slow"
     ids = prompt(2 * BLOCK + 9, seed=7500)
     t0 = time.monotonic()
-    got = complete(d.url, ids, max_tokens=4, logprobs=5, timeout=120,
-                   kv_transfer_params={"push_from": fake.url})
+    got = complete(
+        d.url,
+        ids,
+        max_tokens=4,
+        logprobs=5,
+        timeout=120,
+        kv_transfer_params={"push_from": fake.url},
+    )
     took = time.monotonic() - t0
     assert took < 3 + 20, f"took {took:.1f}s with a 3 s match deadline"
-    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
-                    expected_cached_tokens=None)
+    check = compare(
+        got, reference_completion(c.url, ids, max_tokens=4), expected_cached_tokens=None
+    )
     assert check.ok, check.problems
 
 
@@ -388,10 +481,17 @@ def test_block_size_mismatch_falls_back_to_local_prefill(env, direction):
     src, dst = (x, d) if direction == "128 from 64" else (c, x)
     ids = prompt(4 * BLOCK + 3, seed=7600 if direction.startswith("128") else 7700)
     complete(src.url, ids, max_tokens=1, logprobs=None, timeout=300)
-    got = complete(dst.url, ids, max_tokens=4, logprobs=5, timeout=300,
-                   kv_transfer_params={"push_from": src.bootstrap_url})
+    got = complete(
+        dst.url,
+        ids,
+        max_tokens=4,
+        logprobs=5,
+        timeout=300,
+        kv_transfer_params={"push_from": src.bootstrap_url},
+    )
     assert not got.cached_tokens, got.cached_tokens
-    check = compare(got, reference_completion(c.url, ids, max_tokens=4),
-                    expected_cached_tokens=None)
+    check = compare(
+        got, reference_completion(c.url, ids, max_tokens=4), expected_cached_tokens=None
+    )
     assert check.ok, check.problems
     assert "block_size" in dst.log_path.read_text()

@@ -9,9 +9,9 @@ D checks when the push names them, else a guess of one word per block and
 tensor (64 bytes in all), and, asked for a proof, the positions asked for
 before answering; it answers "ok" with consistent numbers and the bytes it
 wrote. D must count none of the blocks (the rest holds whatever D's blocks
-held before), prefill them itself and answer correctly. The block size and
-the shared secret are those of tests/integration/test_push_exposed.py (other
-hostile answers, which write nothing).
+held before), prefill them itself and answer correctly. C, D and the source are
+set up as in tests/integration/test_push_exposed.py (push_source_cluster, whose
+hostile answers write nothing).
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import numpy as np
 import pytest
-from test_push_exposed import BLOCK, TOKEN
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec, free_port
-from harness.model import ModelShape, ensure_model
+from harness.launcher import BLOCK
 from harness.pd_client import complete
 from harness.prompts import random_prompt as prompt
 
@@ -55,30 +53,12 @@ class PartialWriter:
         self.pushes: dict[str, dict] = {}
         self.words_written = 0
         self.lock = threading.Lock()
-        fake = self
+        self.url = ""  # where it is served (push_source_cluster)
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                raw = self.rfile.read(int(self.headers.get("content-length", 0)))
-                if self.path == "/match_blocks":
-                    body = fake.match(raw, self.headers.get("authorization"))
-                else:
-                    body = fake.answer(self.path, json.loads(raw))
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.port = free_port()
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def respond(self, handler: BaseHTTPRequestHandler, path: str, raw: bytes) -> dict:
+        if path == "/match_blocks":
+            return self.match(raw, handler.headers.get("authorization"))
+        return self.answer(path, json.loads(raw))
 
     def write(self, push: dict, words: list[list[int]]) -> list[str]:
         """Write one word of this source's bytes at each (block index, tensor,
@@ -90,19 +70,30 @@ class PartialWriter:
                 k = self.words_written % (self.src.nbytes // WORD)
                 self.words_written += 1
                 src.append(self.src.ctypes.data + k * WORD)
-                dst.append(push["dst_kv_base_addrs"][slot] + push["dst_block_ids"][i] * blen + off)
-                values.append(self.src[k * WORD:(k + 1) * WORD].tobytes().hex())
-        rc = self.engine.batch_transfer_sync_write(push["dst_session"], src, dst,
-                                                   [WORD] * len(src))
+                dst.append(
+                    push["dst_kv_base_addrs"][slot]
+                    + push["dst_block_ids"][i] * blen
+                    + off
+                )
+                values.append(self.src[k * WORD : (k + 1) * WORD].tobytes().hex())
+        rc = self.engine.batch_transfer_sync_write(
+            push["dst_session"], src, dst, [WORD] * len(src)
+        )
         assert rc == 0, f"the partial write into D failed ({rc})"
         return values
 
     def match(self, raw: bytes, authorization: str | None) -> dict:
         """C's answer to D's own call (D's authorization is valid at C too), claiming
         every full block of the prompt."""
-        r = httpx.post(self.c_bootstrap + "/match_blocks", content=raw, timeout=30,
-                       headers={"content-type": "application/json",
-                                **({"authorization": authorization} if authorization else {})})
+        r = httpx.post(
+            self.c_bootstrap + "/match_blocks",
+            content=raw,
+            timeout=30,
+            headers={
+                "content-type": "application/json",
+                **({"authorization": authorization} if authorization else {}),
+            },
+        )
         assert r.status_code == 200, f"C refused the forwarded /match_blocks: {r.text}"
         out = r.json()
         self.fingerprint = out["fingerprint"]
@@ -116,11 +107,20 @@ class PartialWriter:
             return {"status": "ok", "probe_values": self.write(push, req["probes"])}
         n = len(req["dst_block_ids"])
         told = req.get("probes")
-        words = told or [[i, slot, 0] for i in range(n)
-                         for slot in range(fp["num_kv_tensors"])][:8]
+        words = (
+            told
+            or [[i, slot, 0] for i in range(n) for slot in range(fp["num_kv_tensors"])][
+                :8
+            ]
+        )
         values = self.write(req, words)
-        body = {"status": "ok", "pushed_blocks": n, "matched_blocks": n,
-                "total_full_blocks": n, "bytes": n * fp["block_len"] * fp["num_kv_tensors"]}
+        body = {
+            "status": "ok",
+            "pushed_blocks": n,
+            "matched_blocks": n,
+            "total_full_blocks": n,
+            "bytes": n * fp["block_len"] * fp["num_kv_tensors"],
+        }
         if told is not None:
             body["probe_values"] = values
         else:
@@ -129,23 +129,15 @@ class PartialWriter:
             body["push_id"] = push_id
         return body
 
-    def close(self):
-        self.server.shutdown()
-
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    model = str(ensure_model(ModelShape()))
+def env(push_source_cluster):
     writer = PartialWriter()
-    common = dict(model=model, kv_cache_gib=2, max_model_len=4096,
-                  extra_args=["--enable-prompt-tokens-details"],
-                  env={"MOONCAKE_BOOTSTRAP_TOKEN": TOKEN, "MOONCAKE_PUSH_MATCH_TIMEOUT_S": "5"})
-    specs = [InstanceSpec("c", role="kv_producer", cores="0", **common),
-             InstanceSpec("d", role="kv_consumer", cores="1",
-                          extra_push_sources=[writer.url], **common)]
-    with Cluster(specs, tmp_path_factory.mktemp("logs")) as cl:
-        yield cl["c"], cl["d"], writer
-    writer.close()
+    cl, source = push_source_cluster(
+        writer.respond, env={"MOONCAKE_PUSH_MATCH_TIMEOUT_S": "5"}
+    )
+    writer.url = source.url
+    return cl["c"], cl["d"], writer
 
 
 def test_a_source_writing_only_a_few_words_of_each_block_gets_no_block(env):
@@ -155,15 +147,25 @@ def test_a_source_writing_only_a_few_words_of_each_block_gets_no_block(env):
     for seed in (8010, 8011):
         ids = prompt(3 * BLOCK + 5, seed=seed)  # new to D: no local hit
         before = writer.words_written
-        got = complete(d.url, ids, max_tokens=4, logprobs=5, timeout=300,
-                       kv_transfer_params={"push_from": writer.url})
+        got = complete(
+            d.url,
+            ids,
+            max_tokens=4,
+            logprobs=5,
+            timeout=300,
+            kv_transfer_params={"push_from": writer.url},
+        )
         assert writer.words_written > before, "the source was never asked to push"
         fp = writer.fingerprint
         assert not got.cached_tokens, (
             f"D counted {got.cached_tokens} tokens from a source that wrote "
             f"{(writer.words_written - before) * WORD} of the "
-            f"{3 * fp['block_len'] * fp['num_kv_tensors']} bytes of 3 blocks")
-        check = compare(got, reference_completion(c.url, ids, max_tokens=4),
-                        expected_cached_tokens=None)
+            f"{3 * fp['block_len'] * fp['num_kv_tensors']} bytes of 3 blocks"
+        )
+        check = compare(
+            got,
+            reference_completion(c.url, ids, max_tokens=4),
+            expected_cached_tokens=None,
+        )
         assert check.ok, check.problems
     assert wait_no_blocks_in_use(d.url) == (0.0,)

@@ -14,27 +14,22 @@ import httpx
 import pytest
 
 from harness.correctness import compare, reference_completion
-from harness.launcher import Cluster, InstanceSpec
-from harness.model import ModelShape, ensure_model
+from harness.launcher import BLOCK
 from harness.pd_client import complete, match_blocks
 from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
 
-BLOCK = 128
-
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = str(ensure_model(ModelShape()))
-    common = dict(model=model, kv_cache_gib=1, max_model_len=2048,
-                  extra_args=["--enable-prompt-tokens-details"])
-    specs = [InstanceSpec("c", role="kv_producer", cores="0|1",
-                          **{**common, "extra_args": common["extra_args"]
-                             + ["--tensor-parallel-size", "2"]}),
-             InstanceSpec("d", role="kv_consumer", cores="1", **common)]
-    with Cluster(specs, tmp_path_factory.mktemp("logs")) as cl:
-        yield cl["c"], cl["d"]
+def cluster(pd_cluster):
+    cl = pd_cluster(
+        {"c": "kv_producer", "d": "kv_consumer"},
+        kv_cache_gib=1,
+        max_model_len=2048,
+        instances={"c": {"tp": 2}},
+    )
+    return cl["c"], cl["d"]
 
 
 def test_push_from_a_tp2_source_is_refused_and_d_prefills_locally(cluster):
@@ -43,17 +38,30 @@ def test_push_from_a_tp2_source_is_refused_and_d_prefills_locally(cluster):
     complete(c.url, ids, max_tokens=1, logprobs=None, timeout=300)
     fp = match_blocks(c.bootstrap_url, ids)["fingerprint"]
     assert fp["tp_size"] == 2, fp
-    got = complete(d.url, ids, max_tokens=4, logprobs=5, timeout=300,
-                   kv_transfer_params={"push_from": c.bootstrap_url})
+    got = complete(
+        d.url,
+        ids,
+        max_tokens=4,
+        logprobs=5,
+        timeout=300,
+        kv_transfer_params={"push_from": c.bootstrap_url},
+    )
     assert not got.cached_tokens, got.cached_tokens
-    check = compare(got, reference_completion(d.url, ids, max_tokens=4),
-                    expected_cached_tokens=None)
+    check = compare(
+        got, reference_completion(d.url, ids, max_tokens=4), expected_cached_tokens=None
+    )
     assert check.ok, check.problems
     assert "tp_size 1 (this instance) != 2" in d.log_path.read_text()
     # C itself refuses a push even from a destination claiming the same TP=2
-    body = {"token_ids": ids, "block_size": BLOCK, "dst_session": "127.0.0.1:1",
-            "dst_kv_base_addrs": [(i + 1) << 32 for i in range(fp["num_kv_tensors"])],
-            "dst_block_ids": [0, 1, 2, 3], "deadline_unix_ms": int(time.time() * 1000) + 60_000,
-            "dst_num_blocks": 64, "fingerprint": fp}
+    body = {
+        "token_ids": ids,
+        "block_size": BLOCK,
+        "dst_session": "127.0.0.1:1",
+        "dst_kv_base_addrs": [(i + 1) << 32 for i in range(fp["num_kv_tensors"])],
+        "dst_block_ids": [0, 1, 2, 3],
+        "deadline_unix_ms": int(time.time() * 1000) + 60_000,
+        "dst_num_blocks": 64,
+        "fingerprint": fp,
+    }
     r = httpx.post(c.bootstrap_url + "/push_blocks", json=body, timeout=30)
     assert r.status_code == 409 and "TP=1" in r.text, r.text

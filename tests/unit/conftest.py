@@ -9,8 +9,12 @@ import threading
 import pytest
 from helpers import FP, CServer
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import KVFingerprint
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
+)
 
 
 class Loop:
@@ -42,8 +46,12 @@ def c_server():
     of its own, C binds 127.0.0.1 with no token: its push endpoints are open."""
     made: list[CServer] = []
 
-    def make(config: ExtConfig | None = None, fingerprint: KVFingerprint = FP) -> CServer:
-        made.append(CServer(config or ExtConfig(bootstrap_host="127.0.0.1"), fingerprint))
+    def make(
+        config: ExtConfig | None = None, fingerprint: KVFingerprint = FP
+    ) -> CServer:
+        made.append(
+            CServer(config or ExtConfig(bootstrap_host="127.0.0.1"), fingerprint)
+        )
         return made[-1]
 
     yield make

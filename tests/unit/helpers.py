@@ -4,7 +4,8 @@
 - waiting: wait_until
 - prefix push, C's side: a KV cache of numpy buffers (KV), a transfer engine
   that copies between them (MemEngine), a hash mirror holding a prompt's blocks
-  (filled_mirror), a FastAPI app on 127.0.0.1 in a thread (serve, serve_push),
+  (filled_mirror), a FastAPI app on 127.0.0.1 in a thread (serve, serve_routes,
+  serve_push),
   and all of it together over real HTTP (CServer);
 - prefix push, D's side: a request (d_request), a match asked until answered
   (ask), a clock a test moves by hand (Clock).
@@ -23,29 +24,40 @@ import httpx
 import numpy as np
 from fastapi import FastAPI
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.auth import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    EndpointGuard,
     client_headers,
     request_headers,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import KVFingerprint
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
-    register_routes as register_push_routes,
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
     hash_prompt_blocks,
     to_pool_key,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
     HashDelta,
     HashEventKind,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import (
-    register_routes as register_hashsync_routes,
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
+    WorkerHashSync,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    PushServer,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.routes import (
+    Served,
+    add_routes,
 )
 
 
@@ -65,8 +77,14 @@ HCFG = HashConfig("sha256", b"\x01" * 32)
 TOKENS = list(range(500, 500 + 3 * BS + 1))  # 3 full blocks + 1 token
 C_BLOCKS = [5, 2, 6]  # where C holds them
 DST_BLOCKS = [3, 4, 7]  # where D wants them
-FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="float32/auto", block_size=BS,
-                   tp_size=1, block_len=BLEN, num_kv_tensors=SLOTS)
+FP = KVFingerprint(
+    model="Arch:0123456789abcdef",
+    dtype="float32/auto",
+    block_size=BS,
+    tp_size=1,
+    block_len=BLEN,
+    num_kv_tensors=SLOTS,
+)
 C_SESSION = "127.0.0.1:17001"  # C's own transfer engine
 D_SESSION = "127.0.0.1:17002"
 SCHED_FP = KVFingerprint(model=FP.model, dtype=FP.dtype, block_size=BS, tp_size=1)
@@ -77,17 +95,19 @@ class KV:
     bytes (SLOTS, NBLK, BLEN unless a test has a layout of its own). Filled, each
     block of each tensor holds a byte of its own."""
 
-    def __init__(self, fill: bool, slots: int = SLOTS, nblk: int = NBLK, blen: int = BLEN):
+    def __init__(
+        self, fill: bool, slots: int = SLOTS, nblk: int = NBLK, blen: int = BLEN
+    ):
         self.blen = blen
         self.kv = [np.zeros(nblk * blen, dtype=np.uint8) for _ in range(slots)]
         if fill:
             for s, t in enumerate(self.kv):
                 for b in range(nblk):
-                    t[b * blen:(b + 1) * blen] = (s * nblk + b) % 251 + 1
+                    t[b * blen : (b + 1) * blen] = (s * nblk + b) % 251 + 1
         self.bases = [t.ctypes.data for t in self.kv]
 
     def block(self, slot: int, b: int) -> np.ndarray:
-        return self.kv[slot][b * self.blen:(b + 1) * self.blen]
+        return self.kv[slot][b * self.blen : (b + 1) * self.blen]
 
     def snapshot(self) -> bytes:
         return b"".join(t.tobytes() for t in self.kv)
@@ -133,24 +153,34 @@ class MemEngine:
         return 0
 
 
-def filled_mirror(block_size: int, tokens: list[int], blocks: list[int], hash_config: HashConfig,
-                  cache_salt: str | None = None) -> WorkerHashSync:
+def filled_mirror(
+    block_size: int,
+    tokens: list[int],
+    blocks: list[int],
+    hash_config: HashConfig,
+    cache_salt: str | None = None,
+) -> WorkerHashSync:
     """A worker's hash mirror whose published blocks ``blocks`` hold the full
     blocks of ``tokens``, in order."""
     sync = WorkerHashSync(block_size)
-    hashes = hash_prompt_blocks(tokens, block_size, hash_config.hash_algo, hash_config.none_hash,
-                                cache_salt=cache_salt)
-    sync.on_metadata(HashDelta(events=[(HashEventKind.STORED, to_pool_key(h), b)
-                                       for h, b in zip(hashes, blocks)], hash_config=hash_config))
+    hashes = hash_prompt_blocks(
+        tokens,
+        block_size,
+        hash_config.hash_algo,
+        hash_config.none_hash,
+        cache_salt=cache_salt,
+    )
+    sync.on_metadata(
+        HashDelta(
+            events=[
+                (HashEventKind.STORED, to_pool_key(h), b)
+                for h, b in zip(hashes, blocks)
+            ],
+            hash_config=hash_config,
+        )
+    )
     sync.after_step()
     return sync
-
-
-def free_port() -> int:
-    """A port nothing listens on (for a source that is not there)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(app) -> tuple[str, callable]:
@@ -160,7 +190,9 @@ def serve(app) -> tuple[str, callable]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    uv = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical")
+    )
     th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     end = time.monotonic() + 10
@@ -176,33 +208,47 @@ def serve(app) -> tuple[str, callable]:
     return f"http://127.0.0.1:{port}", stop
 
 
-def serve_push(server: PushServer) -> tuple[str, callable]:
-    """C's /push_blocks and /match_blocks (push.server) on 127.0.0.1: (url, stop)."""
+def serve_routes(
+    config: ExtConfig, push=None, hashsync=None, layerwise=None, push_here: bool = True
+) -> tuple[str, callable]:
+    """The bootstrap server's routes (routes.py) on 127.0.0.1, behind one guard
+    built from ``config``, serving the given objects (None: not there): (url, stop)."""
     app = FastAPI()
-    register_push_routes(app, lambda: server)
+    add_routes(
+        app,
+        EndpointGuard(config),
+        config,
+        Served(
+            hashsync=lambda: hashsync,
+            push=lambda: push,
+            layerwise=lambda: layerwise,
+            push_here=push_here,
+            layerwise_here=layerwise is not None,
+        ),
+    )
     return serve(app)
+
+
+def serve_push(server: PushServer) -> tuple[str, callable]:
+    """C's /push_blocks, /match_blocks and /push_proof on 127.0.0.1: (url, stop)."""
+    return serve_routes(server.config, push=server)
 
 
 class CServer:
     """C: a filled KV cache whose hash mirror holds TOKENS' 3 blocks, serving
-    /push_blocks, /match_blocks (push.server) and /hashsync (hashsync.sync) over HTTP."""
+    every route of routes.py over HTTP (no layer-wise sender)."""
 
     def __init__(self, config: ExtConfig, fingerprint: KVFingerprint = FP):
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.sender import (
-            register_routes as register_layerwise_routes,
-        )
-
         self.config = config
         self.c = KV(fill=True)
         self.sync = filled_mirror(BS, TOKENS, C_BLOCKS, HCFG)
         self.engine = MemEngine()
-        self.server = PushServer(self.sync, self.engine, self.c.bases, BLEN, fingerprint,
-                                 C_SESSION, config)
-        app = FastAPI()
-        register_push_routes(app, lambda: self.server)
-        register_hashsync_routes(app, lambda: self.sync, self.server.guard)
-        register_layerwise_routes(app, lambda: None, self.server.guard)
-        self.url, self._stop = serve(app)
+        self.server = PushServer(
+            self.sync, self.engine, self.c.bases, BLEN, fingerprint, C_SESSION, config
+        )
+        self.url, self._stop = serve_routes(
+            config, push=self.server, hashsync=self.sync
+        )
         self.port = int(self.url.rsplit(":", 1)[1])
         self.headers = client_headers(config)  # the GET routes (bearer)
         self.http = httpx.Client(base_url=self.url, timeout=30)
@@ -227,11 +273,17 @@ class CServer:
 
 # ---- prefix push: D -------------------------------------------------------------------
 
+
 def d_request(rid="r1", n_tokens=5 * BS + 3, source="http://c:9000"):
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n_tokens)),
-                           kv_transfer_params={"push_from": source}, cache_salt=None,
-                           lora_request=None, num_computed_tokens=0,
-                           num_external_computed_tokens=0)
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=list(range(n_tokens)),
+        kv_transfer_params={"push_from": source},
+        cache_salt=None,
+        lora_request=None,
+        num_computed_tokens=0,
+        num_external_computed_tokens=0,
+    )
 
 
 def ask(sched: PushScheduler, r, local_tokens=0, timeout=10):

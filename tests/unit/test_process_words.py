@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_checker():
-    spec = importlib.util.spec_from_file_location("check_words", ROOT / ".ci" / "check_words.py")
+    spec = importlib.util.spec_from_file_location(
+        "check_words", ROOT / ".ci" / "check_words.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -35,7 +37,10 @@ MUST_FLAG = [
     ("the targets of issue 13", "bare-issue"),
     ("layer-wise write failed (issue 4)", "bare-issue"),
     ("mb7 under load, issue 4).", "bare-issue"),
-    ("Security hardening of prefix push (issue 10): who may make C write", "bare-issue"),
+    (
+        "Security hardening of prefix push (issue 10): who may make C write",
+        "bare-issue",
+    ),
     ("measured by a helper session", "helper"),
     ("Done in session 4 (issue 11)", "fixed-in"),
     ("results/push-session3-before-issue10.json", "numbered-session"),
@@ -91,12 +96,15 @@ def _repo(tmp_path: Path, files: dict[str, bytes]) -> Path:
 
 
 def test_the_script_reports_path_line_and_rule_and_fails(tmp_path, capsys) -> None:
-    root = _repo(tmp_path, {
-        "a.py": b"x = 1\n# seen under load (issue 4)\n",
-        "ok.md": b"turn 2 of a session\n",
-        "blob.bin": b"\0issue 4\n",  # binary: skipped
-        ".ci/check_words.py": b"# issue 4\n",  # exempt
-    })
+    root = _repo(
+        tmp_path,
+        {
+            "a.py": b"x = 1\n# seen under load (issue 4)\n",
+            "ok.md": b"turn 2 of a session\n",
+            "blob.bin": b"\0issue 4\n",  # binary: skipped
+            ".ci/check_words.py": b"# issue 4\n",  # exempt
+        },
+    )
     assert check_words.main(root) == 1
     assert capsys.readouterr().out.splitlines() == ["a.py:2: issue 4 (bare-issue)"]
 

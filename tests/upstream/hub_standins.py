@@ -145,10 +145,17 @@ QWEN15_7B_GENERATION = {
 
 # --- tokenizers ----------------------------------------------------------------
 
+
 def _added_tokens_decoder(specials: dict[str, int]) -> dict:
     return {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t, i in specials.items()
     }
 
@@ -184,7 +191,9 @@ QWEN_TOKENIZER_CONFIG = {
     "split_special_tokens": False,
     "tokenizer_class": "Qwen2Tokenizer",
 }
-QWEN15_TOKENIZER_CONFIG = dict(QWEN_TOKENIZER_CONFIG, eos_token="<|endoftext|>", model_max_length=32768)
+QWEN15_TOKENIZER_CONFIG = dict(
+    QWEN_TOKENIZER_CONFIG, eos_token="<|endoftext|>", model_max_length=32768
+)
 
 
 def _byte_level_tokenizer_files(
@@ -197,7 +206,14 @@ def _byte_level_tokenizer_files(
     The ``tokenizers`` package builds the pipeline; the ids are then set in its
     JSON form (its serializer warns about id gaps, which the real Qwen
     vocabularies have too) and the result is checked by loading it back."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {sym: first_byte_id + i for i, sym in enumerate(alphabet)}
@@ -206,10 +222,14 @@ def _byte_level_tokenizer_files(
     tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in specials]
+    )
     if bos is not None:  # prepend BOS, as the slow tokenizer's add_bos_token does
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, specials[bos])]
+            single=f"{bos} $A",
+            pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, specials[bos])],
         )
     data = json.loads(tok.to_str())
     full_vocab = dict(vocab)
@@ -265,11 +285,15 @@ STANDINS = {
     ),
     "Qwen/Qwen3-0.6B": (
         "vllm.config.ModelConfig's default `model` (ModelConfig(max_model_len=...) in test_kv_cache_utils)",
-        lambda: _qwen_files(QWEN3_06B_CONFIG, QWEN3_06B_GENERATION, QWEN_TOKENIZER_CONFIG),
+        lambda: _qwen_files(
+            QWEN3_06B_CONFIG, QWEN3_06B_GENERATION, QWEN_TOKENIZER_CONFIG
+        ),
     ),
     "Qwen/Qwen1.5-7B": (
         "test_kv_cache_utils.py::test_estimate_max_model_len / test_get_max_concurrency_for_kv_cache_config",
-        lambda: _qwen_files(QWEN15_7B_CONFIG, QWEN15_7B_GENERATION, QWEN15_TOKENIZER_CONFIG),
+        lambda: _qwen_files(
+            QWEN15_7B_CONFIG, QWEN15_7B_GENERATION, QWEN15_TOKENIZER_CONFIG
+        ),
     ),
 }
 

@@ -22,6 +22,7 @@ running this script.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -40,36 +41,60 @@ REPO = HERE.parent.parent
 # KV cache manager; patch 0003 reads the attention backend's KV cache layout,
 # 0004 injects faults into received KV).
 SELECTION: list[tuple[str, str]] = [
-    ("tests/v1/core/test_prefix_caching.py",
-     "KVCacheManager/BlockPool prefix-cache hits and block hashing: the local hits a "
-     "connector's external match is added to, and the blocks Mooncake sends/receives"),
-    ("tests/v1/core/test_kv_cache_utils.py",
-     "KV cache specs, page sizes, KV cache config and block hashes: the layout and "
-     "block geometry the connector registers and transfers"),
-    ("tests/v1/core/test_scheduler.py",
-     "the V1 scheduler, including its KV-connector paths (WAITING_FOR_REMOTE_KVS, "
-     "finished_recving/sending, async loads) that MooncakeConnector drives"),
-    ("tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
-     "decode-side (kv_consumer, do_remote_prefill) request lifecycle with a connector"),
-    ("tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py",
-     "prefill-side (kv_producer, do_remote_decode) lifecycle: blocks held until sent"),
-    ("tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
-     "scheduler recovery when a connector reports invalid (failed) KV blocks: the path "
-     "a bad or fault-injected (patch 0004) transfer takes"),
-    ("tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
-     "invalid received blocks are recomputed, not freed early, not prefix-cached"),
-    ("tests/v1/kv_connector/unit/test_cache_pollution_prevention.py",
-     "blocks whose KV load failed are evicted from the prefix cache"),
-    ("tests/v1/kv_connector/unit/test_error_propagation.py",
-     "kv_load_failure_policy='fail': a failed KV load ends the request with an error"),
-    ("tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
-     "worker-side connector metadata bind/clear around each forward pass"),
-    ("tests/v1/kv_connector/unit/test_output_aggregator.py",
-     "aggregation of finished_sending/finished_recving/invalid blocks across workers"),
+    (
+        "tests/v1/core/test_prefix_caching.py",
+        "KVCacheManager/BlockPool prefix-cache hits and block hashing: the local hits a "
+        "connector's external match is added to, and the blocks Mooncake sends/receives",
+    ),
+    (
+        "tests/v1/core/test_kv_cache_utils.py",
+        "KV cache specs, page sizes, KV cache config and block hashes: the layout and "
+        "block geometry the connector registers and transfers",
+    ),
+    (
+        "tests/v1/core/test_scheduler.py",
+        "the V1 scheduler, including its KV-connector paths (WAITING_FOR_REMOTE_KVS, "
+        "finished_recving/sending, async loads) that MooncakeConnector drives",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
+        "decode-side (kv_consumer, do_remote_prefill) request lifecycle with a connector",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py",
+        "prefill-side (kv_producer, do_remote_decode) lifecycle: blocks held until sent",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
+        "scheduler recovery when a connector reports invalid (failed) KV blocks: the path "
+        "a bad or fault-injected (patch 0004) transfer takes",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
+        "invalid received blocks are recomputed, not freed early, not prefix-cached",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_cache_pollution_prevention.py",
+        "blocks whose KV load failed are evicted from the prefix cache",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_error_propagation.py",
+        "kv_load_failure_policy='fail': a failed KV load ends the request with an error",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
+        "worker-side connector metadata bind/clear around each forward pass",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_output_aggregator.py",
+        "aggregation of finished_sending/finished_recving/invalid blocks across workers",
+    ),
 ]
 
-_LLAVA = ("builds its scheduler from llava-hf/llava-1.5-7b-hf (multimodal: vision "
-          "config, image processor and processor); no offline stand-in provided")
+_LLAVA = (
+    "builds its scheduler from llava-hf/llava-1.5-7b-hf (multimodal: vision "
+    "config, image processor and processor); no offline stand-in provided"
+)
 # node id, or node id without [params] (covers every parametrization) -> reason
 DESELECT: dict[str, str] = {
     f"tests/v1/core/test_scheduler.py::{name}": _LLAVA
@@ -92,7 +117,9 @@ DESELECT: dict[str, str] = {
 DEFAULT_TIMEOUT = 300  # seconds per test (pytest-timeout)
 
 
-def runtime_env(hf_home: Path, deselect_file: Path, report_file: Path) -> dict[str, str]:
+def runtime_env(
+    hf_home: Path, deselect_file: Path, report_file: Path
+) -> dict[str, str]:
     sys.path.insert(0, str(REPO))
     from harness.runtime_env import vllm_env  # noqa: PLC0415
 
@@ -112,10 +139,18 @@ def runtime_env(hf_home: Path, deselect_file: Path, report_file: Path) -> dict[s
             "UPSTREAM_REPORT": str(report_file),
         }
     )
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_TOKEN",
-                "PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
+    for var in (
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+        "TRANSFORMERS_CACHE",
+        "HF_TOKEN",
+        "PYTEST_ADDOPTS",
+        "PYTEST_PLUGINS",
+    ):
         env.pop(var, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     return env
 
 
@@ -124,14 +159,14 @@ def read_report(path: Path) -> list[dict]:
         return []
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut by a crash
             out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut by a crash
     return out
 
 
-def summarize(files: list[str], records: list[dict], pytest_rc: int | None) -> tuple[str, bool, dict]:
+def summarize(
+    files: list[str], records: list[dict], pytest_rc: int | None
+) -> tuple[str, bool, dict]:
     per_file: dict[str, Counter] = {f: Counter() for f in files}
     reasons: dict[str, list[str]] = defaultdict(list)
     deselect_reasons: dict[str, Counter] = defaultdict(Counter)
@@ -141,8 +176,14 @@ def summarize(files: list[str], records: list[dict], pytest_rc: int | None) -> t
     for rec in records:  # started, never reported: the process died in that test
         if rec["kind"] == "start" and rec["nodeid"] not in finished:
             finished.add(rec["nodeid"])
-            records = records + [{"kind": "test", "nodeid": rec["nodeid"], "outcome": "error",
-                                  "reason": "CRASHED: the pytest process died during this test"}]
+            records = records + [
+                {
+                    "kind": "test",
+                    "nodeid": rec["nodeid"],
+                    "outcome": "error",
+                    "reason": "CRASHED: the pytest process died during this test",
+                }
+            ]
     for rec in records:
         nodeid = rec.get("nodeid", "")
         fname = nodeid.split("::", 1)[0]
@@ -160,7 +201,9 @@ def summarize(files: list[str], records: list[dict], pytest_rc: int | None) -> t
             outcome = rec["outcome"] or "error"
             per_file.setdefault(fname, Counter())[outcome] += 1
             if outcome not in ("passed",):
-                reasons[fname].append(f"{outcome.upper()} {nodeid.split('::', 1)[-1]}: {rec['reason']}")
+                reasons[fname].append(
+                    f"{outcome.upper()} {nodeid.split('::', 1)[-1]}: {rec['reason']}"
+                )
 
     ok = True
     lines = []
@@ -171,7 +214,9 @@ def summarize(files: list[str], records: list[dict], pytest_rc: int | None) -> t
     for f in files + [f for f in per_file if f not in files]:
         c = per_file.get(f, Counter())
         total.update(c)
-        ran = sum(c[k] for k in ("passed", "failed", "error", "skipped", "xfailed", "xpassed"))
+        ran = sum(
+            c[k] for k in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+        )
         note = ""
         if c["collect_error"]:
             note = "  <- COLLECTION ERROR"
@@ -194,19 +239,35 @@ def summarize(files: list[str], records: list[dict], pytest_rc: int | None) -> t
     stale = sorted(set(DESELECT) - used_keys)
     stale = [k for k in stale if k.split("::", 1)[0] in files]
     if stale:
-        detail.append("\nWARNING: deselect entries that matched no collected test (renamed upstream?):")
+        detail.append(
+            "\nWARNING: deselect entries that matched no collected test (renamed upstream?):"
+        )
         detail += [f"  {k}" for k in stale]
     if session is None:
         ok = False
-        detail.append(f"\nRUN DID NOT COMPLETE: pytest exited with {pytest_rc} and no session summary "
-                      "(crash or kill); files without results are counted as failures.")
-    elif session["exitstatus"] not in (0, 1):  # 2 interrupted, 3 internal, 4 usage, 5 no tests
+        detail.append(
+            f"\nRUN DID NOT COMPLETE: pytest exited with {pytest_rc} and no session summary "
+            "(crash or kill); files without results are counted as failures."
+        )
+    elif session["exitstatus"] not in (
+        0,
+        1,
+    ):  # 2 interrupted, 3 internal, 4 usage, 5 no tests
         ok = False
         detail.append(f"\npytest exit status {session['exitstatus']} (not a clean run)")
     summary = "\n".join(lines + detail)
     counts = {f: dict(per_file.get(f, Counter())) for f in per_file}
-    return summary, ok, {"files": counts, "total": dict(total), "stale_deselect": stale,
-                         "pytest_rc": pytest_rc, "session": session}
+    return (
+        summary,
+        ok,
+        {
+            "files": counts,
+            "total": dict(total),
+            "stale_deselect": stale,
+            "pytest_rc": pytest_rc,
+            "session": session,
+        },
+    )
 
 
 def print_list(files: list[str]) -> None:
@@ -229,17 +290,34 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        argv, extra = argv[:i], argv[i + 1 :]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tree", type=Path, default=REPO / "third_party" / "vllm",
-                    help="vLLM source tree holding tests/ (default: <repo>/third_party/vllm)")
+    ap.add_argument(
+        "--tree",
+        type=Path,
+        default=REPO / "third_party" / "vllm",
+        help="vLLM source tree holding tests/ (default: <repo>/third_party/vllm)",
+    )
     ap.add_argument("--list", action="store_true", help="print the selection and exit")
-    ap.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT, help="per-test timeout, seconds")
-    ap.add_argument("--only", action="append", default=[], metavar="SUBSTR",
-                    help="run only the selected files whose path contains SUBSTR (repeatable)")
-    ap.add_argument("--python", default=sys.executable, help="interpreter with vLLM installed")
-    ap.add_argument("--hf-home", type=Path, help="build the stand-ins here and keep them "
-                    "(default: a temporary directory, removed afterwards)")
+    ap.add_argument(
+        "--timeout", type=int, default=DEFAULT_TIMEOUT, help="per-test timeout, seconds"
+    )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="SUBSTR",
+        help="run only the selected files whose path contains SUBSTR (repeatable)",
+    )
+    ap.add_argument(
+        "--python", default=sys.executable, help="interpreter with vLLM installed"
+    )
+    ap.add_argument(
+        "--hf-home",
+        type=Path,
+        help="build the stand-ins here and keep them "
+        "(default: a temporary directory, removed afterwards)",
+    )
     ap.add_argument("--json", type=Path, help="also write the counts as JSON here")
     args = ap.parse_args(argv)
 
@@ -254,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     tree = args.tree.resolve()
     missing = [f for f in files if not (tree / f).is_file()]
     if missing:
-        print(f"run_upstream: not in the tree {tree}: {', '.join(missing)}", file=sys.stderr)
+        print(
+            f"run_upstream: not in the tree {tree}: {', '.join(missing)}",
+            file=sys.stderr,
+        )
         return 2
 
     from hub_standins import build_hf_home  # noqa: PLC0415
@@ -267,14 +348,32 @@ def main(argv: list[str] | None = None) -> int:
         deselect_file.write_text(json.dumps(DESELECT, indent=1))
         report_file = work / "report.jsonl"
         env = runtime_env(hf_home, deselect_file, report_file)
-        cmd = [args.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_offline_plugin",
-               "--rootdir", str(tree), "--timeout", str(args.timeout), "-q", "-rfEs",
-               "--continue-on-collection-errors",
-               "--durations=10", *files, *extra]
+        cmd = [
+            args.python,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "upstream_offline_plugin",
+            "--rootdir",
+            str(tree),
+            "--timeout",
+            str(args.timeout),
+            "-q",
+            "-rfEs",
+            "--continue-on-collection-errors",
+            "--durations=10",
+            *files,
+            *extra,
+        ]
         if (tree / "pyproject.toml").is_file():
             cmd[3:3] = ["-c", str(tree / "pyproject.toml")]
-        print(f"run_upstream: tree {tree}\nrun_upstream: HF_HOME {hf_home} (offline stand-ins)\n"
-              f"run_upstream: cd {tree} && {' '.join(cmd)}", flush=True)
+        print(
+            f"run_upstream: tree {tree}\nrun_upstream: HF_HOME {hf_home} (offline stand-ins)\n"
+            f"run_upstream: cd {tree} && {' '.join(cmd)}",
+            flush=True,
+        )
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=tree, env=env)
         elapsed = time.monotonic() - t0
@@ -284,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n" + "=" * 30 + " upstream vLLM unit tests (offline) " + "=" * 30)
     print(summary)
-    print(f"\nwall time {elapsed:.0f} s; pytest exit code {proc.returncode}; "
-          f"result: {'OK' if ok else 'FAILED'}")
+    print(
+        f"\nwall time {elapsed:.0f} s; pytest exit code {proc.returncode}; "
+        f"result: {'OK' if ok else 'FAILED'}"
+    )
     if args.json:
         data.update({"elapsed_s": round(elapsed, 1), "ok": ok, "tree": str(tree)})
         args.json.write_text(json.dumps(data, indent=1))

@@ -24,14 +24,23 @@ RUNNER = HERE / "run_upstream.py"
 def test_upstream_vllm_unit_tests(tmp_path):
     tree = Path(os.environ.get("VMP_UPSTREAM_TREE", REPO / "third_party" / "vllm"))
     if not (tree / "tests" / "v1" / "core").is_dir():
-        pytest.skip(f"no vLLM source tree with upstream tests at {tree} (scripts/setup.sh builds it)")
+        pytest.skip(
+            f"no vLLM source tree with upstream tests at {tree} (scripts/setup.sh builds it)"
+        )
     out = tmp_path / "summary.json"
     proc = subprocess.run(
         [sys.executable, str(RUNNER), "--tree", str(tree), "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=1700,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1700,
     )
     marker = "=" * 30 + " upstream vLLM unit tests (offline) "
-    summary = proc.stdout[proc.stdout.find(marker):] if marker in proc.stdout else proc.stdout[-6000:]
+    summary = (
+        proc.stdout[proc.stdout.find(marker) :]
+        if marker in proc.stdout
+        else proc.stdout[-6000:]
+    )
     print(summary)
     if proc.returncode != 0:
         pytest.fail(

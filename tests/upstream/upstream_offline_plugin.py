@@ -64,7 +64,9 @@ def _emit(record: dict) -> None:
 def _short(longrepr) -> str:
     if longrepr is None:
         return ""
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # skip: (path, lineno, reason)
+    if (
+        isinstance(longrepr, tuple) and len(longrepr) == 3
+    ):  # skip: (path, lineno, reason)
         return str(longrepr[2]).removeprefix("Skipped: ")
     errorstring = getattr(longrepr, "errorstring", None)  # e.g. fixture not found
     if errorstring:
@@ -91,7 +93,14 @@ def pytest_collection_modifyitems(config, items):
         key = item.nodeid if item.nodeid in _deselect else item.nodeid.split("[", 1)[0]
         if key in _deselect:
             dropped.append(item)
-            _emit({"kind": "deselected", "nodeid": item.nodeid, "key": key, "reason": _deselect[key]})
+            _emit(
+                {
+                    "kind": "deselected",
+                    "nodeid": item.nodeid,
+                    "key": key,
+                    "reason": _deselect[key],
+                }
+            )
         else:
             keep.append(item)
     if dropped:
@@ -101,7 +110,13 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collectreport(report):
     if report.failed:
-        _emit({"kind": "collect_error", "nodeid": report.nodeid, "reason": _short(report.longrepr)})
+        _emit(
+            {
+                "kind": "collect_error",
+                "nodeid": report.nodeid,
+                "reason": _short(report.longrepr),
+            }
+        )
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -110,13 +125,24 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logreport(report):
     rec = _pending.setdefault(
-        report.nodeid, {"kind": "test", "nodeid": report.nodeid, "outcome": None, "reason": "", "duration": 0.0}
+        report.nodeid,
+        {
+            "kind": "test",
+            "nodeid": report.nodeid,
+            "outcome": None,
+            "reason": "",
+            "duration": 0.0,
+        },
     )
     rec["duration"] += report.duration
     xfail = hasattr(report, "wasxfail")
     if report.when == "call":
         if xfail:
-            rec["outcome"] = "xfailed" if report.skipped else ("failed" if report.failed else "xpassed")
+            rec["outcome"] = (
+                "xfailed"
+                if report.skipped
+                else ("failed" if report.failed else "xpassed")
+            )
             rec["reason"] = report.wasxfail or _short(report.longrepr)
         else:
             rec["outcome"] = report.outcome  # passed / failed / skipped
@@ -139,4 +165,11 @@ def pytest_sessionfinish(session, exitstatus):
         rec["reason"] = rec["reason"] or "no teardown report (interrupted?)"
         _emit(rec)
     _pending.clear()
-    _emit({"kind": "session", "exitstatus": int(exitstatus), "platform": _device, "vllm": _installed})
+    _emit(
+        {
+            "kind": "session",
+            "exitstatus": int(exitstatus),
+            "platform": _device,
+            "vllm": _installed,
+        }
+    )

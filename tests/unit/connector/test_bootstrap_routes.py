@@ -1,21 +1,34 @@
 """The bootstrap server serves this series' routes and upstream's, not FastAPI's
 generated API description (/docs, /redoc, /openapi.json), which would list every
-endpoint and its body to anyone who can reach the port."""
+endpoint and its body to anyone who can reach the port; every route of this
+series runs the guard first, by construction (routes.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.extension import WorkerExtension
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    EndpointGuard,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.routes import (
+    Served,
+    bootstrap_router,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
+    WorkerExtension,
+)
 
 GENERATED = ["/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"]
 
 
-def bootstrap_app() -> FastAPI:
+def bootstrap_app(config: ExtConfig | None = None) -> FastAPI:
     """As upstream's MooncakeBootstrapServer builds it, with our routes added."""
     app = FastAPI()
 
@@ -23,9 +36,13 @@ def bootstrap_app() -> FastAPI:
     def query():
         return {"workers": 0}
 
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
-                          cache_config=SimpleNamespace(enable_prefix_caching=True))
-    WorkerExtension(cfg, ExtConfig(bootstrap_host="127.0.0.1")).register_routes(app)
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
+        cache_config=SimpleNamespace(enable_prefix_caching=True),
+    )
+    WorkerExtension(
+        cfg, config or ExtConfig(bootstrap_host="127.0.0.1")
+    ).register_routes(app)
     return app
 
 
@@ -38,6 +55,59 @@ def test_the_generated_api_description_is_not_served():
 def test_upstreams_and_our_routes_are_still_served():
     app = bootstrap_app()
     paths = {getattr(r, "path", None) for r in app.routes}
-    assert {"/query", "/match_blocks", "/push_blocks", "/hashsync"} <= paths
+    assert {
+        "/query",
+        "/match_blocks",
+        "/push_blocks",
+        "/push_proof",
+        "/push/stats",
+        "/hashsync",
+        "/layerwise/transfers",
+    } <= paths
     assert not paths & set(GENERATED)
     assert TestClient(app).get("/query").json() == {"workers": 0}
+
+
+TOKEN = "tok-5d1e0c2b"
+
+
+def test_every_route_of_this_series_answers_401_without_credentials():
+    app = bootstrap_app(ExtConfig(bootstrap_host="0.0.0.0", bootstrap_token=TOKEN))
+    ours = [r for r in app.routes if isinstance(r, APIRoute) and r.path != "/query"]
+    assert len(ours) == 6
+    client = TestClient(app)
+    for route in ours:
+        for method in route.methods:
+            r = client.request(method, route.path, content=b"{}")
+            assert r.status_code == 401, (method, route.path, r.status_code)
+    assert client.get("/query").status_code == 200  # upstream's own: as upstream has it
+
+
+def test_a_route_added_to_the_router_runs_the_guard_without_asking_for_it():
+    config = ExtConfig(bootstrap_host="0.0.0.0", bootstrap_token=TOKEN)
+    router = bootstrap_router(
+        EndpointGuard(config),
+        config,
+        Served(hashsync=lambda: None, push=lambda: None, layerwise=lambda: None),
+    )
+
+    @router.get("/another")
+    async def another() -> dict:
+        return {"served": True}
+
+    app = FastAPI()
+    app.router.routes.extend(router.routes)
+    client = TestClient(app)
+    assert client.get("/another").status_code == 401
+    ok = client.get("/another", headers={"authorization": f"Bearer {TOKEN}"})
+    assert ok.json() == {"served": True}
+
+
+def test_a_feature_this_instance_never_runs_is_404_and_one_not_ready_yet_503():
+    app = bootstrap_app()  # a producer with prefix caching, nothing registered yet
+    client = TestClient(app)
+    assert client.get("/hashsync").status_code == 503
+    assert client.get("/push/stats").status_code == 503
+    assert (
+        client.get("/layerwise/transfers").status_code == 404
+    )  # MOONCAKE_LAYERWISE unset

@@ -9,6 +9,7 @@ two-instance integration tests run the same classes with real engines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import re
@@ -16,8 +17,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as up
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import connector as ext_connector
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as up,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import (
+    connector as ext_connector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import (
     ExtMooncakeConnector,
     ExtMooncakeConnectorScheduler,
@@ -25,11 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import 
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hooks import UPSTREAM
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # sha256 of upstream's MooncakeConnector.__init__ source at the pinned release:
 # ExtMooncakeConnector.__init__ repeats its body with this series' halves.
-UPSTREAM_FACADE_INIT_SHA256 = "1a3dac3262e1c3f8606ee41946ffa4224491346b3e41ada2cf2f4b546751b71f"
+UPSTREAM_FACADE_INIT_SHA256 = (
+    "1a3dac3262e1c3f8606ee41946ffa4224491346b3e41ada2cf2f4b546751b71f"
+)
 
 
 def test_the_name_users_write_resolves_to_the_subclass():
@@ -42,15 +49,21 @@ def test_upstreams_facade_init_is_the_one_the_subclass_repeats():
     digest = hashlib.sha256(source.encode()).hexdigest()
     assert digest == UPSTREAM_FACADE_INIT_SHA256, (
         "upstream's MooncakeConnector.__init__ changed: bring ExtMooncakeConnector.__init__ "
-        f"(ext/connector.py) in line with it, then record its new sha256 {digest}")
+        f"(ext/connector.py) in line with it, then record its new sha256 {digest}"
+    )
 
 
 def test_the_hook_patch_adds_only_one_line_calls_of_one_shape():
     [patch] = (ROOT / "patches").glob("*-mooncake-five-one-line-hooks-*.patch")
-    added = [ln[1:].strip() for ln in patch.read_text().splitlines()
-             if ln.startswith("+") and not ln.startswith("+++")]
-    allowed = re.compile(r"(.*\bself\.ext\.\w+\(.*|from .*\.ext\.hooks import UPSTREAM"
-                         r"|ext = UPSTREAM\b.*|self\.engine, remote_session, .*|)$")
+    added = [
+        ln[1:].strip()
+        for ln in patch.read_text().splitlines()
+        if ln.startswith("+") and not ln.startswith("+++")
+    ]
+    allowed = re.compile(
+        r"(.*\bself\.ext\.\w+\(.*|from .*\.ext\.hooks import UPSTREAM"
+        r"|ext = UPSTREAM\b.*|self\.engine, remote_session, .*|)$"
+    )
     assert [ln for ln in added if not allowed.fullmatch(ln)] == []
     assert sum("self.ext." in ln for ln in added) == 5
 
@@ -108,33 +121,42 @@ def _scheduler(ext) -> ExtMooncakeConnectorScheduler:
 
 
 def _request(**params):
-    return SimpleNamespace(request_id="r1", kv_transfer_params=params,
-                           status=up.RequestStatus.FINISHED_LENGTH_CAPPED)
+    return SimpleNamespace(
+        request_id="r1",
+        kv_transfer_params=params,
+        status=up.RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
 
 
 def test_layer_wise_takes_a_send_upstream_queued():
     s = _scheduler(_SchedulerExt(takes=True))
-    s.update_state_after_alloc(_request(do_remote_decode=True, transfer_id="t1"), None, 0)
+    s.update_state_after_alloc(
+        _request(do_remote_decode=True, transfer_id="t1"), None, 0
+    )
     assert s._reqs_need_send == {} and s.ext.calls == [("takes_send", "t1")]
 
 
 def test_without_layer_wise_upstream_keeps_the_send():
     s = _scheduler(_SchedulerExt(takes=False))
-    s.update_state_after_alloc(_request(do_remote_decode=True, transfer_id="t1"), None, 0)
+    s.update_state_after_alloc(
+        _request(do_remote_decode=True, transfer_id="t1"), None, 0
+    )
     assert list(s._reqs_need_send) == ["r1"]
 
 
 def test_a_request_the_series_owns_never_reaches_upstream():
     s = _scheduler(_SchedulerExt(owns=True))
-    assert s.request_finished(_request(do_remote_decode=True, transfer_id="t1"), [1]) == (
-        "ours", None)
+    assert s.request_finished(
+        _request(do_remote_decode=True, transfer_id="t1"), [1]
+    ) == ("ours", None)
     assert s._reqs_need_send == {}
 
 
 def test_a_layer_wise_send_decides_its_own_delay():
     s = _scheduler(_SchedulerExt(delay=True))
-    assert s.request_finished(_request(do_remote_decode=True, transfer_id="t1"), [1]) == (
-        True, None)
+    assert s.request_finished(
+        _request(do_remote_decode=True, transfer_id="t1"), [1]
+    ) == (True, None)
     assert s._reqs_need_send == {}  # upstream's post-hoc send never saw it
 
 
@@ -142,8 +164,9 @@ def test_an_unscheduled_pull_is_cleaned_up_by_both():
     s = _scheduler(_SchedulerExt())
     s.is_kv_producer, s.is_kv_consumer = False, True
     params = {"do_remote_prefill": True, "transfer_id": "t1"}
-    assert s.request_finished(SimpleNamespace(request_id="r1", kv_transfer_params=params,
-                                              status=None), []) == (False, None)
+    assert s.request_finished(
+        SimpleNamespace(request_id="r1", kv_transfer_params=params, status=None), []
+    ) == (False, None)
     assert "r1" in s._reqs_need_recv and params["do_remote_prefill"] is False
     assert s.ext.calls == [("pull_aborted_unscheduled", "r1")]
 
@@ -177,14 +200,23 @@ def _worker(ext) -> ExtMooncakeConnectorWorker:
 
 
 def _pull(d_req_id, count=1):
-    return up.PullReqMeta(d_req_id=d_req_id, transfer_id="t", local_block_ids=[1],
-                          remote_engine_id="e", remote_bootstrap_addr="http://p",
-                          pull_tasks_count=count)
+    return up.PullReqMeta(
+        d_req_id=d_req_id,
+        transfer_id="t",
+        local_block_ids=[1],
+        remote_engine_id="e",
+        remote_bootstrap_addr="http://p",
+        pull_tasks_count=count,
+    )
 
 
 def _answer(ok=None, err=None):
-    return up.MooncakeXferResponse(status=up.MooncakeXferResponseStatus.FINISH, ok_reqs=ok,
-                                   err_reqs=err, err_msg="boom" if err else None)
+    return up.MooncakeXferResponse(
+        status=up.MooncakeXferResponseStatus.FINISH,
+        ok_reqs=ok,
+        err_reqs=err,
+        err_msg="boom" if err else None,
+    )
 
 
 def test_a_completed_pull_is_reported_once_the_extension_agrees():
@@ -210,18 +242,23 @@ def test_a_pull_without_a_complete_answer_fails_when_upstream_returns(monkeypatc
         pull_metas["a"].pull_tasks_count = 0  # answered
         return None  # "b" never answered: P's ERROR, a broken socket, shutdown
 
-    monkeypatch.setattr(up.MooncakeConnectorWorker, "receive_kv_from_single_worker",
-                        upstream_returns)
+    monkeypatch.setattr(
+        up.MooncakeConnectorWorker, "receive_kv_from_single_worker", upstream_returns
+    )
     w = _worker(_WorkerExt())
-    asyncio.run(w.receive_kv_from_single_worker("tcp://p:1", {"a": _pull("d-a"),
-                                                              "b": _pull("d-b")}))
+    asyncio.run(
+        w.receive_kv_from_single_worker(
+            "tcp://p:1", {"a": _pull("d-a"), "b": _pull("d-b")}
+        )
+    )
     assert w.ext.failed == [["b"]]
 
 
 def test_a_failed_terminal_send_frees_ps_blocks_once_nothing_is_in_flight():
     w = _worker(_WorkerExt())
-    meta = up.SendBlockMeta(p_req_id="p-1", transfer_id="t1", local_block_ids=[1],
-                            ready=None, sending=1)  # type: ignore[arg-type]
+    meta = up.SendBlockMeta(
+        p_req_id="p-1", transfer_id="t1", local_block_ids=[1], ready=None, sending=1
+    )  # type: ignore[arg-type]
     w.reqs_need_send["t1"] = meta
     w._free_failed_send(meta)
     assert w.finished_sending_reqs == set()  # another write of it still in flight
@@ -234,7 +271,9 @@ def test_registration_gives_up_naming_what_to_check(monkeypatch):
     async def never(self):
         await asyncio.sleep(3600)
 
-    monkeypatch.setattr(up.MooncakeConnectorWorker, "register_worker_with_bootstrap", never)
+    monkeypatch.setattr(
+        up.MooncakeConnectorWorker, "register_worker_with_bootstrap", never
+    )
     monkeypatch.setattr(ext_connector, "REGISTRATION_DEADLINE_S", 0.05)
     w = _worker(_WorkerExt())
     try:
@@ -253,8 +292,6 @@ def test_a_listener_that_fails_at_start_ends_the_wait_with_its_error(monkeypatch
     w = _worker(_WorkerExt())
     w._listener_error = None
     ready = __import__("threading").Event()
-    try:
+    with contextlib.suppress(RuntimeError):
         asyncio.run(w._mooncake_sender_listener(ready))
-    except RuntimeError:
-        pass
     assert ready.is_set() and "cannot register" in str(w._listener_error)

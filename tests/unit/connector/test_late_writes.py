@@ -23,27 +23,36 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import filled_mirror, free_port, serve_push, wait_until
+from helpers import filled_mirror, serve_push, wait_until
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from harness.launcher import free_port
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
+    LayerwiseSender,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_tracker import (
+    Destination,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
     ComputedStep,
     FinishedRequest,
     LayerwiseMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.sender import (
-    LayerwiseSender,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.tracker import (
-    Destination,
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
     PushJob,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    PushServer,
+)
 
 BS = 4
 KV = torch.zeros(1)  # layer_saved only needs a tensor (CPU: no event)
@@ -80,9 +89,18 @@ class GatedEngine:
 
 
 def make_sender(engine, timeout_s=0.3):
-    cfg = ExtConfig(layerwise=True, layerwise_timeout_s=timeout_s, engine_transfer_timeout_s=5)
-    return LayerwiseSender(engine, {"l0": [0, 1]}, [10_000, 20_000], 64, BS, cfg,
-                           event_factory=lambda t: None)
+    cfg = ExtConfig(
+        layerwise=True, layerwise_timeout_s=timeout_s, engine_transfer_timeout_s=5
+    )
+    return LayerwiseSender(
+        engine,
+        {"l0": [0, 1]},
+        [10_000, 20_000],
+        64,
+        BS,
+        cfg,
+        event_factory=lambda t: None,
+    )
 
 
 D_BASES = [1_000_000, 2_000_000]
@@ -94,7 +112,11 @@ def dest(session, first):
 
 def by_transfer(session, dst):
     """Label of a write into one decode instance: A's blocks are 100.., B's 200.."""
-    block = (dst[0] - D_BASES[0]) // 64 if dst[0] < D_BASES[1] else (dst[0] - D_BASES[1]) // 64
+    block = (
+        (dst[0] - D_BASES[0]) // 64
+        if dst[0] < D_BASES[1]
+        else (dst[0] - D_BASES[1]) // 64
+    )
     return "A" if block < 150 else "B"
 
 
@@ -114,7 +136,9 @@ def start_a_blocked_then_b_queued(sender, engine, loop):
     sender.layer_saved("l0", KV)  # A's write: into the engine, held there
     assert engine.entered["A"].wait(5)
     sender.on_metadata(LayerwiseMetadata(steps=[step("B", (3, 4))]))
-    sender.layer_saved("l0", KV)  # the next step computes B: its write queues behind A's
+    sender.layer_saved(
+        "l0", KV
+    )  # the next step computes B: its write queues behind A's
     return gate_a, fa, fb
 
 
@@ -130,7 +154,9 @@ def test_layerwise_queued_write_of_timed_out_transfer_never_runs(loop):
     assert wait_until(lambda: sender.idle())
     time.sleep(0.1)
     late = [t for t in engine.writes_to("B") if t >= ended_b]
-    assert late == [], f"{len(late)} writes of transfer B ran after its end was reported"
+    assert late == [], (
+        f"{len(late)} writes of transfer B ran after its end was reported"
+    )
     assert sender.snapshot()["totals"]["writes_dropped"] >= 1
     sender.shutdown()
 
@@ -140,7 +166,9 @@ def test_layerwise_queued_write_of_aborted_transfer_never_runs(loop):
     sender = make_sender(engine, timeout_s=30)
     gate_a, fa, fb = start_a_blocked_then_b_queued(sender, engine, loop)
     # P's request of B is aborted while B's write is queued
-    sender.on_metadata(LayerwiseMetadata(finished=[FinishedRequest("B", "pB", (3, 4), 8, True)]))
+    sender.on_metadata(
+        LayerwiseMetadata(finished=[FinishedRequest("B", "pB", (3, 4), 8, True)])
+    )
     err_b = fb.result(5)
     ended_b = time.monotonic()
     assert err_b and "aborted" in err_b
@@ -175,9 +203,11 @@ def test_layerwise_a_dead_decode_peer_stalls_only_its_own_transfers(loop):
 def test_layerwise_unknown_transfer_ids_are_capped(loop, monkeypatch):
     """Transfer ids P never scheduled (sent to its unauthenticated ZMQ socket) each
     hold a waiter; beyond a cap they are refused at once."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import sender as mod
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
+        prefill_sender,
+    )
 
-    monkeypatch.setattr(mod, "MAX_UNKNOWN", 20)
+    monkeypatch.setattr(prefill_sender, "MAX_UNKNOWN", 20)
     sender = make_sender(GatedEngine(), timeout_s=30)
     futs = [loop.submit(sender.push(f"x{i}", dest("d:1", 100))) for i in range(25)]
     refused = [f.result(5) for f in futs[20:]]
@@ -197,11 +227,13 @@ def test_layerwise_end_and_free_wait_for_the_in_flight_write(loop, how):
     sender.layer_saved("l0", KV)
     assert engine.entered["dB:1"].wait(5)  # B's write is in the engine
     if how == "abort":
-        sender.on_metadata(LayerwiseMetadata(
-            finished=[FinishedRequest("B", "pB", (3, 4), 8, True)]))
+        sender.on_metadata(
+            LayerwiseMetadata(finished=[FinishedRequest("B", "pB", (3, 4), 8, True)])
+        )
     else:
-        sender.on_metadata(LayerwiseMetadata(
-            finished=[FinishedRequest("B", "pB", (3, 4), 8, False)]))
+        sender.on_metadata(
+            LayerwiseMetadata(finished=[FinishedRequest("B", "pB", (3, 4), 8, False)])
+        )
         time.sleep(0.6)  # past B's timeout
     time.sleep(0.2)
     assert not fb.done(), "D was told B ended while B's write was still in flight"
@@ -235,17 +267,26 @@ def test_layerwise_timed_out_transfer_is_answered_only_once_its_write_returned(l
     import logging
 
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
-        sender as sender_module,
+        prefill_sender,
     )
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = records.append
-    sender_module.logger.addHandler(handler)
+    prefill_sender.logger.addHandler(handler)
     engine = GatedEngine()
-    cfg = SlowEngineConfig(layerwise=True, layerwise_timeout_s=0.3, engine_transfer_timeout_s=5)
-    sender = LayerwiseSender(engine, {"l0": [0, 1]}, [10_000, 20_000], 64, BS, cfg,
-                             event_factory=lambda t: None)
+    cfg = SlowEngineConfig(
+        layerwise=True, layerwise_timeout_s=0.3, engine_transfer_timeout_s=5
+    )
+    sender = LayerwiseSender(
+        engine,
+        {"l0": [0, 1]},
+        [10_000, 20_000],
+        64,
+        BS,
+        cfg,
+        event_factory=lambda t: None,
+    )
     try:
         gate_b = engine.gate("dB:1")
         fb = loop.submit(sender.push("B", dest("dB:1", 200)))
@@ -253,8 +294,12 @@ def test_layerwise_timed_out_transfer_is_answered_only_once_its_write_returned(l
         sender.on_metadata(LayerwiseMetadata(steps=[step("B", (3, 4))]))
         sender.layer_saved("l0", KV)
         assert engine.entered["dB:1"].wait(5)
-        time.sleep(2.0)  # timeout 0.3 s + old quiesce 0.2 s + engine bound 0.3 s, well past
-        assert not fb.done(), f"D was answered while B's write was in flight: {fb.result()!r}"
+        time.sleep(
+            2.0
+        )  # timeout 0.3 s + old quiesce 0.2 s + engine bound 0.3 s, well past
+        assert not fb.done(), (
+            f"D was answered while B's write was in flight: {fb.result()!r}"
+        )
         overdue = [r for r in records if "still in flight" in r.getMessage()]
         assert len(overdue) == 1, [r.getMessage() for r in records]
         released = time.monotonic()
@@ -262,7 +307,7 @@ def test_layerwise_timed_out_transfer_is_answered_only_once_its_write_returned(l
         err = fb.result(5)
         assert time.monotonic() >= released and err and "timed out" in err
     finally:
-        sender_module.logger.removeHandler(handler)
+        prefill_sender.logger.removeHandler(handler)
         sender.shutdown()
 
 
@@ -272,8 +317,14 @@ NBLK, BLEN, SLOTS = 8, 64, 2
 CFG = HashConfig("sha256", b"\x01" * 32)
 TOKENS = list(range(500, 500 + 3 * BS))  # 3 full blocks
 C_BLOCKS = [5, 2, 6]
-FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="float32/auto", block_size=BS,
-                   tp_size=1, block_len=BLEN, num_kv_tensors=SLOTS)
+FP = KVFingerprint(
+    model="Arch:0123456789abcdef",
+    dtype="float32/auto",
+    block_size=BS,
+    tp_size=1,
+    block_len=BLEN,
+    num_kv_tensors=SLOTS,
+)
 # C's bootstrap server on loopback: its push endpoints are open without a token
 C_CONFIG = ExtConfig(bootstrap_host="127.0.0.1")
 
@@ -303,7 +354,9 @@ def gated_c():
     c_kv = buffers(0xAA)
     sync = filled_mirror(BS, TOKENS, C_BLOCKS, CFG)
     engine = MemEngine()
-    server = PushServer(sync, engine, [addr(b) for b in c_kv], BLEN, FP, "c:1", C_CONFIG)
+    server = PushServer(
+        sync, engine, [addr(b) for b in c_kv], BLEN, FP, "c:1", C_CONFIG
+    )
     url, stop = serve_push(server)
     yield url, engine, server, c_kv
     stop()
@@ -312,36 +365,51 @@ def gated_c():
 def test_push_blocks_stay_with_the_request_until_c_can_no_longer_write(gated_c):
     url, engine, server, _ = gated_c
     d_kv = buffers(0)
-    cfg = ExtConfig(push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2)
+    cfg = ExtConfig(
+        push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2
+    )
     recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, NBLK, FP, cfg)
     gate = engine.gate("d:1")
     dst_blocks = (3, 4, 7)
     recv.start([PushJob("r1", url, tuple(TOKENS), None, None, 0, dst_blocks)])
     assert engine.entered["d:1"].wait(5)  # C started writing before the deadline
     time.sleep(1.0)  # past D's deadline (0.5 s); C still writing
-    assert recv.merge_finished(None) is None, \
+    assert recv.merge_finished(None) is None, (
         "D ended the push (freeing its blocks) while C was still writing into them"
+    )
     # The write lands, then C answers; only then does the push end.
     gate.set()
     assert wait_until(lambda: bool(recv.merge_finished(None)), 5)
     # The request's blocks now go to another request, which writes its own KV:
     for b in d_kv:
         for blk in dst_blocks:
-            b[blk * BLEN:(blk + 1) * BLEN] = 0x55
+            b[blk * BLEN : (blk + 1) * BLEN] = 0x55
     time.sleep(0.5)
     for b in d_kv:
         for blk in dst_blocks:
-            assert (b[blk * BLEN:(blk + 1) * BLEN] == 0x55).all(), "a late byte of the push landed"
+            assert (b[blk * BLEN : (blk + 1) * BLEN] == 0x55).all(), (
+                "a late byte of the push landed"
+            )
     assert recv.take_outcome().landed == {"r1": 3}
 
 
 def test_push_not_started_past_its_deadline_writes_nothing(gated_c):
     url, engine, server, _ = gated_c
     d_kv = buffers(0)
-    cfg = ExtConfig(push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2)
+    cfg = ExtConfig(
+        push_timeout_s=0.5, engine_transfer_timeout_s=2.0, push_clock_skew_s=0.2
+    )
     # D's wall clock runs 10 s behind: the deadline it sends is already past for C
-    recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, NBLK, FP, cfg,
-                        wall_clock=lambda: time.time() - 10)
+    recv = PushReceiver(
+        "d:1",
+        [addr(b) for b in d_kv],
+        BLEN,
+        BS,
+        NBLK,
+        FP,
+        cfg,
+        wall_clock=lambda: time.time() - 10,
+    )
     recv.start([PushJob("r2", url, tuple(TOKENS), None, None, 0, (3, 4, 7))])
     assert wait_until(lambda: bool(recv.merge_finished(None)), 5)
     assert recv.take_outcome().landed == {"r2": 0}
@@ -353,11 +421,14 @@ def test_push_not_started_past_its_deadline_writes_nothing(gated_c):
 def test_push_with_no_answer_ends_only_after_the_hold(gated_c):
     """C unreachable after the request was sent (here: nothing listens): D ends
     the push only once its hold (budget + C's bound on the write + skew) has passed."""
-    cfg = ExtConfig(push_timeout_s=0.3, engine_transfer_timeout_s=0.4, push_clock_skew_s=0.1)
+    cfg = ExtConfig(
+        push_timeout_s=0.3, engine_transfer_timeout_s=0.4, push_clock_skew_s=0.1
+    )
     now = [100.0]
     recv = PushReceiver("d:1", [1, 2], BLEN, BS, NBLK, FP, cfg, clock=lambda: now[0])
-    job = PushJob("r3", f"http://127.0.0.1:{free_port()}", tuple(TOKENS), None, None, 0,
-                  (3, 4, 7))
+    job = PushJob(
+        "r3", f"http://127.0.0.1:{free_port()}", tuple(TOKENS), None, None, 0, (3, 4, 7)
+    )
     recv.start([job])
     time.sleep(0.5)  # the POST failed at once (connection refused)
     now[0] += recv.hold_s(job) - 0.01
@@ -367,16 +438,29 @@ def test_push_with_no_answer_ends_only_after_the_hold(gated_c):
     assert recv.take_outcome().landed == {"r3": 0}
 
 
-def test_layerwise_request_for_a_transfer_never_scheduled_ends_after_the_unknown_timeout(loop):
+def test_layerwise_request_for_a_transfer_never_scheduled_ends_after_the_unknown_timeout(
+    loop,
+):
     """A destination for a transfer id P never schedules (stale, or forged on P's
     ZMQ socket) is answered with an error after MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S,
     not after the whole transfer timeout; a transfer P does schedule in time
     goes on normally."""
-    cfg = ExtConfig(layerwise=True, layerwise_timeout_s=30, layerwise_unknown_timeout_s=0.3,
-                    engine_transfer_timeout_s=5)
+    cfg = ExtConfig(
+        layerwise=True,
+        layerwise_timeout_s=30,
+        layerwise_unknown_timeout_s=0.3,
+        engine_transfer_timeout_s=5,
+    )
     engine = GatedEngine()
-    sender = LayerwiseSender(engine, {"l0": [0, 1]}, [10_000, 20_000], 64, BS, cfg,
-                             event_factory=lambda t: None)
+    sender = LayerwiseSender(
+        engine,
+        {"l0": [0, 1]},
+        [10_000, 20_000],
+        64,
+        BS,
+        cfg,
+        event_factory=lambda t: None,
+    )
     t0 = time.monotonic()
     ghost = loop.submit(sender.push("ghost", dest("d:1", 100)))
     real = loop.submit(sender.push("R", dest("d:1", 200)))

@@ -21,7 +21,9 @@ REF_TOP = [{"w1": -1.0, "w2": -2.0}, {"w1": -1.5, "w3": -2.5}]
 
 def test_identical_results_pass():
     ref = completion([5, 5], REF_TOP)
-    got = completion([5, 5], [{"w1": -1.0 + 1e-6, "w2": -2.0}, {"w1": -1.5, "w3": -2.5}])
+    got = completion(
+        [5, 5], [{"w1": -1.0 + 1e-6, "w2": -2.0}, {"w1": -1.5, "w3": -2.5}]
+    )
     r = compare(got, ref, expected_cached_tokens=99)
     assert r.ok, r.problems
     assert r.compared_tokens == 2

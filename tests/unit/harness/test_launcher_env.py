@@ -14,16 +14,20 @@ from harness.launcher import Cluster, InstanceSpec
 TOKEN_ENV = "MOONCAKE_BOOTSTRAP_TOKEN"
 
 
-def test_cluster_token_is_in_the_environment_only_while_the_cluster_runs(tmp_path, monkeypatch):
+def test_cluster_token_is_in_the_environment_only_while_the_cluster_runs(
+    tmp_path, monkeypatch
+):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     cluster = Cluster([InstanceSpec("a", model="m")], tmp_path, hosts=True)
     assert cluster.instances["a"].spec.env[TOKEN_ENV]
-    with mock.patch.object(cluster.topology, "create"), \
-            mock.patch.object(cluster.topology, "destroy"), \
-            mock.patch("harness.launcher.Instance.start"), \
-            mock.patch("harness.launcher.Instance.wait_ready"):
-        with cluster:
-            assert os.environ[TOKEN_ENV] == cluster.instances["a"].spec.env[TOKEN_ENV]
+    with (
+        mock.patch.object(cluster.topology, "create"),
+        mock.patch.object(cluster.topology, "destroy"),
+        mock.patch("harness.launcher.Instance.start"),
+        mock.patch("harness.launcher.Instance.wait_ready"),
+        cluster,
+    ):
+        assert os.environ[TOKEN_ENV] == cluster.instances["a"].spec.env[TOKEN_ENV]
     assert TOKEN_ENV not in os.environ
     loopback = Cluster([InstanceSpec("b", model="m")], tmp_path)
     assert TOKEN_ENV not in loopback.instances["b"].environment()
@@ -32,7 +36,9 @@ def test_cluster_token_is_in_the_environment_only_while_the_cluster_runs(tmp_pat
 def test_a_port_taken_at_start_up_restarts_the_cluster_once(tmp_path, monkeypatch):
     from harness import launcher
 
-    c = launcher.Cluster([launcher.InstanceSpec("p", role="kv_producer", model="m")], tmp_path)
+    c = launcher.Cluster(
+        [launcher.InstanceSpec("p", role="kv_producer", model="m")], tmp_path
+    )
     calls = []
 
     def once():
@@ -40,15 +46,21 @@ def test_a_port_taken_at_start_up_restarts_the_cluster_once(tmp_path, monkeypatc
         if len(calls) == 1:
             raise launcher.InstanceStartError(
                 "vLLM instance 'p' exited ... DistNetworkError: ... EADDRINUSE, message: "
-                "address already in use")
+                "address already in use"
+            )
         return c
 
     monkeypatch.setattr(c, "_start_once", once)
     assert c.start() is c and len(calls) == 2
     # any other start-up failure, or a second port failure, is raised
     calls.clear()
-    monkeypatch.setattr(c, "_start_once", lambda: (_ for _ in ()).throw(
-        launcher.InstanceStartError("exited with code 1: CUDA error")))
+    monkeypatch.setattr(
+        c,
+        "_start_once",
+        lambda: (_ for _ in ()).throw(
+            launcher.InstanceStartError("exited with code 1: CUDA error")
+        ),
+    )
     import pytest
 
     with pytest.raises(launcher.InstanceStartError, match="CUDA"):

@@ -12,8 +12,10 @@ import pytest
 
 from harness import netns
 
-pytestmark = pytest.mark.skipif(netns.available() is not None,
-                                reason=f"no network namespaces here: {netns.available()}")
+pytestmark = pytest.mark.skipif(
+    netns.available() is not None,
+    reason=f"no network namespaces here: {netns.available()}",
+)
 
 
 def reachable(url: str, timeout: float = 2.0) -> bool:
@@ -28,16 +30,30 @@ def test_hosts_reach_each_other_link_down_cuts_them_and_nothing_is_left():
     topo = netns.Topology(["prefill", "decode"])
     with topo:
         p, d = topo.host("prefill"), topo.host("decode")
-        server = subprocess.Popen([*p.exec_prefix(), sys.executable, "-m", "http.server",
-                                   "18080", "--bind", p.ip],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            [
+                *p.exec_prefix(),
+                sys.executable,
+                "-m",
+                "http.server",
+                "18080",
+                "--bind",
+                p.ip,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         url = f"http://{p.ip}:18080/"
         deadline = time.monotonic() + 10
         while not reachable(url) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert reachable(url)  # from the test's namespace, over the bridge
-        from_decode = [*d.exec_prefix(), sys.executable, "-c",
-                       f"import urllib.request; urllib.request.urlopen('{url}', timeout=2)"]
+        from_decode = [
+            *d.exec_prefix(),
+            sys.executable,
+            "-c",
+            f"import urllib.request; urllib.request.urlopen('{url}', timeout=2)",
+        ]
         assert subprocess.run(from_decode, capture_output=True).returncode == 0
         topo.link_down("prefill")
         assert subprocess.run(from_decode, capture_output=True).returncode != 0
@@ -79,8 +95,11 @@ def test_netem_is_probed_and_refused_clearly_when_missing():
     with netns.Topology(["a"]) as topo:
         if netns.netem_available() is None:
             topo.netem("a", "delay", "1ms")
-            shown = subprocess.run([*topo.host("a").exec_prefix(), "tc", "qdisc", "show",
-                                    "dev", "eth0"], capture_output=True, text=True).stdout
+            shown = subprocess.run(
+                [*topo.host("a").exec_prefix(), "tc", "qdisc", "show", "dev", "eth0"],
+                capture_output=True,
+                text=True,
+            ).stdout
             assert "netem" in shown
         else:
             with pytest.raises(netns.TopologyError, match="netem is not available"):

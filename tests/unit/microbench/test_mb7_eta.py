@@ -21,13 +21,16 @@ ETA = re.compile(r"ETA ([^\]]+)\]")
 def true_seconds(step: Step) -> float:
     """The synthetic machine: not the ETA's own cost model (a fixed part, a slope of
     its own per kind, load 3x slower)."""
-    base = (0.4 + step.kv_tokens / 1500 if step.arm == PREFILL_ONLY
-            else 1.0 + step.kv_tokens / 700)
+    base = (
+        0.4 + step.kv_tokens / 1500
+        if step.arm == PREFILL_ONLY
+        else 1.0 + step.kv_tokens / 700
+    )
     return base * (3.0 if step.load else 1.0)
 
 
 def parse_eta(text: str) -> tuple[str, float | None]:
-    """"~" -> ("~", None); ">1:05" -> (">", 65.0); "1:05" -> ("=", 65.0)."""
+    """ "~" -> ("~", None); ">1:05" -> (">", 65.0); "1:05" -> ("=", 65.0)."""
     if text == "~":
         return "~", None
     kind = ">" if text.startswith(">") else "="
@@ -42,14 +45,20 @@ def play_default_run(progress_cls=Progress) -> list[tuple[str, float | None, flo
     t = [0.0]
     out = io.StringIO()
     arms = (LAYERWISE, POSTHOC)
-    phases = {0: plan(SIZES, 3, 0, arms, prefill_only=True),
-              8: plan(SIZES, 3, 8, arms, prefill_only=False)}
+    phases = {
+        0: plan(SIZES, 3, 0, arms, prefill_only=True),
+        8: plan(SIZES, 3, 8, arms, prefill_only=False),
+    }
     every = [s for steps in phases.values() for s in steps]
     p = progress_cls(every, clock=lambda: t[0], out=out)
     p.note("model ...; 45 measurements")
     for load, steps in phases.items():
-        t[0] += 8.0 if load == 0 else 5.0  # engine probe; blocks held after the idle phase
-        p.note("one layer's write on the engine: ..." if load == 0 else "blocks held: ...")
+        t[0] += (
+            8.0 if load == 0 else 5.0
+        )  # engine probe; blocks held after the idle phase
+        p.note(
+            "one layer's write on the engine: ..." if load == 0 else "blocks held: ..."
+        )
         t[0] += 100.0  # a cluster's start-up
         p.note("P and D ready")
         t[0] += 20.0  # warm-up requests
@@ -63,7 +72,7 @@ def play_default_run(progress_cls=Progress) -> list[tuple[str, float | None, flo
     for i, line in enumerate(lines):
         m = ETA.search(line)
         kind, eta = parse_eta(m.group(1)) if m else ("~", None)
-        result.append((kind, eta, sum(true_seconds(s) for s in every[i + 1:])))
+        result.append((kind, eta, sum(true_seconds(s) for s in every[i + 1 :])))
     return result
 
 

@@ -2,22 +2,37 @@
 
 import io
 
-from microbench.mb7.plan import LAYERWISE, POSTHOC, PREFILL_ONLY, Progress, Step, arm_order, plan
+from microbench.mb7.plan import (
+    LAYERWISE,
+    POSTHOC,
+    PREFILL_ONLY,
+    Progress,
+    Step,
+    arm_order,
+    plan,
+)
 from microbench.mb7.report import build_rows, summary_lines, targets
 
 FACTS = {"kv_bytes_per_token": 1024, "layers": 4}
 
 
 def test_abba_order_alternates_per_repetition_and_covers_every_arm():
-    steps = plan([512, 1024], reps=3, load=0, modes=(LAYERWISE, POSTHOC), prefill_only=True)
+    steps = plan(
+        [512, 1024], reps=3, load=0, modes=(LAYERWISE, POSTHOC), prefill_only=True
+    )
     assert len(steps) == 3 * 2 * 3
-    by_rep = [[s.arm for s in steps if s.rep == r and s.kv_tokens == 512] for r in range(3)]
+    by_rep = [
+        [s.arm for s in steps if s.rep == r and s.kv_tokens == 512] for r in range(3)
+    ]
     assert by_rep[0] == [PREFILL_ONLY, LAYERWISE, POSTHOC]
     assert by_rep[1] == [POSTHOC, LAYERWISE, PREFILL_ONLY]
     assert by_rep[2] == by_rep[0]
     assert arm_order(1, ("a", "b")) == ("b", "a")
     # under load: no prefill-only arm
-    assert {s.arm for s in plan([512], 2, 8, (LAYERWISE, POSTHOC), False)} == {LAYERWISE, POSTHOC}
+    assert {s.arm for s in plan([512], 2, 8, (LAYERWISE, POSTHOC), False)} == {
+        LAYERWISE,
+        POSTHOC,
+    }
 
 
 def test_progress_prints_a_line_per_step_with_an_eta():
@@ -33,26 +48,39 @@ def test_progress_prints_a_line_per_step_with_an_eta():
 
 
 def sample(arm, n, rep, tail=None, p=1.0, hit=0.05, load=0, correct=True, error=None):
-    return {"load": load, "kv_tokens": n, "rep": rep, "arm": arm, "error": error,
-            "p_latency_s": p, "total_s": None if tail is None else p + tail, "tail_s": tail,
-            "local_hit_s": None if arm == PREFILL_ONLY else hit,
-            "correct": correct if arm != PREFILL_ONLY else None, "problems": [],
-            "share_before_prefill_end": 0.9 if arm == LAYERWISE else None}
+    return {
+        "load": load,
+        "kv_tokens": n,
+        "rep": rep,
+        "arm": arm,
+        "error": error,
+        "p_latency_s": p,
+        "total_s": None if tail is None else p + tail,
+        "tail_s": tail,
+        "local_hit_s": None if arm == PREFILL_ONLY else hit,
+        "correct": correct if arm != PREFILL_ONLY else None,
+        "problems": [],
+        "share_before_prefill_end": 0.9 if arm == LAYERWISE else None,
+    }
 
 
 def samples_for(sizes, lw_tail, ph_tail, reps=3, p_lw=1.02, hit=0.05):
     out = []
     for rep in range(reps):
         for n in sizes:
-            out += [sample(PREFILL_ONLY, n, rep, p=1.0),
-                    sample(LAYERWISE, n, rep, tail=lw_tail(n, rep), p=p_lw, hit=hit),
-                    sample(POSTHOC, n, rep, tail=ph_tail(n, rep), p=1.0, hit=hit)]
+            out += [
+                sample(PREFILL_ONLY, n, rep, p=1.0),
+                sample(LAYERWISE, n, rep, tail=lw_tail(n, rep), p=p_lw, hit=hit),
+                sample(POSTHOC, n, rep, tail=ph_tail(n, rep), p=1.0, hit=hit),
+            ]
     return out
 
 
 def test_rows_pair_by_repetition_and_targets_are_judged():
     sizes = [512, 1024, 2048]
-    s = samples_for(sizes, lambda n, r: 0.055 + 0.001 * r, lambda n, r: 0.5 * n / 2048 + 0.01 * r)
+    s = samples_for(
+        sizes, lambda n, r: 0.055 + 0.001 * r, lambda n, r: 0.5 * n / 2048 + 0.01 * r
+    )
     layer = {n: 0.001 for n in sizes}
     rows = build_rows(s, layer, FACTS)
     lw = next(r for r in rows if r["mode"] == LAYERWISE and r["kv_tokens"] == 2048)
@@ -66,8 +94,12 @@ def test_rows_pair_by_repetition_and_targets_are_judged():
     assert lw["share_before_prefill_end"]["median"] == 0.9
     assert lw["correct"] and lw["bytes"] == 2048 * 1024
     verdicts = {t["target"].split(":")[1].strip()[:20]: t["met"] for t in targets(rows)}
-    assert verdicts == {"layer-wise tail/floo": True, "layer-wise tail max/": True,
-                        "P's prefill slowdown": True, "post-hoc/layer-wise ": True}
+    assert verdicts == {
+        "layer-wise tail/floo": True,
+        "layer-wise tail max/": True,
+        "P's prefill slowdown": True,
+        "post-hoc/layer-wise ": True,
+    }
 
 
 def test_targets_fail_when_values_miss_and_failures_are_reported():
@@ -81,9 +113,23 @@ def test_targets_fail_when_values_miss_and_failures_are_reported():
     lw512 = next(r for r in rows if r["mode"] == LAYERWISE and r["kv_tokens"] == 512)
     assert lw512["correct"] and lw512["errors"] == ["POST failed"]  # failed, not wrong
     ph512 = next(r for r in rows if r["mode"] == POSTHOC and r["kv_tokens"] == 512)
-    assert not ph512["correct"] and not ph512["errors"]  # a completed request with wrong KV
-    lines = summary_lines(rows, tg, [{"mode": LAYERWISE, "phase": "idle", "p_usage": 0.0,
-                                      "d_usage": 0.016, "returned": False, "seconds": 30.0}])
+    assert (
+        not ph512["correct"] and not ph512["errors"]
+    )  # a completed request with wrong KV
+    lines = summary_lines(
+        rows,
+        tg,
+        [
+            {
+                "mode": LAYERWISE,
+                "phase": "idle",
+                "p_usage": 0.0,
+                "d_usage": 0.016,
+                "returned": False,
+                "seconds": 30.0,
+            }
+        ],
+    )
     assert any("FAILED" in ln for ln in lines)
     assert sum("NOT MET" in ln for ln in lines) == 4
     assert any("D 1.6% still after 30.0 s" in ln for ln in lines)

@@ -15,7 +15,7 @@ import pytest
 
 from microbench.common import run_logged
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SETUP = ROOT / "scripts" / "setup.sh"
 
 
@@ -24,8 +24,13 @@ def bash(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess
     logs under tmp_path and no verbose setting inherited."""
     full = {k: v for k, v in os.environ.items() if k not in ("VMP_VERBOSE", "VMP_LOG")}
     full.update(VMP_LOG_DIR=str(tmp_path / "logs"), **env)
-    return subprocess.run(["bash", "-c", f". {SETUP}\n{script}"], env=full, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        ["bash", "-c", f". {SETUP}\n{script}"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def only_log(tmp_path: Path) -> Path:
@@ -34,8 +39,11 @@ def only_log(tmp_path: Path) -> Path:
 
 
 def test_a_step_is_one_line_and_its_output_goes_to_the_log_named_once(tmp_path):
-    r = bash('vmp_log_open demo\nvmp_run "saying hello" echo hello-from-the-step\n'
-             'vmp_run "saying bye" echo bye', tmp_path)
+    r = bash(
+        'vmp_log_open demo\nvmp_run "saying hello" echo hello-from-the-step\n'
+        'vmp_run "saying bye" echo bye',
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     log = only_log(tmp_path)
     lines = r.stdout.splitlines()
@@ -46,14 +54,21 @@ def test_a_step_is_one_line_and_its_output_goes_to_the_log_named_once(tmp_path):
     assert "hello-from-the-step" in log.read_text() and "bye" in log.read_text()
 
 
-def test_a_failed_step_is_named_with_the_log_and_its_tail_and_the_script_stops(tmp_path):
-    r = bash('vmp_log_open demo\n'
-             'vmp_run "building the thing" bash -c \'for i in $(seq 1 40); do echo out-$i; done;'
-             ' echo err-line >&2; exit 7\'\n'
-             'echo after-the-failure', tmp_path)
+def test_a_failed_step_is_named_with_the_log_and_its_tail_and_the_script_stops(
+    tmp_path,
+):
+    r = bash(
+        "vmp_log_open demo\n"
+        'vmp_run "building the thing" bash -c \'for i in $(seq 1 40); do echo out-$i; done;'
+        " echo err-line >&2; exit 7'\n"
+        "echo after-the-failure",
+        tmp_path,
+    )
     assert r.returncode == 7
     log = only_log(tmp_path)
-    assert re.search(r"\[demo\] building the thing \.\.\. FAILED after \d+s \(exit 7\)", r.stdout)
+    assert re.search(
+        r"\[demo\] building the thing \.\.\. FAILED after \d+s \(exit 7\)", r.stdout
+    )
     assert "after-the-failure" not in r.stdout
     assert "[demo] step failed: building the thing" in r.stderr
     assert f"[demo] log: {log}; its last lines:" in r.stderr
@@ -62,42 +77,59 @@ def test_a_failed_step_is_named_with_the_log_and_its_tail_and_the_script_stops(t
 
 
 def test_a_step_function_stops_at_its_first_failing_command(tmp_path):
-    r = bash('vmp_log_open demo\n'
-             'f() { echo first; false; echo never-run; }\n'
-             'vmp_run "two things" f', tmp_path)
+    r = bash(
+        "vmp_log_open demo\n"
+        "f() { echo first; false; echo never-run; }\n"
+        'vmp_run "two things" f',
+        tmp_path,
+    )
     assert r.returncode == 1
     text = only_log(tmp_path).read_text()
     assert "first" in text and "never-run" not in text
 
 
 def test_verbose_shows_the_output_too(tmp_path):
-    r = bash('vmp_log_open demo\nvmp_run "saying hello" echo hello-from-the-step', tmp_path,
-             VMP_VERBOSE="1")
+    r = bash(
+        'vmp_log_open demo\nvmp_run "saying hello" echo hello-from-the-step',
+        tmp_path,
+        VMP_VERBOSE="1",
+    )
     assert r.returncode == 0
-    assert "hello-from-the-step" in r.stdout and re.search(r"\[demo\] saying hello: done in \d+s", r.stdout)
+    assert "hello-from-the-step" in r.stdout and re.search(
+        r"\[demo\] saying hello: done in \d+s", r.stdout
+    )
     assert "hello-from-the-step" in only_log(tmp_path).read_text()
 
 
-def test_a_script_called_by_another_writes_to_the_callers_log_without_naming_it(tmp_path):
+def test_a_script_called_by_another_writes_to_the_callers_log_without_naming_it(
+    tmp_path,
+):
     inner = '. "$1"; vmp_log_open setup; vmp_run inner echo in-inner'
     r = bash(f"vmp_log_open main\nbash -c '{inner}' inner {SETUP}", tmp_path)
     assert r.returncode == 0, r.stderr
     log = only_log(tmp_path)
     assert log.name.startswith("main-")
-    assert r.stdout.splitlines() == [f"[main] log: {log} (-v shows it here)",
-                                     "[setup] inner ... 0s"]
+    assert r.stdout.splitlines() == [
+        f"[main] log: {log} (-v shows it here)",
+        "[setup] inner ... 0s",
+    ]
     assert "in-inner" in log.read_text()
 
 
 def test_durations_read_as_seconds_minutes_hours(tmp_path):
-    r = bash('for s in 9 161 3720; do vmp_duration $s; echo; done', tmp_path)
+    r = bash("for s in 9 161 3720; do vmp_duration $s; echo; done", tmp_path)
     assert r.stdout.split() == ["9s", "2m41s", "1h02m"]
 
 
 @pytest.mark.parametrize("args", [["--bogus"], ["--device", "tpu"]])
 def test_setup_refuses_unknown_options_before_doing_anything(args, tmp_path):
-    r = subprocess.run(["bash", str(SETUP), *args], capture_output=True, text=True, timeout=30,
-                       env={**os.environ, "VMP_LOG_DIR": str(tmp_path / "logs")})
+    r = subprocess.run(
+        ["bash", str(SETUP), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "VMP_LOG_DIR": str(tmp_path / "logs")},
+    )
     assert r.returncode == 2 and "setup.sh:" in r.stderr
     assert not (tmp_path / "logs").exists()
 
@@ -119,12 +151,16 @@ CHILD = textwrap.dedent("""\
 @pytest.fixture
 def child_module(tmp_path, monkeypatch):
     (tmp_path / "noisy_probe.py").write_text(CHILD)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv(
+        "PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    )
     monkeypatch.delenv("VMP_VERBOSE", raising=False)
     return "noisy_probe"
 
 
-def test_a_logged_child_keeps_its_fd_output_off_the_terminal(child_module, tmp_path, capfd):
+def test_a_logged_child_keeps_its_fd_output_off_the_terminal(
+    child_module, tmp_path, capfd
+):
     log = tmp_path / "probe" / "engine-probe.log"
     assert run_logged(child_module, ["ok"], log, timeout=60) == {"gb_per_s": 1.5}
     out, err = capfd.readouterr()
@@ -136,13 +172,16 @@ def test_a_logged_child_keeps_its_fd_output_off_the_terminal(child_module, tmp_p
 
 def test_a_failed_logged_child_raises_naming_its_log_and_tail(child_module, tmp_path):
     log = tmp_path / "engine-probe.log"
-    with pytest.raises(RuntimeError, match=r"noisy_probe fail failed \(exit 3; log: ") as e:
+    with pytest.raises(
+        RuntimeError, match=r"noisy_probe fail failed \(exit 3; log: "
+    ) as e:
         run_logged(child_module, ["fail"], log, timeout=60)
     assert str(log) in str(e.value) and "removeSegmentDesc" in str(e.value)
 
 
-def test_verbose_shows_a_logged_childs_output_as_well(child_module, tmp_path, capfd,
-                                                      monkeypatch):
+def test_verbose_shows_a_logged_childs_output_as_well(
+    child_module, tmp_path, capfd, monkeypatch
+):
     monkeypatch.setenv("VMP_VERBOSE", "1")
     log = tmp_path / "engine-probe.log"
     assert run_logged(child_module, ["ok"], log, timeout=60) == {"gb_per_s": 1.5}

@@ -11,11 +11,11 @@ import logging
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
     engine_timeout_s,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.engine_write import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
     TerminalWriter,
     terminal_write_fn,
 )
@@ -32,7 +32,10 @@ class ScriptedEngine:
         self.polls: dict[int, int] = {}
 
     def transfer_submit_write(self, session, src, dst, length):
-        if self.fail_submit_at is not None and len(self.submitted) == self.fail_submit_at:
+        if (
+            self.fail_submit_at is not None
+            and len(self.submitted) == self.fail_submit_at
+        ):
             return 0
         self.submitted.append((session, src, dst, length))
         batch_id = len(self.submitted)  # never 0
@@ -57,7 +60,11 @@ def writer(engine, **cfg) -> TerminalWriter:
 def test_a_write_returns_only_once_every_entry_is_terminal():
     eng = ScriptedEngine([[0, 0, 1], [0, 0, 0, 0, 0, 0, 1], [1]])
     assert writer(eng)("d:1", [10, 20, 30], [100, 200, 300], [4, 4, 4]) == 0
-    assert eng.submitted == [("d:1", 10, 100, 4), ("d:1", 20, 200, 4), ("d:1", 30, 300, 4)]
+    assert eng.submitted == [
+        ("d:1", 10, 100, 4),
+        ("d:1", 20, 200, 4),
+        ("d:1", 30, 300, 4),
+    ]
     for batch_id in eng.polls:  # every task was polled up to its terminal answer
         assert eng.polls[batch_id] == eng.terminal_at(batch_id) + 1
 
@@ -122,9 +129,19 @@ def test_the_engine_write_is_wrapped_and_a_plain_function_is_not():
     assert terminal_write_fn(plain, ExtConfig()) is plain
 
 
-@pytest.mark.parametrize("raw, seconds", [
-    (None, 30), ("1", 5), ("5", 5), ("7.9", 7), (" 12", 12), ("abc", 5), ("-3", 5),
-    ("40s", 40)])
+@pytest.mark.parametrize(
+    "raw, seconds",
+    [
+        (None, 30),
+        ("1", 5),
+        ("5", 5),
+        ("7.9", 7),
+        (" 12", 12),
+        ("abc", 5),
+        ("-3", 5),
+        ("40s", 40),
+    ],
+)
 def test_mc_transfer_timeout_is_read_as_mooncake_reads_it(raw, seconds):
     env = {} if raw is None else {"MC_TRANSFER_TIMEOUT": raw}
     assert engine_timeout_s(env) == seconds
@@ -135,4 +152,6 @@ def test_the_write_bound_grows_with_the_bytes_and_the_timeout():
     a = ExtConfig(engine_transfer_timeout_s=5)
     b = ExtConfig(engine_transfer_timeout_s=20)
     assert b.engine_write_bound_s(0) - a.engine_write_bound_s(0) == 15
-    assert a.engine_write_bound_s(4 << 30) - a.engine_write_bound_s(0) == pytest.approx(4.29, 0.01)
+    assert a.engine_write_bound_s(4 << 30) - a.engine_write_bound_s(0) == pytest.approx(
+        4.29, 0.01
+    )

@@ -1,4 +1,4 @@
-"""connector/fingerprint.py: the KV fingerprint names the model, not only its shape.
+"""connector/common/fingerprint.py: the KV fingerprint names the model, not only its shape.
 
 Two instances may exchange KV only if the bytes one writes mean the same in the
 other's cache: same configuration (RoPE included), same weights, same runtime
@@ -24,13 +24,22 @@ import msgspec
 import pytest
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import extension
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ConfigError,
     ExtConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import KVFingerprint
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import ExtXferMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
+    local_fingerprint,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
+    WorkerExtension,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import (
+    ExtXferMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
     MooncakeXferResponse,
     MooncakeXferResponseStatus,
@@ -39,75 +48,127 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
 # ---- generated model folders ----------------------------------------------------------
 
 CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
-    "max_position_embeddings": 8192, "rope_theta": 500000.0, "torch_dtype": "float32",
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "torch_dtype": "float32",
     "tie_word_embeddings": True,
 }
-TENSOR_ELEMS = 1 << 18  # 1 MiB of float32 each: the middle tensors lie beyond the first/last MiB
+TENSOR_ELEMS = (
+    1 << 18
+)  # 1 MiB of float32 each: the middle tensors lie beyond the first/last MiB
 
 
 def weights(seed: int = 0, changed: str | None = None) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    out = {name: torch.randn(TENSOR_ELEMS, generator=g)
-           for name in ("a.embed", "b.layer0", "c.layer1", "d.norm")}
+    out = {
+        name: torch.randn(TENSOR_ELEMS, generator=g)
+        for name in ("a.embed", "b.layer0", "c.layer1", "d.norm")
+    }
     if changed is not None:  # a fine-tune that trained one tensor only
         out[changed] = out[changed] + 0.01
     return out
 
 
-def model_dir(root: Path, name: str, config: dict | None = None,
-              tensors: dict[str, torch.Tensor] | None = None) -> Path:
+def model_dir(
+    root: Path,
+    name: str,
+    config: dict | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
     from safetensors.torch import save_file
 
     d = root / name
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(config or CONFIG))
-    save_file(tensors if tensors is not None else weights(), str(d / "model.safetensors"))
+    save_file(
+        tensors if tensors is not None else weights(), str(d / "model.safetensors")
+    )
     return d
 
 
-def vllm_config(path: Path, *, quantization=None, cache_dtype="auto",
-                calculate_kv_scales=False, block_size=16):
+def vllm_config(
+    path: Path,
+    *,
+    quantization=None,
+    cache_dtype="auto",
+    calculate_kv_scales=False,
+    block_size=16,
+):
     """The parts of vllm.config.VllmConfig a fingerprint reads."""
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(str(path))  # records its path in _name_or_path
-    model = SimpleNamespace(model=str(path), model_weights="", revision=None,
-                            hf_config=hf, hf_text_config=hf, dtype=torch.float32,
-                            quantization=quantization, override_attention_dtype=None,
-                            disable_sliding_window=False, model_impl="auto")
-    cache = SimpleNamespace(cache_dtype=cache_dtype, calculate_kv_scales=calculate_kv_scales,
-                            block_size=block_size, sliding_window=None,
-                            kv_sharing_fast_prefill=False, enable_prefix_caching=True)
-    return SimpleNamespace(model_config=model, cache_config=cache,
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                           attention_config=SimpleNamespace(backend=None),
-                           kv_transfer_config=SimpleNamespace(kv_role="kv_producer"))
+    model = SimpleNamespace(
+        model=str(path),
+        model_weights="",
+        revision=None,
+        hf_config=hf,
+        hf_text_config=hf,
+        dtype=torch.float32,
+        quantization=quantization,
+        override_attention_dtype=None,
+        disable_sliding_window=False,
+        model_impl="auto",
+    )
+    cache = SimpleNamespace(
+        cache_dtype=cache_dtype,
+        calculate_kv_scales=calculate_kv_scales,
+        block_size=block_size,
+        sliding_window=None,
+        kv_sharing_fast_prefill=False,
+        enable_prefix_caching=True,
+    )
+    return SimpleNamespace(
+        model_config=model,
+        cache_config=cache,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        attention_config=SimpleNamespace(backend=None),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
+    )
 
 
 def model_of(cfg) -> str:
-    return extension.local_fingerprint(cfg).model
+    return local_fingerprint(cfg).model
 
 
 # ---- the model's identity ------------------------------------------------------------
+
 
 def test_the_same_model_on_two_paths_has_one_fingerprint(tmp_path):
     a = model_dir(tmp_path / "host-a" / "models", "llama")
     b = tmp_path / "host-b" / "elsewhere" / "copy-of-llama"
     shutil.copytree(a, b)
-    assert extension.local_fingerprint(vllm_config(a)) == extension.local_fingerprint(
-        vllm_config(b))
+    assert local_fingerprint(vllm_config(a)) == local_fingerprint(vllm_config(b))
 
 
 def test_rope_scaling_alone_changes_the_fingerprint(tmp_path):
     """Llama-3-8B and Llama-3.1-8B have the same shape; 3.1 adds RoPE scaling."""
     plain = model_dir(tmp_path, "llama-3", tensors=weights())
-    scaled = model_dir(tmp_path, "llama-3.1", tensors=weights(), config={
-        **CONFIG, "max_position_embeddings": 131072,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+    scaled = model_dir(
+        tmp_path,
+        "llama-3.1",
+        tensors=weights(),
+        config={
+            **CONFIG,
+            "max_position_embeddings": 131072,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+    )
     assert model_of(vllm_config(plain)) != model_of(vllm_config(scaled))
 
 
@@ -125,16 +186,25 @@ def test_a_fine_tune_of_one_tensor_changes_the_fingerprint(tmp_path, tensor):
     assert model_of(vllm_config(base)) != model_of(vllm_config(tuned))
 
 
-@pytest.mark.parametrize("setting", [
-    dict(quantization="fp8"), dict(calculate_kv_scales=True), dict(cache_dtype="fp8_e4m3")])
-def test_runtime_settings_that_change_kv_bytes_change_the_fingerprint(tmp_path, setting):
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(quantization="fp8"),
+        dict(calculate_kv_scales=True),
+        dict(cache_dtype="fp8_e4m3"),
+    ],
+)
+def test_runtime_settings_that_change_kv_bytes_change_the_fingerprint(
+    tmp_path, setting
+):
     d = model_dir(tmp_path, "m")
-    assert extension.local_fingerprint(vllm_config(d)) != extension.local_fingerprint(
-        vllm_config(d, **setting))
+    assert local_fingerprint(vllm_config(d)) != local_fingerprint(
+        vllm_config(d, **setting)
+    )
 
 
 def test_the_operators_model_id_replaces_the_weights_identity(tmp_path):
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.fingerprint import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
         local_fingerprint,
     )
 
@@ -159,7 +229,7 @@ def test_a_model_id_that_cannot_be_named_in_one_line_is_refused_at_start(bad):
 
 def test_a_huge_weights_file_is_sampled_not_read(tmp_path):
     """A 16 GiB safetensors file (sparse): its fingerprint reads a few MiB."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.fingerprint import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
         weights_identity,
     )
 
@@ -167,9 +237,16 @@ def test_a_huge_weights_file_is_sampled_not_read(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps(CONFIG))
     size = 16 << 30
-    header = json.dumps({f"t{i}": {"dtype": "F32", "shape": [size // 4 // 64],
-                                   "data_offsets": [i * size // 64, (i + 1) * size // 64]}
-                         for i in range(64)}).encode()
+    header = json.dumps(
+        {
+            f"t{i}": {
+                "dtype": "F32",
+                "shape": [size // 4 // 64],
+                "data_offsets": [i * size // 64, (i + 1) * size // 64],
+            }
+            for i in range(64)
+        }
+    ).encode()
     with open(d / "model-00001-of-00001.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
         f.truncate(8 + len(header) + size)
@@ -177,33 +254,52 @@ def test_a_huge_weights_file_is_sampled_not_read(tmp_path):
     ident = weights_identity(str(d), None, None)
     assert time.monotonic() - start < 3.0
     with open(d / "model-00001-of-00001.safetensors", "r+b") as f:
-        f.seek(8 + len(header) + 40 * size // 64 + size // 128)  # the middle of tensor t40
+        f.seek(
+            8 + len(header) + 40 * size // 64 + size // 128
+        )  # the middle of tensor t40
         f.write(b"\x01" * 4096)
     assert weights_identity(str(d), None, None) != ident
 
 
 def test_the_worker_side_names_the_kv_layout():
     """Equal bytes per block are not equal KV: the order of the dimensions counts."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.fingerprint import kv_layout
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
+        kv_layout,
+    )
 
     nhd = torch.zeros(2, 10, 16, 4, 32)  # K/V, blocks, tokens, heads, head_dim
     hnd = torch.zeros(2, 10, 4, 16, 32)
-    permuted = torch.zeros(2, 10, 4, 16, 32).permute(0, 1, 3, 2, 4)  # NHD shape, HND memory
-    layouts = {kv_layout({"l0": t, "l1": t}, split_k_and_v=True, backend="CPU_ATTN")
-               for t in (nhd, hnd, permuted)}
+    permuted = torch.zeros(2, 10, 4, 16, 32).permute(
+        0, 1, 3, 2, 4
+    )  # NHD shape, HND memory
+    layouts = {
+        kv_layout({"l0": t, "l1": t}, split_k_and_v=True, backend="CPU_ATTN")
+        for t in (nhd, hnd, permuted)
+    }
     assert len(layouts) == 3
-    more_blocks = torch.zeros(2, 99, 16, 4, 32)  # the number of blocks is not part of it
-    assert kv_layout({"l0": more_blocks}, True, "CPU_ATTN") == kv_layout({"l0": nhd}, True,
-                                                                          "CPU_ATTN")
-    assert kv_layout({"l0": nhd}, True, "CPU_ATTN") != kv_layout({"l0": nhd}, True, "FLASH_ATTN")
+    more_blocks = torch.zeros(
+        2, 99, 16, 4, 32
+    )  # the number of blocks is not part of it
+    assert kv_layout({"l0": more_blocks}, True, "CPU_ATTN") == kv_layout(
+        {"l0": nhd}, True, "CPU_ATTN"
+    )
+    assert kv_layout({"l0": nhd}, True, "CPU_ATTN") != kv_layout(
+        {"l0": nhd}, True, "FLASH_ATTN"
+    )
 
 
 # ---- layer-wise handshake: P checks D's fingerprint --------------------------------------
 
 # P's worker-side fingerprint (D's alike unless a test changes a field)
-P_FIELDS = dict(model="Qwen3ForCausalLM cfg=0123456789abcdef", dtype="float32/auto",
-                block_size=16, tp_size=1, block_len=65536, num_kv_tensors=4,
-                layout="CPU_ATTN split float32 [2,N,4,16,32] order=0,1,2,3,4")
+P_FIELDS = dict(
+    model="Qwen3ForCausalLM cfg=0123456789abcdef",
+    dtype="float32/auto",
+    block_size=16,
+    tp_size=1,
+    block_len=65536,
+    num_kv_tensors=4,
+    layout="CPU_ATTN split float32 [2,N,4,16,32] order=0,1,2,3,4",
+)
 
 
 def fp(**over) -> KVFingerprint:
@@ -211,7 +307,9 @@ def fp(**over) -> KVFingerprint:
 
 
 # both instances' configuration: layer-wise, defaults otherwise
-CONFIG_LW = ExtConfig.from_env({"MOONCAKE_LAYERWISE": "1", "MOONCAKE_BOOTSTRAP_HOST": "127.0.0.1"})
+CONFIG_LW = ExtConfig.from_env(
+    {"MOONCAKE_LAYERWISE": "1", "MOONCAKE_BOOTSTRAP_HOST": "127.0.0.1"}
+)
 
 
 class FakeSender:
@@ -222,10 +320,12 @@ class FakeSender:
         self.served.append((session, bases, req_blocks))
 
 
-def worker(role: str, fingerprint: KVFingerprint | None = None) -> extension.WorkerExtension:
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role=role),
-                          cache_config=SimpleNamespace(enable_prefix_caching=False))
-    w = extension.WorkerExtension(cfg, CONFIG_LW)
+def worker(role: str, fingerprint: KVFingerprint | None = None) -> WorkerExtension:
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role=role),
+        cache_config=SimpleNamespace(enable_prefix_caching=False),
+    )
+    w = WorkerExtension(cfg, CONFIG_LW)
     w.fingerprint = fingerprint or fp()
     if role == "kv_producer":
         w.sender = FakeSender()
@@ -234,15 +334,20 @@ def worker(role: str, fingerprint: KVFingerprint | None = None) -> extension.Wor
 
 def pull_request(fields, n_tensors: int = 4) -> ExtXferMetadata:
     """D's pull request as P decodes it from the wire."""
-    meta = ExtXferMetadata(remote_hostname="127.0.0.1", remote_port=7000, remote_tp_size=1,
-                                remote_tp_rank=0, req_blocks={"d-1": ("xfer-1", [3, 4])},
-                                kv_caches_base_addr=[(i + 1) << 32 for i in range(n_tensors)],
-                                ext=fields)
+    meta = ExtXferMetadata(
+        remote_hostname="127.0.0.1",
+        remote_port=7000,
+        remote_tp_size=1,
+        remote_tp_rank=0,
+        req_blocks={"d-1": ("xfer-1", [3, 4])},
+        kv_caches_base_addr=[(i + 1) << 32 for i in range(n_tensors)],
+        ext=fields,
+    )
     wire = msgspec.msgpack.encode(meta)
     return msgspec.msgpack.Decoder(ExtXferMetadata).decode(wire)
 
 
-def serve(p: extension.WorkerExtension, meta) -> list[MooncakeXferResponse]:
+def serve(p: WorkerExtension, meta) -> list[MooncakeXferResponse]:
     sent: list[MooncakeXferResponse] = []
 
     async def send(resp):
@@ -275,19 +380,28 @@ def test_an_equal_decode_instance_is_served():
 
 MISMATCHES = {
     # D's blocks hold 128 tokens, P's 16: P would write its blocks at D's strides
-    "block size": (dict(block_size=128, block_len=8 * 65536), ["16", "128", "block_size"]),
+    "block size": (
+        dict(block_size=128, block_len=8 * 65536),
+        ["16", "128", "block_size"],
+    ),
     "bytes per block": (dict(block_len=32768), ["65536", "32768"]),
     "KV tensors": (dict(num_kv_tensors=2), ["num_kv_tensors"]),
-    "model": (dict(model="Qwen3ForCausalLM cfg=fedcba9876543210"), ["fedcba9876543210",
-                                                                  "0123456789abcdef"]),
+    "model": (
+        dict(model="Qwen3ForCausalLM cfg=fedcba9876543210"),
+        ["fedcba9876543210", "0123456789abcdef"],
+    ),
     "dtype": (dict(dtype="bfloat16/auto"), ["bfloat16/auto", "float32/auto"]),
-    "layout": (dict(layout="CPU_ATTN split float32 [2,N,16,4,32] order=0,1,2,3,4"),
-               ["layout", "[2,N,16,4,32]", "[2,N,4,16,32]"]),
+    "layout": (
+        dict(layout="CPU_ATTN split float32 [2,N,16,4,32] order=0,1,2,3,4"),
+        ["layout", "[2,N,16,4,32]", "[2,N,4,16,32]"],
+    ),
 }
 
 
 @pytest.mark.parametrize("what", list(MISMATCHES))
-def test_a_decode_instance_with_another_kv_cache_is_refused_naming_both_values(what, caplog):
+def test_a_decode_instance_with_another_kv_cache_is_refused_naming_both_values(
+    what, caplog
+):
     over, named = MISMATCHES[what]
     if "num_kv_tensors" in over:
         meta = pull_request(d_fields(**over), n_tensors=over["num_kv_tensors"])
@@ -297,7 +411,9 @@ def test_a_decode_instance_with_another_kv_cache_is_refused_naming_both_values(w
     with caplog.at_level(logging.WARNING):
         (resp,) = serve(p, meta)
         (again,) = serve(p, meta)
-    assert resp.status == MooncakeXferResponseStatus.ERROR and again.status == resp.status
+    assert (
+        resp.status == MooncakeXferResponseStatus.ERROR and again.status == resp.status
+    )
     for word in named:
         assert word in resp.err_msg, (word, resp.err_msg)
     assert p.sender.served == [], "P served a decode instance whose KV cache differs"
@@ -329,7 +445,10 @@ MALFORMED = {
 @pytest.mark.parametrize("what", list(MALFORMED))
 def test_a_malformed_fingerprint_is_refused_without_serving(what):
     p = worker("kv_producer")
-    fields = {"pull_give_up_s": CONFIG_LW.pull_give_up_s, "fingerprint": MALFORMED[what]}
+    fields = {
+        "pull_give_up_s": CONFIG_LW.pull_give_up_s,
+        "fingerprint": MALFORMED[what],
+    }
     (resp,) = serve(p, pull_request(fields))
     assert resp.status == MooncakeXferResponseStatus.ERROR
     assert "fingerprint" in resp.err_msg and len(resp.err_msg) < 2000
@@ -339,7 +458,10 @@ def test_a_malformed_fingerprint_is_refused_without_serving(what):
 def test_a_decode_instance_of_this_series_without_a_fingerprint_is_refused():
     p = worker("kv_producer")
     (resp,) = serve(p, pull_request({"pull_give_up_s": CONFIG_LW.pull_give_up_s}))
-    assert resp.status == MooncakeXferResponseStatus.ERROR and "fingerprint" in resp.err_msg
+    assert (
+        resp.status == MooncakeXferResponseStatus.ERROR
+        and "fingerprint" in resp.err_msg
+    )
     assert p.sender.served == []
 
 
@@ -351,14 +473,22 @@ def test_kv_tensors_must_match_the_addresses_sent():
 
 
 def test_refusal_warnings_are_rate_limited_per_key_and_in_all():
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.fingerprint import WarnLimiter
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
+        WarnLimiter,
+    )
 
     logged: list[str] = []
     now = [0.0]
-    lim = WarnLimiter(SimpleNamespace(warning=lambda msg, *a: logged.append(msg % a)),
-                      interval_s=60, max_keys=4, clock=lambda: now[0])
+    lim = WarnLimiter(
+        SimpleNamespace(warning=lambda msg, *a: logged.append(msg % a)),
+        interval_s=60,
+        max_keys=4,
+        clock=lambda: now[0],
+    )
     assert lim.warn("a", "a %s", 1) and not lim.warn("a", "a %s", 2)
-    for i in range(100):  # a peer varying what it sends: 3 more keys, then one shared budget
+    for i in range(
+        100
+    ):  # a peer varying what it sends: 3 more keys, then one shared budget
         lim.warn(f"k{i}", "k%d", i)
     assert logged == ["a 1", "k0", "k1", "k2", "k3"]
     now[0] = 61.0  # an interval later: each warns again

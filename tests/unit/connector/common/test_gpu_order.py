@@ -1,4 +1,4 @@
-"""GPU ordering (connector/gpu_order.py users), with fake events.
+"""GPU ordering (connector/common/gpu_order.py users), with fake events.
 
 On CUDA the forward pass only launches kernels. A layer-wise write must wait
 on the event recorded after the layer it reads, also when the write is issued
@@ -15,27 +15,33 @@ import time
 
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
+    hash_prompt_blocks,
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
+    HashDelta,
+    HashEventKind,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
+    WorkerHashSync,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
+    LayerwiseSender,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_tracker import (
+    Destination,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
     ComputedStep,
     LayerwiseMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.sender import (
-    LayerwiseSender,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.tracker import (
-    Destination,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
-    hash_prompt_blocks,
-    to_pool_key,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
-    HashDelta,
-    HashEventKind,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
 
 BS = 4
 
@@ -59,7 +65,9 @@ class Recorder:
 
     def __init__(self):
         self.events: list[FakeEvent] = []
-        self.writes: list[tuple[str, list[str]]] = []  # (session, events synchronized before)
+        self.writes: list[
+            tuple[str, list[str]]
+        ] = []  # (session, events synchronized before)
         self.done = threading.Event()
 
     def event(self, tensor):
@@ -68,15 +76,24 @@ class Recorder:
         return e
 
     def write(self, session, src, dst, lens):
-        self.writes.append((session, [e.name for e in self.events if e.synchronized.is_set()]))
+        self.writes.append(
+            (session, [e.name for e in self.events if e.synchronized.is_set()])
+        )
         self.done.set()
         return 0
 
 
 def sender_for(rec):
     cfg = ExtConfig(layerwise=True, layerwise_timeout_s=5)
-    return LayerwiseSender(rec.write, {"l0": [0, 1], "l1": [2, 3]}, [1, 2, 3, 4], 64, BS, cfg,
-                           event_factory=rec.event)
+    return LayerwiseSender(
+        rec.write,
+        {"l0": [0, 1], "l1": [2, 3]},
+        [1, 2, 3, 4],
+        64,
+        BS,
+        cfg,
+        event_factory=rec.event,
+    )
 
 
 def dest():
@@ -117,7 +134,9 @@ def test_write_issued_when_destination_arrives_waits_on_the_layers_it_reads():
     assert rec.done.wait(5)
     time.sleep(0.1)
     for session, synced in rec.writes:
-        assert set(synced) >= {"e0", "e1"}, f"write read KV before its layer's event: {synced}"
+        assert set(synced) >= {"e0", "e1"}, (
+            f"write read KV before its layer's event: {synced}"
+        )
     loop.call_soon_threadsafe(loop.stop)
     s.shutdown()
 
@@ -127,8 +146,15 @@ def test_hash_table_publishes_a_step_only_after_its_event_completed():
     tokens = list(range(2 * BS))
     hashes = hash_prompt_blocks(tokens, BS, cfg.hash_algo, cfg.none_hash)
     sync = WorkerHashSync(BS)
-    sync.on_metadata(HashDelta(events=[(HashEventKind.STORED, to_pool_key(h, 0), b)
-                                       for h, b in zip(hashes, [4, 9])], hash_config=cfg))
+    sync.on_metadata(
+        HashDelta(
+            events=[
+                (HashEventKind.STORED, to_pool_key(h, 0), b)
+                for h, b in zip(hashes, [4, 9])
+            ],
+            hash_config=cfg,
+        )
+    )
     event = FakeEvent("step")
     sync.after_step(event)  # forward launched, not done
     assert sync.match(tokens)[0] == [], "blocks published before their step completed"
@@ -142,10 +168,14 @@ def test_removal_before_publication_wins():
     (h,) = hash_prompt_blocks(tokens, BS, cfg.hash_algo, cfg.none_hash)
     key = to_pool_key(h, 0)
     sync = WorkerHashSync(BS)
-    sync.on_metadata(HashDelta(events=[(HashEventKind.STORED, key, 3)], hash_config=cfg))
+    sync.on_metadata(
+        HashDelta(events=[(HashEventKind.STORED, key, 3)], hash_config=cfg)
+    )
     event = FakeEvent("step")
     sync.after_step(event)
-    sync.on_metadata(HashDelta(events=[(HashEventKind.REMOVED, key, 3)], hash_config=cfg))
+    sync.on_metadata(
+        HashDelta(events=[(HashEventKind.REMOVED, key, 3)], hash_config=cfg)
+    )
     event.done = True
     sync.after_step(None)
     assert sync.match(tokens)[0] == []

@@ -1,16 +1,16 @@
-"""connector/io_affinity.py (and config.py's CPU lists): the poller's per-thread priority."""
+"""connector/common/io_affinity.py (and config.py's CPU lists): the poller's per-thread priority."""
 
 import os
 import threading
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ConfigError,
     ExtConfig,
     parse_cpu_list,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.io_affinity import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.io_affinity import (
     deprioritize_current_poller,
 )
 

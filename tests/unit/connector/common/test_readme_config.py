@@ -1,4 +1,4 @@
-"""The README's configuration table says what connector/config.py reads.
+"""The README's configuration table says what connector/common/config.py reads.
 
 Three sources must agree: the variables ``ExtConfig.from_env`` reads (its source),
 the table in config.py's docstring, and the README's "Configuration" table, with
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import config
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import config
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[4] / "README.md"
 NAME = r"MOONCAKE_[A-Z_]*[A-Z*]"
 DOC_ROW = re.compile(rf"^({NAME})(?:=\S+)?\s+(\S+)\s", re.MULTILINE)
 README_ROW = re.compile(rf"^\| `({NAME})` \| ([^|]+?) \|", re.MULTILINE)
@@ -42,8 +42,12 @@ def names_read_by_code() -> set[str]:
 
 def test_every_variable_the_code_reads_is_in_both_tables():
     read = names_read_by_code()
-    assert read - set(docstring_table()) == set(), "missing from config.py's docstring table"
-    assert read - set(readme_table()) == set(), "missing from README.md's Configuration table"
+    assert read - set(docstring_table()) == set(), (
+        "missing from config.py's docstring table"
+    )
+    assert read - set(readme_table()) == set(), (
+        "missing from README.md's Configuration table"
+    )
 
 
 def test_the_tables_name_no_variable_the_code_does_not_read():

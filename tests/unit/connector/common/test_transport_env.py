@@ -1,4 +1,4 @@
-"""connector/transport_env.py: the TCP transport defaults, and (with the real
+"""connector/common/transport_env.py: the TCP transport defaults, and (with the real
 Mooncake engine over loopback, no vLLM) the failure they exist to prevent."""
 
 import subprocess
@@ -7,9 +7,16 @@ import textwrap
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import transport_env
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.transport_env import TCP_TRANSPORT_DEFAULTS, apply_transport_env_defaults
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import (
+    transport_env,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.transport_env import (
+    TCP_TRANSPORT_DEFAULTS,
+    apply_transport_env_defaults,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -86,8 +93,13 @@ def run_engine(env_defaults: bool) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MC_TCP_")}
     if env_defaults:
         apply_transport_env_defaults("tcp", env)
-    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert lines, f"engine script failed (rc={out.returncode}):\n{out.stderr[-2000:]}"
     return lines[0]
@@ -95,7 +107,9 @@ def run_engine(env_defaults: bool) -> str:
 
 def test_real_engine_rejects_a_large_batch_with_mooncake_defaults_and_moves_it_with_ours():
     pytest.importorskip("mooncake.engine")
-    assert run_engine(env_defaults=False) == "RESULT -1 False"  # the premise of the defaults
+    assert (
+        run_engine(env_defaults=False) == "RESULT -1 False"
+    )  # the premise of the defaults
     assert run_engine(env_defaults=True) == "RESULT 0 True"
 
 
@@ -104,14 +118,21 @@ def test_the_start_log_says_the_engine_listens_everywhere_and_names_the_ports(ca
     the operator asked for a loopback instance, with the ports to firewall."""
     import logging
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.transport_env import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.transport_env import (
         log_engine_listeners,
     )
 
     with caplog.at_level(logging.INFO):
-        log_engine_listeners({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_MIN_RPC_PORT": "21000",
-                              "MC_MAX_RPC_PORT": "21019"})
+        log_engine_listeners(
+            {
+                "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+                "MC_MIN_RPC_PORT": "21000",
+                "MC_MAX_RPC_PORT": "21019",
+            }
+        )
         log_engine_listeners({"MC_TCP_BIND_ADDRESS": "10.0.0.5"})
-    (local, other) = [r for r in caplog.records if "listens on ALL interfaces" in r.getMessage()]
+    (local, other) = [
+        r for r in caplog.records if "listens on ALL interfaces" in r.getMessage()
+    ]
     assert local.levelno == logging.WARNING and "21000-21019" in local.getMessage()
     assert other.levelno == logging.INFO and "15000-17000" in other.getMessage()

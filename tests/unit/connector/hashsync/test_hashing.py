@@ -1,11 +1,14 @@
-"""hashsync/hashing.py: prompt block hashes equal the scheduler's Request.block_hashes."""
+"""connector/hashsync/hashing.py: prompt block hashes equal the scheduler's Request.block_hashes."""
 
 import os
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig, HashConfigMismatchError
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+    HashConfigMismatchError,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
     from_pool_key,
     hash_prompt_blocks,
     scheduler_hash_config,
@@ -76,14 +79,22 @@ def test_equals_scheduler_with_lora(scheduler_none_hash):
         TOKENS, BS, "sha256", scheduler_none_hash, cache_salt="s", lora_name="adapter-x"
     )
     assert got == expected
-    plain = hash_prompt_blocks(TOKENS, BS, "sha256", scheduler_none_hash, cache_salt="s")
+    plain = hash_prompt_blocks(
+        TOKENS, BS, "sha256", scheduler_none_hash, cache_salt="s"
+    )
     assert all(a != b for a, b in zip(got, plain))
 
 
 def test_only_full_blocks(scheduler_none_hash):
     assert hash_prompt_blocks(TOKENS[: BS - 1], BS, "sha256", scheduler_none_hash) == []
-    assert len(hash_prompt_blocks(TOKENS[: 2 * BS], BS, "sha256", scheduler_none_hash)) == 2
-    assert len(hash_prompt_blocks(TOKENS[: 2 * BS + 1], BS, "sha256", scheduler_none_hash)) == 2
+    assert (
+        len(hash_prompt_blocks(TOKENS[: 2 * BS], BS, "sha256", scheduler_none_hash))
+        == 2
+    )
+    assert (
+        len(hash_prompt_blocks(TOKENS[: 2 * BS + 1], BS, "sha256", scheduler_none_hash))
+        == 2
+    )
 
 
 def test_prefix_property(scheduler_none_hash):

@@ -1,12 +1,25 @@
-"""hashsync/recorder.py, and recorder + table against a real vLLM BlockPool."""
+"""connector/hashsync/scheduler_recorder.py, and recorder + table against a real vLLM BlockPool."""
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync import recorder as rec
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import hash_prompt_blocks, to_pool_key
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import HashEventKind, HashRecorder, get_recorder
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.table import BlockHashTable
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync import (
+    scheduler_recorder,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
+    hash_prompt_blocks,
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
+    HashEventKind,
+    HashRecorder,
+    get_recorder,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_table import (
+    BlockHashTable,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
@@ -27,32 +40,32 @@ def recorder():
 
 
 def test_disabled_is_noop(recorder):
-    rec.record_stored(b"k", 1)
-    rec.record_removed(b"k", 1)
-    rec.record_cleared()
+    scheduler_recorder.record_stored(b"k", 1)
+    scheduler_recorder.record_removed(b"k", 1)
+    scheduler_recorder.record_cleared()
     assert len(recorder.drain()) == 0
 
 
 def test_drain_in_order_and_resets(recorder):
     cfg = HashConfig("sha256", b"\x01" * 32)
     recorder.enable(cfg)
-    rec.record_stored(b"a", 1)
-    rec.record_stored(b"b", 2)
-    rec.record_removed(b"a", 1)
+    scheduler_recorder.record_stored(b"a", 1)
+    scheduler_recorder.record_stored(b"b", 2)
+    scheduler_recorder.record_removed(b"a", 1)
     d = recorder.drain()
     assert d.events == [(S, b"a", 1), (S, b"b", 2), (R, b"a", 1)]
     assert d.hash_config == cfg
     assert recorder.drain().events == []
     recorder.disable()
-    rec.record_stored(b"c", 3)
+    scheduler_recorder.record_stored(b"c", 3)
     assert recorder.drain().events == []
 
 
 def test_cleared_supersedes_earlier_events(recorder):
     recorder.enable()
-    rec.record_stored(b"a", 1)
-    rec.record_cleared()
-    rec.record_stored(b"b", 2)
+    scheduler_recorder.record_stored(b"a", 1)
+    scheduler_recorder.record_cleared()
+    scheduler_recorder.record_stored(b"b", 2)
     assert recorder.drain().events == [(C, b"", -1), (S, b"b", 2)]
 
 
@@ -76,7 +89,9 @@ def observed(monkeypatch):
     """The real BlockPool with the recorder installed as its observer (patch 0008)."""
     from vllm.v1.core import block_pool
 
-    monkeypatch.setattr(block_pool, "block_hash_observer", rec.get_recorder())
+    monkeypatch.setattr(
+        block_pool, "block_hash_observer", scheduler_recorder.get_recorder()
+    )
     yield
 
 
@@ -90,9 +105,14 @@ def HookedPool(*args, **kwargs):  # noqa: N802 - the real class, observed throug
 def make_request(rid, tokens, salt=None):
     sp = SamplingParams(max_tokens=4)
     sp.update_from_generation_config({}, eos_token_id=100)
-    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp,
-                   pooling_params=None, cache_salt=salt,
-                   block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256")))
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=sp,
+        pooling_params=None,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256")),
+    )
 
 
 def run_request(pool, req):
@@ -136,7 +156,9 @@ def test_table_mirrors_block_pool(recorder, none_hash, observed):
     ids, gens = table.match_and_snapshot(a_hashes)
 
     # Same tokens, other salt: nothing served.
-    salted = hash_prompt_blocks(a_tokens, BS, cfg.hash_algo, cfg.none_hash, cache_salt="x")
+    salted = hash_prompt_blocks(
+        a_tokens, BS, cfg.hash_algo, cfg.none_hash, cache_salt="x"
+    )
     assert table.match_prefix(salted) == []
 
     # A was freed tail-first, so the free queue is [never-used x3, A1, A0]: B's 4
@@ -161,13 +183,16 @@ def test_table_mirrors_block_pool(recorder, none_hash, observed):
     assert_mirrors(pool, table)
 
 
-def test_blocks_cached_before_the_first_build_reach_the_worker(recorder, none_hash, monkeypatch):
+def test_blocks_cached_before_the_first_build_reach_the_worker(
+    recorder, none_hash, monkeypatch
+):
     """The first request's blocks are cached in schedule(), before the first
     build_connector_meta: SchedulerHashSync must record from construction on
     (found by tests/integration/test_push.py: C's first prompt matched nothing)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_sync import (
+        SchedulerHashSync,
+    )
     from vllm.v1.core import block_pool
-
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import SchedulerHashSync
 
     monkeypatch.setattr(block_pool, "block_hash_observer", None)
     sync = SchedulerHashSync("sha256")
@@ -179,4 +204,6 @@ def test_blocks_cached_before_the_first_build_reach_the_worker(recorder, none_ha
     assert delta.hash_config == HashConfig("sha256", none_hash)
     table = BlockHashTable()
     table.apply(delta)
-    assert table.match_prefix(hash_prompt_blocks(tokens, BS, "sha256", none_hash)) == ids
+    assert (
+        table.match_prefix(hash_prompt_blocks(tokens, BS, "sha256", none_hash)) == ids
+    )

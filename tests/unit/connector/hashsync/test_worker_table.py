@@ -1,13 +1,23 @@
-"""hashsync/table.py: the worker-side hash -> block id mirror."""
+"""connector/hashsync/worker_table.py: the worker-side hash -> block id mirror."""
 
 import pickle
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig, HashConfigMismatchError
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import to_pool_key
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import HashDelta, HashEventKind
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.table import BlockHashTable
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+    HashConfigMismatchError,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
+    HashDelta,
+    HashEventKind,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_table import (
+    BlockHashTable,
+)
 
 S, R, C = HashEventKind.STORED, HashEventKind.REMOVED, HashEventKind.CLEARED
 

@@ -1,6 +1,6 @@
 """Bounded state and work of layer-wise push, and ids only P's scheduler hands over.
 
-P's sender (connector/layerwise/sender.py) serves D's requests on an
+P's sender (connector/layerwise/prefill_sender.py) serves D's requests on an
 unauthenticated ZMQ socket and runs part of its work on the forward thread:
 - a transfer id P never scheduled, once given up, leaves nothing that a
   request P schedules later under the same id could inherit, and only P
@@ -20,22 +20,24 @@ import time
 import torch
 from helpers import wait_until
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import pulls
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
-    sender as sender_module,
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import tracker
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
+    decode_pulls,
+    prefill_sender,
+    prefill_tracker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
+    LayerwiseSender,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_tracker import (
+    Destination,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
     ComputedStep,
     FinishedRequest,
     LayerwiseMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.sender import (
-    LayerwiseSender,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.tracker import (
-    Destination,
 )
 
 BS = 4
@@ -68,10 +70,21 @@ class Engine:
 
 
 def make_sender(engine=None, timeout_s=30.0, unknown_s=60.0):
-    cfg = ExtConfig(layerwise=True, layerwise_timeout_s=timeout_s,
-                    layerwise_unknown_timeout_s=unknown_s, engine_transfer_timeout_s=5)
-    return LayerwiseSender(engine or Engine(), {"l0": [0, 1]}, [10_000, 20_000], 64, BS, cfg,
-                           event_factory=lambda t: None)
+    cfg = ExtConfig(
+        layerwise=True,
+        layerwise_timeout_s=timeout_s,
+        layerwise_unknown_timeout_s=unknown_s,
+        engine_transfer_timeout_s=5,
+    )
+    return LayerwiseSender(
+        engine or Engine(),
+        {"l0": [0, 1]},
+        [10_000, 20_000],
+        64,
+        BS,
+        cfg,
+        event_factory=lambda t: None,
+    )
 
 
 def dest(session="d:1", first=100):
@@ -98,14 +111,24 @@ def poll_until(sender, want, timeout=5.0) -> set[str]:
 
 def state_sizes(sender) -> dict[str, int]:
     """Everything the sender keeps per transfer id."""
-    return {"transfers": len(sender.tracker.transfers),
-            "pending": sender.tracker.num_unannounced(),
-            "waiters": len(sender._waiters), "results": len(sender._results),
-            "deadlines": len(sender._deadlines), "stats": len(sender._stats)}
+    return {
+        "transfers": len(sender.tracker.transfers),
+        "pending": sender.tracker.num_unannounced(),
+        "waiters": len(sender._waiters),
+        "results": len(sender._results),
+        "deadlines": len(sender._deadlines),
+        "stats": len(sender.log),
+    }
 
 
-BASELINE = {"transfers": 0, "pending": 0, "waiters": 0, "results": 0, "deadlines": 0,
-            "stats": 0}
+BASELINE = {
+    "transfers": 0,
+    "pending": 0,
+    "waiters": 0,
+    "results": 0,
+    "deadlines": 0,
+    "stats": 0,
+}
 
 
 # ---- ids P's scheduler never handed over ------------------------------------------
@@ -131,7 +154,9 @@ def test_an_unknown_id_that_timed_out_is_later_reported_under_the_real_request_i
 
 def test_a_refused_id_does_not_stop_the_real_decode_from_pulling_it_later(loop):
     sender = make_sender(unknown_s=0.2)
-    assert "never scheduled" in loop.submit(sender.push("X", dest("forged:1", 500))).result(5)
+    assert "never scheduled" in loop.submit(
+        sender.push("X", dest("forged:1", 500))
+    ).result(5)
     sender.on_metadata(LayerwiseMetadata(steps=[step("X", "req-X")]))
     real = loop.submit(sender.push("X", dest("d:1", 100)))  # the real D asks now
     sender.layer_saved("l0", KV)
@@ -149,7 +174,9 @@ def test_an_aborted_request_whose_decode_asked_early_is_released_under_its_id(lo
     sender = make_sender()
     fut = loop.submit(sender.push("X", dest()))
     assert wait_until(lambda: sender.tracker.num_unannounced() == 1)
-    sender.on_metadata(LayerwiseMetadata(finished=[finished("X", "req-X", aborted=True)]))
+    sender.on_metadata(
+        LayerwiseMetadata(finished=[finished("X", "req-X", aborted=True)])
+    )
     assert "aborted" in fut.result(5)
     reported = poll_until(sender, {"req-X"}, timeout=1)
     assert reported == {"req-X"}, reported
@@ -158,7 +185,9 @@ def test_an_aborted_request_whose_decode_asked_early_is_released_under_its_id(lo
 
 def test_poll_reports_only_requests_the_scheduler_handed_over():
     sender = make_sender()
-    sender.on_metadata(LayerwiseMetadata(finished=[finished("A", "req-A", aborted=True)]))
+    sender.on_metadata(
+        LayerwiseMetadata(finished=[finished("A", "req-A", aborted=True)])
+    )
     with sender._lock:  # an id nobody handed over, by whatever way
         sender._finished_sending |= {"", "req-stray"}
     assert sender.poll() == {"req-A"}
@@ -188,8 +217,10 @@ def test_ten_thousand_forged_transfer_ids_leave_the_sender_at_baseline(loop):
     are answered the sender holds nothing of them."""
     sender = make_sender(unknown_s=0.3)
     replies = Replies()
-    futs = [loop.submit(sender.serve("forged:1", D_BASES, forged(f"m{k}", 1000), replies))
-            for k in range(10)]
+    futs = [
+        loop.submit(sender.serve("forged:1", D_BASES, forged(f"m{k}", 1000), replies))
+        for k in range(10)
+    ]
     for f in futs:
         f.result(10)
     answered = replies.answered()
@@ -203,7 +234,7 @@ def test_ten_thousand_forged_transfer_ids_leave_the_sender_at_baseline(loop):
 def test_one_request_holds_at_most_max_transfers_per_request_waiters(loop, monkeypatch):
     """The transfers of one request beyond MAX_TRANSFERS_PER_REQUEST are refused
     in its first reply, before anything is created for them."""
-    monkeypatch.setattr(sender_module, "MAX_TRANSFERS_PER_REQUEST", 100, raising=False)
+    monkeypatch.setattr(prefill_sender, "MAX_TRANSFERS_PER_REQUEST", 100, raising=False)
     sender = make_sender(unknown_s=0.3)
     replies = Replies()
     fut = loop.submit(sender.serve("forged:1", D_BASES, forged("big", 5000), replies))
@@ -225,7 +256,7 @@ class _Touches:
     n = 0
 
 
-class CountingTransfer(tracker.Transfer):
+class CountingTransfer(prefill_tracker.Transfer):
     """A Transfer that counts every attribute read (how many transfers a call touches)."""
 
     def __getattribute__(self, name):
@@ -239,10 +270,16 @@ def test_per_step_calls_touch_only_the_transfers_they_concern():
     that ends is collected without scanning the rest."""
     sender = make_sender()
     n = 30_000
-    sender.on_metadata(LayerwiseMetadata(steps=[step(f"t{i}", blocks=(i,), tokens=4)
-                                                for i in range(n)]))
-    sender.on_metadata(LayerwiseMetadata(finished=[finished(f"t{i}", blocks=(i,), tokens=4)
-                                                   for i in range(10_000)]))
+    sender.on_metadata(
+        LayerwiseMetadata(
+            steps=[step(f"t{i}", blocks=(i,), tokens=4) for i in range(n)]
+        )
+    )
+    sender.on_metadata(
+        LayerwiseMetadata(
+            finished=[finished(f"t{i}", blocks=(i,), tokens=4) for i in range(10_000)]
+        )
+    )
     assert sender.poll() == set()
     for t in sender.tracker.transfers.values():
         t.__class__ = CountingTransfer
@@ -254,13 +291,19 @@ def test_per_step_calls_touch_only_the_transfers_they_concern():
         assert sender.poll() == set()
     idle_touches = _Touches.n
     # one request P finished (its transfer expires without D) is collected alone
-    sender.on_metadata(LayerwiseMetadata(
-        finished=[finished(f"t{n - 1}", blocks=(n - 1,), tokens=4, aborted=True)]))
+    sender.on_metadata(
+        LayerwiseMetadata(
+            finished=[finished(f"t{n - 1}", blocks=(n - 1,), tokens=4, aborted=True)]
+        )
+    )
     assert sender.poll() == {f"pt{n - 1}"}
     touches_one_end = _Touches.n - idle_touches
-    assert idle_touches <= 10 * rounds, \
+    assert idle_touches <= 10 * rounds, (
         f"{rounds} idle steps touched {idle_touches} transfers ({n} known)"
-    assert touches_one_end <= 200, f"ending one transfer touched {touches_one_end} transfers"
+    )
+    assert touches_one_end <= 200, (
+        f"ending one transfer touched {touches_one_end} transfers"
+    )
     assert len(sender.tracker.transfers) == n - 1
     sender.shutdown()
 
@@ -287,22 +330,29 @@ def test_a_hundred_decode_sessions_one_after_another_all_succeed(loop):
     """Each restart of D has a new transfer-engine session: P must not count
     every session it ever served against MAX_PEERS."""
     sender = make_sender()
-    errors = [one_transfer(sender, loop, f"t{i}", f"d{i}:{9000 + i}") for i in range(100)]
+    errors = [
+        one_transfer(sender, loop, f"t{i}", f"d{i}:{9000 + i}") for i in range(100)
+    ]
     failed = {i: e for i, e in enumerate(errors) if e is not None}
-    assert not failed, f"{len(failed)} of 100 transfers failed, first: {next(iter(failed.items()))}"
-    assert sender.num_writers() <= sender_module.MAX_PEERS
+    assert not failed, (
+        f"{len(failed)} of 100 transfers failed, first: {next(iter(failed.items()))}"
+    )
+    assert sender.num_writers() <= sender.writers.max_peers
     sender.shutdown()
 
 
-def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(loop, monkeypatch):
+def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(
+    loop, monkeypatch
+):
     before = writer_threads()
     engine = Engine()
     sender = make_sender(engine)
     sender.writer_idle_s = 0.1
     for i in range(5):
         assert one_transfer(sender, loop, f"t{i}", f"d{i}:1") is None
-    assert wait_until(lambda: writer_threads() == before), \
+    assert wait_until(lambda: writer_threads() == before), (
         f"{writer_threads() - before} writer threads still alive after being idle"
+    )
     assert sender.num_writers() == 0
     # a writer busy in the engine is not retired, however long its write takes
     gate = engine.gate("slow:1")
@@ -314,7 +364,7 @@ def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(loop, monk
     time.sleep(0.5)
     assert sender.num_writers() == 1
     # at the cap, a new session is refused while every writer has work ...
-    monkeypatch.setattr(sender_module, "MAX_PEERS", 1)
+    monkeypatch.setattr(sender.writers, "max_peers", 1)
     assert "decode peers" in one_transfer(sender, loop, "N1", "new:1")
     gate.set()
     assert fut.result(5) is None
@@ -340,7 +390,7 @@ class CountedId(str):
 
 def test_remembering_ended_pulls_costs_constant_work_per_pull(monkeypatch):
     """Past 4096 remembered pulls, ending one more must not rebuild the table."""
-    outcomes = pulls.PullOutcomes()
+    outcomes = decode_pulls.PullOutcomes()
     n = 4096 + 300
     ids = [CountedId(f"req-{i}") for i in range(n)]
     CountedId.hashes = 0
@@ -356,10 +406,10 @@ def test_remembering_ended_pulls_costs_constant_work_per_pull(monkeypatch):
 
 def test_ended_pulls_are_forgotten_after_an_hour():
     now = [1000.0]
-    outcomes = pulls.PullOutcomes(clock=lambda: now[0])
+    outcomes = decode_pulls.PullOutcomes(clock=lambda: now[0])
     for i in range(5000):
         assert outcomes.completed(f"old-{i}")
-    now[0] += pulls.ENDED_KEPT_S + 1
+    now[0] += decode_pulls.ENDED_KEPT_S + 1
     for i in range(5000):
         assert outcomes.completed(f"new-{i}")
     assert len(outcomes._ended) <= 5000 + 1

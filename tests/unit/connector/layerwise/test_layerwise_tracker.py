@@ -1,13 +1,13 @@
-"""connector/layerwise/tracker.py: chunked prefill, late/early decode metadata,
+"""connector/layerwise/prefill_tracker.py: chunked prefill, late/early decode metadata,
 concurrent transfers, abort, exactly-once completion. Pure logic, no engine."""
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
-    ComputedStep,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.tracker import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_tracker import (
     Destination,
     LayerwiseTracker,
     TransferState,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    ComputedStep,
 )
 
 BS = 4  # block size
@@ -16,7 +16,11 @@ LAYERS = [[0, 1], [2, 3]]
 
 
 def dest(n_blocks, first=100, session="d:1"):
-    return Destination(session, [1000 * (s + 1) for s in range(SLOTS)], list(range(first, first + n_blocks)))
+    return Destination(
+        session,
+        [1000 * (s + 1) for s in range(SLOTS)],
+        list(range(first, first + n_blocks)),
+    )
 
 
 def run_layers(tr):
@@ -35,7 +39,9 @@ def blocks_written(ops):
 
 
 def step(transfer_id, p_req_id, block_ids, computed_tokens, prompt_len):
-    return ComputedStep(transfer_id, p_req_id, tuple(block_ids), computed_tokens, prompt_len)
+    return ComputedStep(
+        transfer_id, p_req_id, tuple(block_ids), computed_tokens, prompt_len
+    )
 
 
 def start(tr, ops):
@@ -179,7 +185,9 @@ def test_abort_on_prefill_releases_blocks_and_answers_a_waiting_decode():
     tr.set_destination("t", dest(2))  # D waits; P aborted before scheduling it
     tr.release("t", "", 0, holds_blocks=False, reason="aborted")
     [t] = tr.pop_finished()
-    assert t.state is TransferState.FAILED and t.error == "aborted" and not t.holds_blocks
+    assert (
+        t.state is TransferState.FAILED and t.error == "aborted" and not t.holds_blocks
+    )
     assert tr.num_unannounced() == 0
     tr2 = LayerwiseTracker(SLOTS, BS)
     tr2.begin_step([step("t", "p", [1, 2], 4, 8)])

@@ -1,4 +1,4 @@
-"""Proof of write (connector/kv_reader.py, push/receiver.py, push/server.py).
+"""Proof of write (connector/common/kv_reader.py, push/receiver.py, push/server.py).
 
 D believes a push source's "ok" only if its own blocks hold the source's
 bytes at random probe positions where it had planted random canaries. A
@@ -17,28 +17,46 @@ import pytest
 import torch
 from helpers import filled_mirror, serve_push
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.kv_reader import KVReader
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
+    KVReader,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
     PushJob,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    PushServer,
+)
 
 BS, NBLK, BLEN, SLOTS = 4, 8, 64, 2
 CFG = HashConfig("sha256", b"\x03" * 32)
 TOKENS = list(range(700, 700 + 3 * BS))
 C_BLOCKS = [5, 2, 6]
-FP = KVFingerprint(model="m", dtype="float32", block_size=BS, tp_size=1, block_len=BLEN,
-                   num_kv_tensors=SLOTS)
+FP = KVFingerprint(
+    model="m",
+    dtype="float32",
+    block_size=BS,
+    tp_size=1,
+    block_len=BLEN,
+    num_kv_tensors=SLOTS,
+)
 
 
 def kv(seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (NBLK * BLEN,), dtype=torch.uint8, generator=g)
-            for _ in range(SLOTS)]
+    return [
+        torch.randint(0, 256, (NBLK * BLEN,), dtype=torch.uint8, generator=g)
+        for _ in range(SLOTS)
+    ]
 
 
 class Engine:
@@ -59,8 +77,16 @@ def serve_c(engine, c_kv):
     (url, stop)."""
     sync = filled_mirror(BS, TOKENS, C_BLOCKS, CFG)
     reader = KVReader(c_kv, BLEN, NBLK)
-    server = PushServer(sync, engine, [t.data_ptr() for t in c_kv], BLEN, FP, "c:1",
-                        ExtConfig(bootstrap_host="127.0.0.1"), reader=reader.read)
+    server = PushServer(
+        sync,
+        engine,
+        [t.data_ptr() for t in c_kv],
+        BLEN,
+        FP,
+        "c:1",
+        ExtConfig(bootstrap_host="127.0.0.1"),
+        reader=reader.read,
+    )
     return serve_push(server)
 
 
@@ -68,9 +94,16 @@ def push_once(engine, proof=True):
     c_kv, d_kv = kv(1), kv(2)
     url, stop = serve_c(engine, c_kv)
     try:
-        recv = PushReceiver("d:1", [t.data_ptr() for t in d_kv], BLEN, BS, NBLK, FP,
-                            ExtConfig(push_timeout_s=5), kv=KVReader(d_kv, BLEN, NBLK) if proof
-                            else None)
+        recv = PushReceiver(
+            "d:1",
+            [t.data_ptr() for t in d_kv],
+            BLEN,
+            BS,
+            NBLK,
+            FP,
+            ExtConfig(push_timeout_s=5),
+            kv=KVReader(d_kv, BLEN, NBLK) if proof else None,
+        )
         dst = (3, 4, 7)
         recv.start([PushJob("r", url, tuple(TOKENS), None, None, 0, dst)])
         end = time.monotonic() + 10
@@ -86,7 +119,9 @@ def test_a_real_write_is_proven():
     assert landed == 3
     for c, d in zip(c_kv, d_kv):
         for cb, db in zip(C_BLOCKS, dst):
-            assert torch.equal(c[cb * BLEN:(cb + 1) * BLEN], d[db * BLEN:(db + 1) * BLEN])
+            assert torch.equal(
+                c[cb * BLEN : (cb + 1) * BLEN], d[db * BLEN : (db + 1) * BLEN]
+            )
 
 
 def test_ok_without_writing_is_not_believed():
@@ -104,9 +139,9 @@ def test_without_the_proof_such_a_source_would_be_believed():
 def test_kv_reader_reads_and_writes_block_bytes_and_refuses_outside():
     t = kv(3)
     r = KVReader(t, BLEN, NBLK)
-    assert r.read(1, 5, 16) == bytes(t[1][5 * BLEN + 16:5 * BLEN + 24].tolist())
+    assert r.read(1, 5, 16) == bytes(t[1][5 * BLEN + 16 : 5 * BLEN + 24].tolist())
     r.write(0, 2, 8, b"\x01" * 8)
-    assert bytes(t[0][2 * BLEN + 8:2 * BLEN + 16].tolist()) == b"\x01" * 8
+    assert bytes(t[0][2 * BLEN + 8 : 2 * BLEN + 16].tolist()) == b"\x01" * 8
     for bad in [(2, 0, 0), (0, NBLK, 0), (0, 0, BLEN - 4), (0, 0, -8)]:
         with pytest.raises(ValueError):
             r.read(*bad)

@@ -1,4 +1,4 @@
-"""Signed push requests (connector/auth.py): what a captured request is worth.
+"""Signed push requests (connector/common/auth.py): what a captured request is worth.
 
 C and D share MOONCAKE_BOOTSTRAP_TOKEN. D's real receiver and scheduler talk
 to a real C over HTTP (helpers.CServer); what D sends is captured on its way
@@ -15,20 +15,42 @@ import time
 
 import httpx
 import pytest
-from helpers import BS, D_SESSION, DST_BLOCKS, FP, KV, NBLK, SCHED_FP, TOKENS, ask, d_request
+from helpers import (
+    BS,
+    D_SESSION,
+    DST_BLOCKS,
+    FP,
+    KV,
+    NBLK,
+    SCHED_FP,
+    TOKENS,
+    ask,
+    d_request,
+)
 from test_push_security import TOKEN, assert_landed, push_body
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import auth
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.client import Answer
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import PushJob
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import auth
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+    Answer,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    PushJob,
+)
 
 BLEN = FP.block_len
 # C accepts a signed request this long either side of its clock: skew + push timeout
-C_CONFIG = dict(bootstrap_token=TOKEN, push_max_tokens=64, push_clock_skew_s=0.5,
-                push_timeout_s=0.5)
+C_CONFIG = dict(
+    bootstrap_token=TOKEN, push_max_tokens=64, push_clock_skew_s=0.5, push_timeout_s=0.5
+)
 
 
 class Captured:
@@ -42,8 +64,15 @@ class Captured:
 def d_receiver(d: KV, deliver: bool, capture: Captured) -> PushReceiver:
     """D's worker over the KV cache ``d``; each of its calls is recorded, and
     delivered only if ``deliver``."""
-    rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP,
-                       ExtConfig(bootstrap_token=TOKEN, push_timeout_s=5))
+    rec = PushReceiver(
+        D_SESSION,
+        d.bases,
+        BLEN,
+        BS,
+        NBLK,
+        FP,
+        ExtConfig(bootstrap_token=TOKEN, push_timeout_s=5),
+    )
     real = rec._lanes.post
 
     def post(source, path, content, headers, deadline):
@@ -97,8 +126,11 @@ def test_the_legitimate_push_lands_and_the_token_is_never_sent(c_server):
 
 def test_the_legitimate_match_is_signed_and_answered(c_server):
     c = c_server(ExtConfig(**C_CONFIG))
-    sched = PushScheduler(BS, ExtConfig(bootstrap_token=TOKEN, push_sources=(c.url,),
-                                        push_match_timeout_s=5), SCHED_FP)
+    sched = PushScheduler(
+        BS,
+        ExtConfig(bootstrap_token=TOKEN, push_sources=(c.url,), push_match_timeout_s=5),
+        SCHED_FP,
+    )
     seen = []
     real = sched._lanes.post
 
@@ -134,9 +166,11 @@ def test_a_captured_push_with_another_body_is_refused(c_server):
     path, body, headers = cap.calls[0]
     elsewhere = KV(fill=False)  # where the altered push would write
     c.engine.register("127.0.0.1:17009", elsewhere)
-    for change in ({"dst_session": "127.0.0.1:17009", "dst_kv_base_addrs": elsewhere.bases},
-                   {"dst_block_ids": [0, 1, 2]},
-                   {"deadline_unix_ms": int(time.time() * 1000) + 3_600_000}):
+    for change in (
+        {"dst_session": "127.0.0.1:17009", "dst_kv_base_addrs": elsewhere.bases},
+        {"dst_block_ids": [0, 1, 2]},
+        {"deadline_unix_ms": int(time.time() * 1000) + 3_600_000},
+    ):
         sent = {**json.loads(body), **change}
         r = deliver(c, (path, json.dumps(sent).encode(), headers))
         assert r.status_code == 401, (change, r.text)
@@ -159,16 +193,24 @@ def test_a_bearer_token_does_not_open_the_post_routes(c_server):
     d = c.destination()
     bearer = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
     assert c.post("/push_blocks", push_body(d), headers=bearer).status_code == 401
-    assert c.post("/match_blocks", {"token_ids": TOKENS}, headers=bearer).status_code == 401
-    assert c.http.get("/hashsync", headers=bearer).status_code == 200  # GET: bearer still
+    assert (
+        c.post("/match_blocks", {"token_ids": TOKENS}, headers=bearer).status_code
+        == 401
+    )
+    assert (
+        c.http.get("/hashsync", headers=bearer).status_code == 200
+    )  # GET: bearer still
     assert c.engine.log == [] and d.untouched()
 
 
 # ---- the signature itself ----------------------------------------------------------------
 
+
 def signed(path: str, body: bytes, **kw) -> dict:
-    return {"content-type": "application/json",
-            "authorization": auth.sign(TOKEN, "POST", path, body, **kw)}
+    return {
+        "content-type": "application/json",
+        "authorization": auth.sign(TOKEN, "POST", path, body, **kw),
+    }
 
 
 def test_signed_by_hand_stale_future_and_wrong_key_are_refused(c_server):
@@ -177,23 +219,38 @@ def test_signed_by_hand_stale_future_and_wrong_key_are_refused(c_server):
     body = json.dumps(push_body(d)).encode()
     now = int(time.time() * 1000)
     for headers, status in [
-            (signed("/push_blocks", body, now_ms=now - 5_000), 401),  # stale
-            (signed("/push_blocks", body, now_ms=now + 5_000), 401),  # from the future
-            (signed("/match_blocks", body), 401),  # signed for another route
-            ({"authorization": auth.sign("other", "POST", "/push_blocks", body)}, 401)]:
-        assert c.http.post("/push_blocks", content=body, headers=headers).status_code == status
+        (signed("/push_blocks", body, now_ms=now - 5_000), 401),  # stale
+        (signed("/push_blocks", body, now_ms=now + 5_000), 401),  # from the future
+        (signed("/match_blocks", body), 401),  # signed for another route
+        ({"authorization": auth.sign("other", "POST", "/push_blocks", body)}, 401),
+    ]:
+        assert (
+            c.http.post("/push_blocks", content=body, headers=headers).status_code
+            == status
+        )
     assert c.engine.log == [] and d.untouched()
     ok = signed("/push_blocks", body)
-    assert c.http.post("/push_blocks", content=body, headers=ok).json()["status"] == "ok"
-    assert c.http.post("/push_blocks", content=body, headers=ok).status_code == 409  # replay
+    assert (
+        c.http.post("/push_blocks", content=body, headers=ok).json()["status"] == "ok"
+    )
+    assert (
+        c.http.post("/push_blocks", content=body, headers=ok).status_code == 409
+    )  # replay
 
 
-@pytest.mark.parametrize("header", [
-    None, "", "Mooncake-HMAC-SHA256", "Mooncake-HMAC-SHA256 t=1,n=2,s=3",
-    "Mooncake-HMAC-SHA256 t=1,n=" + "a" * 32 + ",s=" + "b" * 64 + ",t=2",
-    "Mooncake-HMAC-SHA256 t=1,n=" + "A" * 32 + ",s=" + "b" * 64,
-    "Mooncake-HMAC-SHA256 t=-1,n=" + "a" * 32 + ",s=" + "b" * 64,
-    "Mooncake-HMAC-SHA256 t=1,n=" + "a" * 32 + ",s=" + "b" * 64 + ",x=1"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "",
+        "Mooncake-HMAC-SHA256",
+        "Mooncake-HMAC-SHA256 t=1,n=2,s=3",
+        "Mooncake-HMAC-SHA256 t=1,n=" + "a" * 32 + ",s=" + "b" * 64 + ",t=2",
+        "Mooncake-HMAC-SHA256 t=1,n=" + "A" * 32 + ",s=" + "b" * 64,
+        "Mooncake-HMAC-SHA256 t=-1,n=" + "a" * 32 + ",s=" + "b" * 64,
+        "Mooncake-HMAC-SHA256 t=1,n=" + "a" * 32 + ",s=" + "b" * 64 + ",x=1",
+    ],
+)
 def test_malformed_signatures_are_refused_before_the_body(header):
     g = auth.EndpointGuard(ExtConfig(bootstrap_token=TOKEN))
     assert g.check_signed_header(header)[0] == 401
@@ -202,9 +259,11 @@ def test_malformed_signatures_are_refused_before_the_body(header):
 
 def test_a_nonce_is_remembered_until_stale_and_memory_is_bounded():
     now = [1_700_000_000_000]
-    g = auth.EndpointGuard(ExtConfig(bootstrap_token=TOKEN, push_clock_skew_s=1,
-                                     push_timeout_s=1), wall_clock_ms=lambda: now[0],
-                           nonces=auth.NonceMemory(capacity=3))
+    g = auth.EndpointGuard(
+        ExtConfig(bootstrap_token=TOKEN, push_clock_skew_s=1, push_timeout_s=1),
+        wall_clock_ms=lambda: now[0],
+        nonces=auth.NonceMemory(capacity=3),
+    )
     h = [auth.sign(TOKEN, "POST", "/p", b"x", now_ms=now[0]) for _ in range(4)]
     assert g.verify("POST", "/p", h[0], b"x") == auth.Verified(None, now[0])
     assert g.verify("POST", "/p", h[0], b"x").denied[0] == 409
@@ -214,7 +273,9 @@ def test_a_nonce_is_remembered_until_stale_and_memory_is_bounded():
     assert len(g.nonces) == 1
     assert g.verify("POST", "/p", h[1], b"x").denied is None
     assert g.verify("POST", "/p", h[2], b"x").denied is None
-    assert g.verify("POST", "/p", h[3], b"x").denied[0] == 503  # full: nothing evicted early
+    assert (
+        g.verify("POST", "/p", h[3], b"x").denied[0] == 503
+    )  # full: nothing evicted early
     now[0] += 2_001  # the first three are stale now, and forgotten
     fresh = auth.sign(TOKEN, "POST", "/p", b"x", now_ms=now[0])
     assert g.verify("POST", "/p", fresh, b"x").denied is None
@@ -225,8 +286,9 @@ def test_a_nonce_is_remembered_until_stale_and_memory_is_bounded():
 def test_the_signature_is_compared_in_constant_time(monkeypatch):
     calls = []
     real = auth.hmac.compare_digest
-    monkeypatch.setattr(auth.hmac, "compare_digest",
-                        lambda a, b: calls.append((a, b)) or real(a, b))
+    monkeypatch.setattr(
+        auth.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b)
+    )
     g = auth.EndpointGuard(ExtConfig(bootstrap_token=TOKEN))
     h = auth.sign(TOKEN, "POST", "/p", b"x")
     assert g.verify("POST", "/p", h, b"x").denied is None
@@ -238,4 +300,5 @@ def test_open_endpoints_need_no_signature():
     assert g.check_signed_header(None) is None
     assert g.verify("POST", "/push_blocks", None, b"{}") == auth.Verified()
     assert auth.request_headers(ExtConfig(), "POST", "/p", b"") == {
-        "content-type": "application/json"}
+        "content-type": "application/json"
+    }

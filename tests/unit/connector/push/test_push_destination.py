@@ -25,10 +25,22 @@ OWN_PORT = int(C_SESSION.rsplit(":", 1)[1])
 
 def own_aliases() -> list[str]:
     p = OWN_PORT
-    return [f"localhost:{p}", f"LOCALHOST:{p}", f"127.0.0.1:0{p}", f"127.0.0.1:000{p}",
-            f"127.1.2.3:{p}", f"[::1]:{p}", f"0.0.0.0:{p}", f"[::]:{p}", f"127.1:{p}",
-            f"2130706433:{p}", f"0x7f.1:{p}", f"[::ffff:127.0.0.1]:{p}",
-            f"{socket.gethostname()}:{p}", f"foo.localhost:{p}"]
+    return [
+        f"localhost:{p}",
+        f"LOCALHOST:{p}",
+        f"127.0.0.1:0{p}",
+        f"127.0.0.1:000{p}",
+        f"127.1.2.3:{p}",
+        f"[::1]:{p}",
+        f"0.0.0.0:{p}",
+        f"[::]:{p}",
+        f"127.1:{p}",
+        f"2130706433:{p}",
+        f"0x7f.1:{p}",
+        f"[::ffff:127.0.0.1]:{p}",
+        f"{socket.gethostname()}:{p}",
+        f"foo.localhost:{p}",
+    ]
 
 
 @pytest.mark.parametrize("alias", own_aliases())
@@ -61,10 +73,13 @@ def test_a_zero_padded_port_is_the_same_destination_for_its_layout(c_server):
 
 # ---- OwnEngine alone ---------------------------------------------------------------------
 
-def own_engine(**kw):
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import destination
 
-    return destination, destination.OwnEngine(C_SESSION, **kw)
+def own_engine(**kw):
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
+        source_destinations,
+    )
+
+    return source_destinations, source_destinations.OwnEngine(C_SESSION, **kw)
 
 
 @pytest.mark.parametrize("alias", own_aliases())
@@ -76,8 +91,8 @@ def test_own_engine_refuses_each_alias(alias):
 
 
 def test_this_hosts_interface_addresses_are_its_own():
-    destination, own = own_engine()
-    addrs = destination._interface_addresses()
+    source_destinations, own = own_engine()
+    addrs = source_destinations._interface_addresses()
     assert any(a.is_loopback for a in addrs)
     for a in addrs:
         host = f"[{a}]" if a.version == 6 else str(a)
@@ -138,9 +153,20 @@ def test_a_lookup_that_does_not_answer_in_time_is_refused_in_time():
     assert e.value.status == 409 and "resolve" in e.value.message
 
 
-@pytest.mark.parametrize("session", ["127.0.0.1:", ":17001", "127.0.0.1:0", "127.0.0.1:65536",
-                                     "127.0.0.1:\uff11\uff17", "127.0.0.1:1e3", "a b:17001",
-                                     "127.0.0.1:-1", "127.0.0.1:" + "0" * 9 + "1"])
+@pytest.mark.parametrize(
+    "session",
+    [
+        "127.0.0.1:",
+        ":17001",
+        "127.0.0.1:0",
+        "127.0.0.1:65536",
+        "127.0.0.1:\uff11\uff17",
+        "127.0.0.1:1e3",
+        "a b:17001",
+        "127.0.0.1:-1",
+        "127.0.0.1:" + "0" * 9 + "1",
+    ],
+)
 def test_a_session_that_is_no_host_and_port_is_422(session):
     _, own = own_engine()
     with pytest.raises(PushRequestError) as e:

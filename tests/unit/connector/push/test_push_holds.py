@@ -34,11 +34,21 @@ from helpers import (
     serve_push,
 )
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import PushJob
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    PushJob,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    PushServer,
+)
 
 
 def c_request(url: str, rid: str = "r1") -> SimpleNamespace:
@@ -54,9 +64,11 @@ def warnings_of(caplog) -> list[str]:
 
 # ---- D measures C's clock ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("offset_s", [60, -60])
 def test_a_source_whose_clock_is_a_minute_off_is_refused_and_nothing_is_written(
-        c_server, caplog, offset_s):
+    c_server, caplog, offset_s
+):
     c = c_server()
     c.server._now_ms = lambda: int((time.time() + offset_s) * 1000)
     d = c.destination()
@@ -85,22 +97,36 @@ def test_the_round_trip_counts_against_the_allowance():
     """C's clock is 2 s ahead. Answered in 1 ms: within 5 s. Answered after 7 s
     (C read its clock somewhere in that round trip, so it could be 5.5 s
     off): no push."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.client import Answer
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+        Answer,
+    )
 
     wall = [1_700_000_000.0]
 
     def ask_with_round_trip(round_trip_s):
-        sched = PushScheduler(BS, ExtConfig(push_sources=("http://c:9000",),
-                                            push_clock_skew_s=5), SCHED_FP,
-                              wall_clock=lambda: wall[0])
+        sched = PushScheduler(
+            BS,
+            ExtConfig(push_sources=("http://c:9000",), push_clock_skew_s=5),
+            SCHED_FP,
+            wall_clock=lambda: wall[0],
+        )
 
         def post(source, path, content, headers, deadline):
             c_now = wall[0] + round_trip_s / 2 + 2
             wall[0] += round_trip_s
-            return Answer(200, json.dumps({
-                "matched_blocks": 4, "matched_tokens": 4 * BS, "total_full_blocks": 5,
-                "fingerprint": FP.model_dump(), "engine_timeout_s": 30,
-                "now_unix_ms": int(c_now * 1000)}).encode())
+            return Answer(
+                200,
+                json.dumps(
+                    {
+                        "matched_blocks": 4,
+                        "matched_tokens": 4 * BS,
+                        "total_full_blocks": 5,
+                        "fingerprint": FP.model_dump(),
+                        "engine_timeout_s": 30,
+                        "now_unix_ms": int(c_now * 1000),
+                    }
+                ).encode(),
+            )
 
         sched._lanes.post = post
         try:
@@ -114,7 +140,10 @@ def test_the_round_trip_counts_against_the_allowance():
 
 # ---- C: the budget next to the deadline ----------------------------------------------
 
-def test_c_with_a_clock_a_minute_behind_starts_no_write_once_the_budget_passed(c_server):
+
+def test_c_with_a_clock_a_minute_behind_starts_no_write_once_the_budget_passed(
+    c_server,
+):
     """C's clock runs 60 s behind D's and C takes longer than the push's timeout
     to get to the write (here: its match is slow). By its own clock the deadline
     is far ahead; by D's it has passed and D may have given the blocks away. C
@@ -135,7 +164,9 @@ def test_c_with_a_clock_a_minute_behind_starts_no_write_once_the_budget_passed(c
     end = time.monotonic() + 10
     while not rec.merge_finished(None) and time.monotonic() < end:
         time.sleep(0.01)
-    assert c.engine.log == [] and d.untouched(), "C wrote after the push's budget had passed"
+    assert c.engine.log == [] and d.untouched(), (
+        "C wrote after the push's budget had passed"
+    )
     assert rec.take_outcome().landed == {"r1": 0}
     assert c.server.stats["past_deadline"] == 1
     getattr(rec, "shutdown", lambda: None)()
@@ -153,8 +184,13 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
     timeout, 1 ns a byte, no-progress watchdog) + the skew allowance, not for
     its own 5 s."""
     fp = FP.model_copy(update={"block_len": BIG_BLEN})
-    c_cfg = ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "60", "MOONCAKE_BOOTSTRAP_HOST":
-                                "127.0.0.1", "MOONCAKE_LAYERWISE_TIMEOUT_S": "300"})
+    c_cfg = ExtConfig.from_env(
+        {
+            "MC_TRANSFER_TIMEOUT": "60",
+            "MOONCAKE_BOOTSTRAP_HOST": "127.0.0.1",
+            "MOONCAKE_LAYERWISE_TIMEOUT_S": "300",
+        }
+    )
     sync = filled_mirror(BS, TOKENS, C_BLOCKS, HCFG)
     gate, writing = threading.Event(), threading.Event()
 
@@ -163,19 +199,27 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
         gate.wait(60)
         return -1
 
-    server = PushServer(sync, hanging_write, [1 << 40, 2 << 40], BIG_BLEN, fp, "127.0.0.1:1",
-                        c_cfg)
+    server = PushServer(
+        sync, hanging_write, [1 << 40, 2 << 40], BIG_BLEN, fp, "127.0.0.1:1", c_cfg
+    )
     url, stop = serve_push(server)
-    d_cfg = ExtConfig(push_timeout_s=2, push_clock_skew_s=1, engine_transfer_timeout_s=5,
-                      push_sources=(url,))
+    d_cfg = ExtConfig(
+        push_timeout_s=2,
+        push_clock_skew_s=1,
+        engine_transfer_timeout_s=5,
+        push_sources=(url,),
+    )
     sched = PushScheduler(BS, d_cfg, SCHED_FP)
     clock = Clock()
-    rec = PushReceiver(D_SESSION, [3 << 40, 4 << 40], BIG_BLEN, BS, NBLK, fp, d_cfg, clock=clock)
+    rec = PushReceiver(
+        D_SESSION, [3 << 40, 4 << 40], BIG_BLEN, BS, NBLK, fp, d_cfg, clock=clock
+    )
     try:
         r = c_request(url)
         assert ask(sched, r) == (3 * BS, True)
-        sched.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([3, 4, 7],)),
-                                       3 * BS)
+        sched.update_state_after_alloc(
+            r, SimpleNamespace(get_block_ids=lambda: ([3, 4, 7],)), 3 * BS
+        )
         (job,) = sched.take_jobs()
         rec.start([job])
         assert writing.wait(10), "C did not start the write"
@@ -185,7 +229,8 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
         assert hold > 2 + 60 + 6 + 1  # the bytes term and C's timeout are in it
         clock.now += hold - 0.25
         assert rec.merge_finished(None) is None, (
-            "D ended the push (freeing its blocks) while C's write could still land")
+            "D ended the push (freeing its blocks) while C's write could still land"
+        )
         clock.now += 0.5
         assert rec.merge_finished(None) == {"r1"}
         assert rec.take_outcome().landed == {"r1": 0}
@@ -198,8 +243,11 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
 
 
 def test_c_reports_its_engine_timeout_and_clock():
-    c = CServer(ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "45", "MOONCAKE_BOOTSTRAP_HOST":
-                                    "127.0.0.1"}))
+    c = CServer(
+        ExtConfig.from_env(
+            {"MC_TRANSFER_TIMEOUT": "45", "MOONCAKE_BOOTSTRAP_HOST": "127.0.0.1"}
+        )
+    )
     try:
         before = int(time.time() * 1000)
         out = c.post("/match_blocks", {"token_ids": TOKENS}).json()
@@ -220,8 +268,16 @@ def test_the_push_request_carries_its_budget_beside_the_deadline():
 
     c.server.push = spy
     d = c.destination()
-    rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, ExtConfig(push_timeout_s=30),
-                       clock=Clock())
+    rec = PushReceiver(
+        D_SESSION,
+        d.bases,
+        BLEN,
+        BS,
+        NBLK,
+        FP,
+        ExtConfig(push_timeout_s=30),
+        clock=Clock(),
+    )
     try:
         rec.start([PushJob("r1", c.url, tuple(TOKENS), None, None, 0, (3, 4, 7))])
         end = time.monotonic() + 10

@@ -13,19 +13,41 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request  # module level: FastAPI resolves annotations by name
+from fastapi import (
+    FastAPI,
+    Request,
+)  # module level: FastAPI resolves annotations by name
 from fastapi.responses import JSONResponse
-from helpers import BS, C_SESSION, D_SESSION, DST_BLOCKS, FP, KV, NBLK, SCHED_FP, TOKENS, serve
+from helpers import (
+    BS,
+    C_SESSION,
+    D_SESSION,
+    DST_BLOCKS,
+    FP,
+    KV,
+    NBLK,
+    SCHED_FP,
+    TOKENS,
+    serve,
+    serve_routes,
+)
 from test_push_security import TOKEN, assert_landed, assert_push_ok, push_body
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import auth
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.client import SourceLanes
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import PushJob
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import (
-    register_routes,
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import auth
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+    SourceLanes,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    PushJob,
 )
 
 
@@ -34,6 +56,7 @@ def warnings_of(caplog) -> list[str]:
 
 
 # ---- push_from: an origin, nothing else ------------------------------------------------
+
 
 class Recorder:
     """An allowed source that records every request it gets (method, path, query)."""
@@ -58,20 +81,41 @@ def recorder():
 
 
 def scheduler_for(*sources: str) -> PushScheduler:
-    return PushScheduler(BS, ExtConfig(push_match_timeout_s=2, push_sources=sources), SCHED_FP)
+    return PushScheduler(
+        BS, ExtConfig(push_match_timeout_s=2, push_sources=sources), SCHED_FP
+    )
 
 
 def request_from(source, rid="r1"):
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(5 * BS)),
-                           kv_transfer_params={"push_from": source}, cache_salt=None,
-                           lora_request=None, num_computed_tokens=0,
-                           num_external_computed_tokens=0)
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=list(range(5 * BS)),
+        kv_transfer_params={"push_from": source},
+        cache_salt=None,
+        lora_request=None,
+        num_computed_tokens=0,
+        num_external_computed_tokens=0,
+    )
 
 
-@pytest.mark.parametrize("suffix", ["/push_blocks?", "/push_blocks#", "/push_blocks", "/x/",
-                                    "?a=1", "#f", "/?", "/match_blocks/../push_blocks",
-                                    "\\push_blocks", "/%2e%2e/push_blocks"])
-def test_push_from_with_a_path_query_or_fragment_is_refused_without_a_call(recorder, suffix):
+@pytest.mark.parametrize(
+    "suffix",
+    [
+        "/push_blocks?",
+        "/push_blocks#",
+        "/push_blocks",
+        "/x/",
+        "?a=1",
+        "#f",
+        "/?",
+        "/match_blocks/../push_blocks",
+        "\\push_blocks",
+        "/%2e%2e/push_blocks",
+    ],
+)
+def test_push_from_with_a_path_query_or_fragment_is_refused_without_a_call(
+    recorder, suffix
+):
     sched = scheduler_for(recorder.url)
     recorder.seen.clear()
     try:
@@ -113,12 +157,19 @@ def test_d_never_posts_to_a_path_its_caller_named(recorder):
     lanes = SourceLanes("t", 1)
     recorder.seen.clear()
     try:
-        for source in (recorder.url + "/push_blocks?", recorder.url + "/push_blocks#",
-                       recorder.url + "/x"):
+        for source in (
+            recorder.url + "/push_blocks?",
+            recorder.url + "/push_blocks#",
+            recorder.url + "/x",
+        ):
             with pytest.raises(ValueError):
                 lanes.post(source, "/match_blocks", b"{}", {}, time.monotonic() + 2)
-        assert lanes.post(recorder.url + "/", "/match_blocks", b"{}", {},
-                          time.monotonic() + 2).status == 404
+        assert (
+            lanes.post(
+                recorder.url + "/", "/match_blocks", b"{}", {}, time.monotonic() + 2
+            ).status
+            == 404
+        )
         assert recorder.seen == [("POST", "/match_blocks", "")]
     finally:
         lanes.shutdown()
@@ -126,13 +177,16 @@ def test_d_never_posts_to_a_path_its_caller_named(recorder):
 
 # ---- refusals in the log: bounded ----------------------------------------------------------
 
+
 def test_a_refused_source_is_warned_about_once_a_minute_not_per_request(caplog):
     sched = scheduler_for("http://c:9000")
     with caplog.at_level(logging.WARNING):
         for i in range(50):
             sched.get_num_new_matched_tokens(request_from("http://evil:80", f"a{i}"), 0)
         for i in range(50):
-            sched.get_num_new_matched_tokens(request_from("http://other:80", f"b{i}"), 0)
+            sched.get_num_new_matched_tokens(
+                request_from("http://other:80", f"b{i}"), 0
+            )
     refusals = [w for w in warnings_of(caplog) if "MOONCAKE_PUSH_SOURCES" in w]
     assert len(refusals) == 2, refusals
     assert sched.stats["refused_sources"] == 100
@@ -142,7 +196,9 @@ def test_a_client_varying_the_source_cannot_flood_the_log(caplog):
     sched = scheduler_for("http://c:9000")
     with caplog.at_level(logging.WARNING):
         for i in range(2000):
-            sched.get_num_new_matched_tokens(request_from(f"http://evil{i}:80", f"r{i}"), 0)
+            sched.get_num_new_matched_tokens(
+                request_from(f"http://evil{i}:80", f"r{i}"), 0
+            )
     refusals = [w for w in warnings_of(caplog) if "MOONCAKE_PUSH_SOURCES" in w]
     assert len(refusals) <= 300, len(refusals)
     assert sched.stats["refused_sources"] == 2000
@@ -157,10 +213,20 @@ def test_c_logs_the_requesters_id_printable_and_short(c_server, caplog):
     c = c_server(ExtConfig(bootstrap_host="127.0.0.1", push_timeout_s=30))
     d = c.destination()
     with caplog.at_level(logging.INFO):
-        assert_push_ok(c, d, c.post("/push_blocks", push_body(d, request_id=HOSTILE_ID)))
-        c.post("/push_blocks", push_body(d, session=C_SESSION, request_id=HOSTILE_ID))  # 409
-        c.post("/push_blocks", push_body(d, request_id=HOSTILE_ID,  # past its deadline
-                                         deadline_unix_ms=int(time.time() * 1000) - 1000))
+        assert_push_ok(
+            c, d, c.post("/push_blocks", push_body(d, request_id=HOSTILE_ID))
+        )
+        c.post(
+            "/push_blocks", push_body(d, session=C_SESSION, request_id=HOSTILE_ID)
+        )  # 409
+        c.post(
+            "/push_blocks",
+            push_body(
+                d,
+                request_id=HOSTILE_ID,  # past its deadline
+                deadline_unix_ms=int(time.time() * 1000) - 1000,
+            ),
+        )
     logged = [r.getMessage() for r in caplog.records if "push_blocks" in r.getMessage()]
     assert len(logged) >= 3, logged
     for line in logged:
@@ -170,10 +236,13 @@ def test_c_logs_the_requesters_id_printable_and_short(c_server, caplog):
 
 # ---- a restarted destination ---------------------------------------------------------------
 
+
 def push_via_receiver(c, d: KV, config: ExtConfig) -> int:
     rec = PushReceiver(D_SESSION, d.bases, FP.block_len, BS, NBLK, FP, config)
     try:
-        rec.start([PushJob("r1", c.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))])
+        rec.start(
+            [PushJob("r1", c.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))]
+        )
         end = time.monotonic() + 10
         while not (finished := rec.merge_finished(None)) and time.monotonic() < end:
             time.sleep(0.01)
@@ -183,7 +252,9 @@ def push_via_receiver(c, d: KV, config: ExtConfig) -> int:
         rec.shutdown()
 
 
-def test_a_restarted_destination_re_registers_its_layout_with_an_authenticated_push(c_server):
+def test_a_restarted_destination_re_registers_its_layout_with_an_authenticated_push(
+    c_server,
+):
     cfg = ExtConfig(bootstrap_token=TOKEN, push_max_tokens=64)
     c = c_server(cfg)
     before = c.destination()
@@ -202,8 +273,15 @@ def test_an_earlier_signed_push_cannot_change_a_layout(c_server):
     later = json.dumps(push_body(d, dst_num_blocks=NBLK - 1)).encode()
 
     def send(body, at):
-        return c.http.post("/push_blocks", content=body, headers={
-            "authorization": auth.sign(TOKEN, "POST", "/push_blocks", body, now_ms=at)})
+        return c.http.post(
+            "/push_blocks",
+            content=body,
+            headers={
+                "authorization": auth.sign(
+                    TOKEN, "POST", "/push_blocks", body, now_ms=at
+                )
+            },
+        )
 
     assert send(first, now).json()["status"] == "ok"
     r = send(later, now - 100)  # signed before the push that registered the layout
@@ -221,10 +299,10 @@ def test_without_authentication_a_layout_stays_pinned(c_server):
 
 # ---- a producer without prefix caching -----------------------------------------------------
 
+
 def test_a_producer_without_prefix_caching_says_retrying_will_not_help():
-    app = FastAPI()
-    register_routes(app, lambda: None, prefix_caching=False)
-    url, stop = serve(app)
+    open_ = ExtConfig(bootstrap_host="127.0.0.1")
+    url, stop = serve_routes(open_, push_here=False)
     try:
         for path in ("/match_blocks", "/push_blocks"):
             r = httpx.post(url + path, content=b"{}", timeout=10)
@@ -233,9 +311,7 @@ def test_a_producer_without_prefix_caching_says_retrying_will_not_help():
             assert "--enable-prefix-caching" in text and "will not help" in text, text
     finally:
         stop()
-    app = FastAPI()
-    register_routes(app, lambda: None)  # not ready yet: retrying will
-    url, stop = serve(app)
+    url, stop = serve_routes(open_)  # not ready yet: retrying will
     try:
         r = httpx.post(url + "/match_blocks", content=b"{}", timeout=10)
         assert r.status_code == 503 and "retry" in r.json()["detail"]
@@ -244,6 +320,7 @@ def test_a_producer_without_prefix_caching_says_retrying_will_not_help():
 
 
 # ---- C's counters under concurrency ----------------------------------------------------------
+
 
 def let_threads_switch_inside_updates(server) -> None:
     """Another thread may run between a counter's read and its write, and between
@@ -297,6 +374,8 @@ def test_cs_counters_add_up_and_read_whole_while_pushes_run_at_once(c_server):
     stats = dict(c.server.stats)
     pushes = threads * each
     assert stats["pushes"] == stats["ok"] == pushes, stats
-    assert (stats["bytes"], stats["entries"]) == (pushes * nbytes, pushes * entries), stats
+    assert (stats["bytes"], stats["entries"]) == (pushes * nbytes, pushes * entries), (
+        stats
+    )
     assert seen_torn[0] == 0, f"{seen_torn[0]} snapshots mid-update, e.g. {torn}"
     assert_landed(c.c, d)

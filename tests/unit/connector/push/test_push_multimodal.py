@@ -1,4 +1,4 @@
-"""connector/push/scheduler.py: which requests D may take a prefix push for.
+"""connector/push/decode_scheduler.py: which requests D may take a prefix push for.
 
 C matches a prompt by the hashes of its token ids alone (no image, audio or
 prompt embeddings, no LoRA weights), so a request whose KV depends on more than
@@ -14,16 +14,24 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.extension import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extension import (
     SchedulerExtension,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import KVFingerprint
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
 
 BS = 16
 SRC = "http://c:9000"
-FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1)
+FP = KVFingerprint(
+    model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1
+)
 
 
 def scheduler() -> tuple[PushScheduler, list[str]]:
@@ -42,11 +50,17 @@ def scheduler() -> tuple[PushScheduler, list[str]]:
 
 def request(rid="r1", params=None, **fields):
     """A stand-in of vllm.v1.request.Request with the attributes the push path reads."""
-    r = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(5 * BS + 3)),
-                        kv_transfer_params={"push_from": SRC} if params is None else params,
-                        cache_salt=None, lora_request=None, mm_features=[],
-                        prompt_embeds=None, num_computed_tokens=0,
-                        num_external_computed_tokens=0)
+    r = SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=list(range(5 * BS + 3)),
+        kv_transfer_params={"push_from": SRC} if params is None else params,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=[],
+        prompt_embeds=None,
+        num_computed_tokens=0,
+        num_external_computed_tokens=0,
+    )
     for k, v in fields.items():
         setattr(r, k, v)
     return r
@@ -54,8 +68,12 @@ def request(rid="r1", params=None, **fields):
 
 def image_feature():
     """What vLLM 0.18.1 keeps of an image in Request.mm_features."""
-    return SimpleNamespace(data=None, modality="image", identifier="img-0123",
-                           mm_position=SimpleNamespace(offset=4, length=32))
+    return SimpleNamespace(
+        data=None,
+        modality="image",
+        identifier="img-0123",
+        mm_position=SimpleNamespace(offset=4, length=32),
+    )
 
 
 def wait_asked(s: PushScheduler, r, timeout=5.0):
@@ -66,19 +84,26 @@ def wait_asked(s: PushScheduler, r, timeout=5.0):
 
 
 def warnings_of(caplog) -> list[str]:
-    return [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    return [
+        rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING
+    ]
 
 
 KINDS = {
     "image": dict(mm_features=[image_feature()]),
     "prompt embeddings": dict(prompt_embeds=object()),
-    "LoRA adapter": dict(lora_request=SimpleNamespace(lora_name="sql-adapter", lora_int_id=1,
-                                                      lora_path="/adapters/sql")),
+    "LoRA adapter": dict(
+        lora_request=SimpleNamespace(
+            lora_name="sql-adapter", lora_int_id=1, lora_path="/adapters/sql"
+        )
+    ),
 }
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_request_whose_kv_depends_on_more_than_its_tokens_is_prefilled_locally(kind, caplog):
+def test_a_request_whose_kv_depends_on_more_than_its_tokens_is_prefilled_locally(
+    kind, caplog
+):
     s, asked = scheduler()
     r = request(**KINDS[kind])
     with caplog.at_level(logging.WARNING):
@@ -87,7 +112,9 @@ def test_a_request_whose_kv_depends_on_more_than_its_tokens_is_prefilled_locally
         again = s.get_num_new_matched_tokens(r, 0)
     assert first == (0, False) and again == (0, False)
     assert asked == [], f"D asked the source to match a request with a {kind}"
-    s.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 0)
+    s.update_state_after_alloc(
+        r, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 0
+    )
     assert s.take_jobs() == []
     assert s.request_finished(r) is False
     (warning,) = [w for w in warnings_of(caplog) if "prefilling locally" in w]
@@ -99,7 +126,8 @@ def test_the_refusal_is_warned_about_once_not_for_every_request(caplog):
     with caplog.at_level(logging.WARNING):
         for i in range(50):
             assert s.get_num_new_matched_tokens(
-                request(f"r{i}", mm_features=[image_feature()]), 0) == (0, False)
+                request(f"r{i}", mm_features=[image_feature()]), 0
+            ) == (0, False)
     assert len([w for w in warnings_of(caplog) if "prefilling locally" in w]) == 1
 
 

@@ -29,21 +29,35 @@ import pytest
 import torch
 from helpers import filled_mirror, serve_push, wait_until
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.auth import request_headers
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.kv_reader import KVReader
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import server as server_mod
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    request_headers,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
+    KVReader,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
+    HashDelta,
+    HashEventKind,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import source_server
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
     PushJob,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hashing import to_pool_key
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
-    HashDelta,
-    HashEventKind,
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    PushServer,
 )
 
 BS, NBLK, BLEN, SLOTS = 4, 8, 256, 2
@@ -51,8 +65,14 @@ CFG = HashConfig("sha256", b"\x05" * 32)
 TOKENS = list(range(900, 900 + 3 * BS))
 C_BLOCKS = [5, 2, 6]
 DST = (3, 4, 7)
-FP = KVFingerprint(model="m", dtype="float32", block_size=BS, tp_size=1, block_len=BLEN,
-                   num_kv_tensors=SLOTS)
+FP = KVFingerprint(
+    model="m",
+    dtype="float32",
+    block_size=BS,
+    tp_size=1,
+    block_len=BLEN,
+    num_kv_tensors=SLOTS,
+)
 TOKEN = "proof-test-token"
 C_CONFIG = ExtConfig(bootstrap_host="127.0.0.1", bootstrap_token=TOKEN)
 D_CONFIG = ExtConfig(push_timeout_s=5, bootstrap_token=TOKEN)
@@ -61,18 +81,23 @@ SEEDS = [1, 2, 3, 7, 42]
 
 def kv(seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (NBLK * BLEN,), dtype=torch.uint8, generator=g)
-            for _ in range(SLOTS)]
+    return [
+        torch.randint(0, 256, (NBLK * BLEN,), dtype=torch.uint8, generator=g)
+        for _ in range(SLOTS)
+    ]
 
 
 def block(t, b):
-    return t[b * BLEN:(b + 1) * BLEN]
+    return t[b * BLEN : (b + 1) * BLEN]
 
 
 def stale_bytes(c_kv, d_kv, n=3):
     """Bytes of D's first ``n`` destination blocks that differ from C's source blocks."""
-    return sum(int((block(c, cb) != block(d, db)).sum())
-               for c, d in zip(c_kv, d_kv) for cb, db in zip(C_BLOCKS[:n], DST[:n]))
+    return sum(
+        int((block(c, cb) != block(d, db)).sum())
+        for c, d in zip(c_kv, d_kv)
+        for cb, db in zip(C_BLOCKS[:n], DST[:n])
+    )
 
 
 class Log:
@@ -100,17 +125,29 @@ class Source(PushServer):
     def __init__(self, c_kv, d_kv, words=None, log=None, clock=time.monotonic, held=3):
         sync = filled_mirror(BS, TOKENS, C_BLOCKS[:held], CFG)
         self.c_kv, self.d_kv, self.words, self.log = c_kv, d_kv, words, log or Log()
-        super().__init__(sync, self._engine, [t.data_ptr() for t in c_kv], BLEN, FP, "c:1",
-                         C_CONFIG, reader=KVReader(c_kv, BLEN, NBLK).read, clock=clock)
+        super().__init__(
+            sync,
+            self._engine,
+            [t.data_ptr() for t in c_kv],
+            BLEN,
+            FP,
+            "c:1",
+            C_CONFIG,
+            reader=KVReader(c_kv, BLEN, NBLK).read,
+            clock=clock,
+        )
 
     def _copy(self, i, slot, off, n=8):
         src, dst = C_BLOCKS[i] * BLEN + off, DST[i] * BLEN + off
-        self.d_kv[slot][dst:dst + n] = self.c_kv[slot][src:src + n]
+        self.d_kv[slot][dst : dst + n] = self.c_kv[slot][src : src + n]
 
     def _engine(self, session, src, dst, lens):
         self.log("c: write starts")
-        for i, slot, off in (self._body_words if self.words else
-                             [(i, s, 0) for i in range(3) for s in range(SLOTS)]):
+        for i, slot, off in (
+            self._body_words
+            if self.words
+            else [(i, s, 0) for i in range(3) for s in range(SLOTS)]
+        ):
             self._copy(i, slot, off, 8 if self.words else BLEN)
         self.log("c: write returns")
         return 0
@@ -134,17 +171,34 @@ def probes_or_guess(body):
     """The words D checks if the push names them, else a guess: the first word of
     each block and tensor, the second of the first block (8 words, 64 bytes)."""
     told = [tuple(p) for p in body.get("probes", [])]
-    return told or [(i, s, 0) for i in range(3) for s in range(SLOTS)] + [(0, 0, 8), (0, 1, 8)]
+    return told or [(i, s, 0) for i in range(3) for s in range(SLOTS)] + [
+        (0, 0, 8),
+        (0, 1, 8),
+    ]
 
 
 def first_half(body):
-    return [(i, s, off) for i in range(3) for s in range(SLOTS) for off in range(0, BLEN // 2, 8)]
+    return [
+        (i, s, off)
+        for i in range(3)
+        for s in range(SLOTS)
+        for off in range(0, BLEN // 2, 8)
+    ]
 
 
 class Receiver:
     def __init__(self, d_kv, seed, reader=None, config=D_CONFIG, **kw):
-        self.rec = PushReceiver("d:1", [t.data_ptr() for t in d_kv], BLEN, BS, NBLK, FP,
-                                config, kv=reader or KVReader(d_kv, BLEN, NBLK), **kw)
+        self.rec = PushReceiver(
+            "d:1",
+            [t.data_ptr() for t in d_kv],
+            BLEN,
+            BS,
+            NBLK,
+            FP,
+            config,
+            kv=reader or KVReader(d_kv, BLEN, NBLK),
+            **kw,
+        )
         self.rec._rng = random.Random(seed)
 
     def push(self, url):
@@ -177,8 +231,10 @@ def test_a_source_writing_only_the_probed_words_gets_no_block(seed):
     guessed words (64 of 1536 bytes), and the words a proof asks for once asked."""
     landed, stale, _ = run(probes_or_guess, seed)
     assert stale >= 1536 - 64 - 16 * 8, stale
-    assert landed == 0, (f"D accepted {landed} of 3 blocks of which {stale} of 1536 bytes "
-                         "were never written by the source")
+    assert landed == 0, (
+        f"D accepted {landed} of 3 blocks of which {stale} of 1536 bytes "
+        "were never written by the source"
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -212,7 +268,9 @@ class Lying(Source):
         return code, out
 
 
-@pytest.mark.parametrize("lie", ["no id", "other bytes", "fewer bytes", "failed", "slow"])
+@pytest.mark.parametrize(
+    "lie", ["no id", "other bytes", "fewer bytes", "failed", "slow"]
+)
 def test_an_unproven_push_counts_no_block_and_ends_without_waiting_for_the_hold(lie):
     """D waits for a proof no longer than for a match (MOONCAKE_PUSH_MATCH_TIMEOUT_S):
     the write has returned, nothing more can land."""
@@ -221,8 +279,13 @@ def test_an_unproven_push_counts_no_block_and_ends_without_waiting_for_the_hold(
     url, stop = serve_push(src)
     try:
         t0 = time.monotonic()
-        landed = Receiver(d_kv, 1, config=ExtConfig(push_timeout_s=5, push_match_timeout_s=0.5,
-                                                     bootstrap_token=TOKEN)).push(url)
+        landed = Receiver(
+            d_kv,
+            1,
+            config=ExtConfig(
+                push_timeout_s=5, push_match_timeout_s=0.5, bootstrap_token=TOKEN
+            ),
+        ).push(url)
         took = time.monotonic() - t0
     finally:
         stop()
@@ -231,6 +294,7 @@ def test_an_unproven_push_counts_no_block_and_ends_without_waiting_for_the_hold(
 
 
 # ---- C's /push_proof -------------------------------------------------------------------
+
 
 class Clock:
     def __init__(self):
@@ -241,10 +305,17 @@ class Clock:
 
 
 def push_body(**over):
-    body = {"token_ids": TOKENS, "block_size": BS, "dst_session": "127.0.0.1:17002",
-            "dst_kv_base_addrs": [1 << 20, 2 << 20], "dst_block_ids": list(DST),
-            "deadline_unix_ms": int(time.time() * 1000) + 60_000, "dst_num_blocks": NBLK,
-            "fingerprint": FP.model_dump(), "block_len": BLEN}
+    body = {
+        "token_ids": TOKENS,
+        "block_size": BS,
+        "dst_session": "127.0.0.1:17002",
+        "dst_kv_base_addrs": [1 << 20, 2 << 20],
+        "dst_block_ids": list(DST),
+        "deadline_unix_ms": int(time.time() * 1000) + 60_000,
+        "dst_num_blocks": NBLK,
+        "fingerprint": FP.model_dump(),
+        "block_len": BLEN,
+    }
     body.update(over)
     return json.dumps(body)
 
@@ -262,7 +333,7 @@ def pushed(src, **over):
 
 def c_value(c_kv, i, slot, off):
     start = C_BLOCKS[i] * BLEN + off
-    return bytes(c_kv[slot][start:start + 8].tolist()).hex()
+    return bytes(c_kv[slot][start : start + 8].tolist()).hex()
 
 
 def test_proof_answers_the_source_bytes_once():
@@ -281,7 +352,12 @@ def test_proof_refuses_an_unknown_id():
     src = Source(kv(1), kv(2))
     pushed(src)
     real = pushed(src)["push_id"]
-    for push_id in ["nope", "", "x" * 65, real[:-1] + ("A" if real[-1] != "A" else "B")]:
+    for push_id in [
+        "nope",
+        "",
+        "x" * 65,
+        real[:-1] + ("A" if real[-1] != "A" else "B"),
+    ]:
         code, ans = src.proof(proof_body(push_id, [(0, 0, 0)]))
         assert code in (404, 422) and "probe_values" not in ans, (push_id, code, ans)
 
@@ -298,25 +374,37 @@ def test_proof_refuses_an_expired_id():
 
 
 def test_remembered_pushes_are_bounded(monkeypatch):
-    monkeypatch.setattr(server_mod, "PROOFS_KEPT", 2)
+    monkeypatch.setattr(source_server, "PROOFS_KEPT", 2)
     src = Source(kv(1), kv(2))
     ids = [pushed(src)["push_id"] for _ in range(3)]
-    assert src.proof(proof_body(ids[0], [(0, 0, 0)]))[0] == 404  # the oldest was dropped
+    assert (
+        src.proof(proof_body(ids[0], [(0, 0, 0)]))[0] == 404
+    )  # the oldest was dropped
     assert src.proof(proof_body(ids[2], [(0, 0, 0)]))[0] == 200
 
 
 def test_remembered_blocks_are_bounded(monkeypatch):
-    monkeypatch.setattr(server_mod, "PROOF_BLOCKS_KEPT", 5)  # room for one 3-block push
+    monkeypatch.setattr(
+        source_server, "PROOF_BLOCKS_KEPT", 5
+    )  # room for one 3-block push
     src = Source(kv(1), kv(2))
     ids = [pushed(src)["push_id"] for _ in range(2)]
     assert src.proof(proof_body(ids[0], [(0, 0, 0)]))[0] == 404
     assert src.proof(proof_body(ids[1], [(0, 0, 0)]))[0] == 200
 
 
-@pytest.mark.parametrize("probe", [
-    (3, 0, 0),  # a block not pushed (3 asked)
-    (-1, 0, 0), (0, SLOTS, 0), (0, -1, 0), (0, 0, BLEN - 7), (0, 0, -8), (0, 0, 2**40),
-])
+@pytest.mark.parametrize(
+    "probe",
+    [
+        (3, 0, 0),  # a block not pushed (3 asked)
+        (-1, 0, 0),
+        (0, SLOTS, 0),
+        (0, -1, 0),
+        (0, 0, BLEN - 7),
+        (0, 0, -8),
+        (0, 0, 2**40),
+    ],
+)
 def test_proof_refuses_positions_outside_the_pushed_blocks(probe):
     src = Source(kv(1), kv(2))
     code, ans = src.proof(proof_body(pushed(src)["push_id"], [(0, 0, 0), probe]))
@@ -344,8 +432,11 @@ def test_proof_fails_once_a_pushed_block_was_reused():
     src = Source(kv(1), kv(2))
     out = pushed(src)
     hashes = src.sync.prompt_hashes(TOKENS, None, None)
-    src.sync.on_metadata(HashDelta(events=[(HashEventKind.REMOVED, to_pool_key(hashes[1]), 2)],
-                                   hash_config=CFG))
+    src.sync.on_metadata(
+        HashDelta(
+            events=[(HashEventKind.REMOVED, to_pool_key(hashes[1]), 2)], hash_config=CFG
+        )
+    )
     src.sync.after_step()
     code, ans = src.proof(proof_body(out["push_id"], [(0, 0, 0)]))
     assert code == 200 and ans["status"] == "failed" and not ans["probe_values"], ans
@@ -358,14 +449,20 @@ def test_proof_over_http_is_authenticated_like_every_endpoint():
 
     def post(body, config=D_CONFIG):
         body = body.encode() if isinstance(body, str) else body
-        return httpx.post(url + "/push_proof", content=body,
-                          headers=request_headers(config, "POST", "/push_proof", body))
+        return httpx.post(
+            url + "/push_proof",
+            content=body,
+            headers=request_headers(config, "POST", "/push_proof", body),
+        )
 
     try:
         body = proof_body(pushed(src)["push_id"], [(0, 0, 0)])
         for headers in ({}, {"authorization": f"Bearer {TOKEN}"}):
-            r = httpx.post(url + "/push_proof", content=body,
-                           headers={**headers, "content-type": "application/json"})
+            r = httpx.post(
+                url + "/push_proof",
+                content=body,
+                headers={**headers, "content-type": "application/json"},
+            )
             assert r.status_code == 401, r.text
         assert post(body, ExtConfig(bootstrap_token="another")).status_code == 401
         assert post(b"{" + b" " * (1 << 16) + b"}").status_code == 413
@@ -378,6 +475,7 @@ def test_proof_over_http_is_authenticated_like_every_endpoint():
 
 
 # ---- GPU ordering (fake events, as tests/unit/test_gpu_order.py) -----------------------
+
 
 class FakeEvent:
     def __init__(self, log):
@@ -433,7 +531,9 @@ def test_canaries_complete_before_the_push_and_d_reads_between_write_and_proof(s
     assert len(events) == 1, e
     planted, recorded = log.all("d: canary copy queued"), log.index("d: event recorded")
     assert planted and max(planted) < recorded, e
-    assert recorded < log.index("d: canaries synchronized") < log.index("c: push received"), e
+    assert (
+        recorded < log.index("d: canaries synchronized") < log.index("c: push received")
+    ), e
     reads = log.all("d: read")
     assert reads and log.index("c: write returns") < min(reads), e
     assert max(reads) < log.index("c: proof received"), e

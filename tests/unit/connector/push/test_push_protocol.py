@@ -17,7 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
 BS = 16
 NT = 4  # KV tensors registered by the serving instance
 NBLK = 64  # the destination's KV cache: blocks per tensor
-FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1)
+FP = KVFingerprint(
+    model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1
+)
 
 
 def body(**over):
@@ -52,7 +54,11 @@ def test_valid_request():
     # Fewer destination blocks than full blocks is fine (D may want a shorter prefix).
     check(body(dst_block_ids=[3]))
     check(body(dst_session="[::1]:5000", cache_salt="s", lora_name="l"))
-    minimal = {k: v for k, v in body().items() if k not in ("cache_salt", "lora_name", "request_id")}
+    minimal = {
+        k: v
+        for k, v in body().items()
+        if k not in ("cache_salt", "lora_name", "request_id")
+    }
     check(minimal)
     check(body(budget_ms=30_000))  # the relative budget beside the deadline (optional)
 
@@ -98,9 +104,19 @@ def test_invalid_names_field(over, field):
     assert ei.value.message
 
 
-@pytest.mark.parametrize("missing", ["token_ids", "block_size", "dst_session",
-                                     "dst_kv_base_addrs", "dst_block_ids",
-                                     "deadline_unix_ms", "dst_num_blocks", "fingerprint"])
+@pytest.mark.parametrize(
+    "missing",
+    [
+        "token_ids",
+        "block_size",
+        "dst_session",
+        "dst_kv_base_addrs",
+        "dst_block_ids",
+        "deadline_unix_ms",
+        "dst_num_blocks",
+        "fingerprint",
+    ],
+)
 def test_missing_required_field(missing):
     b = body()
     del b[missing]
@@ -115,11 +131,24 @@ def test_body_not_an_object():
 
 
 def test_response_model():
-    r = PushBlocksResponse(status="ok", matched_blocks=3, matched_tokens=48,
-                           total_full_blocks=3, message="")
-    assert r.model_dump() == {"status": "ok", "matched_blocks": 3, "matched_tokens": 48,
-                              "pushed_blocks": 0, "total_full_blocks": 3, "bytes": 0,
-                              "seconds": 0.0, "message": "", "push_id": None}
+    r = PushBlocksResponse(
+        status="ok",
+        matched_blocks=3,
+        matched_tokens=48,
+        total_full_blocks=3,
+        message="",
+    )
+    assert r.model_dump() == {
+        "status": "ok",
+        "matched_blocks": 3,
+        "matched_tokens": 48,
+        "pushed_blocks": 0,
+        "total_full_blocks": 3,
+        "bytes": 0,
+        "seconds": 0.0,
+        "message": "",
+        "push_id": None,
+    }
     with pytest.raises(ValueError):
         PushBlocksResponse(status="maybe")
     assert PushBlocksRequest.model_json_schema()["required"]
@@ -144,12 +173,19 @@ def test_block_len_must_match_when_given():
 
 
 def test_match_answer_must_carry_what_the_hold_needs():
-    answer = {"matched_blocks": 3, "matched_tokens": 48, "total_full_blocks": 3,
-              "fingerprint": FP.model_dump(), "engine_timeout_s": 30,
-              "now_unix_ms": 1_700_000_000_000}
+    answer = {
+        "matched_blocks": 3,
+        "matched_tokens": 48,
+        "total_full_blocks": 3,
+        "fingerprint": FP.model_dump(),
+        "engine_timeout_s": 30,
+        "now_unix_ms": 1_700_000_000_000,
+    }
     assert MatchBlocksResponse.model_validate(answer).engine_timeout_s == 30
     for missing in ("engine_timeout_s", "now_unix_ms"):
         with pytest.raises(ValueError):
-            MatchBlocksResponse.model_validate({k: v for k, v in answer.items() if k != missing})
+            MatchBlocksResponse.model_validate(
+                {k: v for k, v in answer.items() if k != missing}
+            )
     with pytest.raises(ValueError):
         MatchBlocksResponse.model_validate({**answer, "engine_timeout_s": 30.0})

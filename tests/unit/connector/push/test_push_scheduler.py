@@ -1,4 +1,4 @@
-"""connector/push/scheduler.py and push/receiver.py: D's side of a prefix push.
+"""connector/push/decode_scheduler.py and push/receiver.py: D's side of a prefix push.
 Pure logic (C's /match_blocks and /push_blocks answers are stubbed); the real
 path runs in tests/integration/test_push.py."""
 
@@ -9,20 +9,30 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.client import Answer
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+    Answer,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
     PushJob,
     PushOutcome,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
 
 BS = 16
 SRC = "http://c:9000"
 # what D's scheduler knows of its KV cache, and C's (worker side: also bytes per block)
-FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1)
+FP = KVFingerprint(
+    model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1
+)
 C_FP = FP.model_copy(update={"block_len": 64, "num_kv_tensors": 2})
 SCHED_CONFIG = ExtConfig(push_match_timeout_s=1, push_sources=(SRC,))
 
@@ -32,10 +42,15 @@ def scheduler():
 
 
 def req(rid="r1", n_tokens=5 * BS + 3, params=None, salt=None):
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n_tokens)),
-                           kv_transfer_params={"push_from": SRC + "/"} if params is None else params,
-                           cache_salt=salt, lora_request=None, num_computed_tokens=0,
-                           num_external_computed_tokens=0)
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=list(range(n_tokens)),
+        kv_transfer_params={"push_from": SRC + "/"} if params is None else params,
+        cache_salt=salt,
+        lora_request=None,
+        num_computed_tokens=0,
+        num_external_computed_tokens=0,
+    )
 
 
 class Blocks:
@@ -53,16 +68,28 @@ def http_answer(code, body):
 
 def matched(sched, r, local_tokens=0, answer=4):
     """C's /match_blocks answers `answer` held blocks (or raises it)."""
+
     def post(source, path, content, headers, deadline):
         assert source + path == SRC + "/match_blocks"
-        assert json.loads(content) == {"token_ids": r.prompt_token_ids, "cache_salt": r.cache_salt,
-                                       "lora_name": None}
+        assert json.loads(content) == {
+            "token_ids": r.prompt_token_ids,
+            "cache_salt": r.cache_salt,
+            "lora_name": None,
+        }
         if isinstance(answer, Exception):
             raise answer
         full = len(r.prompt_token_ids) // BS
-        return http_answer(200, {"matched_blocks": answer, "matched_tokens": answer * BS,
-                                 "total_full_blocks": full, "fingerprint": C_FP.model_dump(),
-                                 "engine_timeout_s": 30, "now_unix_ms": int(time.time() * 1000)})
+        return http_answer(
+            200,
+            {
+                "matched_blocks": answer,
+                "matched_tokens": answer * BS,
+                "total_full_blocks": full,
+                "fingerprint": C_FP.model_dump(),
+                "engine_timeout_s": 30,
+                "now_unix_ms": int(time.time() * 1000),
+            },
+        )
 
     sched._lanes.post = post
     assert sched.get_num_new_matched_tokens(r, local_tokens) == (None, False)
@@ -85,7 +112,11 @@ def test_held_blocks_become_async_external_tokens():
     assert matched(s, r) == (4 * BS, True)
     s.update_state_after_alloc(r, Blocks([30, 31, 32, 33, 34]), 4 * BS)
     (job,) = s.take_jobs()
-    assert job.source == SRC and job.first_block == 0 and job.dst_block_ids == (30, 31, 32, 33)
+    assert (
+        job.source == SRC
+        and job.first_block == 0
+        and job.dst_block_ids == (30, 31, 32, 33)
+    )
     assert s.take_jobs() == []
 
 
@@ -124,8 +155,14 @@ def test_blocks_that_did_not_land_are_prefilled_locally():
     assert s.get_num_new_matched_tokens(r, BS) == (0, False)
     assert s.take_jobs() == []
     assert s.request_finished(r) is False
-    assert s.stats == {"requests": 1, "pushed_blocks": 1, "fallback_blocks": 3, "match_failed": 0,
-                       "refused_sources": 0, "refused_clock_skew": 0}
+    assert s.stats == {
+        "requests": 1,
+        "pushed_blocks": 1,
+        "fallback_blocks": 3,
+        "match_failed": 0,
+        "refused_sources": 0,
+        "refused_clock_skew": 0,
+    }
 
 
 def test_full_landing_changes_nothing():
@@ -158,12 +195,15 @@ WALL = 1_700_000_000.0  # D's wall clock (s), fixed
 CONFIG = ExtConfig(push_timeout_s=1.0)
 
 
-@pytest.mark.parametrize("answer,landed", [
-    ((200, {"status": "ok", "pushed_blocks": 3, "bytes": 3 * 64 * 2}), 3),
-    ((200, {"status": "failed", "pushed_blocks": 0, "message": "x"}), 0),
-    ((422, {"detail": {"field": "block_len"}}), 0),
-    (TimeoutError("slow"), 0),
-])
+@pytest.mark.parametrize(
+    "answer,landed",
+    [
+        ((200, {"status": "ok", "pushed_blocks": 3, "bytes": 3 * 64 * 2}), 3),
+        ((200, {"status": "failed", "pushed_blocks": 0, "message": "x"}), 0),
+        ((422, {"detail": {"field": "block_len"}}), 0),
+        (TimeoutError("slow"), 0),
+    ],
+)
 def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, landed):
     posted = threading.Event()
 
@@ -179,8 +219,17 @@ def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, 
         return http_answer(*answer)
 
     clock = Clock()
-    rec = PushReceiver("d:1", [100, 200], 64, BS, 16, C_FP, CONFIG, clock=clock,
-                       wall_clock=lambda: WALL)
+    rec = PushReceiver(
+        "d:1",
+        [100, 200],
+        64,
+        BS,
+        16,
+        C_FP,
+        CONFIG,
+        clock=clock,
+        wall_clock=lambda: WALL,
+    )
     monkeypatch.setattr(rec._lanes, "post", post)
     job = PushJob("r1", SRC, tuple(range(80)), None, None, 1, (5, 6, 7))
     rec.start([job])
@@ -215,7 +264,13 @@ def test_a_push_whose_request_finished_keeps_no_state_once_it_ended():
     assert s.request_finished(r) is True  # C may still be writing: keep the blocks
     s.on_worker_meta(PushOutcome({"r1": 0}))
     s.take_jobs()  # the next step
-    assert (s._ended, s._inflight, s._matches, s._times, s._planned) == (set(), {}, {}, {}, {})
+    assert (s._ended, s._inflight, s._matches, s._times, s._planned) == (
+        set(),
+        {},
+        {},
+        {},
+        {},
+    )
 
 
 def test_a_request_finished_before_its_job_reached_the_worker_frees_its_blocks_at_once():

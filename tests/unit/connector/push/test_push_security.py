@@ -18,6 +18,7 @@ destination's bytes are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import random
@@ -31,7 +32,10 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
-from fastapi import FastAPI, Request  # module level: FastAPI resolves annotations by name
+from fastapi import (
+    FastAPI,
+    Request,
+)  # module level: FastAPI resolves annotations by name
 from fastapi.responses import Response
 from helpers import (
     BLEN,
@@ -53,19 +57,27 @@ from helpers import (
     serve,
 )
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import auth
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.auth import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import auth
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
     EndpointGuard,
     client_headers,
     request_headers,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ConfigError,
     ExtConfig,
     is_loopback,
     normalize_source,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.client import Answer
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+    Answer,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
     PushBlocksResponse,
@@ -74,8 +86,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
     parse_push_request,
     validate,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
 
 TOKEN = "tok-3f9c2a7e51"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -83,8 +93,13 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 # ---- shared pieces ------------------------------------------------------------------
 
+
 def changed_bytes(before: bytes, after: bytes) -> int:
-    return int(np.count_nonzero(np.frombuffer(before, np.uint8) != np.frombuffer(after, np.uint8)))
+    return int(
+        np.count_nonzero(
+            np.frombuffer(before, np.uint8) != np.frombuffer(after, np.uint8)
+        )
+    )
 
 
 @pytest.fixture
@@ -92,19 +107,32 @@ def c_servers(c_server):
     """conftest's c_server, but a C without a config of its own requires TOKEN and
     takes at most 64 tokens."""
 
-    def make(config: ExtConfig | None = None, fingerprint: KVFingerprint = FP) -> CServer:
-        return c_server(config or ExtConfig(bootstrap_token=TOKEN, push_max_tokens=64),
-                        fingerprint)
+    def make(
+        config: ExtConfig | None = None, fingerprint: KVFingerprint = FP
+    ) -> CServer:
+        return c_server(
+            config or ExtConfig(bootstrap_token=TOKEN, push_max_tokens=64), fingerprint
+        )
 
     return make
 
 
 def push_body(d: KV, session: str = D_SESSION, **over) -> dict:
-    b = {"token_ids": TOKENS, "cache_salt": None, "lora_name": None, "block_size": BS,
-         "dst_session": session, "dst_kv_base_addrs": d.bases, "dst_block_ids": DST_BLOCKS,
-         "first_block": 0, "block_len": BLEN, "request_id": "r1",
-         "deadline_unix_ms": int(time.time() * 1000) + 60_000, "dst_num_blocks": NBLK,
-         "fingerprint": FP.model_dump()}
+    b = {
+        "token_ids": TOKENS,
+        "cache_salt": None,
+        "lora_name": None,
+        "block_size": BS,
+        "dst_session": session,
+        "dst_kv_base_addrs": d.bases,
+        "dst_block_ids": DST_BLOCKS,
+        "first_block": 0,
+        "block_len": BLEN,
+        "request_id": "r1",
+        "deadline_unix_ms": int(time.time() * 1000) + 60_000,
+        "dst_num_blocks": NBLK,
+        "fingerprint": FP.model_dump(),
+    }
     b.update(over)
     return b
 
@@ -127,23 +155,43 @@ def assert_push_ok(c_srv: CServer, d: KV, r: httpx.Response) -> None:
 
 # ---- a) EndpointGuard ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1", "10.1.2.3"])
 @pytest.mark.parametrize("insecure", [False, True])
 def test_token_is_required_when_set(host, insecure):
-    g = EndpointGuard(ExtConfig(bootstrap_token=TOKEN, bootstrap_host=host,
-                                bootstrap_insecure=insecure))
+    g = EndpointGuard(
+        ExtConfig(
+            bootstrap_token=TOKEN, bootstrap_host=host, bootstrap_insecure=insecure
+        )
+    )
     assert g.check(f"Bearer {TOKEN}") is None
     assert g.check(f"bearer {TOKEN}") is None  # the scheme is case-insensitive
-    for header in [None, "", TOKEN, "Bearer", "Bearer ", f"Basic {TOKEN}", f"Token {TOKEN}",
-                   f"Bearer {TOKEN[:-1]}", f"Bearer {TOKEN}x", f"Bearer x{TOKEN}",
-                   f"Bearer {TOKEN.upper()}", f"Bearer  {TOKEN}", f"Bearer {TOKEN} ",
-                   f"Bearer {TOKEN} {TOKEN}", "Bearer wrong", "Bearer \u00e9t\u00e9"]:
+    for header in [
+        None,
+        "",
+        TOKEN,
+        "Bearer",
+        "Bearer ",
+        f"Basic {TOKEN}",
+        f"Token {TOKEN}",
+        f"Bearer {TOKEN[:-1]}",
+        f"Bearer {TOKEN}x",
+        f"Bearer x{TOKEN}",
+        f"Bearer {TOKEN.upper()}",
+        f"Bearer  {TOKEN}",
+        f"Bearer {TOKEN} ",
+        f"Bearer {TOKEN} {TOKEN}",
+        "Bearer wrong",
+        "Bearer \u00e9t\u00e9",
+    ]:
         denied = g.check(header)
         assert denied is not None and denied[0] == 401, (header, denied)
         assert TOKEN not in denied[1]  # the reason never echoes the secret
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.10", "localhost", "::1", "[::1]"])
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "127.8.9.10", "localhost", "::1", "[::1]"]
+)
 def test_no_token_on_loopback_is_open(host):
     assert is_loopback(host)
     g = EndpointGuard(ExtConfig(bootstrap_host=host))
@@ -151,8 +199,18 @@ def test_no_token_on_loopback_is_open(host):
         assert g.check(header) is None
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "192.168.0.7", "example.com",
-                                  "127.example.com", "localhost.evil"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "0.0.0.0",
+        "::",
+        "10.1.2.3",
+        "192.168.0.7",
+        "example.com",
+        "127.example.com",
+        "localhost.evil",
+    ],
+)
 def test_no_token_on_another_bind_is_closed(host):
     assert not is_loopback(host)
     g = EndpointGuard(ExtConfig(bootstrap_host=host))
@@ -161,21 +219,36 @@ def test_no_token_on_another_bind_is_closed(host):
         assert denied is not None and denied[0] == 403, (host, header, denied)
         assert "MOONCAKE_BOOTSTRAP_TOKEN" in denied[1] and host in denied[1]
     # the explicit opt-out for a trusted network
-    assert EndpointGuard(ExtConfig(bootstrap_host=host, bootstrap_insecure=True)).check(None) \
+    assert (
+        EndpointGuard(ExtConfig(bootstrap_host=host, bootstrap_insecure=True)).check(
+            None
+        )
         is None
+    )
 
 
 def test_guard_from_the_environment():
     closed = EndpointGuard(ExtConfig.from_env({"MOONCAKE_BOOTSTRAP_TOKEN": ""}))
-    assert closed.check(None)[0] == 403  # an empty token is no token; default bind 0.0.0.0
-    cfg = ExtConfig.from_env({"MOONCAKE_BOOTSTRAP_TOKEN": TOKEN,
-                              "MOONCAKE_BOOTSTRAP_HOST": " 10.0.0.1 "})
+    assert (
+        closed.check(None)[0] == 403
+    )  # an empty token is no token; default bind 0.0.0.0
+    cfg = ExtConfig.from_env(
+        {"MOONCAKE_BOOTSTRAP_TOKEN": TOKEN, "MOONCAKE_BOOTSTRAP_HOST": " 10.0.0.1 "}
+    )
     assert cfg.bootstrap_host == "10.0.0.1" and cfg.bootstrap_token == TOKEN
     assert EndpointGuard(cfg).check(f"Bearer {TOKEN}") is None
-    assert EndpointGuard(ExtConfig.from_env({"MOONCAKE_BOOTSTRAP_INSECURE": "1"})).check(None) \
+    assert (
+        EndpointGuard(ExtConfig.from_env({"MOONCAKE_BOOTSTRAP_INSECURE": "1"})).check(
+            None
+        )
         is None
-    assert EndpointGuard(ExtConfig.from_env({"MOONCAKE_BOOTSTRAP_HOST": "127.0.0.1"})).check(
-        None) is None
+    )
+    assert (
+        EndpointGuard(
+            ExtConfig.from_env({"MOONCAKE_BOOTSTRAP_HOST": "127.0.0.1"})
+        ).check(None)
+        is None
+    )
 
 
 def test_token_is_compared_with_hmac_compare_digest(monkeypatch):
@@ -189,13 +262,21 @@ def test_token_is_compared_with_hmac_compare_digest(monkeypatch):
     g = EndpointGuard(ExtConfig(bootstrap_token=TOKEN))
     assert g.check(f"Bearer {TOKEN}") is None
     assert g.check("Bearer nope")[0] == 401
-    assert g.check(f"Bearer {TOKEN}" + "0" * 1000)[0] == 401  # other length: no exception
-    assert calls == [(TOKEN.encode(), TOKEN.encode()), (b"nope", TOKEN.encode()),
-                     ((TOKEN + "0" * 1000).encode(), TOKEN.encode())]
+    assert (
+        g.check(f"Bearer {TOKEN}" + "0" * 1000)[0] == 401
+    )  # other length: no exception
+    assert calls == [
+        (TOKEN.encode(), TOKEN.encode()),
+        (b"nope", TOKEN.encode()),
+        ((TOKEN + "0" * 1000).encode(), TOKEN.encode()),
+    ]
 
 
 def test_d_sends_the_token():
-    assert client_headers(ExtConfig(bootstrap_token=TOKEN))["authorization"] == f"Bearer {TOKEN}"
+    assert (
+        client_headers(ExtConfig(bootstrap_token=TOKEN))["authorization"]
+        == f"Bearer {TOKEN}"
+    )
     assert "authorization" not in client_headers(ExtConfig())
 
 
@@ -203,31 +284,68 @@ def test_guard_over_http(c_servers):
     """Every route of this series answers 401/403 before reading a body or writing."""
     c = c_servers()  # token set
     d = c.destination()
-    for headers in [{}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {TOKEN}"}]:
+    for headers in [
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": f"Basic {TOKEN}"},
+    ]:
         assert c.post("/push_blocks", push_body(d), headers=headers).status_code == 401
-        assert c.post("/match_blocks", {"token_ids": TOKENS}, headers=headers).status_code == 401
+        assert (
+            c.post("/match_blocks", {"token_ids": TOKENS}, headers=headers).status_code
+            == 401
+        )
         assert c.http.get("/hashsync", headers=headers).status_code == 401
         assert c.http.get("/layerwise/transfers", headers=headers).status_code == 401
     assert c.http.get("/hashsync", headers=AUTH).status_code == 200
-    assert c.http.get("/layerwise/transfers", headers=AUTH).status_code == 404  # not enabled
+    assert (
+        c.http.get("/layerwise/transfers", headers=AUTH).status_code == 404
+    )  # not enabled
     assert c.engine.log == [] and d.untouched()
 
     closed = c_servers(ExtConfig())  # no token, default bind 0.0.0.0
     d2 = closed.destination()
     for headers in [{}, AUTH]:
-        assert closed.post("/push_blocks", push_body(d2), headers=headers).status_code == 403
-        assert closed.post("/match_blocks", {"token_ids": TOKENS},
-                           headers=headers).status_code == 403
+        assert (
+            closed.post("/push_blocks", push_body(d2), headers=headers).status_code
+            == 403
+        )
+        assert (
+            closed.post(
+                "/match_blocks", {"token_ids": TOKENS}, headers=headers
+            ).status_code
+            == 403
+        )
         assert closed.http.get("/hashsync", headers=headers).status_code == 403
     assert closed.engine.log == [] and d2.untouched()
 
-    for cfg in [ExtConfig(bootstrap_insecure=True), ExtConfig(bootstrap_host="127.0.0.1")]:
+    for cfg in [
+        ExtConfig(bootstrap_insecure=True),
+        ExtConfig(bootstrap_host="127.0.0.1"),
+    ]:
         open_ = c_servers(cfg)
         d3 = open_.destination()
         assert_push_ok(open_, d3, open_.post("/push_blocks", push_body(d3), headers={}))
 
 
+def test_push_stats_have_their_own_route_behind_the_guard(c_servers):
+    """C's push counters are served as GET /push/stats (bearer), not inside the
+    block-hash mirror's /hashsync."""
+    c = c_servers()  # token set
+    d = c.destination()
+    for headers in [{}, {"authorization": "Bearer wrong"}]:
+        assert c.http.get("/push/stats", headers=headers).status_code == 401
+    assert c.http.get("/push/stats", headers=AUTH).json()["pushes"] == 0
+    assert_push_ok(c, d, c.post("/push_blocks", push_body(d)))
+    stats = c.http.get("/push/stats", headers=AUTH).json()
+    assert (
+        stats["pushes"] == 1 and stats["ok"] == 1 and stats["bytes"] == 3 * SLOTS * BLEN
+    )
+    mirror = c.http.get("/hashsync", headers=AUTH).json()
+    assert mirror["size"] == 3 and "push" not in mirror
+
+
 # ---- b) fuzz over real HTTP ---------------------------------------------------------
+
 
 class Raw:
     """A JSON literal written as is (NaN, 1e400, 0x10, ...)."""
@@ -256,11 +374,42 @@ def dumps(obj) -> bytes:
 
 
 # never an integer in strict mode (None and lists only where the field is a plain int)
-WRONG_SCALARS = [True, False, "16", "", "abc", "0x10", 1.0, 2.5, -0.0, 1e308, -1e-300, {},
-                 {"a": 1}]
+WRONG_SCALARS = [
+    True,
+    False,
+    "16",
+    "",
+    "abc",
+    "0x10",
+    1.0,
+    2.5,
+    -0.0,
+    1e308,
+    -1e-300,
+    {},
+    {"a": 1},
+]
 # JSON literals that are not (or not valid) integers
-RAW_NON_INTS = ["NaN", "-NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1E2", "1" + "0" * 5000,
-                "0x10", "01", "+1", ".5", "1.", "--1", "1_000", "true1", "nul", "\"\\ud800\""]
+RAW_NON_INTS = [
+    "NaN",
+    "-NaN",
+    "Infinity",
+    "-Infinity",
+    "1e400",
+    "-1e400",
+    "1E2",
+    "1" + "0" * 5000,
+    "0x10",
+    "01",
+    "+1",
+    ".5",
+    "1.",
+    "--1",
+    "1_000",
+    "true1",
+    "nul",
+    '"\\ud800"',
+]
 
 
 def wrong_int(rng: random.Random, none_and_lists: bool = False):
@@ -269,9 +418,25 @@ def wrong_int(rng: random.Random, none_and_lists: bool = False):
     return rng.choice(pool) if rng.random() < 0.6 else Raw(rng.choice(RAW_NON_INTS))
 
 
-def wrong_str(rng: random.Random):  # for optional string fields: neither None nor a string
-    return rng.choice([5, -1, 2**70, 1.5, True, False, [], ["x"], {}, {"k": "v"},
-                       Raw("NaN"), Raw("1e400")])
+def wrong_str(
+    rng: random.Random,
+):  # for optional string fields: neither None nor a string
+    return rng.choice(
+        [
+            5,
+            -1,
+            2**70,
+            1.5,
+            True,
+            False,
+            [],
+            ["x"],
+            {},
+            {"k": "v"},
+            Raw("NaN"),
+            Raw("1e400"),
+        ]
+    )
 
 
 def wrong_int_list(rng: random.Random, good: list[int]):
@@ -279,14 +444,18 @@ def wrong_int_list(rng: random.Random, good: list[int]):
     bad_elem = wrong_int(rng, none_and_lists=True)  # inside the list: never an int
     choice = rng.randrange(5)
     if choice == 0:
-        return wrong_int(rng) if rng.random() < 0.5 else rng.choice(["1 2 3", 7, None, {"0": 1}])
+        return (
+            wrong_int(rng)
+            if rng.random() < 0.5
+            else rng.choice(["1 2 3", 7, None, {"0": 1}])
+        )
     if choice == 1:
-        return good[:k] + [bad_elem] + good[k + 1:]
+        return good[:k] + [bad_elem] + good[k + 1 :]
     if choice == 2:
         return [bad_elem] * max(1, len(good))
     if choice == 3:
         return [list(good)]
-    return good[:k] + [[good[k] if good else 1]] + good[k + 1:]
+    return good[:k] + [[good[k] if good else 1]] + good[k + 1 :]
 
 
 def rng_not_a_list(rng: random.Random):
@@ -297,8 +466,16 @@ class PushFuzz:
     """Malformed /push_blocks requests, each invalid by the protocol (so C must
     refuse it whatever else the body says)."""
 
-    REQUIRED = ["token_ids", "block_size", "dst_session", "dst_kv_base_addrs", "dst_block_ids",
-                "deadline_unix_ms", "dst_num_blocks", "fingerprint"]
+    REQUIRED = [
+        "token_ids",
+        "block_size",
+        "dst_session",
+        "dst_kv_base_addrs",
+        "dst_block_ids",
+        "deadline_unix_ms",
+        "dst_num_blocks",
+        "fingerprint",
+    ]
 
     def __init__(self, rng: random.Random, d: KV, max_tokens: int):
         self.rng, self.d, self.max_tokens = rng, d, max_tokens
@@ -306,40 +483,106 @@ class PushFuzz:
     # per field: values that are the right JSON type but invalid, or the wrong type
     def bad_value(self, field: str):
         r, a, b = self.rng, self.d.bases[0], self.d.bases[1]
-        if r.random() < 0.3 and field in ("block_size", "first_block", "deadline_unix_ms",
-                                           "dst_num_blocks", "block_len"):
-            return wrong_int(r, none_and_lists=field != "block_len")  # block_len may be null
-        if r.random() < 0.3 and field in ("token_ids", "dst_kv_base_addrs", "dst_block_ids"):
+        if r.random() < 0.3 and field in (
+            "block_size",
+            "first_block",
+            "deadline_unix_ms",
+            "dst_num_blocks",
+            "block_len",
+        ):
+            return wrong_int(
+                r, none_and_lists=field != "block_len"
+            )  # block_len may be null
+        if r.random() < 0.3 and field in (
+            "token_ids",
+            "dst_kv_base_addrs",
+            "dst_block_ids",
+        ):
             return rng_not_a_list(r)
         if field == "token_ids":
             k = r.randrange(len(TOKENS))
-            return r.choice([
-                [], TOKENS[:k] + [-r.randint(1, 2**70)] + TOKENS[k + 1:], [-1] * len(TOKENS),
-                list(range(BS - 1)), wrong_int_list(r, TOKENS),
-                TOKENS * (self.max_tokens // len(TOKENS) + 1),  # too many: 413
-                list(range(self.max_tokens + r.randint(1, 50))),
-            ])
+            return r.choice(
+                [
+                    [],
+                    TOKENS[:k] + [-r.randint(1, 2**70)] + TOKENS[k + 1 :],
+                    [-1] * len(TOKENS),
+                    list(range(BS - 1)),
+                    wrong_int_list(r, TOKENS),
+                    TOKENS * (self.max_tokens // len(TOKENS) + 1),  # too many: 413
+                    list(range(self.max_tokens + r.randint(1, 50))),
+                ]
+            )
         if field == "block_size":
-            return r.choice([0, -BS, BS * 2, BS + 1, 1, 2**31, 2**64, -2**63, Raw("9" * 400)])
+            return r.choice(
+                [0, -BS, BS * 2, BS + 1, 1, 2**31, 2**64, -(2**63), Raw("9" * 400)]
+            )
         if field == "first_block":
-            return r.choice([-1, -2**63, 1, 2, 3, 2**64, 10**30, Raw("9" * 400)])
+            return r.choice([-1, -(2**63), 1, 2, 3, 2**64, 10**30, Raw("9" * 400)])
         if field == "block_len":
-            return r.choice([0, -1, BLEN - 1, BLEN + 1, BLEN * 2, 2**64, -2**63])
+            return r.choice([0, -1, BLEN - 1, BLEN + 1, BLEN * 2, 2**64, -(2**63)])
         if field == "deadline_unix_ms":
-            return r.choice([0, -1, -2**63, -10**30, Raw("-" + "9" * 400)])
-        if field == "dst_num_blocks":  # <= the largest block id, or tensors beyond 2**64
-            return r.choice([0, -1, 1, 7, -2**63, 2**58, 2**64, 10**30, Raw("9" * 400)])
+            return r.choice([0, -1, -(2**63), -(10**30), Raw("-" + "9" * 400)])
+        if (
+            field == "dst_num_blocks"
+        ):  # <= the largest block id, or tensors beyond 2**64
+            return r.choice(
+                [0, -1, 1, 7, -(2**63), 2**58, 2**64, 10**30, Raw("9" * 400)]
+            )
         if field == "dst_session":
-            return r.choice([C_SESSION, "nohost", ":1", "h:0", "h:70000", "h:65536", "h:abc",
-                             "", "h:-1", "h:", ":", "127.0.0.1", "h:1:x", "h:+1", "h: 1",
-                             "127.0.0.1:17002/x", wrong_str(r)])
+            return r.choice(
+                [
+                    C_SESSION,
+                    "nohost",
+                    ":1",
+                    "h:0",
+                    "h:70000",
+                    "h:65536",
+                    "h:abc",
+                    "",
+                    "h:-1",
+                    "h:",
+                    ":",
+                    "127.0.0.1",
+                    "h:1:x",
+                    "h:+1",
+                    "h: 1",
+                    "127.0.0.1:17002/x",
+                    wrong_str(r),
+                ]
+            )
         if field == "dst_kv_base_addrs":
-            return r.choice([[], [a], [a, b, a], [0, b], [-1, b], [a, a], [a, a + 1], [b, b + 1],
-                             [2**64 - 1, b], [2**64, b], [a, 2**64 - 100], [2**70, 2**71],
-                             wrong_int_list(r, [a, b])])
+            return r.choice(
+                [
+                    [],
+                    [a],
+                    [a, b, a],
+                    [0, b],
+                    [-1, b],
+                    [a, a],
+                    [a, a + 1],
+                    [b, b + 1],
+                    [2**64 - 1, b],
+                    [2**64, b],
+                    [a, 2**64 - 100],
+                    [2**70, 2**71],
+                    wrong_int_list(r, [a, b]),
+                ]
+            )
         if field == "dst_block_ids":
-            return r.choice([[], [NBLK], [3, 4, NBLK + 5], [-1], [3, 3], [3, 4, 7, 8],
-                             [2**64], [3, 4, -7], [0, 1, 2, 3, 4, 5], wrong_int_list(r, DST_BLOCKS)])
+            return r.choice(
+                [
+                    [],
+                    [NBLK],
+                    [3, 4, NBLK + 5],
+                    [-1],
+                    [3, 3],
+                    [3, 4, 7, 8],
+                    [2**64],
+                    [3, 4, -7],
+                    [0, 1, 2, 3, 4, 5],
+                    wrong_int_list(r, DST_BLOCKS),
+                ]
+            )
         if field in ("cache_salt", "lora_name", "request_id"):
             return wrong_str(r)
         if field == "fingerprint":
@@ -355,26 +598,61 @@ class PushFuzz:
         if kind == 1:
             del fp[r.choice(["model", "dtype", "block_size", "tp_size"])]
         elif kind == 2:
-            fp[r.choice(["extra", "Model", "tp", "kv_dtype"])] = r.choice([1, "x", None])
+            fp[r.choice(["extra", "Model", "tp", "kv_dtype"])] = r.choice(
+                [1, "x", None]
+            )
         elif kind == 3:  # another KV cache: 409
-            field, value = r.choice([("model", "Other:fedcba9876543210"), ("dtype", "bfloat16/auto"),
-                                     ("dtype", "float32/fp8"), ("block_size", BS * 4),
-                                     ("tp_size", 2), ("tp_size", 0), ("block_len", BLEN * 2),
-                                     ("num_kv_tensors", SLOTS + 1), ("model", "")])
+            field, value = r.choice(
+                [
+                    ("model", "Other:fedcba9876543210"),
+                    ("dtype", "bfloat16/auto"),
+                    ("dtype", "float32/fp8"),
+                    ("block_size", BS * 4),
+                    ("tp_size", 2),
+                    ("tp_size", 0),
+                    ("block_len", BLEN * 2),
+                    ("num_kv_tensors", SLOTS + 1),
+                    ("model", ""),
+                ]
+            )
             fp[field] = value
         else:
-            field = r.choice(["model", "dtype", "block_size", "tp_size", "block_len",
-                              "num_kv_tensors"])
-            fp[field] = wrong_int(r, none_and_lists=field in ("block_size", "tp_size")) \
-                if field not in ("model", "dtype") else wrong_str(r)
+            field = r.choice(
+                [
+                    "model",
+                    "dtype",
+                    "block_size",
+                    "tp_size",
+                    "block_len",
+                    "num_kv_tensors",
+                ]
+            )
+            fp[field] = (
+                wrong_int(r, none_and_lists=field in ("block_size", "tp_size"))
+                if field not in ("model", "dtype")
+                else wrong_str(r)
+            )
         return fp
 
     def one(self) -> tuple[str, dict, bytes]:
         r = self.rng
         body = push_body(self.d)
-        kind = r.choices(["field", "fields", "missing", "extra", "fingerprint", "duplicate",
-                          "truncated", "not_json", "empty", "too_large", "auth"],
-                         [30, 15, 8, 7, 10, 7, 7, 6, 2, 2, 6])[0]
+        kind = r.choices(
+            [
+                "field",
+                "fields",
+                "missing",
+                "extra",
+                "fingerprint",
+                "duplicate",
+                "truncated",
+                "not_json",
+                "empty",
+                "too_large",
+                "auth",
+            ],
+            [30, 15, 8, 7, 10, 7, 7, 6, 2, 2, 6],
+        )[0]
         headers = dict(AUTH)
         if kind in ("field", "fields"):
             fields = [f for f in body if f != "fingerprint"]
@@ -386,57 +664,112 @@ class PushFuzz:
                 del body[f]
             content = dumps(body)
         elif kind == "extra":
-            name = r.choice(["x", "status", "dst_addr", "src_addr", "__proto__", "token",
-                             "dst_block_id", "Token_ids", "fingerprint2", "ok"])
+            name = r.choice(
+                [
+                    "x",
+                    "status",
+                    "dst_addr",
+                    "src_addr",
+                    "__proto__",
+                    "token",
+                    "dst_block_id",
+                    "Token_ids",
+                    "fingerprint2",
+                    "ok",
+                ]
+            )
             body[name] = r.choice([1, "a", None, [1], {"a": 1}, True])
             content = dumps(body)
         elif kind == "fingerprint":
             body["fingerprint"] = self.bad_fingerprint()
             content = dumps(body)
-        elif kind == "duplicate":  # the last occurrence is invalid (the one a parser keeps)
-            f = r.choice([f for f in self.REQUIRED if f != "fingerprint"] + ["first_block",
-                                                                              "block_len"])
+        elif (
+            kind == "duplicate"
+        ):  # the last occurrence is invalid (the one a parser keeps)
+            f = r.choice(
+                [f for f in self.REQUIRED if f != "fingerprint"]
+                + ["first_block", "block_len"]
+            )
             text = dumps(body)
-            content = text[:-1] + b', "' + f.encode() + b'": ' + dumps(self.bad_value(f)) + b"}"
+            content = (
+                text[:-1]
+                + b', "'
+                + f.encode()
+                + b'": '
+                + dumps(self.bad_value(f))
+                + b"}"
+            )
             if r.random() < 0.3:  # also an invalid first occurrence
                 body[f] = self.bad_value(f)
                 text = dumps(body)
-                content = text[:-1] + b', "' + f.encode() + b'": ' + dumps(self.bad_value(f)) \
+                content = (
+                    text[:-1]
+                    + b', "'
+                    + f.encode()
+                    + b'": '
+                    + dumps(self.bad_value(f))
                     + b"}"
+                )
         elif kind == "truncated":
             text = dumps(body)
-            content = text[:r.randrange(1, len(text))]
+            content = text[: r.randrange(1, len(text))]
         elif kind == "not_json":
-            content = r.choice([
-                lambda: bytes(r.randrange(256) for _ in range(r.randint(1, 300))),
-                lambda: "".join(chr(r.randint(32, 126)) for _ in range(r.randint(1, 300))).encode(),
-                lambda: r.choice([b"null", b"true", b"[]", b"{}", b"42", b'"x"', b"NaN",
-                                  b"a=1&b=2", b"<push/>", b"{'token_ids': [1]}"]),
-                lambda: b"[" + dumps(body) + b"]",
-                lambda: dumps(body) + b"x",
-                lambda: dumps(body) + dumps(body),
-                lambda: "\ufeff".encode() + dumps(body),
-                lambda: dumps(body).decode().encode("utf-16"),
-                lambda: b"[" * r.randint(300, 20000),
-                lambda: b'{"a":' * r.randint(300, 5000),
-            ])()
+            content = r.choice(
+                [
+                    lambda: bytes(r.randrange(256) for _ in range(r.randint(1, 300))),
+                    lambda: "".join(
+                        chr(r.randint(32, 126)) for _ in range(r.randint(1, 300))
+                    ).encode(),
+                    lambda: r.choice(
+                        [
+                            b"null",
+                            b"true",
+                            b"[]",
+                            b"{}",
+                            b"42",
+                            b'"x"',
+                            b"NaN",
+                            b"a=1&b=2",
+                            b"<push/>",
+                            b"{'token_ids': [1]}",
+                        ]
+                    ),
+                    lambda: b"[" + dumps(body) + b"]",
+                    lambda: dumps(body) + b"x",
+                    lambda: dumps(body) + dumps(body),
+                    lambda: "\ufeff".encode() + dumps(body),
+                    lambda: dumps(body).decode().encode("utf-16"),
+                    lambda: b"[" * r.randint(300, 20000),
+                    lambda: b'{"a":' * r.randint(300, 5000),
+                ]
+            )()
         elif kind == "empty":
             content = b""
         elif kind == "too_large":  # a valid push padded past the body cap: 413
             text = dumps(body)
             content = text[:-1] + b" " * (70_000 + 48 * self.max_tokens) + b"}"
         else:  # auth: a valid push with a wrong or missing token
-            headers = r.choice([{}, {"authorization": ""}, {"authorization": TOKEN},
-                                {"authorization": "Bearer"},
-                                {"authorization": f"Bearer {TOKEN[:-1]}"},
-                                {"authorization": f"Bearer {TOKEN}0"},
-                                {"authorization": f"Basic {TOKEN}"},
-                                {"authorization": f"Token {TOKEN}"},
-                                {"authorization": f"Bearer  {TOKEN}"},
-                                {"authorization": f"Bearer {TOKEN.upper()}"},
-                                {"authorization": "Bearer " + "".join(
-                                    r.choice("abcdef0123456789") for _ in range(len(TOKEN)))},
-                                {"x-authorization": f"Bearer {TOKEN}"}])
+            headers = r.choice(
+                [
+                    {},
+                    {"authorization": ""},
+                    {"authorization": TOKEN},
+                    {"authorization": "Bearer"},
+                    {"authorization": f"Bearer {TOKEN[:-1]}"},
+                    {"authorization": f"Bearer {TOKEN}0"},
+                    {"authorization": f"Basic {TOKEN}"},
+                    {"authorization": f"Token {TOKEN}"},
+                    {"authorization": f"Bearer  {TOKEN}"},
+                    {"authorization": f"Bearer {TOKEN.upper()}"},
+                    {
+                        "authorization": "Bearer "
+                        + "".join(
+                            r.choice("abcdef0123456789") for _ in range(len(TOKEN))
+                        )
+                    },
+                    {"x-authorization": f"Bearer {TOKEN}"},
+                ]
+            )
             content = dumps(body)
         return kind, headers, content
 
@@ -450,24 +783,51 @@ class MatchFuzz:
 
     def bad_tokens(self):
         r = self.rng
-        return r.choice([
-            [], wrong_int_list(r, TOKENS), rng_not_a_list(r), "1 2 3", {"0": 1},
-            list(range(self.max_tokens + r.randint(1, 100))),  # 413
-            [r.choice(TOKENS)] * (self.max_tokens * r.randint(2, 5)),
-            [Raw(r.choice(["NaN", "Infinity", "1e400", "1" + "0" * 5000, "01", "-"]))] * 8,
-        ])
+        return r.choice(
+            [
+                [],
+                wrong_int_list(r, TOKENS),
+                rng_not_a_list(r),
+                "1 2 3",
+                {"0": 1},
+                list(range(self.max_tokens + r.randint(1, 100))),  # 413
+                [r.choice(TOKENS)] * (self.max_tokens * r.randint(2, 5)),
+                [
+                    Raw(
+                        r.choice(
+                            ["NaN", "Infinity", "1e400", "1" + "0" * 5000, "01", "-"]
+                        )
+                    )
+                ]
+                * 8,
+            ]
+        )
 
     def one(self) -> tuple[str, dict, bytes]:
         r = self.rng
         body = {"token_ids": TOKENS, "cache_salt": None, "lora_name": None}
-        kind = r.choices(["tokens", "strings", "missing", "extra", "duplicate", "truncated",
-                          "not_json", "empty", "too_large", "auth"],
-                         [30, 10, 6, 8, 8, 8, 12, 2, 4, 12])[0]
+        kind = r.choices(
+            [
+                "tokens",
+                "strings",
+                "missing",
+                "extra",
+                "duplicate",
+                "truncated",
+                "not_json",
+                "empty",
+                "too_large",
+                "auth",
+            ],
+            [30, 10, 6, 8, 8, 8, 12, 2, 4, 12],
+        )[0]
         headers = dict(AUTH)
         if kind == "tokens":
             body["token_ids"] = self.bad_tokens()
             if r.random() < 0.3:
-                body[r.choice(["cache_salt", "lora_name"])] = r.choice([None, "s", wrong_str(r)])
+                body[r.choice(["cache_salt", "lora_name"])] = r.choice(
+                    [None, "s", wrong_str(r)]
+                )
             content = dumps(body)
         elif kind == "strings":
             for f in r.sample(["cache_salt", "lora_name"], r.randint(1, 2)):
@@ -477,35 +837,58 @@ class MatchFuzz:
             del body["token_ids"]
             content = dumps(body)
         elif kind == "extra":
-            body[r.choice(["block_size", "fingerprint", "x", "token_id", "dst_session"])] = \
-                r.choice([1, "a", None, [1], FP.model_dump()])
+            body[
+                r.choice(["block_size", "fingerprint", "x", "token_id", "dst_session"])
+            ] = r.choice([1, "a", None, [1], FP.model_dump()])
             content = dumps(body)
         elif kind == "duplicate":
             f = r.choice(["token_ids", "cache_salt", "lora_name"])
             bad = self.bad_tokens() if f == "token_ids" else wrong_str(r)
-            content = dumps(body)[:-1] + b', "' + f.encode() + b'": ' + dumps(bad) + b"}"
+            content = (
+                dumps(body)[:-1] + b', "' + f.encode() + b'": ' + dumps(bad) + b"}"
+            )
         elif kind == "truncated":
             text = dumps(body)
-            content = text[:r.randrange(1, len(text))]
+            content = text[: r.randrange(1, len(text))]
         elif kind == "not_json":
-            content = r.choice([
-                lambda: bytes(r.randrange(256) for _ in range(r.randint(1, 300))),
-                lambda: "".join(chr(r.randint(32, 126)) for _ in range(r.randint(1, 300))).encode(),
-                lambda: r.choice([b"null", b"[]", b"{}", b"0", b'"token_ids"', b"Infinity",
-                                  b"token_ids=1,2,3", str(TOKENS).encode() + b"x"]),
-                lambda: dumps(body) + b"}",
-                lambda: "\ufeff".encode() + dumps(body),
-                lambda: dumps(body).decode().encode("utf-32"),
-                lambda: b"[" * r.randint(300, 20000),
-            ])()
+            content = r.choice(
+                [
+                    lambda: bytes(r.randrange(256) for _ in range(r.randint(1, 300))),
+                    lambda: "".join(
+                        chr(r.randint(32, 126)) for _ in range(r.randint(1, 300))
+                    ).encode(),
+                    lambda: r.choice(
+                        [
+                            b"null",
+                            b"[]",
+                            b"{}",
+                            b"0",
+                            b'"token_ids"',
+                            b"Infinity",
+                            b"token_ids=1,2,3",
+                            str(TOKENS).encode() + b"x",
+                        ]
+                    ),
+                    lambda: dumps(body) + b"}",
+                    lambda: "\ufeff".encode() + dumps(body),
+                    lambda: dumps(body).decode().encode("utf-32"),
+                    lambda: b"[" * r.randint(300, 20000),
+                ]
+            )()
         elif kind == "empty":
             content = b""
         elif kind == "too_large":
             content = dumps(body)[:-1] + b" " * (70_000 + 48 * self.max_tokens) + b"}"
         else:
-            headers = r.choice([{}, {"authorization": f"Bearer {TOKEN}x"},
-                                {"authorization": f"Basic {TOKEN}"}, {"authorization": TOKEN},
-                                {"authorization": "Bearer " + TOKEN[::-1]}])
+            headers = r.choice(
+                [
+                    {},
+                    {"authorization": f"Bearer {TOKEN}x"},
+                    {"authorization": f"Basic {TOKEN}"},
+                    {"authorization": TOKEN},
+                    {"authorization": "Bearer " + TOKEN[::-1]},
+                ]
+            )
             content = dumps(body)
         return kind, headers, content
 
@@ -523,8 +906,11 @@ def run_fuzz(c: CServer, path: str, gen, n: int) -> dict:
         tried += 1
         by_kind[kind] += 1
         try:
-            r = c.http.post(path, content=content,
-                            headers={"content-type": "application/json", **headers})
+            r = c.http.post(
+                path,
+                content=content,
+                headers={"content-type": "application/json", **headers},
+            )
             code, text = r.status_code, r.text[:200]
         except httpx.HTTPError as e:  # the server dropped the connection
             code, text = -1, repr(e)
@@ -532,8 +918,13 @@ def run_fuzz(c: CServer, path: str, gen, n: int) -> dict:
         want = EXPECTED.get(kind)
         if not 400 <= code < 500 or (want is not None and code not in want):
             bad.append((kind, code, text, content[:300]))
-    return {"tried": tried, "codes": codes, "kinds": by_kind, "bad": bad,
-            "crashes": sum(v for k, v in codes.items() if k >= 500 or k < 0)}
+    return {
+        "tried": tried,
+        "codes": codes,
+        "kinds": by_kind,
+        "bad": bad,
+        "crashes": sum(v for k, v in codes.items() if k >= 500 or k < 0),
+    }
 
 
 def test_fuzz_push_and_match_blocks_never_write_never_crash(c_servers, record_property):
@@ -546,17 +937,21 @@ def test_fuzz_push_and_match_blocks_never_write_never_crash(c_servers, record_pr
     match = run_fuzz(c, "/match_blocks", MatchFuzz(rng, cfg.push_max_tokens), FUZZ_N)
     written = changed_bytes(before, d.snapshot())
     logged = len(c.engine.log)
-    summary = (f"/push_blocks: {push['tried']} inputs, {push['crashes']} crashes (5xx or "
-               f"dropped), statuses {dict(push['codes'])}, kinds {dict(push['kinds'])}; "
-               f"/match_blocks: {match['tried']} inputs, {match['crashes']} crashes, statuses "
-               f"{dict(match['codes'])}, kinds {dict(match['kinds'])}; {written} destination "
-               f"bytes changed, {logged} engine calls ({c.engine.bytes_logged()} bytes)")
+    summary = (
+        f"/push_blocks: {push['tried']} inputs, {push['crashes']} crashes (5xx or "
+        f"dropped), statuses {dict(push['codes'])}, kinds {dict(push['kinds'])}; "
+        f"/match_blocks: {match['tried']} inputs, {match['crashes']} crashes, statuses "
+        f"{dict(match['codes'])}, kinds {dict(match['kinds'])}; {written} destination "
+        f"bytes changed, {logged} engine calls ({c.engine.bytes_logged()} bytes)"
+    )
     print(summary)
     record_property("fuzz_summary", summary)
     assert push["tried"] >= 1000 and match["tried"] >= 1000
     assert push["bad"] == [] and match["bad"] == [], (
-        summary + "\nfirst offenders (kind, status, answer, body): "
-        + repr((push["bad"] + match["bad"])[:5]))
+        summary
+        + "\nfirst offenders (kind, status, answer, body): "
+        + repr((push["bad"] + match["bad"])[:5])
+    )
     assert written == 0 and logged == 0, summary
     assert c.server.stats["ok"] == 0 and c.server.stats["bytes"] == 0, summary
     # still serving: the same template, valid, is pushed byte-exact and matched
@@ -570,22 +965,61 @@ def test_fuzz_push_and_match_blocks_never_write_never_crash(c_servers, record_pr
 def test_fuzz_hashsync_never_crashes(c_servers, record_property):
     c = c_servers(ExtConfig(bootstrap_token=TOKEN))
     rng = random.Random(7)
-    values = ["", "0", "8", "-1", "256", "257", "99999999999999999999999999", "-99999999999999",
-              "1.5", "1e3", "nan", "inf", "abc", "%00", "%ff%fe", "%", "%zz", "8%00", "0x10",
-              " 8", "8 ", "+8", "\u00e9", "true", "[]", "{}", "9" * 5000, "a" * 10000]
+    values = [
+        "",
+        "0",
+        "8",
+        "-1",
+        "256",
+        "257",
+        "99999999999999999999999999",
+        "-99999999999999",
+        "1.5",
+        "1e3",
+        "nan",
+        "inf",
+        "abc",
+        "%00",
+        "%ff%fe",
+        "%",
+        "%zz",
+        "8%00",
+        "0x10",
+        " 8",
+        "8 ",
+        "+8",
+        "\u00e9",
+        "true",
+        "[]",
+        "{}",
+        "9" * 5000,
+        "a" * 10000,
+    ]
     tried, codes, bad = 0, Counter(), []
     for i in range(1000):
         params = []
         for _ in range(rng.randint(0, 3)):
-            name = rng.choice(["sample", "sample", "Sample", "x", "sample[]", "", "%73ample"])
+            name = rng.choice(
+                ["sample", "sample", "Sample", "x", "sample[]", "", "%73ample"]
+            )
             params.append(f"{name}={rng.choice(values)}")
         if rng.random() < 0.1:
             params.append(rng.choice(["sample", "&&", "=", "==8", "sample==1"]))
         query = "&".join(params)
-        headers = rng.choice([AUTH, AUTH, {}, {"authorization": "Bearer x"},
-                              {"authorization": f"Basic {TOKEN}"}, {"authorization": TOKEN}])
+        headers = rng.choice(
+            [
+                AUTH,
+                AUTH,
+                {},
+                {"authorization": "Bearer x"},
+                {"authorization": f"Basic {TOKEN}"},
+                {"authorization": TOKEN},
+            ]
+        )
         try:
-            r = c.http.get("/hashsync" + ("?" + query if query else ""), headers=headers)
+            r = c.http.get(
+                "/hashsync" + ("?" + query if query else ""), headers=headers
+            )
             code = r.status_code
         except httpx.HTTPError as e:
             code = -1
@@ -616,6 +1050,7 @@ def test_match_blocks_refuses_negative_token_ids_as_push_blocks_does(c_servers):
 
 # ---- c) destinations C must refuse --------------------------------------------------
 
+
 def refused(c: CServer, body: dict, status: int, *dests: KV, **kw) -> dict:
     calls = len(c.engine.log)
     snaps = [x.snapshot() for x in dests]
@@ -644,20 +1079,34 @@ def test_a_known_session_cannot_change_its_layout(c_servers):
     assert_push_ok(c, d, c.post("/push_blocks", push_body(d)))
     other = KV(fill=False)
     c.engine.register("127.0.0.1:17003", other)
-    for over in [{"dst_num_blocks": NBLK - 1}, {"dst_num_blocks": NBLK - 8},
-                 {"dst_kv_base_addrs": other.bases}, {"dst_kv_base_addrs": d.bases[::-1]}]:
+    for over in [
+        {"dst_num_blocks": NBLK - 1},
+        {"dst_num_blocks": NBLK - 8},
+        {"dst_kv_base_addrs": other.bases},
+        {"dst_kv_base_addrs": d.bases[::-1]},
+    ]:
         out = refused(c, push_body(d, **over), 409, d, other)
-        assert out["detail"]["field"] == "dst_session" and D_SESSION in out["detail"]["message"]
+        assert (
+            out["detail"]["field"] == "dst_session"
+            and D_SESSION in out["detail"]["message"]
+        )
     # the first layout still works; a new session may have its own
     assert c.post("/push_blocks", push_body(d)).json()["status"] == "ok"
-    assert_push_ok(c, other, c.post("/push_blocks", push_body(other, "127.0.0.1:17003")))
+    assert_push_ok(
+        c, other, c.post("/push_blocks", push_body(other, "127.0.0.1:17003"))
+    )
 
 
-@pytest.mark.parametrize("over", [{"dst_block_ids": [3, 4, NBLK]},
-                                  {"dst_block_ids": [3, 4, 2**63]},
-                                  {"dst_num_blocks": 7},
-                                  {"dst_num_blocks": 2**58},  # the tensors end beyond 2**64
-                                  {"dst_kv_base_addrs": "overlap"}])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"dst_block_ids": [3, 4, NBLK]},
+        {"dst_block_ids": [3, 4, 2**63]},
+        {"dst_num_blocks": 7},
+        {"dst_num_blocks": 2**58},  # the tensors end beyond 2**64
+        {"dst_kv_base_addrs": "overlap"},
+    ],
+)
 def test_out_of_range_destination_is_422(c_servers, over):
     c = c_servers()
     d = c.destination()
@@ -667,9 +1116,16 @@ def test_out_of_range_destination_is_422(c_servers, over):
     assert out["detail"]["field"] in ("dst_block_ids", "dst_kv_base_addrs")
 
 
-@pytest.mark.parametrize("field,value", [("dtype", "bfloat16/auto"), ("model", "Other:1"),
-                                         ("block_size", BS * 4), ("block_len", BLEN * 2),
-                                         ("num_kv_tensors", SLOTS + 2)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("dtype", "bfloat16/auto"),
+        ("model", "Other:1"),
+        ("block_size", BS * 4),
+        ("block_len", BLEN * 2),
+        ("num_kv_tensors", SLOTS + 2),
+    ],
+)
 def test_fingerprint_mismatch_is_409_naming_both(c_servers, field, value):
     c = c_servers()
     d = c.destination()
@@ -684,16 +1140,28 @@ def test_fingerprint_mismatch_is_409_naming_both(c_servers, field, value):
 def test_tensor_parallel_is_refused(c_servers, c_tp, d_tp):
     c = c_servers(fingerprint=FP.model_copy(update={"tp_size": c_tp}))
     d = c.destination()
-    out = refused(c, push_body(d, fingerprint=FP.model_copy(update={"tp_size": d_tp})
-                               .model_dump()), 409, d)
+    out = refused(
+        c,
+        push_body(d, fingerprint=FP.model_copy(update={"tp_size": d_tp}).model_dump()),
+        409,
+        d,
+    )
     assert "tp" in out["detail"]["message"].lower()
     if c_tp == d_tp:
         assert "TP=1" in out["detail"]["message"]
     # and directly, as validate() sees it
     with pytest.raises(PushRequestError) as e:
-        validate(parse_push_request(push_body(d, fingerprint=FP.model_copy(
-            update={"tp_size": d_tp}).model_dump())), block_size=BS, num_kv_tensors=SLOTS,
-            block_len=BLEN, fingerprint=FP.model_copy(update={"tp_size": c_tp}))
+        validate(
+            parse_push_request(
+                push_body(
+                    d, fingerprint=FP.model_copy(update={"tp_size": d_tp}).model_dump()
+                )
+            ),
+            block_size=BS,
+            num_kv_tensors=SLOTS,
+            block_len=BLEN,
+            fingerprint=FP.model_copy(update={"tp_size": c_tp}),
+        )
     assert e.value.status == 409
 
 
@@ -711,17 +1179,18 @@ def test_token_count_above_the_limit_is_413(c_servers):
     assert_push_ok(c, d, c.post("/push_blocks", push_body(d, token_ids=longest)))
 
 
-def raw_http(port: int, head: bytes, body: bytes, timeout: float = 5.0) -> tuple[bytes, float]:
+def raw_http(
+    port: int, head: bytes, body: bytes, timeout: float = 5.0
+) -> tuple[bytes, float]:
     """Send bytes as they are; return all the server sent until it closed (or the
     timeout), and how long the first byte of the answer took."""
     t0 = time.monotonic()
     first = None
     out = b""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        try:
+        # the server may answer and close before taking it all
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(head + body)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server answered and closed before taking it all
         s.settimeout(timeout)
         try:
             while True:
@@ -732,13 +1201,17 @@ def raw_http(port: int, head: bytes, body: bytes, timeout: float = 5.0) -> tuple
                     first = time.monotonic() - t0
                     s.settimeout(1.0)  # then read what follows, until idle
                 out += chunk
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             pass
     return out, first if first is not None else timeout
 
 
 def statuses(raw: bytes) -> list[int]:
-    return [int(line.split()[1]) for line in raw.split(b"\r\n") if line.startswith(b"HTTP/1.")]
+    return [
+        int(line.split()[1])
+        for line in raw.split(b"\r\n")
+        if line.startswith(b"HTTP/1.")
+    ]
 
 
 def test_body_above_the_cap_is_413(c_servers):
@@ -746,36 +1219,57 @@ def test_body_above_the_cap_is_413(c_servers):
     d = c.destination()
     cap = c.config.push_max_body_bytes
     valid = dumps(push_body(d))
-    padded = valid[:-1] + b" " * (cap + 1 - len(valid)) + b"}"  # a valid push, 1 byte too long
+    padded = (
+        valid[:-1] + b" " * (cap + 1 - len(valid)) + b"}"
+    )  # a valid push, 1 byte too long
     assert len(padded) == cap + 1
     assert refused(c, padded.decode(), 413, d)["detail"]["field"] == "body"
-    assert c.post("/match_blocks", b'{"token_ids": [1]' + b" " * cap + b"}").status_code == 413
+    assert (
+        c.post("/match_blocks", b'{"token_ids": [1]' + b" " * cap + b"}").status_code
+        == 413
+    )
 
     # no content-length (chunked): the cap still holds
     def chunks():
         yield padded[:1000]
         yield padded[1000:]
-    signed = auth.sign(TOKEN, "POST", "/push_blocks", padded)  # passes until the body's size
+
+    signed = auth.sign(
+        TOKEN, "POST", "/push_blocks", padded
+    )  # passes until the body's size
     r = c.http.post("/push_blocks", content=chunks(), headers={"authorization": signed})
     assert r.status_code == 413 and "content-length" not in r.request.headers
 
     # lying content-length, too large: refused at once, the body is never waited for
-    head = (f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: {signed}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {10**15}\r\n\r\n").encode()
+    head = (
+        f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: {signed}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {10**15}\r\n\r\n"
+    ).encode()
     out, took = raw_http(c.port, head, valid)
     assert statuses(out)[:1] == [413] and took < 3, (out[:200], took)
 
     # lying content-length, too small: only that many bytes are the body; the rest is
     # not a request. Nothing is written and nothing answers 200 or 5xx.
-    head = (f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: {signed}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n").encode()
+    head = (
+        f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: {signed}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n"
+    ).encode()
     out, _ = raw_http(c.port, head, padded, timeout=3)
     codes = statuses(out)
     assert codes and all(400 <= s < 500 for s in codes), out[:300]
     # an invalid content-length header never reaches the handler
-    for value in ["-1", "abc", "1e3", "\u00b2".encode().decode("latin-1"), "10, 20", ""]:
-        head = (f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: {signed}\r\n"
-                f"Content-Length: {value}\r\n\r\n").encode("latin-1")
+    for value in [
+        "-1",
+        "abc",
+        "1e3",
+        "\u00b2".encode().decode("latin-1"),
+        "10, 20",
+        "",
+    ]:
+        head = (
+            f"POST /push_blocks HTTP/1.1\r\nHost: x\r\nAuthorization: {signed}\r\n"
+            f"Content-Length: {value}\r\n\r\n"
+        ).encode("latin-1")
         out, _ = raw_http(c.port, head, valid, timeout=3)
         codes = statuses(out)
         assert all(400 <= s < 500 for s in codes), (value, out[:300])
@@ -786,16 +1280,22 @@ def test_body_above_the_cap_is_413(c_servers):
 def test_concurrent_pushes_beyond_the_limit_are_429(c_servers):
     c = c_servers(ExtConfig(bootstrap_token=TOKEN, push_max_concurrent=2))
     gate = c.engine.gate()
-    dests = [(f"127.0.0.1:{18000 + i}", c.destination(f"127.0.0.1:{18000 + i}"))
-             for i in range(20)]
+    dests = [
+        (f"127.0.0.1:{18000 + i}", c.destination(f"127.0.0.1:{18000 + i}"))
+        for i in range(20)
+    ]
     t0 = time.monotonic()
     done: dict[int, tuple[int, dict, float]] = {}
 
     def one(i):
         session, d = dests[i]
         content = json.dumps(push_body(d, session=session)).encode()
-        r = httpx.post(c.url + "/push_blocks", content=content, timeout=30,
-                       headers=request_headers(c.config, "POST", "/push_blocks", content))
+        r = httpx.post(
+            c.url + "/push_blocks",
+            content=content,
+            timeout=30,
+            headers=request_headers(c.config, "POST", "/push_blocks", content),
+        )
         done[i] = (r.status_code, r.json(), time.monotonic() - t0)
 
     with ThreadPoolExecutor(20) as pool:
@@ -813,10 +1313,14 @@ def test_concurrent_pushes_beyond_the_limit_are_429(c_servers):
     busy = [i for i, (code, _, _) in answered_before.items() if code == 429]
     assert len(busy) == 18 and len(answered_before) == 18, answered_before
     assert all(answered_before[i][2] < 5 for i in busy)  # quickly, while two were held
-    ok = [i for i, (code, out, _) in done.items() if code == 200 and out["status"] == "ok"]
+    ok = [
+        i for i, (code, out, _) in done.items() if code == 200 and out["status"] == "ok"
+    ]
     assert sorted(ok + busy) == list(range(20))
     for i in busy:
-        assert dests[i][1].untouched(), f"a refused push ({i}) changed destination bytes"
+        assert dests[i][1].untouched(), (
+            f"a refused push ({i}) changed destination bytes"
+        )
     for i in ok:
         assert_landed(c.c, dests[i][1])
     assert c.server.stats["busy"] == 18
@@ -825,6 +1329,7 @@ def test_concurrent_pushes_beyond_the_limit_are_429(c_servers):
 
 
 # ---- d) a hostile source answering D ------------------------------------------------
+
 
 class HostileC:
     """A fake C whose /match_blocks and /push_blocks answer what the test sets."""
@@ -838,7 +1343,9 @@ class HostileC:
 
         async def match_blocks(request: Request):
             self.seen.append(("match", dict(request.headers), await request.body()))
-            return Response(fresh(self.match[1]), self.match[0], media_type="application/json")
+            return Response(
+                fresh(self.match[1]), self.match[0], media_type="application/json"
+            )
 
         async def push_blocks(request: Request):
             self.seen.append(("push", dict(request.headers), await request.body()))
@@ -861,8 +1368,14 @@ NOW = Raw("@@NOW@@")  # C's clock in an answer: the time it is sent (fresh())
 
 
 def match_answer(**over):
-    b = {"matched_blocks": 4, "matched_tokens": 4 * BS, "total_full_blocks": 5,
-         "fingerprint": FP.model_dump(), "engine_timeout_s": 30, "now_unix_ms": NOW}
+    b = {
+        "matched_blocks": 4,
+        "matched_tokens": 4 * BS,
+        "total_full_blocks": 5,
+        "fingerprint": FP.model_dump(),
+        "engine_timeout_s": 30,
+        "now_unix_ms": NOW,
+    }
     b.update(over)
     return dumps({k: v for k, v in b.items() if v is not ...})
 
@@ -878,11 +1391,17 @@ def fp_with(**over):
 HOSTILE_MATCHES = [  # (id, status, body, local tokens, expected)
     ("control", 200, match_answer(), 0, (4 * BS, True)),
     ("more than the prompt", 200, match_answer(matched_blocks=100), 0, (5 * BS, True)),
-    ("more, after a local hit", 200, match_answer(matched_blocks=100), 2 * BS, (3 * BS, True)),
+    (
+        "more, after a local hit",
+        200,
+        match_answer(matched_blocks=100),
+        2 * BS,
+        (3 * BS, True),
+    ),
     ("10**18", 200, match_answer(matched_blocks=10**18), 0, (5 * BS, True)),
     ("2**64", 200, match_answer(matched_blocks=2**64), 0, (5 * BS, True)),
     ("negative", 200, match_answer(matched_blocks=-3), 0, (0, False)),
-    ("-10**18", 200, match_answer(matched_blocks=-10**18), 0, (0, False)),
+    ("-10**18", 200, match_answer(matched_blocks=-(10**18)), 0, (0, False)),
     ("1e18", 200, match_answer(matched_blocks=Raw("1e18")), 0, (0, False)),
     ("float", 200, match_answer(matched_blocks=2.5), 0, (0, False)),
     ("float 4.0", 200, match_answer(matched_blocks=4.0), 0, (0, False)),
@@ -892,14 +1411,41 @@ HOSTILE_MATCHES = [  # (id, status, body, local tokens, expected)
     ("NaN", 200, match_answer(matched_blocks=Raw("NaN")), 0, (0, False)),
     ("no matched_blocks", 200, match_answer(matched_blocks=...), 0, (0, False)),
     ("no fingerprint", 200, match_answer(fingerprint=...), 0, (0, False)),
-    ("fingerprint block_size", 200, match_answer(fingerprint=fp_with(block_size=2 * BS)), 0,
-     (0, False)),
-    ("fingerprint dtype", 200, match_answer(fingerprint=fp_with(dtype="bfloat16/auto")), 0,
-     (0, False)),
-    ("fingerprint model", 200, match_answer(fingerprint=fp_with(model="Other:1")), 0, (0, False)),
-    ("fingerprint tp", 200, match_answer(fingerprint=fp_with(tp_size=2)), 0, (0, False)),
-    ("fingerprint extra", 200, match_answer(fingerprint={**FP.model_dump(), "x": 1}), 0,
-     (0, False)),
+    (
+        "fingerprint block_size",
+        200,
+        match_answer(fingerprint=fp_with(block_size=2 * BS)),
+        0,
+        (0, False),
+    ),
+    (
+        "fingerprint dtype",
+        200,
+        match_answer(fingerprint=fp_with(dtype="bfloat16/auto")),
+        0,
+        (0, False),
+    ),
+    (
+        "fingerprint model",
+        200,
+        match_answer(fingerprint=fp_with(model="Other:1")),
+        0,
+        (0, False),
+    ),
+    (
+        "fingerprint tp",
+        200,
+        match_answer(fingerprint=fp_with(tp_size=2)),
+        0,
+        (0, False),
+    ),
+    (
+        "fingerprint extra",
+        200,
+        match_answer(fingerprint={**FP.model_dump(), "x": 1}),
+        0,
+        (0, False),
+    ),
     ("fingerprint string", 200, match_answer(fingerprint="same"), 0, (0, False)),
     ("extra field", 200, match_answer(status="ok"), 0, (0, False)),
     ("500", 500, match_answer(), 0, (0, False)),
@@ -912,30 +1458,53 @@ HOSTILE_MATCHES = [  # (id, status, body, local tokens, expected)
 ]
 
 
-@pytest.mark.parametrize("name,status,body,local,expected", HOSTILE_MATCHES,
-                         ids=[h[0] for h in HOSTILE_MATCHES])
-def test_hostile_match_answer_is_clamped_or_ignored(hostile, name, status, body, local, expected):
+@pytest.mark.parametrize(
+    "name,status,body,local,expected",
+    HOSTILE_MATCHES,
+    ids=[h[0] for h in HOSTILE_MATCHES],
+)
+def test_hostile_match_answer_is_clamped_or_ignored(
+    hostile, name, status, body, local, expected
+):
     hostile.match = (status, body)
-    sched = PushScheduler(BS, ExtConfig(push_match_timeout_s=5, push_sources=(hostile.url,),
-                                        bootstrap_token=TOKEN), SCHED_FP)
+    sched = PushScheduler(
+        BS,
+        ExtConfig(
+            push_match_timeout_s=5, push_sources=(hostile.url,), bootstrap_token=TOKEN
+        ),
+        SCHED_FP,
+    )
     hostile.seen.clear()
     r = d_request(source=hostile.url)
     got = ask(sched, r, local)  # never raises
     assert got == expected, (name, got, sched.stats)
     assert [s[0] for s in hostile.seen] == ["match"]
     assert hostile.seen[0][1].get("authorization").startswith("Mooncake-HMAC-SHA256 ")
-    assert TOKEN not in json.dumps(hostile.seen[0][1])  # signed: the token is never sent
-    assert sched.stats["match_failed"] == (0 if got[1] or name in ("negative", "-10**18") else 1)
+    assert TOKEN not in json.dumps(
+        hostile.seen[0][1]
+    )  # signed: the token is never sent
+    assert sched.stats["match_failed"] == (
+        0 if got[1] or name in ("negative", "-10**18") else 1
+    )
     if got[1]:  # the push asks for at most the prompt's full blocks
-        sched.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: (
-            list(range(100, 105)),)), got[0])
+        sched.update_state_after_alloc(
+            r, SimpleNamespace(get_block_ids=lambda: (list(range(100, 105)),)), got[0]
+        )
         (job,) = sched.take_jobs()
         assert job.first_block + len(job.dst_block_ids) <= 5
 
 
 def push_answer(**over):
-    b = {"status": "ok", "matched_blocks": 3, "matched_tokens": 3 * BS, "pushed_blocks": 3,
-         "total_full_blocks": 3, "bytes": 3 * BLEN * SLOTS, "seconds": 0.01, "message": ""}
+    b = {
+        "status": "ok",
+        "matched_blocks": 3,
+        "matched_tokens": 3 * BS,
+        "pushed_blocks": 3,
+        "total_full_blocks": 3,
+        "bytes": 3 * BLEN * SLOTS,
+        "seconds": 0.01,
+        "message": "",
+    }
     b.update(over)
     return dumps(b)
 
@@ -943,9 +1512,20 @@ def push_answer(**over):
 HOSTILE_PUSHES = [  # (id, status, body, landed, answered: ends before the hold)
     ("control", 200, push_answer(), 3, True),
     ("fewer", 200, push_answer(pushed_blocks=2, bytes=2 * BLEN * SLOTS), 2, True),
-    ("more than asked", 200, push_answer(pushed_blocks=5, bytes=5 * BLEN * SLOTS), 0, True),
-    ("10**18 blocks", 200, push_answer(pushed_blocks=10**18, bytes=10**18 * BLEN * SLOTS), 0,
-     True),
+    (
+        "more than asked",
+        200,
+        push_answer(pushed_blocks=5, bytes=5 * BLEN * SLOTS),
+        0,
+        True,
+    ),
+    (
+        "10**18 blocks",
+        200,
+        push_answer(pushed_blocks=10**18, bytes=10**18 * BLEN * SLOTS),
+        0,
+        True,
+    ),
     ("negative", 200, push_answer(pushed_blocks=-1, bytes=-BLEN * SLOTS), 0, True),
     ("negative, 0 bytes", 200, push_answer(pushed_blocks=-1, bytes=0), 0, True),
     ("bytes -1", 200, push_answer(bytes=3 * BLEN * SLOTS - 1), 0, True),
@@ -965,23 +1545,33 @@ HOSTILE_PUSHES = [  # (id, status, body, landed, answered: ends before the hold)
 ]
 
 
-@pytest.mark.parametrize("name,status,body,landed,answered", HOSTILE_PUSHES,
-                         ids=[h[0] for h in HOSTILE_PUSHES])
-def test_hostile_push_answer_lands_nothing_it_cannot_prove(hostile, name, status, body, landed,
-                                                           answered):
+@pytest.mark.parametrize(
+    "name,status,body,landed,answered",
+    HOSTILE_PUSHES,
+    ids=[h[0] for h in HOSTILE_PUSHES],
+)
+def test_hostile_push_answer_lands_nothing_it_cannot_prove(
+    hostile, name, status, body, landed, answered
+):
     hostile.push = (status, body)
     hostile.answered.clear()
     hostile.seen.clear()
     d = KV(fill=False)
-    cfg = ExtConfig(push_timeout_s=1.0, engine_transfer_timeout_s=1.0, push_clock_skew_s=0.5,
-                    bootstrap_token=TOKEN)
+    cfg = ExtConfig(
+        push_timeout_s=1.0,
+        engine_transfer_timeout_s=1.0,
+        push_clock_skew_s=0.5,
+        bootstrap_token=TOKEN,
+    )
     clock = Clock()
     rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, cfg, clock=clock)
     job = PushJob("r1", hostile.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
     rec.start([job])
     assert hostile.answered.wait(5)
     assert hostile.seen[0][1].get("authorization").startswith("Mooncake-HMAC-SHA256 ")
-    assert TOKEN not in json.dumps(hostile.seen[0][1])  # signed: the token is never sent
+    assert TOKEN not in json.dumps(
+        hostile.seen[0][1]
+    )  # signed: the token is never sent
     sent = json.loads(hostile.seen[0][2])
     assert sent["dst_num_blocks"] == NBLK and sent["fingerprint"] == FP.model_dump()
     end = time.monotonic() + (5 if answered else 0.5)
@@ -997,14 +1587,24 @@ def test_hostile_push_answer_lands_nothing_it_cannot_prove(hostile, name, status
     assert rec.take_outcome().landed == {"r1": landed}
 
 
-@pytest.mark.parametrize("pushed,nbytes,expected", [
-    (3, 3 * BLEN * SLOTS, 3), (0, 0, 0), (1, BLEN * SLOTS, 1),
-    (4, 4 * BLEN * SLOTS, 0), (-1, -BLEN * SLOTS, 0), (3, 3 * BLEN * SLOTS + 7, 0),
-    (3, 0, 0), (2**70, 2**70 * BLEN * SLOTS, 0),
-])
+@pytest.mark.parametrize(
+    "pushed,nbytes,expected",
+    [
+        (3, 3 * BLEN * SLOTS, 3),
+        (0, 0, 0),
+        (1, BLEN * SLOTS, 1),
+        (4, 4 * BLEN * SLOTS, 0),
+        (-1, -BLEN * SLOTS, 0),
+        (3, 3 * BLEN * SLOTS + 7, 0),
+        (3, 0, 0),
+        (2**70, 2**70 * BLEN * SLOTS, 0),
+    ],
+)
 def test_proven_blocks(pushed, nbytes, expected):
     rec = PushReceiver(D_SESSION, [1 << 20, 2 << 20], BLEN, BS, NBLK, FP, ExtConfig())
-    job = PushJob("r1", "http://c:9000", tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
+    job = PushJob(
+        "r1", "http://c:9000", tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
+    )
     resp = PushBlocksResponse(status="ok", pushed_blocks=pushed, bytes=nbytes)
     assert rec.proven_blocks(job, resp) == expected
 
@@ -1015,8 +1615,9 @@ ALLOWED = "http://c:9000"
 
 
 def allowlist_scheduler(sources=(ALLOWED,)):
-    sched = PushScheduler(BS, ExtConfig(push_match_timeout_s=2, push_sources=tuple(sources)),
-                          SCHED_FP)
+    sched = PushScheduler(
+        BS, ExtConfig(push_match_timeout_s=2, push_sources=tuple(sources)), SCHED_FP
+    )
     calls = []
 
     def post(source, path, content, headers, deadline):
@@ -1027,20 +1628,41 @@ def allowlist_scheduler(sources=(ALLOWED,)):
     return sched, calls
 
 
-@pytest.mark.parametrize("source", [
-    "http://evil:9000", "http://c:9001", "https://c:9000", "http://c.evil:9000",
-    "http://c:9000@evil:80", "http://evil:80#@c:9000", "http://evil:80?@c:9000",
-    "http://evil:80/@c:9000", "http://c:9000 @evil:80", "c:9000", "http://c",
-    "file:///etc/passwd", "gopher://c:9000", "//c:9000", "http://:9000",
-    "http://c:9000\n@evil", 12345, ["http://c:9000"], "http://user:pw@c:9000",
-    "http://c:9000/push_blocks?", "http://c:9000/x",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "http://evil:9000",
+        "http://c:9001",
+        "https://c:9000",
+        "http://c.evil:9000",
+        "http://c:9000@evil:80",
+        "http://evil:80#@c:9000",
+        "http://evil:80?@c:9000",
+        "http://evil:80/@c:9000",
+        "http://c:9000 @evil:80",
+        "c:9000",
+        "http://c",
+        "file:///etc/passwd",
+        "gopher://c:9000",
+        "//c:9000",
+        "http://:9000",
+        "http://c:9000\n@evil",
+        12345,
+        ["http://c:9000"],
+        "http://user:pw@c:9000",
+        "http://c:9000/push_blocks?",
+        "http://c:9000/x",
+    ],
+)
 def test_push_from_outside_the_allowlist_is_refused_without_a_call(source):
     sched, calls = allowlist_scheduler()
     r = d_request(source=source)
     assert sched.handles(r)
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
-    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)  # asked again: still nothing
+    assert sched.get_num_new_matched_tokens(r, 0) == (
+        0,
+        False,
+    )  # asked again: still nothing
     time.sleep(0.05)
     assert calls == [] and sched._lanes.sources() == []  # no thread, no connection made
     assert sched.stats["refused_sources"] == 1 and sched.take_jobs() == []
@@ -1052,8 +1674,16 @@ def test_empty_allowlist_refuses_every_source():
     assert calls == [] and sched.stats["refused_sources"] == 1
 
 
-@pytest.mark.parametrize("source", ["http://c:9000:1", "http://c:99999", "http://c:abc",
-                                    "http://[::1:9000", "http://[zz]:9000"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "http://c:9000:1",
+        "http://c:99999",
+        "http://c:abc",
+        "http://[::1:9000",
+        "http://[zz]:9000",
+    ],
+)
 def test_unparsable_push_from_is_refused_not_raised(source):
     """A client names push_from; whatever it writes must end in local prefill,
     never in an exception out of the scheduler's get_num_new_matched_tokens."""
@@ -1063,34 +1693,54 @@ def test_unparsable_push_from_is_refused_not_raised(source):
     assert calls == [] and sched.stats["refused_sources"] == 1
 
 
-@pytest.mark.parametrize("source", ["http://c:9000", "HTTP://C:9000/", "http://c:9000//",
-                                    "Http://c:9000"])
+@pytest.mark.parametrize(
+    "source", ["http://c:9000", "HTTP://C:9000/", "http://c:9000//", "Http://c:9000"]
+)
 def test_push_from_equivalent_to_an_allowed_source_is_queried(source):
     sched, calls = allowlist_scheduler()
     assert ask(sched, d_request(source=source)) == (4 * BS, True)
     (url,) = calls
     u = httpx.URL(url)  # where httpx really connects: the allowed host and port
-    assert (u.scheme, u.host, u.port) == ("http", "c", 9000) and u.path == "/match_blocks"
+    assert (u.scheme, u.host, u.port) == (
+        "http",
+        "c",
+        9000,
+    ) and u.path == "/match_blocks"
     assert sched.stats["refused_sources"] == 0
 
 
-@pytest.mark.parametrize("text,normalized", [
-    ("HTTP://Host:9000/", "http://host:9000"),
-    ("http://host:9000", "http://host:9000"),
-    ("  http://HOST:9000/path?q=1#f ", "http://host:9000"),
-    ("https://h.example:443/", "https://h.example:443"),
-    ("http://user:pw@Host:9000", "http://host:9000"),
-    ("http://[::1]:8000/", "http://[::1]:8000"),
-    ("http://[FE80::1]:8000", "http://[fe80::1]:8000"),
-])
+@pytest.mark.parametrize(
+    "text,normalized",
+    [
+        ("HTTP://Host:9000/", "http://host:9000"),
+        ("http://host:9000", "http://host:9000"),
+        ("  http://HOST:9000/path?q=1#f ", "http://host:9000"),
+        ("https://h.example:443/", "https://h.example:443"),
+        ("http://user:pw@Host:9000", "http://host:9000"),
+        ("http://[::1]:8000/", "http://[::1]:8000"),
+        ("http://[FE80::1]:8000", "http://[fe80::1]:8000"),
+    ],
+)
 def test_normalize_source(text, normalized):
     assert normalize_source(text) == normalized
     assert normalize_source(normalized) == normalized
 
 
-@pytest.mark.parametrize("text", ["host:9000", "http://host", "ftp://host:21", "http://:9000",
-                                  "", "9000", "http://host:", "http://host:99999",
-                                  "http://host:abc", "http://[::1:80"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "host:9000",
+        "http://host",
+        "ftp://host:21",
+        "http://:9000",
+        "",
+        "9000",
+        "http://host:",
+        "http://host:99999",
+        "http://host:abc",
+        "http://[::1:80",
+    ],
+)
 def test_normalize_source_refuses_with_config_error(text):
     with pytest.raises(ConfigError, match="MOONCAKE_PUSH_SOURCES"):
         normalize_source(text)
@@ -1104,11 +1754,19 @@ def test_push_sources_from_the_environment():
         ExtConfig.from_env({"MOONCAKE_PUSH_SOURCES": "http://a:1,b:2"})
 
 
-@pytest.mark.parametrize("source", [
-    "http://evil:80\\@c:9000", "http://evil%40:80@c:9000", "http://evil:80;@c:9000",
-    "http://c:9000@evil:80", "http://evil:80#@c:9000", "http://c:9000%2f@evil:80",
-    "http://evil\t:80@c:9000", "http://c:9000\\\\evil:80",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "http://evil:80\\@c:9000",
+        "http://evil%40:80@c:9000",
+        "http://evil:80;@c:9000",
+        "http://c:9000@evil:80",
+        "http://evil:80#@c:9000",
+        "http://c:9000%2f@evil:80",
+        "http://evil\t:80@c:9000",
+        "http://c:9000\\\\evil:80",
+    ],
+)
 def test_allowlist_and_http_client_agree_on_the_host(source):
     """A source the allowlist accepts is one httpx connects to: no parser differential."""
     try:
@@ -1121,4 +1779,6 @@ def test_allowlist_and_http_client_agree_on_the_host(source):
         u = httpx.URL(f"{source}/match_blocks")
     except httpx.InvalidURL:
         return  # D cannot send it: the match fails, D prefills locally
-    assert (u.host, u.port) == ("c", 9000), f"{source!r} is allowed but httpx goes to {u.host}"
+    assert (u.host, u.port) == ("c", 9000), (
+        f"{source!r} is allowed but httpx goes to {u.host}"
+    )

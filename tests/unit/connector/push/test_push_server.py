@@ -1,4 +1,4 @@
-"""connector/push/server.py: what POST /push_blocks writes where.
+"""connector/push/source_server.py: what POST /push_blocks writes where.
 
 The transfer engine is replaced by a memmove between real buffers, so the
 address arithmetic (KV tensor bases, block_len, first_block, runs of
@@ -13,15 +13,25 @@ import numpy as np
 import pytest
 from helpers import KV, filled_mirror
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import KVFingerprint
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.server import PushServer
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.hash_config import HashConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.recorder import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
     HashDelta,
     HashEventKind,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.hashsync.sync import WorkerHashSync
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
+    WorkerHashSync,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    PushServer,
+)
 
 BS, SLOTS, NBLK, BLEN = 4, 3, 16, 64
 CFG = HashConfig("sha256", b"\x01" * 32)
@@ -30,8 +40,14 @@ C_BLOCKS = [5, 2, 9]
 NOW_MS = 1_700_000_000_000  # C's wall clock (ms), fixed
 DEADLINE_MS = NOW_MS + 30_000  # the push's deadline: not reached
 # C's and D's KV caches are alike (the fingerprint each sends / checks)
-FP = KVFingerprint(model="Arch:0123456789abcdef", dtype="float32/auto", block_size=BS,
-                   tp_size=1, block_len=BLEN, num_kv_tensors=SLOTS)
+FP = KVFingerprint(
+    model="Arch:0123456789abcdef",
+    dtype="float32/auto",
+    block_size=BS,
+    tp_size=1,
+    block_len=BLEN,
+    num_kv_tensors=SLOTS,
+)
 C_SESSION = "127.0.0.1:4321"  # C's own transfer engine (never a destination)
 
 
@@ -46,6 +62,7 @@ def memmove_write(log):
         for s, d, n in zip(src, dst, lens):
             ctypes.memmove(d, s, n)
         return 0
+
     return write
 
 
@@ -53,16 +70,32 @@ def make(held=C_BLOCKS, salt=None, write=None, log=None):
     c, d = instance(True), instance(False)
     sync = filled_mirror(BS, TOKENS, held, CFG, cache_salt=salt)
     log = [] if log is None else log
-    server = PushServer(sync, write or memmove_write(log), c.bases, BLEN, FP, C_SESSION,
-                        config=ExtConfig(), wall_clock_ms=lambda: NOW_MS)
+    server = PushServer(
+        sync,
+        write or memmove_write(log),
+        c.bases,
+        BLEN,
+        FP,
+        C_SESSION,
+        config=ExtConfig(),
+        wall_clock_ms=lambda: NOW_MS,
+    )
     return server, c, d, log
 
 
 def body(d, **over):
-    b = {"token_ids": TOKENS, "block_size": BS, "dst_session": "127.0.0.1:1234",
-         "dst_kv_base_addrs": d.bases, "dst_block_ids": [0, 1, 2], "block_len": BLEN,
-         "request_id": "r1", "deadline_unix_ms": DEADLINE_MS, "dst_num_blocks": NBLK,
-         "fingerprint": FP.model_dump()}
+    b = {
+        "token_ids": TOKENS,
+        "block_size": BS,
+        "dst_session": "127.0.0.1:1234",
+        "dst_kv_base_addrs": d.bases,
+        "dst_block_ids": [0, 1, 2],
+        "block_len": BLEN,
+        "request_id": "r1",
+        "deadline_unix_ms": DEADLINE_MS,
+        "dst_num_blocks": NBLK,
+        "fingerprint": FP.model_dump(),
+    }
     b.update(over)
     return b
 
@@ -93,20 +126,28 @@ def test_first_block_skips_what_d_already_holds():
     code, resp = server.push(body(d, first_block=1, dst_block_ids=[8, 9]))
     assert resp["status"] == "ok" and resp["pushed_blocks"] == 2
     for s in range(SLOTS):
-        assert (d.block(s, 8) == c.block(s, 2)).all() and (d.block(s, 9) == c.block(s, 9)).all()
+        assert (d.block(s, 8) == c.block(s, 2)).all() and (
+            d.block(s, 9) == c.block(s, 9)
+        ).all()
         assert not d.block(s, 0).any()
 
 
 def test_shorter_held_prefix_pushes_what_is_held():
     server, c, d, _ = make(held=C_BLOCKS[:2])
     code, resp = server.push(body(d))
-    assert resp["status"] == "ok" and resp["pushed_blocks"] == 2 and resp["matched_blocks"] == 2
+    assert (
+        resp["status"] == "ok"
+        and resp["pushed_blocks"] == 2
+        and resp["matched_blocks"] == 2
+    )
     assert "2 of 3" in resp["message"]
     for s in range(SLOTS):
         assert not d.block(s, 2).any()
 
 
-@pytest.mark.parametrize("over", [{"cache_salt": "other-tenant"}, {"token_ids": [1] * 20}])
+@pytest.mark.parametrize(
+    "over", [{"cache_salt": "other-tenant"}, {"token_ids": [1] * 20}]
+)
 def test_no_match_writes_nothing(over):
     server, c, d, log = make()
     code, resp = server.push(body(d, **over))
@@ -114,15 +155,18 @@ def test_no_match_writes_nothing(over):
     assert log == [] and not any(t.any() for t in d.kv)
 
 
-@pytest.mark.parametrize("over,field", [
-    ({"block_len": BLEN * 2}, "block_len"),
-    ({"block_size": BS * 2}, "block_size"),
-    ({"dst_kv_base_addrs": [1, 2]}, "dst_kv_base_addrs"),
-    ({"dst_block_ids": [0, 1, 2, 3]}, "dst_block_ids"),
-    ({"dst_session": "nohost"}, "dst_session"),
-    ({"token_ids": "abc"}, "token_ids"),
-    ({"unknown": 1}, "unknown"),
-])
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        ({"block_len": BLEN * 2}, "block_len"),
+        ({"block_size": BS * 2}, "block_size"),
+        ({"dst_kv_base_addrs": [1, 2]}, "dst_kv_base_addrs"),
+        ({"dst_block_ids": [0, 1, 2, 3]}, "dst_block_ids"),
+        ({"dst_session": "nohost"}, "dst_session"),
+        ({"token_ids": "abc"}, "token_ids"),
+        ({"unknown": 1}, "unknown"),
+    ],
+)
 def test_bad_request_is_422_naming_the_field_and_writes_nothing(over, field):
     server, c, d, log = make()
     code, resp = server.push(body(d, **over))
@@ -133,13 +177,16 @@ def test_bad_request_is_422_naming_the_field_and_writes_nothing(over, field):
 def test_engine_failure_reports_failed():
     server, c, d, _ = make(write=lambda *a: -1)
     code, resp = server.push(body(d))
-    assert code == 200 and resp["status"] == "failed" and "returned -1" in resp["message"]
+    assert (
+        code == 200 and resp["status"] == "failed" and "returned -1" in resp["message"]
+    )
     assert resp["pushed_blocks"] == 0
 
 
 def test_engine_raising_reports_failed():
     def boom(*a):
         raise RuntimeError("segment gone")
+
     server, c, d, _ = make(write=boom)
     assert server.push(body(d))[1]["status"] == "failed"
 
@@ -161,8 +208,15 @@ def test_block_evicted_during_the_write_reports_failed():
 
 def test_before_the_first_step_is_503():
     c, d = instance(True), instance(False)
-    server = PushServer(WorkerHashSync(BS), memmove_write([]), c.bases, BLEN, FP, C_SESSION,
-                        wall_clock_ms=lambda: NOW_MS)
+    server = PushServer(
+        WorkerHashSync(BS),
+        memmove_write([]),
+        c.bases,
+        BLEN,
+        FP,
+        C_SESSION,
+        wall_clock_ms=lambda: NOW_MS,
+    )
     assert server.push(body(d))[0] == 503
 
 
@@ -173,8 +227,12 @@ def test_write_runs_on_a_thread_at_nice_19_and_the_caller_keeps_its_priority():
     inner = memmove_write([])
 
     def write(session, src, dst, lens):
-        seen.append((threading.get_native_id(),
-                     os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        seen.append(
+            (
+                threading.get_native_id(),
+                os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+            )
+        )
         return inner(session, src, dst, lens)
 
     server, c, d, _ = make(write=write)
@@ -194,7 +252,9 @@ def test_engine_raising_on_the_writer_thread_fails_the_push():
 
     server, _, d, _ = make(write=write)
     code, resp = server.push(body(d))
-    assert code == 200 and resp["status"] == "failed" and "engine gone" in resp["message"]
+    assert (
+        code == 200 and resp["status"] == "failed" and "engine gone" in resp["message"]
+    )
     assert server.stats["failed"] == 1 and server.stats["entries"] == 0
 
 
@@ -208,14 +268,23 @@ def test_stats_count_entries_and_write_seconds_of_ok_pushes():
     assert server.stats["write_seconds"] > 0
 
 
-@pytest.mark.parametrize("now_ms,received_ago_s,budget_ms,writes", [
-    (NOW_MS, 0.4, 500, True),  # within both
-    (NOW_MS, 0.6, 500, False),  # the budget passed, the deadline (C's clock) far ahead
-    (DEADLINE_MS + 1, 0.0, 500, False),  # the deadline passed, the budget not
-    (NOW_MS, 100.0, None, True),  # no budget sent: the deadline alone
-])
+@pytest.mark.parametrize(
+    "now_ms,received_ago_s,budget_ms,writes",
+    [
+        (NOW_MS, 0.4, 500, True),  # within both
+        (
+            NOW_MS,
+            0.6,
+            500,
+            False,
+        ),  # the budget passed, the deadline (C's clock) far ahead
+        (DEADLINE_MS + 1, 0.0, 500, False),  # the deadline passed, the budget not
+        (NOW_MS, 100.0, None, True),  # no budget sent: the deadline alone
+    ],
+)
 def test_the_write_starts_only_within_both_the_deadline_and_the_budget(
-        now_ms, received_ago_s, budget_ms, writes):
+    now_ms, received_ago_s, budget_ms, writes
+):
     server, c, d, log = make()
     server._now_ms = lambda: now_ms
     server.clock = lambda: 500.0
@@ -225,8 +294,10 @@ def test_the_write_starts_only_within_both_the_deadline_and_the_budget(
     assert bool(log) == writes and any(t.any() for t in d.kv) == writes
     if not writes:
         what = "budget of 500 ms" if received_ago_s else "deadline"
-        assert f"the push's {what} passed" in resp["message"] and "nothing written" in \
-            resp["message"]
+        assert (
+            f"the push's {what} passed" in resp["message"]
+            and "nothing written" in resp["message"]
+        )
         assert server.stats["past_deadline"] == 1
 
 

@@ -10,6 +10,7 @@ a slow source's pushes is never sent once it has ended."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -37,14 +38,24 @@ from helpers import (
     serve,
 )
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import PushJob
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import PushReceiver
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import PushScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    PushJob,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-TRICKLE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 4096\r\n\r\n"
-           + b" " * 4096)
+ROOT = Path(__file__).resolve().parents[4]
+TRICKLE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 4096\r\n\r\n"
+    + b" " * 4096
+)
 
 
 class RawSource:
@@ -85,8 +96,14 @@ class RawSource:
                     return
                 head += chunk
             self.paths.append(head.split(b" ", 2)[1].decode())
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
             body = head.split(b"\r\n\r\n", 1)[1]
             while len(body) < length:
                 body += conn.recv(65536)
@@ -108,10 +125,8 @@ class RawSource:
         self.sock.close()
         with self.lock:
             for c in self.conns:
-                try:
+                with contextlib.suppress(OSError):
                     c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
 
 def trickle(src: RawSource, conn) -> None:
@@ -153,8 +168,11 @@ def wait_until(cond, timeout):
 def push_threads(url: str) -> list[str]:
     """D's threads that serve calls to the source at ``url``."""
     where = url.split("//", 1)[1]
-    return [t.name for t in threading.enumerate()
-            if t.name.startswith("mooncake-push") and where in t.name]
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("mooncake-push") and where in t.name
+    ]
 
 
 def shutdown(*parts):
@@ -164,10 +182,16 @@ def shutdown(*parts):
 
 # ---- a slow source pins only itself, and only until its deadline --------------------
 
-def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(sources, healthy):
+
+def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(
+    sources, healthy
+):
     slow = sources()
-    sched = PushScheduler(BS, ExtConfig(push_match_timeout_s=3,
-                                        push_sources=(slow.url, healthy.url)), SCHED_FP)
+    sched = PushScheduler(
+        BS,
+        ExtConfig(push_match_timeout_s=3, push_sources=(slow.url, healthy.url)),
+        SCHED_FP,
+    )
     try:
         slow_reqs = [d_request(f"s{i}", source=slow.url) for i in range(6)]
         for r in slow_reqs:
@@ -179,10 +203,12 @@ def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(sources, 
         got = ask(sched, r, timeout=10)
         took = time.monotonic() - t0
         assert got == (3 * BS, True) and took < 1.5, (
-            f"a healthy source answered after {took:.1f} s ({got}) behind a slow one")
+            f"a healthy source answered after {took:.1f} s ({got}) behind a slow one"
+        )
         # each slow call ends at its deadline (3 s after it was asked), not per read
-        assert wait_until(lambda: all(sched._matches[q.request_id].done() for q in slow_reqs),
-                          3 + 2), "slow /match_blocks calls outlived their deadline"
+        assert wait_until(
+            lambda: all(sched._matches[q.request_id].done() for q in slow_reqs), 3 + 2
+        ), "slow /match_blocks calls outlived their deadline"
         assert wait_until(lambda: slow.open == 0, 2)
         for q in slow_reqs:
             assert sched.get_num_new_matched_tokens(q, 0) == (0, False)
@@ -194,13 +220,23 @@ def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(sources, 
 def test_a_slow_source_at_the_push_phase_does_not_delay_a_healthy_one(sources, healthy):
     slow = sources()
     d = healthy.destination()
-    rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, ExtConfig(push_timeout_s=5))
+    rec = PushReceiver(
+        D_SESSION, d.bases, BLEN, BS, NBLK, FP, ExtConfig(push_timeout_s=5)
+    )
     try:
-        rec.start([PushJob(f"s{i}", slow.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
-                   for i in range(6)])
+        rec.start(
+            [
+                PushJob(
+                    f"s{i}", slow.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
+                )
+                for i in range(6)
+            ]
+        )
         assert wait_until(lambda: slow.open >= 4, 5)
         t0 = time.monotonic()
-        rec.start([PushJob("h", healthy.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))])
+        rec.start(
+            [PushJob("h", healthy.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))]
+        )
         ended: set[str] = set()
 
         def healthy_ended():
@@ -210,7 +246,8 @@ def test_a_slow_source_at_the_push_phase_does_not_delay_a_healthy_one(sources, h
         wait_until(healthy_ended, 10)
         took = time.monotonic() - t0
         assert "h" in ended and took < 1.5, (
-            f"the push from a healthy source ended after {took:.1f} s behind a slow one")
+            f"the push from a healthy source ended after {took:.1f} s behind a slow one"
+        )
         assert rec.take_outcome().landed["h"] == 3
         assert healthy.engine.log, "the healthy source was never asked"
     finally:
@@ -227,12 +264,12 @@ def test_the_process_exits_while_calls_to_a_slow_source_are_in_flight(sources):
     script = textwrap.dedent(f"""
         import time
         from types import SimpleNamespace
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.config import ExtConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import ExtConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
             KVFingerprint, PushJob)
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.receiver import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
             PushReceiver)
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.scheduler import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
             PushScheduler)
         fp = KVFingerprint(model="m", dtype="d", block_size=4, tp_size=1)
         url = {slow.url!r}
@@ -247,8 +284,14 @@ def test_the_process_exits_while_calls_to_a_slow_source_are_in_flight(sources):
         print("exiting", flush=True)
     """)
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=os.environ.copy(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=os.environ.copy(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -261,6 +304,7 @@ def test_the_process_exits_while_calls_to_a_slow_source_are_in_flight(sources):
 
 
 # ---- a push queued behind a slow source's pushes ------------------------------------
+
 
 class GatedSource:
     """A source whose /push_blocks answers only once the gate opens."""
@@ -276,8 +320,11 @@ class GatedSource:
 
             self.pushes.append(_json.loads(await request.body())["request_id"])
             await asyncio.to_thread(self.gate.wait, 30)
-            return Response(b'{"status": "failed", "message": "gated"}', 200,
-                            media_type="application/json")
+            return Response(
+                b'{"status": "failed", "message": "gated"}',
+                200,
+                media_type="application/json",
+            )
 
         app.post("/push_blocks")(push_blocks)
         self.url, self.stop = serve(app)
@@ -290,13 +337,29 @@ def test_a_push_that_ended_while_queued_is_never_sent():
     sent: C would write into blocks that other requests now use."""
     src = GatedSource()
     clock = SimpleNamespace(now=1000.0)
-    rec = PushReceiver(D_SESSION, [1 << 20, 2 << 20], BLEN, BS, NBLK, FP,
-                       ExtConfig(push_timeout_s=1), clock=lambda: clock.now)
+    rec = PushReceiver(
+        D_SESSION,
+        [1 << 20, 2 << 20],
+        BLEN,
+        BS,
+        NBLK,
+        FP,
+        ExtConfig(push_timeout_s=1),
+        clock=lambda: clock.now,
+    )
     try:
-        rec.start([PushJob(f"a{i}", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
-                   for i in range(4)])
+        rec.start(
+            [
+                PushJob(
+                    f"a{i}", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
+                )
+                for i in range(4)
+            ]
+        )
         assert wait_until(lambda: len(src.pushes) == 4, 5)
-        rec.start([PushJob("late", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))])
+        rec.start(
+            [PushJob("late", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))]
+        )
         time.sleep(0.2)
         clock.now += 3600  # every hold has passed
         assert rec.merge_finished(None) == {"a0", "a1", "a2", "a3", "late"}
@@ -318,15 +381,20 @@ HUGE = 400 << 20
 def huge_answer(declared: bool):
     def answer(src: RawSource, conn) -> None:
         head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-        head += (b"content-length: %d\r\n" % HUGE) if declared else b"connection: close\r\n"
+        head += (
+            (b"content-length: %d\r\n" % HUGE) if declared else b"connection: close\r\n"
+        )
         src.send(conn, head + b"\r\n")
         chunk = b" " * (1 << 20)
         for _ in range(HUGE // len(chunk)):
             src.send(conn, chunk)
+
     return answer
 
 
-@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "until-close"])
+@pytest.mark.parametrize(
+    "declared", [True, False], ids=["content-length", "until-close"]
+)
 @pytest.mark.parametrize("phase", ["match", "push"])
 def test_a_400_mib_answer_is_not_read(sources, phase, declared):
     """The source answers 400 MiB of JSON whitespace. D must stop reading at its
@@ -335,19 +403,32 @@ def test_a_400_mib_answer_is_not_read(sources, phase, declared):
     src = sources(huge_answer(declared))
     t0 = time.monotonic()
     if phase == "match":
-        sched = PushScheduler(BS, ExtConfig(push_match_timeout_s=20, push_sources=(src.url,)),
-                              SCHED_FP)
+        sched = PushScheduler(
+            BS, ExtConfig(push_match_timeout_s=20, push_sources=(src.url,)), SCHED_FP
+        )
         try:
             assert ask(sched, d_request(source=src.url), timeout=30) == (0, False)
             assert sched.stats["match_failed"] == 1
         finally:
             shutdown(sched)
     else:
-        rec = PushReceiver(D_SESSION, [1 << 20, 2 << 20], BLEN, BS, NBLK, FP,
-                           ExtConfig(push_timeout_s=20))
+        rec = PushReceiver(
+            D_SESSION,
+            [1 << 20, 2 << 20],
+            BLEN,
+            BS,
+            NBLK,
+            FP,
+            ExtConfig(push_timeout_s=20),
+        )
         try:
-            rec.start([PushJob("r1", src.url, tuple(TOKENS), None, None, 0,
-                               tuple(DST_BLOCKS))])
+            rec.start(
+                [
+                    PushJob(
+                        "r1", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
+                    )
+                ]
+            )
             # the answer is refused (the source's connection is gone), unread: no
             # end before the hold (C may still write)
             assert wait_until(lambda: src.paths and src.open == 0, 30)
@@ -361,23 +442,38 @@ def test_a_400_mib_answer_is_not_read(sources, phase, declared):
 
 # ---- no proxy from the environment --------------------------------------------------
 
+
 def test_d_ignores_proxies_from_its_environment(monkeypatch, sources, healthy):
     proxy = sources(lambda src, conn: None)  # takes the request, answers nothing
-    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
-                "all_proxy"):
+    for var in (
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ):
         monkeypatch.setenv(var, proxy.url)
     for var in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(var, raising=False)
-    sched = PushScheduler(BS, ExtConfig(push_match_timeout_s=3, push_sources=(healthy.url,)),
-                          SCHED_FP)
+    sched = PushScheduler(
+        BS, ExtConfig(push_match_timeout_s=3, push_sources=(healthy.url,)), SCHED_FP
+    )
     d = healthy.destination()
-    rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, ExtConfig(push_timeout_s=3))
+    rec = PushReceiver(
+        D_SESSION, d.bases, BLEN, BS, NBLK, FP, ExtConfig(push_timeout_s=3)
+    )
     try:
         r = d_request(source=healthy.url, n_tokens=len(TOKENS))
         r.prompt_token_ids = list(TOKENS)
         assert ask(sched, r) == (3 * BS, True)
-        rec.start([PushJob("r1", healthy.url, tuple(TOKENS), None, None, 0,
-                           tuple(DST_BLOCKS))])
+        rec.start(
+            [
+                PushJob(
+                    "r1", healthy.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
+                )
+            ]
+        )
         assert wait_until(lambda: rec.merge_finished(None) == {"r1"}, 10)
         assert rec.take_outcome().landed == {"r1": 3}
         assert proxy.paths == [], f"D went through the proxy: {proxy.paths}"

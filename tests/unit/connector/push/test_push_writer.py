@@ -1,11 +1,11 @@
-"""connector/push/writer.py: the push's write runs on its own thread at nice 19."""
+"""connector/push/source_writer.py: the push's write runs on its own thread at nice 19."""
 
 import os
 import threading
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.writer import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_writer import (
     WRITER_NICE,
     LowPriorityWriter,
 )
@@ -19,7 +19,9 @@ def test_returns_the_engines_code_after_it_returned_from_a_lowered_thread():
     calls = []
 
     def write(session, src, dst, lens):
-        calls.append((session, src, dst, lens, threading.get_native_id(), nice_of_this_thread()))
+        calls.append(
+            (session, src, dst, lens, threading.get_native_id(), nice_of_this_thread())
+        )
         return -7
 
     before = nice_of_this_thread()

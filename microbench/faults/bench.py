@@ -14,27 +14,26 @@ successful answer matches a from-scratch reference (KV-sensitive logprobs);
 KV usage of every surviving instance returns to 0; the cluster serves a new
 P->D request afterwards, a restarted peer without restarting the other side.
 
-    python -m harness.faults [--runs 3] [--only link_down_short,kill_prefill]
-        -> results/faults.json + a printed table (docs/faults.md)
+The scenarios (``SCENARIOS``) run from ``python -m microbench.faults`` (the whole
+matrix) and from tests/integration/test_faults.py (the CI subset).
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import http.client
 import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import Cluster, Instance, InstanceSpec
+from harness.launcher import BLOCK, Cluster, Instance, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.netns import netem_available
 from harness.pd_client import (
@@ -45,11 +44,11 @@ from harness.pd_client import (
     engine_id,
     model_name,
     pd_generate,
+    push_stats,
     wait_for_matched_blocks,
 )
 from harness.prompts import random_prompt
 
-BLOCK = 128  # the CPU backend's block size
 HOLD_LEN = 1536  # prompts of this length hold P's writer ...
 HOLD_AFTER = 10  # ... after this many layer writes ...
 HOLD_S = 3.0  # ... for this long: the moment faults are applied
@@ -63,7 +62,7 @@ ENGINE_TIMEOUT_S = 5  # MC_TRANSFER_TIMEOUT: the engine's sync call gives up aft
 ABORT_TIMEOUT_S = 20  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
 PUSH_TIMEOUT_S = 10.0
 # the longest any request may take under these faults: D's pull socket gives up at
-# ABORT_TIMEOUT_S + 60 s (connector/config.py), plus a prefill and a decode
+# ABORT_TIMEOUT_S + 60 s (connector/common/config.py), plus a prefill and a decode
 REQUEST_DEADLINE_S = ABORT_TIMEOUT_S + 60 + 60
 SHORT_DOWN_S = 4.0  # < ENGINE_TIMEOUT_S: the writes resume where they stopped
 LONG_DOWN_S = 30.0  # > ENGINE_TIMEOUT_S and > LAYERWISE_TIMEOUT_S: the transfer fails
@@ -87,10 +86,17 @@ FAULT_ENV = {
 
 
 def cluster_specs(model: str) -> list[InstanceSpec]:
-    common = dict(model=model, kv_cache_gib=2, max_model_len=4096, env=dict(FAULT_ENV),
-                  extra_args=["--enable-prompt-tokens-details"])
-    return [InstanceSpec("prefill", role="kv_producer", cores="0", **common),
-            InstanceSpec("decode", role="kv_consumer", cores="1", **common)]
+    common = dict(
+        model=model,
+        kv_cache_gib=2,
+        max_model_len=4096,
+        env=dict(FAULT_ENV),
+        extra_args=["--enable-prompt-tokens-details"],
+    )
+    return [
+        InstanceSpec("prefill", role="kv_producer", cores="0", **common),
+        InstanceSpec("decode", role="kv_consumer", cores="1", **common),
+    ]
 
 
 def fault_cluster(log_dir: Path) -> Cluster:
@@ -132,10 +138,14 @@ class Outcome:
 
     @property
     def holds(self) -> bool:
-        return (self.skipped is not None or (
-            self.lost == 0 and self.wrong == 0 and self.stranded_runs == 0
-            and len(self.recovery_s) == self.runs and self.requests > 0
-            and (not self.must_succeed or self.ok == self.requests)))
+        return self.skipped is not None or (
+            self.lost == 0
+            and self.wrong == 0
+            and self.stranded_runs == 0
+            and len(self.recovery_s) == self.runs
+            and self.requests > 0
+            and (not self.must_succeed or self.ok == self.requests)
+        )
 
 
 class FaultBench:
@@ -157,15 +167,13 @@ class FaultBench:
     # -- measurements -----------------------------------------------------------
 
     def layerwise_transfers(self) -> dict[str, dict]:
-        r = httpx.get(self.p.bootstrap_url + "/layerwise/transfers", timeout=5,
-                      headers=bootstrap_headers())
+        r = httpx.get(
+            self.p.bootstrap_url + "/layerwise/transfers",
+            timeout=5,
+            headers=bootstrap_headers(),
+        )
         r.raise_for_status()
         return {t["transfer_id"]: t for t in r.json()["transfers"]}
-
-    def push_stats(self) -> dict:
-        r = httpx.get(self.p.bootstrap_url + "/hashsync", timeout=5, headers=bootstrap_headers())
-        r.raise_for_status()
-        return r.json()["push"]
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -178,15 +186,26 @@ class FaultBench:
             if t and t["writes"] >= at_least:
                 return
             time.sleep(0.05)
-        raise TimeoutError(f"transfer {transfer_id} never reached {at_least} writes on P")
+        raise TimeoutError(
+            f"transfer {transfer_id} never reached {at_least} writes on P"
+        )
 
     def start_pd(self, ids: list[int], transfer_id: str) -> cf.Future:
-        return self.pool.submit(pd_generate, self.p.url, self.p.bootstrap_url, self.d.url, ids,
-                                max_tokens=4, logprobs=5, transfer_id=transfer_id,
-                                timeout=REQUEST_DEADLINE_S)
+        return self.pool.submit(
+            pd_generate,
+            self.p.url,
+            self.p.bootstrap_url,
+            self.d.url,
+            ids,
+            max_tokens=4,
+            logprobs=5,
+            transfer_id=transfer_id,
+            timeout=REQUEST_DEADLINE_S,
+        )
 
-    def settle(self, out: Outcome, fut: cf.Future, ids: list[int],
-               from_peer: bool = False) -> None:
+    def settle(
+        self, out: Outcome, fut: cf.Future, ids: list[int], from_peer: bool = False
+    ) -> None:
         """The request's end: ok and correct, a clear error, lost, or wrong.
         ``from_peer``: ok also needs D's KV to have come from P (all but the last
         token cached on D, and P's transfer completed), not from a local recompute."""
@@ -198,16 +217,31 @@ class FaultBench:
         except RequestFailed as exc:
             out.record("error", str(exc))
             return
-        if from_peer and len(ids) >= LAYERWISE_MIN_TOKENS:  # layer-wise (post-hoc: no entry)
+        if (
+            from_peer and len(ids) >= LAYERWISE_MIN_TOKENS
+        ):  # layer-wise (post-hoc: no entry)
             done = self.layerwise_transfers().get(res.transfer_id, {}).get("outcome")
             if done != "completed":
-                out.record("wrong", f"P's transfer ended {done!r}, yet D answered as if not")
+                out.record(
+                    "wrong", f"P's transfer ended {done!r}, yet D answered as if not"
+                )
                 return
-        self.check(out, res.decode, ids, self.d,
-                   expected_cached=len(ids) - 1 if from_peer else None)
+        self.check(
+            out,
+            res.decode,
+            ids,
+            self.d,
+            expected_cached=len(ids) - 1 if from_peer else None,
+        )
 
-    def check(self, out: Outcome, got, ids: list[int], inst: Instance,
-              expected_cached: int | None = None) -> None:
+    def check(
+        self,
+        out: Outcome,
+        got,
+        ids: list[int],
+        inst: Instance,
+        expected_cached: int | None = None,
+    ) -> None:
         ref = reference_completion(inst.url, ids, max_tokens=len(got.token_ids) or 4)
         verdict = compare(got, ref, expected_cached_tokens=expected_cached)
         out.record("ok" if verdict.ok else "wrong", "; ".join(verdict.problems))
@@ -225,8 +259,15 @@ class FaultBench:
         while time.monotonic() < end:
             ids = self.prompt(NORMAL_LEN)
             try:
-                res = pd_generate(self.p.url, self.p.bootstrap_url, self.d.url, ids,
-                                  max_tokens=4, logprobs=5, timeout=120)
+                res = pd_generate(
+                    self.p.url,
+                    self.p.bootstrap_url,
+                    self.d.url,
+                    ids,
+                    max_tokens=4,
+                    logprobs=5,
+                    timeout=120,
+                )
             except (RequestFailed, httpx.HTTPError) as exc:
                 last = str(exc)
                 time.sleep(1)
@@ -246,10 +287,14 @@ class FaultBench:
         out.must_succeed = True
         for n in (POSTHOC_LEN, NORMAL_LEN):
             ids = self.prompt(n)
-            self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids, from_peer=True)
+            self.settle(
+                out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids, from_peer=True
+            )
         turn2, got = self.push_turn2()
         if (got.cached_tokens or 0) < (PUSH_TURN1 // BLOCK) * BLOCK:
-            out.record("wrong", f"push moved nothing: cached_tokens {got.cached_tokens}")
+            out.record(
+                "wrong", f"push moved nothing: cached_tokens {got.cached_tokens}"
+            )
         else:
             self.check(out, got, turn2, self.d)
         self.baseline(out, self.p, self.d)
@@ -268,7 +313,9 @@ class FaultBench:
         # P reports a transfer's end only after its last write returned
         t = self.layerwise_transfers().get(xfer, {})
         if t.get("ended_at") is None or (t.get("last_write_end") or 0) > t["ended_at"]:
-            out.record("wrong", f"P reported the transfer's end before its last write: {t}")
+            out.record(
+                "wrong", f"P reported the transfer's end before its last write: {t}"
+            )
         self.baseline(out, self.p, self.d)
         self.recover(out, up)
 
@@ -295,7 +342,9 @@ class FaultBench:
         out.must_succeed = True
         try:
             ids = self.prompt(NORMAL_LEN)
-            self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids, from_peer=True)
+            self.settle(
+                out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids, from_peer=True
+            )
         finally:
             self.topology.clear("prefill")
         up = time.monotonic()
@@ -341,8 +390,14 @@ class FaultBench:
         complete(self.p.url, turn1, max_tokens=1, logprobs=None, timeout=120)
         wait_for_matched_blocks(self.p.bootstrap_url, turn1, PUSH_TURN1 // BLOCK)
         turn2 = turn1 + self.prompt(40)
-        return turn2, complete(self.d.url, turn2, max_tokens=4, logprobs=5, timeout=120,
-                               kv_transfer_params={"push_from": self.p.bootstrap_url})
+        return turn2, complete(
+            self.d.url,
+            turn2,
+            max_tokens=4,
+            logprobs=5,
+            timeout=120,
+            kv_transfer_params={"push_from": self.p.bootstrap_url},
+        )
 
     def _push_in_delayed_write(self) -> tuple[list[int], cf.Future]:
         """Turn 1 on C (= P), then turn 2 on D with push_from C; returns once C took
@@ -352,18 +407,27 @@ class FaultBench:
         complete(self.p.url, turn1, max_tokens=1, logprobs=None, timeout=120)
         wait_for_matched_blocks(self.p.bootstrap_url, turn1, PUSH_TURN1 // BLOCK)
         turn2 = turn1 + self.prompt(PUSH_TURN2 - PUSH_TURN1)
-        pushes = self.push_stats()["pushes"]
-        fut = self.pool.submit(complete, self.d.url, turn2, max_tokens=4, logprobs=5,
-                               timeout=REQUEST_DEADLINE_S,
-                               kv_transfer_params={"push_from": self.p.bootstrap_url})
+        pushes = push_stats(self.p.bootstrap_url, timeout=5)["pushes"]
+        fut = self.pool.submit(
+            complete,
+            self.d.url,
+            turn2,
+            max_tokens=4,
+            logprobs=5,
+            timeout=REQUEST_DEADLINE_S,
+            kv_transfer_params={"push_from": self.p.bootstrap_url},
+        )
         deadline = time.monotonic() + PUSH_DELAY_S
-        while self.push_stats()["pushes"] == pushes:  # C took the push: in its (delayed) write
+        # until C took the push: then it sits in its (delayed) write
+        while push_stats(self.p.bootstrap_url, timeout=5)["pushes"] == pushes:
             if time.monotonic() > deadline:
                 raise TimeoutError("C never started the push")
             time.sleep(0.05)
         return turn2, fut
 
-    def _push_answer(self, out: Outcome, fut: cf.Future, when: str) -> Completion | None:
+    def _push_answer(
+        self, out: Outcome, fut: cf.Future, when: str
+    ) -> Completion | None:
         """D's answer to the pushed turn, or None once its end was recorded (lost
         past the deadline, or a clear error)."""
         try:
@@ -406,8 +470,11 @@ class FaultBench:
         if got is not None:
             pushed = (PUSH_TURN1 // BLOCK) * BLOCK
             if (got.cached_tokens or 0) < pushed:
-                out.record("wrong", f"the push's KV did not come over: cached_tokens "
-                           f"{got.cached_tokens} < {pushed}")
+                out.record(
+                    "wrong",
+                    f"the push's KV did not come over: cached_tokens "
+                    f"{got.cached_tokens} < {pushed}",
+                )
             else:
                 self.check(out, got, turn2, self.d)
         self.baseline(out, self.p, self.d)
@@ -419,27 +486,53 @@ class FaultBench:
         model = model_name(self.d.url)
         for _ in range(times):
             ids, xfer = self.prompt(HOLD_LEN), f"xfer-{uuid.uuid4().hex}"
-            p_fut = self.pool.submit(complete, self.p.url, ids, max_tokens=1, logprobs=None,
-                                     timeout=REQUEST_DEADLINE_S, kv_transfer_params={
-                                         "do_remote_decode": True, "transfer_id": xfer})
-            body = json.dumps({"model": model, "prompt": ids, "max_tokens": 4,
-                               "kv_transfer_params": {
-                                   "do_remote_prefill": True, "transfer_id": xfer,
-                                   "remote_bootstrap_addr": self.p.bootstrap_url,
-                                   "remote_engine_id": engine_id(self.p.bootstrap_url)}})
-            conn = http.client.HTTPConnection(d_host, d_port, timeout=REQUEST_DEADLINE_S)
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            p_fut = self.pool.submit(
+                complete,
+                self.p.url,
+                ids,
+                max_tokens=1,
+                logprobs=None,
+                timeout=REQUEST_DEADLINE_S,
+                kv_transfer_params={"do_remote_decode": True, "transfer_id": xfer},
+            )
+            body = json.dumps(
+                {
+                    "model": model,
+                    "prompt": ids,
+                    "max_tokens": 4,
+                    "kv_transfer_params": {
+                        "do_remote_prefill": True,
+                        "transfer_id": xfer,
+                        "remote_bootstrap_addr": self.p.bootstrap_url,
+                        "remote_engine_id": engine_id(self.p.bootstrap_url),
+                    },
+                }
+            )
+            conn = http.client.HTTPConnection(
+                d_host, d_port, timeout=REQUEST_DEADLINE_S
+            )
+            conn.request(
+                "POST", "/v1/completions", body, {"Content-Type": "application/json"}
+            )
             self.wait_writes(xfer, HOLD_AFTER)
             conn.sock.close()  # the client disconnects: vLLM aborts D's request
             conn.close()
             try:
                 p_fut.result(timeout=REQUEST_DEADLINE_S)
-                out.record("error", "")  # aborted on purpose: it ended, no answer wanted
+                out.record(
+                    "error", ""
+                )  # aborted on purpose: it ended, no answer wanted
             except (cf.TimeoutError, RequestFailed) as exc:
-                out.record("lost", f"P's side of an aborted request did not end: {exc!r}")
+                out.record(
+                    "lost", f"P's side of an aborted request did not end: {exc!r}"
+                )
         up = time.monotonic()
         self.baseline(out, self.p, self.d)
-        ended = [t for t in self.layerwise_transfers().values() if t["prompt_len"] == HOLD_LEN]
+        ended = [
+            t
+            for t in self.layerwise_transfers().values()
+            if t["prompt_len"] == HOLD_LEN
+        ]
         if any(t["ended_at"] is None for t in ended):
             out.stranded_runs += 1
             out.errors.append("a transfer of an aborted request never ended on P")
@@ -451,7 +544,9 @@ class FaultBench:
 
     def link_delay(self, out: Outcome) -> None:
         """20 ms each way on P's link (tc netem) during a layer-wise transfer."""
-        self._degraded_link(out, lambda: self.topology.netem("prefill", "delay", "20ms"))
+        self._degraded_link(
+            out, lambda: self.topology.netem("prefill", "delay", "20ms")
+        )
 
 
 NEEDS_NETEM = {"packet_loss", "link_delay"}
@@ -480,53 +575,3 @@ def run_fault(bench: FaultBench, name: str, runs: int = 1) -> Outcome:
         out.runs += 1
         SCENARIOS[name](bench, out)
     return out
-
-
-def render(outcomes: list[Outcome]) -> str:
-    head = (f"{'fault':<24} {'runs':>4} {'reqs':>4} {'ok':>3} {'err':>3} {'lost':>4} "
-            f"{'wrong':>5} {'stranded':>8}  recovery s (min/med/max)  holds")
-    lines = [head, "-" * len(head)]
-    for o in outcomes:
-        if o.skipped:
-            lines.append(f"{o.fault:<24} skipped: {o.skipped}")
-            continue
-        rec = sorted(o.recovery_s)
-        rec_s = (f"{rec[0]:.1f} / {rec[len(rec) // 2]:.1f} / {rec[-1]:.1f}" if rec else "-")
-        lines.append(f"{o.fault:<24} {o.runs:>4} {o.requests:>4} {o.ok:>3} "
-                     f"{o.ended_with_error:>3} {o.lost:>4} {o.wrong:>5} {o.stranded_runs:>8}  "
-                     f"{rec_s:<24}  {'yes' if o.holds else 'NO'}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.faults", description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", type=int, default=3, help="runs per fault (default 3)")
-    ap.add_argument("--only", help="comma-separated faults: " + ", ".join(SCENARIOS))
-    ap.add_argument("--out", type=Path, default=Path("results/faults.json"))
-    args = ap.parse_args(argv)
-    names = args.only.split(",") if args.only else list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
-    if unknown:
-        ap.error(f"unknown faults {unknown}; known: {', '.join(SCENARIOS)}")
-    outcomes: list[Outcome] = []
-    t0 = time.monotonic()
-    with fault_cluster(args.out.parent / "faults-logs") as cluster:
-        bench = FaultBench(cluster)
-        try:
-            for i, name in enumerate(names, 1):
-                print(f"[faults {time.monotonic() - t0:5.0f}s] {i}/{len(names)} {name} "
-                      f"x{args.runs} ...", flush=True)
-                outcomes.append(run_fault(bench, name, args.runs))
-                print(render(outcomes[-1:]).splitlines()[-1], flush=True)
-        finally:
-            bench.close()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"outcomes": [asdict(o) | {"holds": o.holds} for o in outcomes],
-                                    "seconds": round(time.monotonic() - t0)}, indent=1) + "\n")
-    print(render(outcomes))
-    print(f"JSON: {args.out}")
-    return 0 if all(o.holds for o in outcomes) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

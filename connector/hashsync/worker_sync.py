@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Block-hash sync, worker process: the mirror of the scheduler's prefix cache.
+
+Applies the scheduler's delta (scheduler_sync.py) before the forward pass (new
+blocks become matchable only once the step that computes them has completed:
+after an event recorded after its forward on CUDA, worker_table.py) and answers
+lookups: which of a prompt's full blocks this instance holds, hashed exactly as
+its scheduler hashes them (same algorithm, NONE_HASH, cache_salt, LoRA), so a
+block is never matched for a request with another cache_salt. Read by prefix
+push (push/source_server.py) and served as ``GET /hashsync`` (routes.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
+    hash_prompt_blocks,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_table import (
+    BlockHashTable,
+)
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
+        HashDelta,
+    )
+
+
+class WorkerHashSync:
+    """Worker side: the instance's hash -> block table and lookups against it."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.table = BlockHashTable(defer_stores=True)
+
+    def on_metadata(self, delta: HashDelta | None) -> None:
+        """Before the forward pass: apply the step's delta (stores stay pending)."""
+        if delta is not None and (len(delta) or delta.hash_config is not None):
+            self.table.apply(delta)
+
+    def after_step(self, event: Any = None) -> None:
+        """After the forward pass was launched: blocks stored this step hold their
+        KV once ``event`` has completed (None: now, as on the CPU backend)."""
+        self.table.seal_pending(event)
+        self.table.commit_ready()
+
+    def prompt_hashes(
+        self, token_ids: list[int], cache_salt: str | None, lora_name: str | None
+    ) -> list:
+        cfg = self.table.hash_config
+        if cfg is None:
+            raise RuntimeError(
+                "block-hash sync has not received the scheduler's hash "
+                "configuration yet (no step has run); retry"
+            )
+        return hash_prompt_blocks(
+            token_ids,
+            self.block_size,
+            cfg.hash_algo,
+            cfg.none_hash,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+        )
+
+    def match(
+        self,
+        token_ids: list[int],
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> tuple[list[int], list[int], int]:
+        """(matched block ids, their generations, number of full blocks of the prompt)."""
+        hashes = self.prompt_hashes(token_ids, cache_salt, lora_name)
+        self.table.commit_ready()  # steps completed since the last after_step
+        block_ids, gens = self.table.match_and_snapshot(hashes)
+        return block_ids, gens, len(hashes)
+
+    def debug(self, sample: int = 8) -> dict[str, Any]:
+        cfg = self.table.hash_config
+        return {
+            "size": self.table.size(),
+            "pending": self.table.num_pending(),
+            "hash_algo": cfg.hash_algo if cfg else None,
+            "block_size": self.block_size,
+            "sample": self.table.sample(sample),
+        }

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P's record of its layer-wise transfers: totals and the timeline of the last ones.
+
+Owned by :class:`~.sender.LayerwiseSender`, which updates it under its lock
+(this module takes no lock of its own); served as ``GET /layerwise/transfers``
+(routes.py) and read by tests and benchmarks. Times are ``time.monotonic()``
+seconds of P's worker process.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import asdict, dataclass
+from typing import Any
+
+STATS_KEPT = 256  # transfers whose timeline is kept (the oldest are forgotten)
+
+
+@dataclass
+class TransferStats:
+    """Timeline of one transfer on P (time.monotonic() seconds), for tests and benches."""
+
+    transfer_id: str
+    prompt_len: int = 0
+    first_write_start: float | None = None
+    last_write_end: float | None = None
+    prefill_end: float | None = (
+        None  # P's last layer of the prompt's last chunk computed
+    )
+    bytes_written: int = 0
+    bytes_before_prefill_end: int = 0
+    writes: int = 0
+    writes_dropped: int = 0  # queued writes of an ended transfer that never ran
+    outcome: str | None = None  # "completed" or the error
+    ended_at: float | None = (
+        None  # its end was reported (D answered, blocks releasable)
+    )
+
+
+@dataclass
+class TransferTotals:
+    writes: int = 0
+    bytes: int = 0
+    writes_dropped: int = 0
+    transfers_completed: int = 0
+    transfers_failed: int = 0
+
+
+class TransferLog:
+    """The totals and the last :data:`STATS_KEPT` transfers' timelines."""
+
+    def __init__(self, kept: int = STATS_KEPT):
+        self.kept = kept
+        self.totals = TransferTotals()
+        self._transfers: collections.OrderedDict[str, TransferStats] = (
+            collections.OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        return len(self._transfers)
+
+    def get(self, transfer_id: str) -> TransferStats | None:
+        return self._transfers.get(transfer_id)
+
+    def of(self, transfer_id: str, prompt_len: int = 0) -> TransferStats:
+        """The transfer's timeline, started on first use."""
+        st = self._transfers.get(transfer_id)
+        if st is None:
+            st = self._transfers[transfer_id] = TransferStats(transfer_id)
+            while len(self._transfers) > self.kept:
+                self._transfers.popitem(last=False)
+        if prompt_len:
+            st.prompt_len = prompt_len
+        return st
+
+    def snapshot(self, waiting_unknown: int) -> dict[str, Any]:
+        """What ``GET /layerwise/transfers`` answers."""
+        return {
+            "totals": {**asdict(self.totals), "waiting_unknown": waiting_unknown},
+            "transfers": [asdict(s) for s in self._transfers.values()],
+        }

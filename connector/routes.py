@@ -1,0 +1,249 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every route this series adds to the bootstrap server, behind one guard.
+
+Served by the first worker's bootstrap server (upstream's FastAPI app), next to
+upstream's own ``/register`` and ``/query``, which are left as upstream has them:
+
+  POST /match_blocks         C: which of a prompt's blocks this instance holds
+  POST /push_blocks          C: write them into D's blocks (push/source_server.py)
+  POST /push_proof           C: the source bytes at D's probes (proof of write)
+  GET  /push/stats           C: push counters
+  GET  /hashsync             the block-hash mirror: size, algorithm, a sample
+  GET  /layerwise/transfers  P: layer-wise totals and the last transfers' timelines
+
+Authentication is a dependency of the router every route is added to
+(:func:`bootstrap_router`), so a route cannot be served without it, and it runs
+before anything of the request is looked at: GET routes take the bearer token,
+POST routes a signature over the method, the path and the body (common/auth.py),
+read at most a route's body cap. What a feature is not serving yet (the KV
+caches are not registered) answers 503; what this instance never serves, 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    EndpointGuard,
+    signed_target,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
+    WorkerHashSync,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
+    LayerwiseSender,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    NO_PREFIX_CACHING,
+    PROOF_MAX_BODY_BYTES,
+    PushServer,
+)
+
+NOT_READY = "KV caches not registered yet; retry"
+MAX_SAMPLE = 256  # GET /hashsync?sample=N
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the routes read: each getter returns None while its feature is not
+    built yet (or, where ``*_here`` is False, never on this instance)."""
+
+    hashsync: Callable[[], WorkerHashSync | None]
+    push: Callable[[], PushServer | None]
+    layerwise: Callable[[], LayerwiseSender | None]
+    hashsync_here: bool = True  # the block-hash mirror runs on this instance
+    push_here: bool = True  # this instance serves pushes (prefix caching on)
+    layerwise_here: bool = (
+        True  # this instance sends layer-wise (P, MOONCAKE_LAYERWISE)
+    )
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated request: when it arrived (monotonic s), its body (POST)
+    and its signed timestamp (None when the endpoints are open)."""
+
+    received: float
+    body: bytes = b""
+    signed_ms: int | None = None
+
+
+async def read_capped(request: Request, limit: int) -> bytes | None:
+    """The request body, or None once it exceeds ``limit`` bytes (nothing more is read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def _refuse(denied: tuple[int, Any] | None) -> None:
+    if denied is not None:
+        raise HTTPException(status_code=denied[0], detail=denied[1])
+
+
+def authenticator(
+    guard: EndpointGuard, config: ExtConfig, clock: Callable[[], float] = time.monotonic
+) -> Callable[[Request], Any]:
+    """The dependency every route of :func:`bootstrap_router` runs first."""
+    body_caps = {"/push_proof": PROOF_MAX_BODY_BYTES}
+
+    async def authenticate(request: Request) -> Caller:
+        received = clock()  # a push's budget runs from here
+        authorization = request.headers.get("authorization")
+        if request.method in ("GET", "HEAD"):
+            _refuse(guard.check(authorization))
+            return Caller(received)
+        # signed: a header that cannot be a signature is refused before the body is read
+        _refuse(guard.check_signed_header(authorization))
+        cap = body_caps.get(request.url.path, config.push_max_body_bytes)
+        body = await read_capped(request, cap)
+        if body is None:
+            _refuse((413, {"field": "body", "message": f"larger than {cap} bytes"}))
+        assert body is not None
+        verified = guard.verify(
+            request.method, signed_target(request.scope), authorization, body
+        )
+        _refuse(verified.denied)
+        return Caller(received, body, verified.signed_ms)
+
+    return authenticate
+
+
+def bootstrap_router(
+    guard: EndpointGuard,
+    config: ExtConfig,
+    served: Served,
+    clock: Callable[[], float] = time.monotonic,
+) -> APIRouter:
+    """This series' routes, every one behind ``guard``."""
+    authenticate = authenticator(guard, config, clock)
+    # a router-level dependency runs for every route added below; handlers that
+    # need what it found name the same callable (FastAPI runs it once per request)
+    router = APIRouter(dependencies=[Depends(authenticate)])
+
+    def push_server() -> PushServer:
+        server = served.push()
+        if server is None:
+            raise HTTPException(
+                status_code=503,
+                detail=NOT_READY if served.push_here else NO_PREFIX_CACHING,
+            )
+        return server
+
+    async def run(
+        server: PushServer, job: Callable[[], tuple[int, dict[str, Any]]], limited: bool
+    ) -> JSONResponse:
+        if limited and not server.try_begin():
+            raise HTTPException(
+                status_code=429,
+                detail=(
+                    f"{server.config.push_max_concurrent} pushes in progress; retry later"
+                ),
+            )
+        try:
+            # hashing and the write block (the engine releases the GIL): off the event loop
+            code, out = await asyncio.to_thread(job)
+        finally:
+            if limited:
+                server.end()
+        return JSONResponse(out, status_code=code)
+
+    @router.post("/match_blocks")
+    async def match_blocks(caller: Caller = Depends(authenticate)) -> JSONResponse:
+        server = push_server()
+        return await run(server, lambda: server.match(caller.body), limited=False)
+
+    @router.post("/push_blocks")
+    async def push_blocks(caller: Caller = Depends(authenticate)) -> JSONResponse:
+        server = push_server()
+        return await run(
+            server,
+            lambda: server.push(caller.body, caller.received, caller.signed_ms),
+            limited=True,
+        )
+
+    @router.post("/push_proof")
+    async def push_proof(caller: Caller = Depends(authenticate)) -> JSONResponse:
+        server = push_server()
+        return await run(
+            server, lambda: server.proof(caller.body, caller.received), limited=False
+        )
+
+    @router.get("/push/stats")
+    async def push_stats() -> dict[str, Any]:
+        return dict(push_server().stats)
+
+    @router.get("/hashsync")
+    async def hashsync(sample: str = "8") -> dict[str, Any]:
+        if not sample.isdigit() or len(sample) > 6:
+            raise HTTPException(
+                status_code=422, detail=f"sample: a whole number 0..{MAX_SAMPLE}"
+            )
+        sync = served.hashsync()
+        if sync is None:
+            if not served.hashsync_here:
+                raise HTTPException(
+                    status_code=404,
+                    detail=(
+                        "no block-hash mirror on this instance (a decode-only instance, or "
+                        "prefix caching is off)"
+                    ),
+                )
+            raise HTTPException(status_code=503, detail=NOT_READY)
+        return sync.debug(min(int(sample), MAX_SAMPLE))
+
+    @router.get("/layerwise/transfers")
+    async def layerwise_transfers() -> dict[str, Any]:
+        sender = served.layerwise()
+        if sender is None:
+            if not served.layerwise_here:
+                raise HTTPException(
+                    status_code=404, detail="layer-wise push is not enabled here"
+                )
+            raise HTTPException(status_code=503, detail=NOT_READY)
+        return sender.snapshot()
+
+    return router
+
+
+def drop_generated_docs(app: Any) -> None:
+    """Remove the routes FastAPI adds for its API description and turn them off:
+    nothing needs them, and they would list every endpoint and body to anyone who
+    can reach the port."""
+    urls = ("openapi_url", "docs_url", "redoc_url", "swagger_ui_oauth2_redirect_url")
+    generated = {u for u in (getattr(app, a, None) for a in urls) if u}
+    app.router.routes[:] = [
+        r for r in app.router.routes if getattr(r, "path", None) not in generated
+    ]
+    for a in urls[:3]:
+        setattr(app, a, None)
+
+
+def add_routes(
+    app: Any,
+    guard: EndpointGuard,
+    config: ExtConfig,
+    served: Served,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Add this series' routes to upstream's bootstrap server app (before it starts)."""
+    guard.log_at_start()
+    drop_generated_docs(app)
+    # the routes themselves (each carries the router's guard dependency), not an
+    # included router: the app lists every path it serves
+    app.router.routes.extend(bootstrap_router(guard, config, served, clock).routes)

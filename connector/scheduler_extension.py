@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What this series adds in the scheduler process, behind one object.
+
+The scheduler subclass (connector.py, ``ExtMooncakeConnectorScheduler``) owns
+one :class:`SchedulerExtension` (``self.ext``) and calls it from its overrides.
+It reads upstream's request objects and never writes upstream state: where an
+upstream field must change, the subclass that owns it does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+    load,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
+    local_fingerprint,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_sync import (
+    SchedulerHashSync,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_scheduler import (
+    LayerwiseScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    MODE_PARAM,
+    TransferMode,
+    requested_mode,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metadata import (
+    ExtMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+def is_consumer(vllm_config: VllmConfig) -> bool:
+    return vllm_config.kv_transfer_config.kv_role == "kv_consumer"  # type: ignore[union-attr]
+
+
+class SchedulerExtension:
+    """What this series adds in the scheduler process, built once from the
+    configuration: layer-wise scheduling (P, MOONCAKE_LAYERWISE), prefix-push
+    scheduling (D, any role), block-hash recording (any role but kv_consumer,
+    with prefix caching)."""
+
+    def __init__(self, vllm_config: VllmConfig, config: ExtConfig | None = None):
+        self.config = cfg = config or load()
+        cache = vllm_config.cache_config
+        self.layerwise = (
+            LayerwiseScheduler(cfg.layerwise_min_tokens) if cfg.layerwise else None
+        )
+        self._warned_no_layerwise = False
+        self.push = PushScheduler(
+            cache.block_size, cfg, local_fingerprint(vllm_config, cfg)
+        )
+        self.hashsync = (
+            SchedulerHashSync(cache.prefix_caching_hash_algo)
+            if not is_consumer(vllm_config) and cache.enable_prefix_caching
+            else None
+        )
+
+    # ---- requests this series owns (prefix push on D) ---------------------------------
+    def owns(self, request: Request) -> bool:
+        return self.push.handles(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.push.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.push.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        return self.push.request_finished(request), None
+
+    # ---- upstream's P/D requests ------------------------------------------------------
+    def takes_send(self, request: Request, transfer_id: str) -> bool:
+        """P: a do_remote_decode request was allocated. True: layer-wise sends it
+        (upstream's send path must not track it)."""
+        if self.layerwise is None:
+            self._warn_if_layerwise_asked(request)
+            return False
+        self.layerwise.track(request, transfer_id)
+        return True
+
+    def _warn_if_layerwise_asked(self, request: Request) -> None:
+        """Without MOONCAKE_LAYERWISE, upstream's post-hoc path sends every request;
+        a request asking for layer-wise is told once (in P's log), never failed."""
+        try:
+            asked = requested_mode(getattr(request, "kv_transfer_params", None))
+        except ValueError:
+            asked = None
+        if asked is TransferMode.LAYERWISE and not self._warned_no_layerwise:
+            self._warned_no_layerwise = True
+            logger.warning(
+                "Request %s asks for %s=layerwise but this prefill instance runs without "
+                "MOONCAKE_LAYERWISE=1: its KV is sent post-hoc (upstream's path). Start the "
+                "prefill instance with MOONCAKE_LAYERWISE=1 to allow layer-wise per request.",
+                request.request_id,
+                MODE_PARAM,
+            )
+
+    def send_finished(
+        self, request: Request, block_ids: list[int], transfer_id: str
+    ) -> bool | None:
+        """P: a do_remote_decode request finished. None: upstream handles it;
+        else whether to delay freeing its blocks."""
+        if self.layerwise is None:
+            return None
+        return self.layerwise.request_finished(request, block_ids, transfer_id)
+
+    def pull_aborted_unscheduled(self, request_id: str) -> None:
+        """D: a request finished before its pull was scheduled (cleanup-only pull)."""
+        if self.layerwise is not None:
+            self.layerwise.cleanup_pull(request_id)
+
+    # ---- every step -----------------------------------------------------------------
+    def build_metadata(self, scheduler_output: SchedulerOutput) -> ExtMetadata:
+        meta = ExtMetadata(push_jobs=self.push.take_jobs())
+        if self.layerwise is not None:
+            meta.layerwise = self.layerwise.build(scheduler_output)
+        if self.hashsync is not None:
+            meta.hash_delta = self.hashsync.build()
+        return meta
+
+    def keep_stepping_while_blocks_held(self) -> bool:
+        """The scheduler has no unfinished request, only finished ones whose blocks
+        wait for a transfer to end (P's sends, D's pushes that a source may still be
+        writing): keep the engine stepping, since their end is learnt only in a
+        step, but at most one such idle step per ``idle_step_interval_s`` (an idle
+        engine must not spin a core while it waits)."""
+        time.sleep(self.config.idle_step_interval_s)
+        return True
+
+    def on_connector_output(self, output: KVConnectorOutput) -> None:
+        """Before vLLM handles finished_recving: cut back pushed tokens that did
+        not land, so they are prefilled locally."""
+        self.push.on_worker_meta(output.kv_connector_worker_meta)

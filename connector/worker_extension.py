@@ -1,0 +1,514 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What this series adds in each worker process, behind one object.
+
+The worker subclass (connector.py, ``ExtMooncakeConnectorWorker``) owns one
+:class:`WorkerExtension` (``self.ext``), calls it from its overrides, and
+upstream's worker calls it at the hook points (hooks.py). What runs here is
+decided once, from the instance's kv_role and configuration (:class:`WorkerRoles`),
+and each capability's per-step part is a :class:`WorkerFeature`: the per-step
+methods call every feature this worker runs, with no per-feature branch.
+
+  prefill (not kv_consumer), MOONCAKE_LAYERWISE   layer-wise sender
+  decode (not kv_producer), MOONCAKE_LAYERWISE    layer-wise pull outcomes
+  any role but kv_consumer, prefix caching        hash mirror, push source (C)
+  any role                                        push destination (D)
+
+The extension reads upstream state it is handed (:class:`RegisteredKV`) and
+never writes upstream objects' fields: where one must change, it calls back
+into the subclass that owns it (``on_send_failed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    EndpointGuard,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+    is_loopback,
+    load,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
+    WriteFn,
+    terminal_write_fn,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
+    WarnLimiter,
+    attention_backend_name,
+    handshake_refusal,
+    kv_layout,
+    local_fingerprint,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.gpu_order import (
+    record_after_compute,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
+    KVReader,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
+    WorkerHashSync,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hooks import (
+    UpstreamHooks,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_pulls import (
+    PullOutcomes,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
+    LayerwiseSender,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metadata import (
+    ExtMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    KVFingerprint,
+    PushOutcome,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    PushServer,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.routes import (
+    Served,
+    add_routes,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import with_ext
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+    MooncakeXferResponse,
+    MooncakeXferResponseStatus,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
+    MooncakeBootstrapServer,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RegisteredKV:
+    """What a worker registered with its transfer engine (read-only for us)."""
+
+    write_fn: Callable[[str, list[int], list[int], list[int]], int]
+    session: str  # this worker's engine session, "host:rpc_port"
+    kv_caches: dict[str, torch.Tensor]
+    split_k_and_v: bool
+    base_addrs: list[int]
+    block_len: int
+    block_size: int
+    num_blocks: int
+    tp_size: int
+
+
+@dataclass(frozen=True)
+class WorkerRoles:
+    """Which capabilities run on this worker, from its kv_role and configuration."""
+
+    layerwise_prefill: bool  # sends layer-wise (P)
+    layerwise_decode: bool  # receives layer-wise pulls (D)
+    push_source: bool  # holds a hash mirror and serves pushes (C)
+    push_destination: bool = True  # asks sources for a prompt's prefix (D, any role)
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig, config: ExtConfig) -> WorkerRoles:
+        role = vllm_config.kv_transfer_config.kv_role  # type: ignore[union-attr]
+        producer, consumer = role == "kv_producer", role == "kv_consumer"
+        return cls(
+            layerwise_prefill=config.layerwise and not consumer,
+            layerwise_decode=config.layerwise and not producer,
+            push_source=not consumer and vllm_config.cache_config.enable_prefix_caching,
+        )
+
+
+class WorkerFeature:
+    """One capability's per-step part on a worker (every method: nothing by default)."""
+
+    def start_load_kv(self, meta: ExtMetadata) -> None:
+        """Before the forward pass, with the step's metadata."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """After an attention layer wrote its KV."""
+
+    def finished(self, sending: set[str], recving: set[str]) -> None:
+        """After the forward pass was launched: add the requests this feature ended."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class HashMirrorStep(WorkerFeature):
+    """The block-hash mirror: applies the scheduler's delta; a step's new blocks
+    become matchable once the event recorded after its forward has completed."""
+
+    def __init__(self, sync: WorkerHashSync, event_tensor: torch.Tensor | None):
+        self.sync = sync
+        self._event_tensor = event_tensor
+
+    def start_load_kv(self, meta: ExtMetadata) -> None:
+        self.sync.on_metadata(meta.hash_delta)
+
+    def finished(self, sending: set[str], recving: set[str]) -> None:
+        event = (
+            record_after_compute(self._event_tensor)
+            if self._event_tensor is not None
+            else None
+        )
+        self.sync.after_step(event)
+
+
+class LayerwisePrefillStep(WorkerFeature):
+    """P: each layer's KV to decode as soon as it is computed."""
+
+    def __init__(self, sender: LayerwiseSender):
+        self.sender = sender
+
+    def start_load_kv(self, meta: ExtMetadata) -> None:
+        self.sender.on_metadata(meta.layerwise)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        self.sender.layer_saved(layer_name, kv_layer)
+
+    def finished(self, sending: set[str], recving: set[str]) -> None:
+        sending |= self.sender.poll()
+
+    def shutdown(self) -> None:
+        self.sender.shutdown()
+
+
+class LayerwiseDecodeStep(WorkerFeature):
+    """D: every layer-wise pull reported once (pull outcomes)."""
+
+    def __init__(self, pulls: PullOutcomes):
+        self.pulls = pulls
+
+    def start_load_kv(self, meta: ExtMetadata) -> None:
+        self.pulls.add_cleanup(meta.layerwise.cleanup_reqs)
+
+    def finished(self, sending: set[str], recving: set[str]) -> None:
+        recving |= self.pulls.take_finished()
+
+
+class PushDestinationStep(WorkerFeature):
+    """D: the step's push jobs started; each push ended once."""
+
+    def __init__(self, receiver: PushReceiver):
+        self.receiver = receiver
+
+    def start_load_kv(self, meta: ExtMetadata) -> None:
+        self.receiver.start(meta.push_jobs)
+
+    def finished(self, sending: set[str], recving: set[str]) -> None:
+        recving |= self.receiver.merge_finished(None) or set()
+
+    def shutdown(self) -> None:
+        self.receiver.shutdown()
+
+
+class WorkerExtension(UpstreamHooks):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        config: ExtConfig | None = None,
+        on_send_failed: Callable[[Any], None] | None = None,
+    ):
+        self.config = config or load()
+        self.vllm_config = vllm_config
+        self.roles = WorkerRoles.of(vllm_config, self.config)
+        self.guard = EndpointGuard(
+            self.config
+        )  # every route of this worker (routes.py)
+        # built at registration (on_kv_caches_registered), by role
+        self.sender: LayerwiseSender | None = None
+        self.hashsync: WorkerHashSync | None = None
+        self.push_server: PushServer | None = None
+        self.push_receiver: PushReceiver | None = None
+        # before registration: upstream's pull path may report to it from the start
+        self.pulls = PullOutcomes() if self.roles.layerwise_decode else None
+        self.features: list[WorkerFeature] = (
+            [LayerwiseDecodeStep(self.pulls)] if self.pulls is not None else []
+        )
+        self._serving: set[asyncio.Task] = set()  # layer-wise answers to D in progress
+        self._write: WriteFn | None = None  # every engine write of this worker
+        self._warnings = WarnLimiter(logger)
+        self.fingerprint: KVFingerprint | None = (
+            None  # once the KV caches are registered
+        )
+        # the worker subclass frees a failed post-hoc send's blocks (it owns that state)
+        self._on_send_failed = on_send_failed
+
+    def on_kv_caches_registered(self, kv: RegisteredKV) -> None:
+        cfg, roles = self.config, self.roles
+        # Every write (layer-wise, push, upstream's post-hoc send) returns only
+        # once none of its bytes can still land (engine_write.py).
+        write_fn = self._write = terminal_write_fn(kv.write_fn, cfg)
+        layout = kv_layout(
+            kv.kv_caches, kv.split_k_and_v, attention_backend_name(self.vllm_config)
+        )
+        fingerprint = self.fingerprint = local_fingerprint(
+            self.vllm_config, cfg, kv.block_len, len(kv.base_addrs), layout
+        )
+        logger.info("KV fingerprint of this instance: %s", fingerprint)
+        kv_reader = KVReader.for_kv_caches(
+            kv.kv_caches, kv.split_k_and_v, kv.block_len, kv.num_blocks
+        )
+        features: list[WorkerFeature] = []
+        if roles.push_source:
+            self.hashsync = WorkerHashSync(kv.block_size)
+            features.append(
+                HashMirrorStep(self.hashsync, next(iter(kv.kv_caches.values()), None))
+            )
+            self.push_server = PushServer(
+                self.hashsync,
+                write_fn,
+                kv.base_addrs,
+                kv.block_len,
+                fingerprint,
+                kv.session,
+                cfg,
+                reader=kv_reader.read,
+            )
+        if roles.layerwise_prefill:
+            self.sender = LayerwiseSender.for_kv_caches(
+                write_fn,
+                kv.kv_caches,
+                kv.split_k_and_v,
+                kv.base_addrs,
+                kv.block_len,
+                kv.block_size,
+                cfg,
+            )
+            features.append(LayerwisePrefillStep(self.sender))
+            logger.info("Mooncake layer-wise KV push enabled (MOONCAKE_LAYERWISE)")
+        if roles.push_destination:
+            self.push_receiver = PushReceiver(
+                kv.session,
+                kv.base_addrs,
+                kv.block_len,
+                kv.block_size,
+                kv.num_blocks,
+                fingerprint,
+                cfg,
+                kv=kv_reader,
+            )
+            features.append(PushDestinationStep(self.push_receiver))
+        self.features = features + self.features
+
+    # ---- the hook points in upstream's worker (hooks.py) ------------------------------
+    def write_blocks(
+        self,
+        engine: Any,
+        session: str,
+        src: list[int],
+        dst: list[int],
+        lengths: list[int],
+    ) -> int:
+        """Upstream's post-hoc send: the same terminal write as ours (not the
+        engine's sync call), so a failed send's blocks are freed only once none of
+        its bytes can land."""
+        if self._write is None:
+            raise RuntimeError("write_blocks before the KV caches were registered")
+        return self._write(session, src, dst, lengths)
+
+    def send_failed(self, send_meta: Any) -> None:
+        """Upstream's post-hoc send: a write for one of D's requests failed, and it
+        was terminal (write_blocks): free P's blocks now, not at
+        VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (an idle P held them for minutes)."""
+        if self._on_send_failed is not None:
+            self._on_send_failed(send_meta)
+
+    def bootstrap_server(self, vllm_config: VllmConfig, host: str, port: int) -> Any:
+        """The bootstrap server bound at MOONCAKE_BOOTSTRAP_HOST (upstream: 0.0.0.0),
+        with this series' routes, before it starts."""
+        server = MooncakeBootstrapServer(vllm_config, self.config.bootstrap_host, port)
+        self.register_routes(server.app)
+        return server
+
+    def xfer_metadata(self, metadata: Any) -> Any:
+        """D: each pull request carries this series' fields (xfer_request_fields)."""
+        return with_ext(metadata, self.xfer_request_fields())
+
+    def registration_host(self, upstream_host: str) -> str:
+        """Where this worker registers with the bootstrap server. Upstream uses the DP
+        master's address, 127.0.0.1 by default; a server bound by MOONCAKE_BOOTSTRAP_HOST
+        to one non-loopback address is not listening there (the worker then retried
+        for ever): register at the bind address instead."""
+        bind = self.config.bootstrap_host
+        if (
+            bind not in ("0.0.0.0", "::")
+            and is_loopback(upstream_host)
+            and not is_loopback(bind)
+        ):
+            return bind
+        return upstream_host
+
+    def register_routes(self, app: Any) -> None:
+        """This series' routes on the bootstrap server (served by the first worker),
+        every one behind this worker's guard (routes.py)."""
+        add_routes(
+            app,
+            self.guard,
+            self.config,
+            Served(
+                hashsync=lambda: self.hashsync,
+                push=lambda: self.push_server,
+                layerwise=lambda: self.sender,
+                hashsync_here=self.roles.push_source,
+                push_here=self.roles.push_source,
+                layerwise_here=self.roles.layerwise_prefill,
+            ),
+        )
+
+    # ---- every step -------------------------------------------------------------------
+    def start_load_kv(self, meta: ExtMetadata | None) -> None:
+        """Before the forward pass."""
+        meta = meta or ExtMetadata()
+        for feature in self.features:
+            feature.start_load_kv(meta)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        for feature in self.features:
+            feature.save_kv_layer(layer_name, kv_layer)
+
+    def get_finished(
+        self, done_sending: set[str] | None, done_recving: set[str] | None
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """After the forward pass was launched: add what our features finished."""
+        sending, recving = set(done_sending or ()), set(done_recving or ())
+        for feature in self.features:
+            feature.finished(sending, recving)
+        return sending or None, recving or None
+
+    def build_worker_meta(self) -> PushOutcome | None:
+        return (
+            self.push_receiver.take_outcome()
+            if self.push_receiver is not None
+            else None
+        )
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        return self.pulls.take_invalid_block_ids() if self.pulls is not None else set()
+
+    # ---- upstream's pull protocol ----------------------------------------------------------
+    def pull_completed(self, d_req_id: str) -> bool:
+        """D: all KV of a pull arrived. False: do not report it (duplicate, cleanup-only)."""
+        return self.pulls.completed(d_req_id) if self.pulls is not None else True
+
+    def pulls_failed(
+        self, pull_metas: dict[str, Any], req_ids: Any, reason: str
+    ) -> None:
+        """D: these pulls failed (P's error answer, a timeout, a broken socket)."""
+        if self.pulls is None:
+            return
+        for req_id in req_ids or ():
+            pm = pull_metas.get(req_id)
+            if pm is not None:
+                self.pulls.failed(pm.d_req_id, list(pm.local_block_ids), reason)
+
+    @property
+    def serves_xfer_requests(self) -> bool:
+        return self.sender is not None
+
+    async def serve_xfer_request(
+        self, meta: Any, tp_size: int, send: Callable[[Any], Awaitable[None]]
+    ) -> None:
+        """P: answer D's MooncakeXferMetadata from the layer-wise sender."""
+        assert self.sender is not None
+        if meta.remote_tp_size != tp_size:
+            await send(
+                MooncakeXferResponse(
+                    status=MooncakeXferResponseStatus.ERROR,
+                    err_msg=(
+                        f"layer-wise push needs equal TP sizes (prefill {tp_size}, "
+                        f"decode {meta.remote_tp_size}); unset MOONCAKE_LAYERWISE"
+                    ),
+                )
+            )
+            return
+        limits = getattr(meta, "ext", None)
+        # D must still wait when P may answer, and D's KV cache must be this
+        # instance's in all but its number of blocks: P writes its own blocks
+        # (block_len bytes at block ids) at D's addresses
+        refusal = self.config.layerwise_refusal(limits) or handshake_refusal(
+            self.fingerprint, limits, len(meta.kv_caches_base_addr)
+        )
+        if refusal is not None:
+            self._warn_once(refusal, "Layer-wise push refused: %s", refusal)
+            await send(
+                MooncakeXferResponse(
+                    status=MooncakeXferResponseStatus.ERROR, err_msg=refusal
+                )
+            )
+            return
+        if limits is None:
+            session = f"{meta.remote_hostname}:{meta.remote_port}"[:80]
+            self._warn_once(
+                f"no-limits:{session}",
+                "The pull request of decode instance %s "
+                "carries no pull timeout (an instance without this series' "
+                "hooks): this prefill instance cannot check that it answers "
+                "before the decode gives up",
+                session,
+            )
+
+        async def reply(ok: list[str], errs: dict[str, str], last: bool) -> None:
+            status = (
+                MooncakeXferResponseStatus.FINISH
+                if last
+                else MooncakeXferResponseStatus.CONTINUE
+            )
+            await send(
+                MooncakeXferResponse(
+                    status=status,
+                    ok_reqs=ok or None,
+                    err_reqs=list(errs) or None,
+                    err_msg="; ".join(sorted(set(errs.values()))) or None,
+                )
+            )
+
+        # Served as a task of its own: one of upstream's few sender worker tasks
+        # must not wait out a transfer (the sender bounds how many may wait).
+        task = asyncio.create_task(
+            self.sender.serve(
+                f"{meta.remote_hostname}:{meta.remote_port}",
+                list(meta.kv_caches_base_addr),
+                dict(meta.req_blocks),
+                reply,
+            )
+        )
+        self._serving.add(task)
+        task.add_done_callback(self._served)
+
+    def xfer_request_fields(self) -> dict[str, Any]:
+        """D: this series' fields of each pull request (MooncakeXferMetadata.ext),
+        checked by P in serve_xfer_request: the pull timeout and D's KV fingerprint."""
+        fields: dict[str, Any] = dict(self.config.decode_limits())
+        if self.fingerprint is not None:
+            fields["fingerprint"] = self.fingerprint.model_dump()
+        return fields
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        """Once per key and interval (fingerprint.WarnLimiter)."""
+        self._warnings.warn(key, msg, *args)
+
+    def _served(self, task: asyncio.Task) -> None:
+        self._serving.discard(task)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            logger.error(
+                "Layer-wise: serving a decode instance's request failed: %r", e
+            )
+
+    def shutdown(self) -> None:
+        for feature in self.features:
+            feature.shutdown()

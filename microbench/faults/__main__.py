@@ -1,0 +1,89 @@
+"""Faults on a two-host cluster, each at a moment the connector itself marks.
+
+Runs every fault of bench.py (or those named) ``--runs`` times on one two-host
+cluster (P and D, each in a network namespace of its own) and reports, per fault,
+how its requests ended, whether every answer was correct, whether KV blocks stayed
+allocated, and how long the cluster took to serve again.
+
+    python -m microbench.faults [--runs 3] [--only link_down_short,kill_prefill]
+        -> results/faults.json + a printed table (docs/faults.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .bench import SCENARIOS, FaultBench, Outcome, fault_cluster, run_fault
+
+
+def render(outcomes: list[Outcome]) -> str:
+    head = (
+        f"{'fault':<24} {'runs':>4} {'reqs':>4} {'ok':>3} {'err':>3} {'lost':>4} "
+        f"{'wrong':>5} {'stranded':>8}  recovery s (min/med/max)  holds"
+    )
+    lines = [head, "-" * len(head)]
+    for o in outcomes:
+        if o.skipped:
+            lines.append(f"{o.fault:<24} skipped: {o.skipped}")
+            continue
+        rec = sorted(o.recovery_s)
+        rec_s = (
+            f"{rec[0]:.1f} / {rec[len(rec) // 2]:.1f} / {rec[-1]:.1f}" if rec else "-"
+        )
+        lines.append(
+            f"{o.fault:<24} {o.runs:>4} {o.requests:>4} {o.ok:>3} "
+            f"{o.ended_with_error:>3} {o.lost:>4} {o.wrong:>5} {o.stranded_runs:>8}  "
+            f"{rec_s:<24}  {'yes' if o.holds else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m microbench.faults", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--runs", type=int, default=3, help="runs per fault (default 3)")
+    ap.add_argument("--only", help="comma-separated faults: " + ", ".join(SCENARIOS))
+    ap.add_argument("--out", type=Path, default=Path("results/faults.json"))
+    args = ap.parse_args(argv)
+    names = args.only.split(",") if args.only else list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown faults {unknown}; known: {', '.join(SCENARIOS)}")
+    outcomes: list[Outcome] = []
+    t0 = time.monotonic()
+    with fault_cluster(args.out.parent / "faults-logs") as cluster:
+        bench = FaultBench(cluster)
+        try:
+            for i, name in enumerate(names, 1):
+                print(
+                    f"[faults {time.monotonic() - t0:5.0f}s] {i}/{len(names)} {name} "
+                    f"x{args.runs} ...",
+                    flush=True,
+                )
+                outcomes.append(run_fault(bench, name, args.runs))
+                print(render(outcomes[-1:]).splitlines()[-1], flush=True)
+        finally:
+            bench.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "outcomes": [asdict(o) | {"holds": o.holds} for o in outcomes],
+                "seconds": round(time.monotonic() - t0),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(render(outcomes))
+    print(f"JSON: {args.out}")
+    return 0 if all(o.holds for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""What each side runs is decided once, from kv_role and the configuration; the
+idle-step pacing sits where the scheduler asks to keep stepping."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import (
+    ExtMooncakeConnector,
+    ExtMooncakeConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metadata import (
+    ExtMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extension import (
+    SchedulerExtension,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
+    WorkerExtension,
+    WorkerFeature,
+    WorkerRoles,
+)
+
+
+def vllm_config(role: str, prefix_caching: bool = True, block_size: int = 16):
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role=role),
+        cache_config=SimpleNamespace(
+            enable_prefix_caching=prefix_caching,
+            block_size=block_size,
+            prefix_caching_hash_algo="sha256",
+        ),
+        model_config=None,
+        parallel_config=None,
+    )
+
+
+LAYERWISE = ExtConfig(layerwise=True)
+
+
+@pytest.mark.parametrize(
+    "role, config, prefix_caching, expected",
+    [
+        ("kv_producer", LAYERWISE, True, (True, False, True)),
+        ("kv_consumer", LAYERWISE, True, (False, True, False)),
+        ("kv_both", LAYERWISE, True, (True, True, True)),
+        ("kv_producer", ExtConfig(), True, (False, False, True)),
+        ("kv_producer", LAYERWISE, False, (True, False, False)),
+    ],
+)
+def test_roles_follow_kv_role_and_the_configuration(
+    role, config, prefix_caching, expected
+):
+    roles = WorkerRoles.of(vllm_config(role, prefix_caching), config)
+    assert (
+        roles.layerwise_prefill,
+        roles.layerwise_decode,
+        roles.push_source,
+    ) == expected
+    assert roles.push_destination  # any instance may be pushed into
+
+
+class Recording(WorkerFeature):
+    def __init__(
+        self,
+        name: str,
+        log: list,
+        sends: set[str] = frozenset(),
+        recvs: set[str] = frozenset(),
+    ):
+        self.name, self.log, self.sends, self.recvs = name, log, set(sends), set(recvs)
+
+    def start_load_kv(self, meta):
+        self.log.append((self.name, "start"))
+
+    def save_kv_layer(self, layer_name, kv_layer):
+        self.log.append((self.name, layer_name))
+
+    def finished(self, sending, recving):
+        sending |= self.sends
+        recving |= self.recvs
+
+    def shutdown(self):
+        self.log.append((self.name, "shutdown"))
+
+
+def test_each_step_reaches_every_feature_this_worker_runs_and_no_other():
+    w = WorkerExtension(vllm_config("kv_consumer"), ExtConfig())
+    assert w.features == []  # a decode without layer-wise: nothing until registration
+    log: list = []
+    w.features = [Recording("a", log, sends={"p1"}), Recording("b", log, recvs={"d1"})]
+    w.start_load_kv(ExtMetadata())
+    w.save_kv_layer("layer.0", None)
+    assert w.get_finished(None, {"d0"}) == ({"p1"}, {"d0", "d1"})
+    w.shutdown()
+    assert log == [
+        ("a", "start"),
+        ("b", "start"),
+        ("a", "layer.0"),
+        ("b", "layer.0"),
+        ("a", "shutdown"),
+        ("b", "shutdown"),
+    ]
+
+
+def test_nothing_finished_is_reported_as_none_as_upstream_does():
+    w = WorkerExtension(vllm_config("kv_consumer"), ExtConfig())
+    w.features = [Recording("a", [])]
+    assert w.get_finished(None, None) == (None, None)
+
+
+def test_a_layerwise_decode_reports_its_pulls_from_the_start():
+    w = WorkerExtension(vllm_config("kv_consumer"), LAYERWISE)
+    assert w.pulls is not None and len(w.features) == 1
+
+
+def scheduler_extension(interval_s: float) -> SchedulerExtension:
+    ext = SchedulerExtension.__new__(SchedulerExtension)
+    ext.config = ExtConfig(idle_step_interval_s=interval_s)
+    ext.layerwise, ext.hashsync = None, None
+    ext.push = SimpleNamespace(take_jobs=lambda: [])
+    return ext
+
+
+def test_an_empty_step_is_not_slowed_down_by_the_metadata():
+    """D waiting for a pull steps with nothing scheduled: no sleep there."""
+    ext = scheduler_extension(0.2)
+    started = time.monotonic()
+    ext.build_metadata(SimpleNamespace(total_num_scheduled_tokens=0))
+    assert time.monotonic() - started < 0.1
+
+
+def test_keeping_an_idle_engine_stepping_is_paced():
+    """The scheduler asks the facade only when finished requests hold blocks and
+    nothing else is left: the answer comes at most once per idle_step_interval_s."""
+    facade = ExtMooncakeConnector.__new__(ExtMooncakeConnector)
+    facade.connector_scheduler = ExtMooncakeConnectorScheduler.__new__(
+        ExtMooncakeConnectorScheduler
+    )
+    facade.connector_scheduler.ext = scheduler_extension(0.05)
+    started = time.monotonic()
+    assert facade.keeps_engine_stepping_while_blocks_held() is True
+    assert time.monotonic() - started >= 0.05
