@@ -17,6 +17,8 @@ vmp_log_open test
 cd "$ROOT"
 PY="${VMP_VENV:-$ROOT/.venv}/bin/python"
 vmp_run "python build.py check" "$PY" build.py check
+vmp_run "ruff check (our code, ruff.toml)" "$PY" -m ruff check --quiet
+vmp_run "ruff format --check (our code)" "$PY" -m ruff format --check --quiet
 # vLLM's CPU backend needs tcmalloc (and Intel OpenMP) preloaded, in pytest's process too.
 LD_PRELOAD="$("$PY" -c 'from harness.runtime_env import preload_libs; print(":".join(preload_libs()))')"
 export LD_PRELOAD
