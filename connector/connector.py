@@ -275,7 +275,7 @@ class ExtMooncakeConnector(MooncakeConnector):
     ):
         # Upstream's __init__ builds its own halves by name (and the worker's
         # transfer engine, threads and bootstrap server); its body is repeated here
-        # with this series' halves (tests/unit/test_ext_connector.py checks that
+        # with this series' halves (tests/unit/connector/test_ext_connector.py checks that
         # upstream's body is the one this was written against).
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
         assert vllm_config.kv_transfer_config is not None

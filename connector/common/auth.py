@@ -26,7 +26,8 @@ authentication, so these endpoints need their own:
   altered. A bad signature is refused before its nonce is looked at: an
   unauthenticated caller cannot fill the nonce memory. ``Authorization:
   Bearer`` is refused on these two routes.
-  The GET routes (``/hashsync``, ``/layerwise/transfers``; read-only) take
+  The GET routes (``/push/stats``, ``/hashsync``, ``/layerwise/transfers``;
+  read-only) take
   ``Authorization: Bearer <token>`` (compared in constant time), else 401.
   That header is the secret itself: send it only over loopback or TLS (below).
 - no token, server bound to loopback (``MOONCAKE_BOOTSTRAP_HOST=127.0.0.1``):
@@ -201,7 +202,7 @@ class EndpointGuard:
     def log_at_start(self) -> None:
         if self._insecure:
             logger.warning(
-                "MOONCAKE_BOOTSTRAP_INSECURE=1: /push_blocks, /match_blocks and /hashsync are "
+                "MOONCAKE_BOOTSTRAP_INSECURE=1: /push_blocks, /match_blocks, /push/stats and /hashsync are "
                 "served WITHOUT authentication on %s: anyone who reaches this port can make "
                 "this instance write KV into any registered peer. Use only on a trusted network.",
                 self.host,
@@ -317,7 +318,7 @@ def signed_target(scope: dict) -> str:
 
 
 def client_headers(config: ExtConfig) -> dict[str, str]:
-    """Headers for the GET routes (``/hashsync``, ``/layerwise/transfers``): the
+    """Headers for the GET routes (``/push/stats``, ``/hashsync``, ``/layerwise/transfers``): the
     bearer token. D's POSTs are signed instead (:func:`request_headers`)."""
     headers = {"content-type": "application/json"}
     if config.bootstrap_token:

@@ -10,7 +10,7 @@ needed: :func:`record_after_compute` returns None there.
 
 Written for CUDA; only the CPU path runs in this project's CI (no GPU). The
 ordering itself is unit-tested with a fake event that records when it was
-waited on (tests/unit/test_gpu_order.py).
+waited on (tests/unit/connector/common/test_gpu_order.py).
 """
 
 from __future__ import annotations

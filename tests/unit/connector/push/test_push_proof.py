@@ -474,7 +474,7 @@ def test_proof_over_http_is_authenticated_like_every_endpoint():
         stop()
 
 
-# ---- GPU ordering (fake events, as tests/unit/test_gpu_order.py) -----------------------
+# ---- GPU ordering (fake events, as tests/unit/connector/common/test_gpu_order.py) -----------------------
 
 
 class FakeEvent:

@@ -1073,7 +1073,7 @@ def test_own_session_is_refused(c_servers):
 
 def test_a_known_session_cannot_change_its_layout(c_servers):
     """Without authentication (an open C). An authenticated push signed later may
-    re-register a layout: tests/unit/test_push_hygiene.py."""
+    re-register a layout: tests/unit/connector/push/test_push_hygiene.py."""
     c = c_servers(ExtConfig(bootstrap_host="127.0.0.1", push_max_tokens=64))
     d = c.destination()
     assert_push_ok(c, d, c.post("/push_blocks", push_body(d)))
