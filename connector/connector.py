@@ -39,6 +39,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.transport_
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extension import (
     SchedulerExtension,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    all_block_ids,
+    init_kwargs,
+    kv_geometry,
+    one_group_block_ids,
+    split_k_and_v,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
     RegisteredKV,
     WorkerExtension,
@@ -75,8 +82,17 @@ REGISTRATION_DEADLINE_S = 120.0
 class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
     """Scheduler process: prefix push on D, layer-wise on P, block-hash recording."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str):
-        super().__init__(vllm_config, engine_id)
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(
+            vllm_config,
+            engine_id,
+            **init_kwargs(MooncakeConnectorScheduler, kv_cache_config),
+        )
         self.ext = SchedulerExtension(vllm_config)
 
     def get_num_new_matched_tokens(
@@ -119,8 +135,14 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
         transfer_id = params.get("transfer_id")
         # read before upstream clears it: a pull that was never scheduled
         unscheduled_pull = bool(transfer_id and params.get("do_remote_prefill"))
-        if transfer_id and not unscheduled_pull and params.get("do_remote_decode"):
-            delay = self.ext.send_finished(request, block_ids, transfer_id)
+        ids = one_group_block_ids(block_ids)
+        if (
+            transfer_id
+            and not unscheduled_pull
+            and params.get("do_remote_decode")
+            and ids is not None
+        ):
+            delay = self.ext.send_finished(request, ids, transfer_id)
             if delay is not None:
                 return delay, None
         result = super().request_finished(request, block_ids)
@@ -133,7 +155,12 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
     """Worker process: layer-wise sender (P) and pulls (D), push server (C) and
     receiver (D), the hash mirror, and their routes on the bootstrap server."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         # Before upstream's __init__: its hooks (bootstrap server) run inside it.
         self.ext = WorkerExtension(vllm_config, on_send_failed=self._free_failed_send)
         self._listener_error: BaseException | None = None
@@ -148,7 +175,11 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
         )
         # MOONCAKE_IO_CPUS: the transfer threads start off the compute cores.
         with threads_started_on_io_cpus():
-            super().__init__(vllm_config, engine_id)
+            super().__init__(
+                vllm_config,
+                engine_id,
+                **init_kwargs(MooncakeConnectorWorker, kv_cache_config),
+            )
         # P decodes D's pull requests with this series' fields (xfer.py).
         self._xfer_meta_decoder = msgspec.msgpack.Decoder(ExtXferMetadata)
 
@@ -159,16 +190,17 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
             raise RuntimeError(
                 f"Mooncake sender listener failed at start: {self._listener_error}"
             ) from self._listener_error
+        geometry = kv_geometry(self)
         self.ext.on_kv_caches_registered(
             RegisteredKV(
                 write_fn=self.engine.batch_transfer_sync_write,
                 session=f"{self.hostname}:{self.rpc_port}",
                 kv_caches=kv_caches,
-                split_k_and_v=self.kv_topo.split_k_and_v,
+                split_k_and_v=geometry.split_k_and_v,
                 base_addrs=list(self.kv_caches_base_addr),
-                block_len=self.block_len,
-                block_size=self.block_size,
-                num_blocks=self.num_blocks,
+                block_len=geometry.block_len,
+                block_size=geometry.block_size,
+                num_blocks=geometry.num_blocks,
                 tp_size=self.tp_size,
             )
         )
@@ -258,7 +290,9 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
                 self.finished_recving_reqs.discard(pm.d_req_id)
                 continue
             zero_received_block(
-                self.device_kv_caches, pm.local_block_ids, self.kv_topo.split_k_and_v
+                self.device_kv_caches,
+                all_block_ids(pm.local_block_ids),
+                split_k_and_v(self),
             )
         if response.err_reqs:
             self.ext.pulls_failed(pull_metas, response.err_reqs, str(response.err_msg))
@@ -283,13 +317,13 @@ class ExtMooncakeConnector(MooncakeConnector):
         self.engine_id = vllm_config.kv_transfer_config.engine_id
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = ExtMooncakeConnectorScheduler(
-                vllm_config, self.engine_id
+                vllm_config, self.engine_id, kv_cache_config
             )
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
             self.connector_worker = ExtMooncakeConnectorWorker(
-                vllm_config, self.engine_id
+                vllm_config, self.engine_id, kv_cache_config
             )
 
     # ---- scheduler side ---------------------------------------------------------------
@@ -301,7 +335,8 @@ class ExtMooncakeConnector(MooncakeConnector):
     def keeps_engine_stepping_while_blocks_held(self) -> bool:
         """Finished requests whose blocks wait for a transfer to end are released
         only during an engine step: the scheduler keeps stepping meanwhile, paced
-        (asked by the scheduler's patch only when nothing else is left to run)."""
+        (asked by the scheduler's patch only when nothing else is left to run).
+        Releases without that patch (0.32.0) keep stepping and pace on their own."""
         assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
         return self.connector_scheduler.ext.keep_stepping_while_blocks_held()
 

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    bootstrap_server,
+)
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -27,11 +31,7 @@ class UpstreamHooks:
 
     def bootstrap_server(self, vllm_config: VllmConfig, host: str, port: int) -> Any:
         """Worker.__init__: the bootstrap server, not yet started."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
-            MooncakeBootstrapServer,
-        )
-
-        return MooncakeBootstrapServer(vllm_config, host, port)
+        return bootstrap_server(vllm_config, host, port)
 
     def registration_host(self, host: str) -> str:
         """Worker.register_worker_with_bootstrap: where the worker registers."""

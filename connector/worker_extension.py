@@ -81,13 +81,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.routes import (
     Served,
     add_routes,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    all_block_ids,
+    bootstrap_server,
+    one_group_block_ids,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import with_ext
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
     MooncakeXferResponse,
     MooncakeXferResponseStatus,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
-    MooncakeBootstrapServer,
 )
 from vllm.logger import init_logger
 
@@ -331,7 +333,7 @@ class WorkerExtension(UpstreamHooks):
     def bootstrap_server(self, vllm_config: VllmConfig, host: str, port: int) -> Any:
         """The bootstrap server bound at MOONCAKE_BOOTSTRAP_HOST (upstream: 0.0.0.0),
         with this series' routes, before it starts."""
-        server = MooncakeBootstrapServer(vllm_config, self.config.bootstrap_host, port)
+        server = bootstrap_server(vllm_config, self.config.bootstrap_host, port)
         self.register_routes(server.app)
         return server
 
@@ -414,7 +416,9 @@ class WorkerExtension(UpstreamHooks):
         for req_id in req_ids or ():
             pm = pull_metas.get(req_id)
             if pm is not None:
-                self.pulls.failed(pm.d_req_id, list(pm.local_block_ids), reason)
+                self.pulls.failed(
+                    pm.d_req_id, all_block_ids(pm.local_block_ids), reason
+                )
 
     @property
     def serves_xfer_requests(self) -> bool:
@@ -477,13 +481,36 @@ class WorkerExtension(UpstreamHooks):
                 )
             )
 
+        # Block ids come as one list, or one list per KV cache group (0.32.0):
+        # layer-wise push serves requests of one group and refuses the others.
+        req_blocks: dict[str, tuple[str, list[int]]] = {}
+        several_groups: dict[str, str] = {}
+        for d_req_id, (transfer_id, block_ids) in dict(meta.req_blocks).items():
+            ids = one_group_block_ids(block_ids)
+            if ids is None:
+                several_groups[d_req_id] = (
+                    f"layer-wise push serves requests of one KV cache group; this "
+                    f"one spans {len(block_ids)}: unset MOONCAKE_LAYERWISE"
+                )
+            else:
+                req_blocks[d_req_id] = (transfer_id, ids)
+        if several_groups:
+            self._warn_once(
+                "several-groups",
+                "Layer-wise push refused: %s",
+                next(iter(several_groups.values())),
+            )
+            await reply([], several_groups, not req_blocks)
+            if not req_blocks:
+                return
+
         # Served as a task of its own: one of upstream's few sender worker tasks
         # must not wait out a transfer (the sender bounds how many may wait).
         task = asyncio.create_task(
             self.sender.serve(
                 f"{meta.remote_hostname}:{meta.remote_port}",
                 list(meta.kv_caches_base_addr),
-                dict(meta.req_blocks),
+                req_blocks,
                 reply,
             )
         )

@@ -3,7 +3,8 @@
     python -m harness.doctor
 
 Checks, each in a fresh process with the runtime environment vLLM needs here:
-the installed vllm is the patched tree in third_party/vllm and reports 0.18.1;
+the installed vllm is the patched tree of the selected release (VMP_VLLM, default
+the pinned 0.18.1; harness/vllm_series.py) and reports that version;
 its kernels load on this CPU; the Mooncake transfer engine imports and starts
 on TCP. Exits non-zero naming the first check that failed and what to do.
 """
@@ -15,23 +16,27 @@ import sys
 from pathlib import Path
 
 from harness.runtime_env import vllm_env
+from harness.vllm_series import selected
 
 ROOT = Path(__file__).resolve().parent.parent
+SERIES = selected()
+SETUP = "scripts/setup.sh" + ("" if SERIES.pinned else f" --vllm {SERIES.version}")
 
 CHECKS: list[tuple[str, str, str]] = [
     (
-        "vllm is the patched tree, version 0.18.1",
+        f"vllm is the patched tree of {SERIES.patches.relative_to(ROOT)}, "
+        f"version {SERIES.version}",
         f"""
 import vllm, os, sys
 from importlib.metadata import version
-tree = os.path.realpath({str(ROOT / "third_party" / "vllm")!r})
+tree = os.path.realpath({str(SERIES.tree)!r})
 where = os.path.realpath(os.path.dirname(os.path.dirname(vllm.__file__)))
 assert where == tree, f"vllm imported from {{where}}, expected {{tree}}"
-assert vllm.__version__.split("+")[0] == "0.18.1", vllm.__version__
-assert version("vllm").split("+")[0] == "0.18.1", version("vllm")
+assert vllm.__version__.split("+")[0] == {SERIES.version!r}, vllm.__version__
+assert version("vllm").split("+")[0] == {SERIES.version!r}, version("vllm")
 print("vllm", vllm.__version__, "from", where)
 """,
-        "run scripts/setup.sh (it re-applies the series and reinstalls the tree)",
+        f"run {SETUP} (it re-applies the series and reinstalls the tree)",
     ),
     (
         "vLLM's platform kernels load on this machine",
@@ -43,8 +48,9 @@ if current_platform.device_type == "cpu":
     assert hasattr(torch.ops._C, "rms_norm"), "vllm CPU kernels not registered"
 print("platform", current_platform.device_type, "torch", torch.__version__)
 """,
-        "the precompiled kernels did not load: check patches/0001 placed _C_AVX2/_C_AVX512 in "
-        "third_party/vllm/vllm and that LD_PRELOAD has libtcmalloc (apt libtcmalloc-minimal4)",
+        "the precompiled kernels did not load: check patch 0001 placed _C_AVX2/_C_AVX512 in "
+        f"{SERIES.tree.relative_to(ROOT)}/vllm and that LD_PRELOAD has libtcmalloc "
+        "(apt libtcmalloc-minimal4)",
     ),
     (
         "Mooncake transfer engine starts on TCP",

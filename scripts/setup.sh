@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Set up (or bring up to date) everything this project needs, on a fresh machine too:
 # system libraries, the project virtualenv, torch, the Mooncake transfer engine,
-# the patched vLLM 0.18.1 tree (build.py apply) installed editable, with the
-# precompiled kernels of the matching vLLM release wheel. Idempotent: steps that
-# are already done are skipped.
+# the patched vLLM tree (build.py apply) installed editable, with the precompiled
+# kernels of the matching vLLM release wheel. Idempotent: steps that are already
+# done are skipped.
 #
-#   scripts/setup.sh [--device auto|cpu|cuda] [-v|--verbose]
+#   scripts/setup.sh [--vllm 0.18.1|0.32.0] [--device auto|cpu|cuda] [-v|--verbose]
+#
+# --vllm (or VMP_VLLM) picks the release: 0.18.1, the pinned series (patches/,
+# third_party/vllm, .venv), is the default; 0.32.0 is its roll (rolls/0.32.0/,
+# third_party/vllm-0.32.0, .venv-0.32.0, requirements/0.32.0/). Each release has its
+# own virtualenv because each needs its own torch (harness/vllm_series.py).
 #
 # Prints one line per step (and how long it took); the output of apt, pip,
 # build.py and the doctor goes to a log file named on the first line
@@ -19,7 +24,7 @@
 # 0011), and the virtualenv's pip.conf turns build isolation off. The virtualenv's
 # bin/activate preloads tcmalloc (CPU), so `vllm serve` runs in it as well.
 #
-# Device "cuda" takes the precompiled CUDA kernels from the vllm==0.18.1 wheel and
+# Device "cuda" takes the precompiled CUDA kernels from the release's vllm wheel and
 # the CUDA Mooncake engine; it is UNVERIFIED (no GPU on this project's machines).
 #
 # Sourced (`. scripts/setup.sh`, as main.sh and test.sh do), it only defines the
@@ -111,6 +116,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEVICE="${VMP_DEVICE:-auto}"
 while [ $# -gt 0 ]; do
   case "$1" in
+    --vllm) export VMP_VLLM="$2"; shift 2 ;;
+    --vllm=*) export VMP_VLLM="${1#*=}"; shift ;;
     --device) DEVICE="$2"; shift 2 ;;
     --device=*) DEVICE="${1#*=}"; shift ;;
     -v|--verbose) export VMP_VERBOSE=1; shift ;;
@@ -119,10 +126,17 @@ while [ $# -gt 0 ]; do
 done
 case "$DEVICE" in auto|cpu|cuda) ;; *) echo "setup.sh: --device must be auto, cpu or cuda" >&2; exit 2 ;; esac
 
+# The release: patch folder, tree, virtualenv, requirements (harness/vllm_series.py).
+SERIES_VARS=$(cd "$ROOT" && "${PYTHON:-python3}" -m harness.vllm_series shell) || {
+  echo "setup.sh: --vllm: see the supported releases above" >&2; exit 2; }
+eval "$SERIES_VARS"
+export VMP_VLLM
+
 vmp_log_open setup
-VENV="${VMP_VENV:-$ROOT/.venv}"
+vmp_say "vLLM $VMP_VLLM: $VMP_PATCHES -> $VMP_TREE"
+VENV="${VMP_VENV:-$VMP_DEFAULT_VENV}"
 PY="$VENV/bin/python"
-export PIP_CONSTRAINT="$ROOT/requirements/lock.txt"   # replaces any machine-wide constraint
+export PIP_CONSTRAINT="$VMP_REQ_DIR/lock.txt"   # replaces any machine-wide constraint
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # 1. System packages (Debian/Ubuntu).
@@ -151,9 +165,11 @@ fi
 # apply below gets the same request.
 export VMP_DEVICE="$DEVICE"
 DEVICE=$(cd "$ROOT" && "$PY" -m patchset.build_defaults device)
-REQ="$ROOT/requirements/$DEVICE.txt"
+REQ="$VMP_REQ_DIR/$DEVICE.txt"
+REQ_NAME="${REQ#"$ROOT/"}"
 REQ_STAMP="$VENV/.vmp-req-$DEVICE"
-req_hash=$(cat "$REQ" "$ROOT/requirements/base.txt" "$PIP_CONSTRAINT" | sha256sum | cut -c1-16)
+req_hash=$(cat "$REQ" "$VMP_REQ_DIR/base.txt" "$ROOT/requirements/tools.txt" "$PIP_CONSTRAINT" \
+  | sha256sum | cut -c1-16)
 pip_install_requirements() {
   # Build isolation on for these, whatever $VENV/pip.conf says (an sdist among them
   # needs its own build dependencies). pip reads this variable inverted: "true"
@@ -163,10 +179,10 @@ pip_install_requirements() {
   echo "$req_hash" > "$REQ_STAMP"
 }
 if [ "$(cat "$REQ_STAMP" 2>/dev/null)" != "$req_hash" ]; then
-  # torch 2.10.0 is large: a first install takes a few minutes
-  vmp_run "pip: installing requirements/$DEVICE.txt" pip_install_requirements
+  # torch is large: a first install takes a few minutes
+  vmp_run "pip: installing $REQ_NAME" pip_install_requirements
 else
-  vmp_say "pip: requirements/$DEVICE.txt installed ($VENV)"
+  vmp_say "pip: $REQ_NAME installed ($VENV)"
 fi
 
 # 2b. How pip installs into this virtualenv ($VENV/pip.conf, pip's "site" config,
@@ -189,12 +205,17 @@ EOF
 # user runs it in the activated virtualenv: apply records the device and the
 # kernels' wheel (downloaded once into the cache, sha256-verified) in the tree;
 # the install is skipped when this tree, defaults and lock are installed already.
+# The pinned release uses exactly the documented line; a roll names its folder.
 set +u; . "$VENV/bin/activate"; set -u
 cd "$ROOT"
-vmp_run "python build.py apply" python build.py apply
-TREE="$ROOT/third_party/vllm"
-tree_hash=$(cat patches/series patches/*.patch "$PIP_CONSTRAINT" "$TREE/.vmp-build-defaults.json" \
-  | sha256sum | cut -c1-16)
+if [ "$VMP_PATCHES" = patches ]; then
+  vmp_run "python build.py apply" python build.py apply
+else
+  vmp_run "python build.py --patches $VMP_PATCHES apply" python build.py --patches "$VMP_PATCHES" apply
+fi
+TREE="$ROOT/$VMP_TREE"
+tree_hash=$(cat "$VMP_PATCHES"/series "$VMP_PATCHES"/*.patch "$PIP_CONSTRAINT" \
+  "$TREE/.vmp-build-defaults.json" | sha256sum | cut -c1-16)
 INSTALL_STAMP="$VENV/.vmp-vllm-$DEVICE"
 installed_at=$(python - <<'PYEOF' 2>/dev/null || true
 import importlib.util, os
@@ -203,14 +224,14 @@ print(os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else
 PYEOF
 )
 pip_install_tree() {
-  pip install -e third_party/vllm
+  pip install -e "$VMP_TREE"
   echo "$tree_hash" > "$INSTALL_STAMP"
 }
 if [ "$installed_at" != "$TREE" ] || [ "$(cat "$INSTALL_STAMP" 2>/dev/null)" != "$tree_hash" ]; then
-  # precompiled kernels, see third_party/vllm/.vmp-build-defaults.json
-  vmp_run "pip install -e third_party/vllm" pip_install_tree
+  # precompiled kernels, see $VMP_TREE/.vmp-build-defaults.json
+  vmp_run "pip install -e $VMP_TREE" pip_install_tree
 else
-  vmp_say "pip install -e third_party/vllm: this tree is installed"
+  vmp_say "pip install -e $VMP_TREE: this tree is installed"
 fi
 
 # 5. vLLM's CPU backend refuses to start unless tcmalloc (and, since Intel OpenMP is
@@ -235,6 +256,6 @@ $MARK_END
 EOF
 fi
 
-# 6. Smoke check: the installed vLLM is this tree, version 0.18.1, kernels and engine load.
+# 6. Smoke check: the installed vLLM is this tree and release, kernels and engine load.
 vmp_run "checking the installation (python -m harness.doctor)" python -m harness.doctor
 vmp_say "ready ($DEVICE, $VENV) in $(vmp_duration $((SECONDS - VMP_T0)))"

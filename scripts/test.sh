@@ -1,26 +1,88 @@
 #!/usr/bin/env bash
-# Run every test of the project: sets up what is missing (scripts/setup.sh), checks
-# the patch series (build.py check), then runs pytest over tests/ (build manager,
-# unit, upstream vLLM tests for the touched areas, two-instance integration tests).
-#   scripts/test.sh [pytest args...]      e.g. scripts/test.sh -m "not integration"
+# Run the tests of the project on every supported vLLM release: for each, set up
+# what is missing (scripts/setup.sh --vllm V), check its patch series (build.py
+# check), then run pytest (build manager, unit, upstream vLLM tests for the touched
+# areas, two-instance integration tests).
+#   scripts/test.sh [--vllm V] [pytest args...]      e.g. scripts/test.sh -m "not integration"
+# Without --vllm: the pinned release (0.18.1) runs the whole suite, then each roll
+# (0.32.0) runs unit tests, upstream's tests and ROLL_INTEGRATION below (the whole
+# suite twice does not fit CI's time); the patch manager's tests run once. With
+# --vllm V: the whole suite on release V alone. Exits non-zero if any run failed.
 # One line per set-up step; apt/pip/build/check output goes to a log named on the
 # first line (.cache/logs/test-<time>.log); pytest's report comes to the terminal.
 # -v / --verbose (also passed on to pytest) or VMP_VERBOSE=1 shows all of it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/setup.sh"   # the output functions only
-for a in "$@"; do
-  case "$a" in -v|--verbose) export VMP_VERBOSE=1 ;; esac
+
+# A roll's two-instance tests in the default run: the P->D pull, layer-wise push,
+# prefix push, no byte after the end, and the engine's failure semantics.
+ROLL_INTEGRATION=(
+  tests/integration/test_pd_baseline.py
+  tests/integration/test_layerwise.py
+  tests/integration/test_push.py
+  tests/integration/test_no_late_bytes.py
+)
+
+only=""
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --vllm) only="$2"; shift 2 ;;
+    --vllm=*) only="${1#*=}"; shift ;;
+    -v|--verbose) export VMP_VERBOSE=1; args+=("$1"); shift ;;
+    *) args+=("$1"); shift ;;
+  esac
 done
 vmp_log_open test
-"$ROOT/scripts/setup.sh"
 cd "$ROOT"
-PY="${VMP_VENV:-$ROOT/.venv}/bin/python"
-vmp_run "python build.py check" "$PY" build.py check
-vmp_run "ruff check (our code, ruff.toml)" "$PY" -m ruff check --quiet
-vmp_run "ruff format --check (our code)" "$PY" -m ruff format --check --quiet
-# vLLM's CPU backend needs tcmalloc (and Intel OpenMP) preloaded, in pytest's process too.
-LD_PRELOAD="$("$PY" -c 'from harness.runtime_env import preload_libs; print(":".join(preload_libs()))')"
-export LD_PRELOAD
-vmp_say "pytest tests -ra --durations=15${*:+ $*}"
-exec "$PY" -m pytest tests -ra --durations=15 "$@"
+
+# run_release V [pytest paths and args...]: set up release V, check its series, pytest.
+run_release() {
+  local version="$1" py
+  shift
+  vmp_say "=== vLLM $version ==="
+  VMP_VLLM="$version" "$ROOT/scripts/setup.sh"
+  eval "$(VMP_VLLM="$version" "${PYTHON:-python3}" -m harness.vllm_series shell)"
+  py="${VMP_VENV:-$VMP_DEFAULT_VENV}/bin/python"
+  vmp_run "python build.py --patches $VMP_PATCHES check" "$py" build.py --patches "$VMP_PATCHES" check
+  if [ "$version" = "$PINNED" ]; then  # our code is the same for every release: once
+    vmp_run "ruff check (our code, ruff.toml)" "$py" -m ruff check --quiet
+    vmp_run "ruff format --check (our code)" "$py" -m ruff format --check --quiet
+  fi
+  # vLLM's CPU backend needs tcmalloc (and Intel OpenMP) preloaded, in pytest's process too.
+  local preload
+  preload="$("$py" -c 'from harness.runtime_env import preload_libs; print(":".join(preload_libs()))')"
+  vmp_say "vLLM $version: pytest -ra --durations=15${*:+ $*}"
+  local rc=0
+  VMP_VLLM="$version" LD_PRELOAD="$preload" "$py" -m pytest -ra --durations=15 "$@" || rc=$?
+  if [ "$rc" -eq 5 ]; then  # pytest: no test selected (e.g. by -m) in this release
+    vmp_say "vLLM $version: no test selected"
+    rc=0
+  fi
+  return "$rc"
+}
+
+PINNED=$("${PYTHON:-python3}" -c 'from harness.vllm_series import PINNED; print(PINNED)')
+ROLLS=$("${PYTHON:-python3}" -c 'from harness.vllm_series import PINNED, SUPPORTED; print(" ".join(v for v in SUPPORTED if v != PINNED))')
+[ -n "$only" ] && PINNED="$only"  # ruff runs in whichever release runs alone
+
+if [ -n "$only" ]; then
+  rc=0
+  run_release "$only" tests "${args[@]}" || rc=$?
+  exit "$rc"
+fi
+
+# Every release in its own virtualenv: VMP_VENV names one, so it goes with --vllm only.
+unset VMP_VENV
+failed=()
+run_release "$PINNED" tests "${args[@]}" || failed+=("$PINNED")
+for version in $ROLLS; do
+  run_release "$version" tests/unit tests/upstream "${ROLL_INTEGRATION[@]}" "${args[@]}" \
+    || failed+=("$version")
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  vmp_say "FAILED: ${failed[*]}"
+  exit 1
+fi
+vmp_say "every supported release passed: $PINNED $ROLLS"

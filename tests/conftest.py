@@ -18,10 +18,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# repo folder -> placed folder, as patches/upstream.toml's [[overlay]] says
+from harness.vllm_series import selected  # noqa: E402
+
+# The release under test (VMP_VLLM; default the pinned one): its patch folder and tree.
+SERIES = selected()
+
+# repo folder -> placed folder, as the series' upstream.toml's [[overlay]] says
 OVERLAY = {
     o["src"]: o["dst"]
-    for o in tomllib.loads((ROOT / "patches" / "upstream.toml").read_text()).get(
+    for o in tomllib.loads((SERIES.patches / "upstream.toml").read_text()).get(
         "overlay", []
     )
 }
@@ -30,7 +35,7 @@ OVERLAY = {
 def stale_overlay_files(root: Path = ROOT) -> list[str]:
     """Repo overlay files whose placed copy is missing or different (and placed
     files the repo no longer has)."""
-    tree = root / "third_party" / "vllm"
+    tree = root / SERIES.tree.relative_to(ROOT)
     problems = []
     for src, dst in OVERLAY.items():
         repo_files = {p.relative_to(root / src) for p in (root / src).rglob("*.py")}
@@ -63,7 +68,13 @@ def _placed_code_is_current(request):
     if wants and (stale := stale_overlay_files()):
         pytest.fail(
             "the vLLM tree holds a stale copy of these files (tests import the placed "
-            f"copy): {', '.join(stale[:8])}. Run `python build.py apply`.",
+            f"copy): {', '.join(stale[:8])}. Run `python build.py"
+            + (
+                ""
+                if SERIES.pinned
+                else f" --patches {SERIES.patches.relative_to(ROOT)}"
+            )
+            + " apply`.",
             pytrace=False,
         )
 

@@ -101,8 +101,12 @@ def hash_prompt_blocks(
             mm_features=None,
             prompt_embeds=None,
             cache_salt=cache_salt,
+            # 0.32.0 keys a LoRA block by adapter name and path; only the name is
+            # known here, so such a hash matches no block of a real adapter there
             lora_request=(
-                SimpleNamespace(lora_name=lora_name) if lora_name is not None else None
+                SimpleNamespace(lora_name=lora_name, lora_path=None)
+                if lora_name is not None
+                else None
             ),
         ),
     )

@@ -48,6 +48,9 @@ from harness.pd_client import (
     wait_for_matched_blocks,
 )
 from harness.prompts import random_prompt
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    cached_tokens_of_whole_prompt,
+)
 
 HOLD_LEN = 1536  # prompts of this length hold P's writer ...
 HOLD_AFTER = 10  # ... after this many layer writes ...
@@ -231,7 +234,9 @@ class FaultBench:
             res.decode,
             ids,
             self.d,
-            expected_cached=len(ids) - 1 if from_peer else None,
+            expected_cached=cached_tokens_of_whole_prompt(len(ids))
+            if from_peer
+            else None,
         )
 
     def check(

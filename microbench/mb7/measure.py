@@ -41,6 +41,9 @@ from harness.correctness import compare
 from harness.launcher import BLOCK
 from harness.metrics import histogram
 from harness.pd_client import RequestFailed, complete, pd_generate
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    cached_tokens_of_whole_prompt,
+)
 
 from .plan import PREFILL_ONLY, Step
 
@@ -125,7 +128,13 @@ def measure(
         ref = complete(
             p.url, prompt, max_tokens=1, logprobs=5, model=p_model, timeout=timeout
         )
-        check = compare(r.decode, ref, expected_cached_tokens=step.kv_tokens)
+        # the prompt is kv_tokens + 1 long: D takes all but its last token from P
+        # (0.18.1) or all of it (0.32.0)
+        check = compare(
+            r.decode,
+            ref,
+            expected_cached_tokens=cached_tokens_of_whole_prompt(step.kv_tokens + 1),
+        )
         s.correct, s.cached_tokens = check.ok, check.cached_tokens
         s.max_logprob_diff = check.max_logprob_diff
         s.problems += check.problems

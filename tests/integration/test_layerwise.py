@@ -18,6 +18,9 @@ from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.pd_client import bootstrap_headers, engine_id, model_name, pd_generate
 from harness.prompts import random_prompt as prompt
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    cached_tokens_of_whole_prompt,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +53,9 @@ def test_layerwise_kv_lands_byte_exact(cluster, n):
         p.url, p.bootstrap_url, d.url, ids, max_tokens=4, logprobs=5, timeout=300
     )
     ref = reference_completion(p.url, ids, max_tokens=4)
-    check = compare(r.decode, ref, expected_cached_tokens=n - 1)
+    check = compare(
+        r.decode, ref, expected_cached_tokens=cached_tokens_of_whole_prompt(n)
+    )
     assert check.ok, check.problems
 
 
@@ -76,7 +81,7 @@ def test_layerwise_writes_start_before_the_prefill_ends(cluster):
     check = compare(
         r.decode,
         reference_completion(p.url, ids, max_tokens=2),
-        expected_cached_tokens=len(ids) - 1,
+        expected_cached_tokens=cached_tokens_of_whole_prompt(len(ids)),
     )
     assert check.ok, check.problems
     stats = httpx.get(
@@ -118,7 +123,11 @@ def test_concurrent_layerwise_transfers(cluster):
         )
     for ids, r in zip(prompts, results):
         ref = reference_completion(p.url, ids, max_tokens=3)
-        check = compare(r.decode, ref, expected_cached_tokens=len(ids) - 1)
+        check = compare(
+            r.decode,
+            ref,
+            expected_cached_tokens=cached_tokens_of_whole_prompt(len(ids)),
+        )
         assert check.ok, check.problems
 
 
@@ -167,7 +176,9 @@ def test_abort_mid_transfer_frees_blocks_on_both_sides(cluster):
         p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300
     )
     ref = reference_completion(p.url, ids, max_tokens=3)
-    check = compare(r.decode, ref, expected_cached_tokens=399)
+    check = compare(
+        r.decode, ref, expected_cached_tokens=cached_tokens_of_whole_prompt(400)
+    )
     assert check.ok, check.problems
 
 
@@ -200,7 +211,9 @@ def test_failed_write_fails_one_request_and_both_keep_serving(cluster):
         p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300
     )
     ref = reference_completion(p.url, ids, max_tokens=3)
-    check = compare(r.decode, ref, expected_cached_tokens=599)
+    check = compare(
+        r.decode, ref, expected_cached_tokens=cached_tokens_of_whole_prompt(600)
+    )
     assert check.ok, check.problems
 
 
@@ -290,7 +303,7 @@ def test_fuzzing_the_prefill_zmq_socket_leaves_p_serving_and_nothing_waiting(clu
     check = compare(
         r.decode,
         reference_completion(p.url, ids, max_tokens=3),
-        expected_cached_tokens=499,
+        expected_cached_tokens=cached_tokens_of_whole_prompt(500),
     )
     assert check.ok, check.problems
     print(f"zmq fuzz: {sent} messages, P alive, 0 unknown transfers left waiting")

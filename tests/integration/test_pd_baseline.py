@@ -18,6 +18,9 @@ from harness.correctness import compare, reference_completion
 from harness.launcher import Cluster, InstanceSpec, InstanceStartError
 from harness.pd_client import bootstrap_headers, pd_generate
 from harness.prompts import random_prompt as prompt
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    cached_tokens_of_whole_prompt,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +47,9 @@ def test_kv_lands_byte_exact(cluster, n):
     r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=4, logprobs=5)
     ref = reference_completion(p.url, ids, max_tokens=4)
     # vLLM recomputes the last prompt token to get logits: all others come from P.
-    check = compare(r.decode, ref, expected_cached_tokens=n - 1)
+    check = compare(
+        r.decode, ref, expected_cached_tokens=cached_tokens_of_whole_prompt(n)
+    )
     assert check.ok, check.problems
     assert check.compared_tokens == 4
 
@@ -54,13 +59,15 @@ def test_check_goes_red_when_a_transferred_block_is_zeroed(cluster):
     ids = prompt(600, seed=7)
     r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=4, logprobs=5)
     ref = reference_completion(p.url, ids, max_tokens=4)
-    check = compare(r.decode, ref, expected_cached_tokens=599)
+    check = compare(
+        r.decode, ref, expected_cached_tokens=cached_tokens_of_whole_prompt(600)
+    )
     assert not check.ok
     assert any(
         "logprobs" in x or "top-k" in x or "tokens differ" in x for x in check.problems
     )
     # The transfer itself happened: the failure is the KV content, not a fallback.
-    assert r.decode.cached_tokens == 599
+    assert r.decode.cached_tokens == cached_tokens_of_whole_prompt(600)
 
 
 def test_block_hash_sync_tracks_the_prefix_cache(cluster):

@@ -1,8 +1,8 @@
 """Runs upstream vLLM's unit tests for the areas our patches touch (offline, on the
 patched tree) through tests/upstream/run_upstream.py, and fails with its summary
 if any selected upstream test failed. Select or skip it with -m upstream /
--m "not upstream". The tree is <repo>/third_party/vllm unless VMP_UPSTREAM_TREE
-names another."""
+-m "not upstream". The tree is the selected release's (harness/vllm_series.py:
+third_party/vllm for the pinned 0.18.1) unless VMP_UPSTREAM_TREE names another."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.vllm_series import selected
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 RUNNER = HERE / "run_upstream.py"
@@ -22,7 +24,7 @@ RUNNER = HERE / "run_upstream.py"
 @pytest.mark.upstream
 @pytest.mark.timeout(1800)
 def test_upstream_vllm_unit_tests(tmp_path):
-    tree = Path(os.environ.get("VMP_UPSTREAM_TREE", REPO / "third_party" / "vllm"))
+    tree = Path(os.environ.get("VMP_UPSTREAM_TREE") or selected().tree)
     if not (tree / "tests" / "v1" / "core").is_dir():
         pytest.skip(
             f"no vLLM source tree with upstream tests at {tree} (scripts/setup.sh builds it)"

@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import hashlib
 import inspect
+import queue
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
+from harness.vllm_series import selected
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as up,
@@ -31,12 +33,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hooks import UPSTREAM
 
 ROOT = Path(__file__).resolve().parents[3]
+SERIES = selected()  # the vLLM release under test
 
-# sha256 of upstream's MooncakeConnector.__init__ source at the pinned release:
-# ExtMooncakeConnector.__init__ repeats its body with this series' halves.
-UPSTREAM_FACADE_INIT_SHA256 = (
-    "1a3dac3262e1c3f8606ee41946ffa4224491346b3e41ada2cf2f4b546751b71f"
-)
+# sha256 of upstream's MooncakeConnector.__init__ source at each supported release:
+# ExtMooncakeConnector.__init__ repeats its body with this series' halves (0.32.0's
+# adds only an assertion that the scheduler gets kv_cache_config, which it does).
+UPSTREAM_FACADE_INIT_SHA256 = {
+    "0.18.1": "1a3dac3262e1c3f8606ee41946ffa4224491346b3e41ada2cf2f4b546751b71f",
+    "0.32.0": "d530f62bd210da27e0baeabc1af7fe530203cf5a164cc2178e731b1de588ec98",
+}
 
 
 def test_the_name_users_write_resolves_to_the_subclass():
@@ -47,14 +52,14 @@ def test_the_name_users_write_resolves_to_the_subclass():
 def test_upstreams_facade_init_is_the_one_the_subclass_repeats():
     source = inspect.getsource(up.MooncakeConnector.__init__)
     digest = hashlib.sha256(source.encode()).hexdigest()
-    assert digest == UPSTREAM_FACADE_INIT_SHA256, (
+    assert digest == UPSTREAM_FACADE_INIT_SHA256.get(SERIES.version), (
         "upstream's MooncakeConnector.__init__ changed: bring ExtMooncakeConnector.__init__ "
         f"(ext/connector.py) in line with it, then record its new sha256 {digest}"
     )
 
 
 def test_the_hook_patch_adds_only_one_line_calls_of_one_shape():
-    [patch] = (ROOT / "patches").glob("*-mooncake-five-one-line-hooks-*.patch")
+    [patch] = SERIES.patches.glob("*-mooncake-five-one-line-hooks-*.patch")
     added = [
         ln[1:].strip()
         for ln in patch.read_text().splitlines()
@@ -62,7 +67,9 @@ def test_the_hook_patch_adds_only_one_line_calls_of_one_shape():
     ]
     allowed = re.compile(
         r"(.*\bself\.ext\.\w+\(.*|from .*\.ext\.hooks import UPSTREAM"
-        r"|ext = UPSTREAM\b.*|self\.engine, remote_session, .*|)$"
+        r"|ext = UPSTREAM\b.*|self\.engine, remote_session, .*"
+        # the formatter's wrap of a hook call's arguments (0.32.0's longer line)
+        r'|vllm_config, "0\.0\.0\.0", port|\)|)$'
     )
     assert [ln for ln in added if not allowed.fullmatch(ln)] == []
     assert sum("self.ext." in ln for ln in added) == 5
@@ -196,14 +203,22 @@ def _worker(ext) -> ExtMooncakeConnectorWorker:
     w.reqs_need_send, w.finished_sending_reqs = {}, set()
     w.device_kv_caches = {}
     w.kv_topo = SimpleNamespace(split_k_and_v=True)
+    # what upstream's own failed-load reporting uses from 0.32.0 on (vllm#50984)
+    w.xfer_stats = SimpleNamespace(record_failed_recv=lambda: None)
+    w._is_hma_required = False
+    w._invalid_block_ids, w._failed_recv_reqs = queue.Queue(), queue.Queue()
     return w
+
+
+# a request's block ids: one list (0.18.1) or one list per KV cache group (0.32.0)
+PER_GROUP = "list[list[int]]" in str(up.PullReqMeta.__annotations__["local_block_ids"])
 
 
 def _pull(d_req_id, count=1):
     return up.PullReqMeta(
         d_req_id=d_req_id,
         transfer_id="t",
-        local_block_ids=[1],
+        local_block_ids=[[1]] if PER_GROUP else [1],
         remote_engine_id="e",
         remote_bootstrap_addr="http://p",
         pull_tasks_count=count,

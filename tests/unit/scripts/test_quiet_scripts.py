@@ -121,7 +121,9 @@ def test_durations_read_as_seconds_minutes_hours(tmp_path):
     assert r.stdout.split() == ["9s", "2m41s", "1h02m"]
 
 
-@pytest.mark.parametrize("args", [["--bogus"], ["--device", "tpu"]])
+@pytest.mark.parametrize(
+    "args", [["--bogus"], ["--device", "tpu"], ["--vllm", "0.99.0"]]
+)
 def test_setup_refuses_unknown_options_before_doing_anything(args, tmp_path):
     r = subprocess.run(
         ["bash", str(SETUP), *args],

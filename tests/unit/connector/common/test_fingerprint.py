@@ -334,14 +334,23 @@ def worker(role: str, fingerprint: KVFingerprint | None = None) -> WorkerExtensi
 
 def pull_request(fields, n_tensors: int = 4) -> ExtXferMetadata:
     """D's pull request as P decodes it from the wire."""
+    per_region = {}
+    block_ids: list = [3, 4]
+    if "block_lens" in ExtXferMetadata.__struct_fields__:  # 0.32.0
+        block_ids = [block_ids]  # one list per KV cache group
+        per_region = {
+            "block_lens": [P_FIELDS["block_len"]] * n_tensors,
+            "kv_block_lens": [P_FIELDS["block_len"]] * n_tensors,
+        }
     meta = ExtXferMetadata(
         remote_hostname="127.0.0.1",
         remote_port=7000,
         remote_tp_size=1,
         remote_tp_rank=0,
-        req_blocks={"d-1": ("xfer-1", [3, 4])},
+        req_blocks={"d-1": ("xfer-1", block_ids)},
         kv_caches_base_addr=[(i + 1) << 32 for i in range(n_tensors)],
         ext=fields,
+        **per_region,
     )
     wire = msgspec.msgpack.encode(meta)
     return msgspec.msgpack.Decoder(ExtXferMetadata).decode(wire)
@@ -375,7 +384,21 @@ def test_decode_sends_its_fingerprint_with_each_pull_request():
 def test_an_equal_decode_instance_is_served():
     p = worker("kv_producer")
     assert serve(p, pull_request(d_fields())) == []
-    assert len(p.sender.served) == 1
+    # the sender gets one list of block ids, whichever shape the release sends
+    assert [served[2] for served in p.sender.served] == [{"d-1": ("xfer-1", [3, 4])}]
+
+
+@pytest.mark.skipif(
+    "block_lens" not in ExtXferMetadata.__struct_fields__,
+    reason="vLLM 0.18.1 sends one list of block ids per request (no KV cache groups)",
+)
+def test_a_request_spanning_two_kv_cache_groups_is_refused_by_name():
+    p = worker("kv_producer")
+    meta = pull_request(d_fields())
+    meta.req_blocks["d-2"] = ("xfer-2", [[5], [6]])
+    [answer] = serve(p, meta)
+    assert answer.err_reqs == ["d-2"] and "one KV cache group" in answer.err_msg
+    assert [served[2] for served in p.sender.served] == [{"d-1": ("xfer-1", [3, 4])}]
 
 
 MISMATCHES = {

@@ -1,0 +1,98 @@
+"""Which vLLM release this checkout runs on: the pinned series or a rolled one.
+
+    VMP_VLLM=0.32.0 scripts/test.sh      (or scripts/setup.sh --vllm 0.32.0)
+    python -m harness.vllm_series shell  the selection as shell assignments
+
+One place decides it, read once from ``VMP_VLLM`` (default: the pinned release,
+``patches/``). Every supported release has its own patch folder (``patches/``
+or ``rolls/<version>/``, whose ``upstream.toml`` names the tree), its own
+virtualenv (``.venv`` for the pinned one, ``.venv-<version>`` for a roll, since
+each release needs its own torch) and its own requirements folder
+(``requirements/`` or ``requirements/<version>/``, each with base/cpu/cuda/lock).
+The set-up and test scripts, the doctor and the test suite's guards read it here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PINNED = "0.18.1"
+# every supported release -> its patch folder (relative to ROOT)
+SUPPORTED: dict[str, str] = {
+    PINNED: "patches",
+    "0.32.0": "rolls/0.32.0",
+}
+
+
+@dataclass(frozen=True)
+class VllmSeries:
+    version: str
+    patches: Path  # upstream.toml, series, *.patch
+    tree: Path  # the patched tree build.py applies into
+    venv: Path  # the virtualenv that has this release installed
+    requirements: Path  # base.txt, cpu.txt, cuda.txt, lock.txt
+
+    @property
+    def pinned(self) -> bool:
+        return self.version == PINNED
+
+
+def series(version: str, root: Path = ROOT) -> VllmSeries:
+    """The series for ``version``; a ValueError naming the supported ones else."""
+    if version not in SUPPORTED:
+        raise ValueError(
+            f"vLLM {version!r} is not a supported release of this series; "
+            f"supported: {', '.join(SUPPORTED)}"
+        )
+    patches = root / SUPPORTED[version]
+    manifest = tomllib.loads((patches / "upstream.toml").read_text())
+    if manifest["upstream"]["version"] != version:
+        raise ValueError(
+            f"{patches / 'upstream.toml'} pins vLLM "
+            f"{manifest['upstream']['version']}, not {version}"
+        )
+    pinned = version == PINNED
+    return VllmSeries(
+        version=version,
+        patches=patches,
+        tree=root / manifest["upstream"]["tree"],
+        venv=root / (".venv" if pinned else f".venv-{version}"),
+        requirements=root / "requirements" / ("" if pinned else version),
+    )
+
+
+def selected(root: Path = ROOT) -> VllmSeries:
+    """The series ``VMP_VLLM`` selects (default: the pinned release)."""
+    return series(os.environ.get("VMP_VLLM") or PINNED, root)
+
+
+def main(argv: list[str]) -> int:
+    if argv != ["shell"]:
+        print("usage: python -m harness.vllm_series shell", file=sys.stderr)
+        return 2
+    try:
+        s = selected()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name, value in (
+        ("VMP_VLLM", s.version),
+        ("VMP_PATCHES", s.patches.relative_to(ROOT)),
+        ("VMP_TREE", s.tree.relative_to(ROOT)),
+        ("VMP_DEFAULT_VENV", s.venv),
+        ("VMP_REQ_DIR", s.requirements),
+    ):
+        print(f"{name}={shlex.quote(str(value))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

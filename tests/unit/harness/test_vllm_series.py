@@ -1,0 +1,51 @@
+"""The supported vLLM releases (harness/vllm_series.py): each one's folders agree
+with its own upstream.toml, and VMP_VLLM selects among them."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import vllm_series
+from harness.vllm_series import PINNED, SUPPORTED, selected, series
+
+
+@pytest.mark.parametrize("version", list(SUPPORTED))
+def test_each_release_pins_itself_and_has_its_own_tree_venv_and_requirements(version):
+    s = series(version)
+    assert (s.patches / "series").is_file()
+    for name in ("base.txt", "cpu.txt", "cuda.txt", "lock.txt"):
+        assert (s.requirements / name).is_file(), f"{s.requirements / name} missing"
+    others = [series(v) for v in SUPPORTED if v != version]
+    assert all(o.tree != s.tree and o.venv != s.venv for o in others)
+
+
+def test_the_pinned_release_keeps_the_documented_paths():
+    s = series(PINNED)
+    root = vllm_series.ROOT
+    assert (s.patches, s.tree, s.venv) == (
+        root / "patches",
+        root / "third_party" / "vllm",
+        root / ".venv",
+    )
+
+
+def test_an_unsupported_release_is_refused_naming_the_supported_ones():
+    with pytest.raises(ValueError, match="supported: " + ", ".join(SUPPORTED)):
+        series("0.99.0")
+
+
+def test_vmp_vllm_selects_the_release(monkeypatch):
+    monkeypatch.delenv("VMP_VLLM", raising=False)
+    assert selected().version == PINNED
+    roll = next(v for v in SUPPORTED if v != PINNED)
+    monkeypatch.setenv("VMP_VLLM", roll)
+    assert selected().version == roll
+
+
+def test_a_folder_that_pins_another_release_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "upstream.toml").write_text(
+        '[upstream]\nversion = "0.19.0"\ntree = "third_party/vllm"\n'
+    )
+    with pytest.raises(ValueError, match="pins vLLM 0.19.0, not " + PINNED):
+        series(PINNED, root=tmp_path)
