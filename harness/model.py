@@ -123,10 +123,15 @@ def ensure_model(
     shape: ModelShape | None = None, models_dir: Path | None = None
 ) -> Path:
     """Return the directory of the model of this shape (default: the default
-    shape), generating it once."""
+    shape), generating it once. One folder per major version of transformers:
+    the tokenizer files transformers 5 writes (vLLM 0.32.0's virtualenv) name a
+    class transformers 4 (vLLM 0.18.1's) cannot load; the weights are the same."""
+    import transformers
+
     shape = shape or ModelShape()
-    models_dir = Path(
-        models_dir or os.environ.get("VMP_MODELS_DIR", DEFAULT_MODELS_DIR)
+    models_dir = (
+        Path(models_dir or os.environ.get("VMP_MODELS_DIR", DEFAULT_MODELS_DIR))
+        / f"transformers-{transformers.__version__.split('.')[0]}"
     )
     path = models_dir / shape.name
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
