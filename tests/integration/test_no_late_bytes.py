@@ -107,8 +107,10 @@ def test_layerwise_write_of_a_timed_out_transfer_never_lands(cluster):
         with pytest.raises(RequestFailed):
             fb.result(timeout=60)  # B timed out on P: D failed it and freed its blocks
         # N takes B's freed blocks on D and is still decoding when A's write returns
-        ids_n = prompt(400, seed=9102)  # + 200 generated: 5 blocks
-        n = complete(d.url, ids_n, max_tokens=200, logprobs=5, timeout=120)
+        # long enough to be still decoding when A's write returns (200 tokens ended
+        # 1.5 s early on a fast run): + 500 generated, 8 blocks
+        ids_n = prompt(400, seed=9102)
+        n = complete(d.url, ids_n, max_tokens=500, logprobs=5, timeout=120)
         n_end = time.monotonic()  # CLOCK_MONOTONIC: comparable with P's timeline
         with pytest.raises(RequestFailed):
             fa.result(timeout=120)  # each of A's writes takes DELAY_S: A times out too
@@ -121,7 +123,7 @@ def test_layerwise_write_of_a_timed_out_transfer_never_lands(cluster):
         "inconclusive: N ended before A's delayed write returned (when B's queued write "
         f"would have run): N {n_end:.1f}, A's write {a['last_write_end']}"
     )
-    ref = reference_completion(d.url, ids_n, max_tokens=200)
+    ref = reference_completion(d.url, ids_n, max_tokens=500)
     check = compare(n, ref, expected_cached_tokens=None)
     assert check.ok, (
         f"request N decoded from KV overwritten by a late write: {check.problems}"
