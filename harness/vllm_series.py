@@ -39,6 +39,7 @@ class VllmSeries:
     tree: Path  # the patched tree build.py applies into
     venv: Path  # the virtualenv that has this release installed
     requirements: Path  # base.txt, cpu.txt, cuda.txt, lock.txt
+    overlay: dict[str, str]  # repo folder -> placed folder in the tree ([[overlay]])
 
     @property
     def pinned(self) -> bool:
@@ -66,6 +67,7 @@ def series(version: str, root: Path = ROOT) -> VllmSeries:
         tree=root / manifest["upstream"]["tree"],
         venv=root / (".venv" if pinned else f".venv-{version}"),
         requirements=root / "requirements" / ("" if pinned else version),
+        overlay={o["src"]: o["dst"] for o in manifest.get("overlay", [])},
     )
 
 

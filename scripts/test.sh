@@ -46,7 +46,7 @@ run_release() {
   eval "$(VMP_VLLM="$version" "${PYTHON:-python3}" -m harness.vllm_series shell)"
   py="${VMP_VENV:-$VMP_DEFAULT_VENV}/bin/python"
   vmp_run "python build.py --patches $VMP_PATCHES check" "$py" build.py --patches "$VMP_PATCHES" check
-  if [ "$version" = "$PINNED" ]; then  # our code is the same for every release: once
+  if [ "$version" = "$LINT_RELEASE" ]; then  # our code is the same for every release: once
     vmp_run "ruff check (our code, ruff.toml)" "$py" -m ruff check --quiet
     vmp_run "ruff format --check (our code)" "$py" -m ruff format --check --quiet
   fi
@@ -65,7 +65,7 @@ run_release() {
 
 PINNED=$("${PYTHON:-python3}" -c 'from harness.vllm_series import PINNED; print(PINNED)')
 ROLLS=$("${PYTHON:-python3}" -c 'from harness.vllm_series import PINNED, SUPPORTED; print(" ".join(v for v in SUPPORTED if v != PINNED))')
-[ -n "$only" ] && PINNED="$only"  # ruff runs in whichever release runs alone
+LINT_RELEASE="${only:-$PINNED}"  # ruff runs once, in this release's virtualenv
 
 if [ -n "$only" ]; then
   rc=0

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -23,21 +22,13 @@ from harness.vllm_series import selected  # noqa: E402
 # The release under test (VMP_VLLM; default the pinned one): its patch folder and tree.
 SERIES = selected()
 
-# repo folder -> placed folder, as the series' upstream.toml's [[overlay]] says
-OVERLAY = {
-    o["src"]: o["dst"]
-    for o in tomllib.loads((SERIES.patches / "upstream.toml").read_text()).get(
-        "overlay", []
-    )
-}
-
 
 def stale_overlay_files(root: Path = ROOT) -> list[str]:
     """Repo overlay files whose placed copy is missing or different (and placed
     files the repo no longer has)."""
     tree = root / SERIES.tree.relative_to(ROOT)
     problems = []
-    for src, dst in OVERLAY.items():
+    for src, dst in SERIES.overlay.items():
         repo_files = {p.relative_to(root / src) for p in (root / src).rglob("*.py")}
         placed_dir = tree / dst
         placed = (

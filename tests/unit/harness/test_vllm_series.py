@@ -17,6 +17,8 @@ def test_each_release_pins_itself_and_has_its_own_tree_venv_and_requirements(ver
         assert (s.requirements / name).is_file(), f"{s.requirements / name} missing"
     others = [series(v) for v in SUPPORTED if v != version]
     assert all(o.tree != s.tree and o.venv != s.venv for o in others)
+    # one overlay serves every release
+    assert s.overlay and all(o.overlay == s.overlay for o in others)
 
 
 def test_the_pinned_release_keeps_the_documented_paths():
