@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat impor
     init_kwargs,
     kv_geometry,
     one_group_block_ids,
+    send_layout_on_every_pull,
     split_k_and_v,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
@@ -190,6 +191,8 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
             raise RuntimeError(
                 f"Mooncake sender listener failed at start: {self._listener_error}"
             ) from self._listener_error
+        if self.ext.roles.layerwise_decode:
+            send_layout_on_every_pull(self)
         geometry = kv_geometry(self)
         self.ext.on_kv_caches_registered(
             RegisteredKV(

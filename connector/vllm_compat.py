@@ -15,7 +15,10 @@ never by a version string, so a release in between gets what its own code has:
   with kernel blocks that may be smaller than the scheduler's (0.32.0):
   :func:`kv_geometry`, :func:`split_k_and_v`;
 - ``MooncakeBootstrapServer(vllm_config, host, port)`` became
-  ``MooncakeBootstrapServer(host, port)``: :func:`bootstrap_server`.
+  ``MooncakeBootstrapServer(host, port)``: :func:`bootstrap_server`;
+- D's pull request may leave out D's KV layout once P has cached it under a
+  ``layout_id`` (0.33.0): :func:`send_layout_on_every_pull`,
+  :func:`layout_omitted`, :func:`layout_miss_status`.
 
 Imported by ``hooks.py``, which upstream's ``mooncake_connector.py`` imports: no
 vLLM import at module level.
@@ -143,3 +146,24 @@ def cached_tokens_of_whole_prompt(prompt_len: int) -> int:
     if hasattr(MooncakeConnectorScheduler, "_get_remote_prefill_token_count"):
         return prompt_len
     return prompt_len - 1
+
+
+def send_layout_on_every_pull(worker: Any) -> None:
+    """D: put the KV layout (base addresses, block lengths) in every pull request.
+    Layer-wise push writes at the addresses of the request itself; P does not look
+    them up in upstream's per-peer layout cache. Where upstream's D may leave the
+    layout out (``_kv_layout_id``, 0.33.0), 0 is its own "layout on every pull"
+    value; call after ``register_kv_caches``, which sets a new id."""
+    if hasattr(worker, "_kv_layout_id"):
+        worker._kv_layout_id = 0
+
+
+def layout_omitted(meta: Any) -> bool:
+    """P: D's pull request names a cached layout instead of carrying it."""
+    return bool(getattr(meta, "layout_id", 0)) and not meta.kv_caches_base_addr
+
+
+def layout_miss_status(status_enum: Any) -> Any:
+    """P: the answer that makes upstream's D send the request again with its layout
+    (``LAYOUT_MISS``, 0.33.0); ``ERROR`` where there is none (no such D exists)."""
+    return getattr(status_enum, "LAYOUT_MISS", status_enum.ERROR)

@@ -84,6 +84,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.routes import (
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
     all_block_ids,
     bootstrap_server,
+    layout_miss_status,
+    layout_omitted,
     one_group_block_ids,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import with_ext
@@ -436,6 +438,19 @@ class WorkerExtension(UpstreamHooks):
                     err_msg=(
                         f"layer-wise push needs equal TP sizes (prefill {tp_size}, "
                         f"decode {meta.remote_tp_size}); unset MOONCAKE_LAYERWISE"
+                    ),
+                )
+            )
+            return
+        if layout_omitted(meta):
+            # Layer-wise writes at the addresses the request carries: ask D for them
+            # (upstream's D sends the request again with its layout).
+            await send(
+                MooncakeXferResponse(
+                    status=layout_miss_status(MooncakeXferResponseStatus),
+                    err_msg=(
+                        "layer-wise push needs the decode instance's KV layout in "
+                        "each pull request"
                     ),
                 )
             )

@@ -202,7 +202,15 @@ class Instance:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.environment(push_sources),
-                start_new_session=True,
+                # A process group of its own (stopped with killpg), in this
+                # process's session: a new session would put the instance in a
+                # scheduling group of its own (autogroup), whose weight on a
+                # core it barely uses is tiny. Its transfer threads on another
+                # instance's core (MOONCAKE_IO_CPUS) then starve whenever that
+                # instance spins (vLLM 0.32.0's worker waits for its engine by
+                # spinning), holding the GIL its compute thread needs
+                # (tests/integration/test_io_cpus.py).
+                process_group=0,
             )
 
     def healthy(self) -> bool:

@@ -66,6 +66,7 @@ class RebaseState:
     from_version: str
     onto: str
     patches: list[str]  # the pinned series, in order
+    from_patches: str = "patches"  # the pinned series' folder, relative to the root
     # the last replayed commit the check passed (or --accept)
     checked: str | None = None
     flagged: str | None = None  # the replayed commit the check stopped at
@@ -93,6 +94,14 @@ def roll_project(project: Project, version: str) -> Project:
     return Project(project.root, patches=f"{ROLLS}/{version}")
 
 
+def roll_tree(tree: str, from_version: str, version: str) -> str:
+    """The roll's tree beside the pinned one, named after ``version`` alone:
+    third_party/vllm -> third_party/vllm-0.32.0; a roll of a roll,
+    third_party/vllm-0.32.0 -> third_party/vllm-0.33.0."""
+    base = tree.removesuffix(f"-{from_version}")
+    return f"{base}-{version}"
+
+
 def start(
     project: Project, version: str, say: Say, *, without: Collection[str] = ()
 ) -> int:
@@ -110,7 +119,7 @@ def start(
             f"one), or delete {roll.rel(roll.patches_dir)} (a finished one)."
         )
     patches = load_patches(project)  # refuses a broken series before any download
-    tree_rel = f"{pinned.tree}-{version}"
+    tree_rel = roll_tree(pinned.tree, pinned.version, version)
     tree_path = project.root / tree_rel
     for path in (tree_path, tree_path.with_name(tree_path.name + ".git")):
         if path.exists():
@@ -149,7 +158,9 @@ def start(
     except BaseException:
         _remove_roll(roll, tree_path)
         raise
-    RebaseState(pinned.version, version, [p.name for p in patches]).save(tree.git_dir)
+    RebaseState(
+        pinned.version, version, [p.name for p in patches], project.patches
+    ).save(tree.git_dir)
     say(
         f"rebase: [3/3] git rebase (3-way) of {len(patches)} patches + overlay onto "
         f"{version}, each step checked"
@@ -480,7 +491,7 @@ def _finish(project: Project, roll: Project, tree: Tree, say: Say) -> int:
         f"The new series: {roll.rel(roll.patches_dir)}/ (upstream.toml pinned to "
         f"{st.onto} with its sha256); its tree: {roll.rel(tree.path)}.\n"
         f"Use it: `python build.py --patches {roll.patches} status|check|apply`. "
-        f"The {st.from_version} series in {project.rel(project.patches_dir)}/ is unchanged."
+        f"The {st.from_version} series in {st.from_patches}/ is unchanged."
     )
     return EXIT_OK
 
@@ -617,10 +628,11 @@ def _write_manifest(
                 f"{project.rel(project.patches_dir / MANIFEST)}: no {key} = line"
             )
     text = build_defaults.repinned_text(text, version, pins)
+    text = re.sub(r"\A# Rolled by [^\n]*\n", "", text)  # a roll of a roll: say it once
     roll.patches_dir.mkdir(parents=True)
     (roll.patches_dir / MANIFEST).write_text(
         f"# Rolled by `build.py rebase --onto {version}` from the "
-        f"{project.manifest.version} series.\n" + text,
+        f"{project.manifest.version} series ({project.patches}/).\n" + text,
         encoding="utf-8",
     )
     # Read back: the roll must pin exactly what was decided.

@@ -5,24 +5,16 @@
 # areas, two-instance integration tests).
 #   scripts/test.sh [--vllm V] [pytest args...]      e.g. scripts/test.sh -m "not integration"
 # Without --vllm: the pinned release (0.18.1) runs the whole suite, then each roll
-# (0.32.0) runs unit tests, upstream's tests and ROLL_INTEGRATION below (the whole
-# suite twice does not fit CI's time); the patch manager's tests run once. With
-# --vllm V: the whole suite on release V alone. Exits non-zero if any run failed.
+# (0.32.0) the whole suite but the patch manager's tests, which do not depend on the
+# release and run once; a roll that is checked only (0.33.0: no CPU build exists)
+# gets `build.py check`. With --vllm V: the whole suite on release V alone. Exits
+# non-zero if any run failed.
 # One line per set-up step; apt/pip/build/check output goes to a log named on the
 # first line (.cache/logs/test-<time>.log); pytest's report comes to the terminal.
 # -v / --verbose (also passed on to pytest) or VMP_VERBOSE=1 shows all of it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/setup.sh"   # the output functions only
-
-# A roll's two-instance tests in the default run: the P->D pull, layer-wise push,
-# prefix push, no byte after the end, and the engine's failure semantics.
-ROLL_INTEGRATION=(
-  tests/integration/test_pd_baseline.py
-  tests/integration/test_layerwise.py
-  tests/integration/test_push.py
-  tests/integration/test_no_late_bytes.py
-)
 
 only=""
 args=()
@@ -77,8 +69,13 @@ fi
 unset VMP_VENV
 failed=()
 run_release "$PINNED" tests "${args[@]}" || failed+=("$PINNED")
+# Rolls with no CPU build on the index: their series is checked, never run.
+for folder in $("${PYTHON:-python3}" -c 'from harness.vllm_series import CHECKED_ONLY; print(" ".join(CHECKED_ONLY.values()))'); do
+  ( vmp_run "python build.py --patches $folder check (not run on CPU)" \
+    .venv/bin/python build.py --patches "$folder" check ) || failed+=("$folder")
+done
 for version in $ROLLS; do
-  run_release "$version" tests/unit tests/upstream "${ROLL_INTEGRATION[@]}" "${args[@]}" \
+  run_release "$version" tests/unit tests/upstream tests/integration "${args[@]}" \
     || failed+=("$version")
 done
 if [ ${#failed[@]} -gt 0 ]; then

@@ -13,6 +13,13 @@ their pools, the bootstrap server, the layer-wise writer) are started on those
 CPUs instead; the compute threads are left alone. Unset, nothing changes.
 Linux only. This is how this project emulates on a 2-core CPU machine the
 separation a GPU host has by construction; GPU hosts do not need it.
+
+The CPUs may be another instance's only when both instances run in one
+scheduling group (one session where the kernel's autogroup is on, one cgroup
+with the CPU controller): a group weighs little on a core it barely uses, and
+its threads there starve while the other instance keeps the core busy (vLLM
+0.32.0's worker spins while it waits for its engine). One of them holding the
+GIL stops the instance's compute (tests/integration/test_io_cpus.py).
 """
 
 from __future__ import annotations

@@ -72,14 +72,20 @@ def forge_pull(
         MooncakeXferResponseStatus,
     )
 
+    block_ids: list = [1, 2]
+    per_region = {}
+    if "block_lens" in ExtXferMetadata.__struct_fields__:  # vLLM 0.32.0
+        block_ids = [block_ids]  # one list per KV cache group
+        per_region = {"block_lens": [65536] * 4, "kv_block_lens": [65536] * 4}
     meta = ExtXferMetadata(
         remote_hostname="127.0.0.1",
         remote_port=1,
         remote_tp_size=1,
         remote_tp_rank=0,
-        req_blocks={"forged-req": (transfer_id, [1, 2])},
+        req_blocks={"forged-req": (transfer_id, block_ids)},
         kv_caches_base_addr=[4096] * 4,
         ext=limits,
+        **per_region,
     )
     decoder = msgspec.msgpack.Decoder(MooncakeXferResponse)
     ctx = zmq.Context()

@@ -47,7 +47,9 @@ def cluster(pd_cluster):
         {"c": "kv_producer", "d": "kv_consumer"},
         hosts=True,
         kv_cache_gib=1,
-        max_model_len=2048,
+        # 15 of C's 16 blocks: vLLM 0.32.0 refuses to start when one request of
+        # max_model_len would not fit the blocks left beside the null block
+        max_model_len=(C_BLOCKS - 1) * BLOCK,
         instances={
             "c": {
                 "env": {

@@ -9,7 +9,7 @@ so that a failing command fails the test, and reads P's GET /hashsync and
 GET /push/stats itself before the last block stops the servers. Each block's
 stdout is parsed: the disaggregated request must come back from P and D (HTTP
 200: the recipe's curl uses --fail-with-body), with text, D's prompt KV from P
-(cached tokens = prompt - 1) and a completed layer-wise transfer on P; turn 2 on
+(all prompt tokens cached but the one vLLM 0.18.1 recomputes) and a completed layer-wise transfer on P; turn 2 on
 D must get the prefix pushed from P (D's cached tokens = the pushed blocks, P's
 /hashsync answering with its table, P's push counters up). The recipe's servers
 run in the test's own process group, which is killed at the end whatever
@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from harness.launcher import BLOCK, free_port
+from harness.vllm_series import selected
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
     cached_tokens_of_whole_prompt,
 )
@@ -142,6 +143,8 @@ def test_readme_recipe_runs_as_written(tmp_path):
         D_PORT=str(free_port()),
         P_BOOT=str(free_port()),
         LOGS=str(logs),
+        # the release under test: the recipe activates ${VENV:-.venv}
+        VENV=str(selected().venv.relative_to(ROOT)),
     )
     for var in ("MOONCAKE_LAYERWISE", "MOONCAKE_PUSH_SOURCES", "VLLM_TARGET_DEVICE"):
         env.pop(var, None)

@@ -51,6 +51,8 @@ def publish(project, files: dict[str, str], version: str = "0.19.0") -> str:
     sdist = index / "files" / f"vllm-{version}.tar.gz"
     sha = make_sdist(sdist, version, files)
     (index / "vllm").mkdir(parents=True, exist_ok=True)
+    listing = index / "vllm" / "json"
+    known = json.loads(listing.read_text())["releases"] if listing.exists() else {}
     entry = {
         "filename": sdist.name,
         "packagetype": "sdist",
@@ -58,7 +60,7 @@ def publish(project, files: dict[str, str], version: str = "0.19.0") -> str:
         "digests": {"sha256": sha},
         "yanked": False,
     }
-    (index / "vllm" / "json").write_text(json.dumps({"releases": {version: [entry]}}))
+    listing.write_text(json.dumps({"releases": {**known, version: [entry]}}))
     return sha
 
 
@@ -105,13 +107,7 @@ def test_rebase_stops_at_conflict_then_continue_exports_the_roll(rolled) -> None
     r = project.run("rebase", "--continue")  # not resolved yet
     assert r.code != 0 and "vllm/engine.py" in r.err and "add" in r.err
 
-    text = engine.read_text()
-    resolved = (
-        text.split("<<<<<<<")[0]
-        + "engine line 2 upstream ours\n"
-        + text.split(">>>>>>>")[1].split("\n", 1)[1]
-    )
-    engine.write_text(resolved)
+    resolve(engine, "engine line 2 upstream ours\n")
     _roll_git(project, "add", "vllm/engine.py")
     r = project.run("rebase", "--continue")
     assert r.code == 0, r.text
@@ -174,12 +170,7 @@ def test_rebase_resolution_that_empties_a_patch_drops_it(rolled) -> None:
     publish(project, v19_files(conflict=True))
     assert project.run("rebase", "--onto", "0.19.0").code == 1
     engine = project.root / ROLL_TREE / "vllm/engine.py"
-    text = engine.read_text()
-    engine.write_text(
-        text.split("<<<<<<<")[0]
-        + "engine line 2 upstream\n"
-        + text.split(">>>>>>>")[1].split("\n", 1)[1]
-    )
+    resolve(engine, "engine line 2 upstream\n")
     _roll_git(project, "add", "vllm/engine.py")
     r = project.run("rebase", "--continue")
     assert r.code == 0, r.text
@@ -187,9 +178,17 @@ def test_rebase_resolution_that_empties_a_patch_drops_it(rolled) -> None:
     assert (project.root / ROLL / "series").read_text().split() == NAMES[1:3]
 
 
-def _roll_git(project, *args: str) -> str:
+def resolve(path, lines: str) -> None:
+    """Replace the one conflict in ``path`` (markers and both sides) by ``lines``."""
+    text = path.read_text()
+    path.write_text(
+        text.split("<<<<<<<")[0] + lines + text.split(">>>>>>>")[1].split("\n", 1)[1]
+    )
+
+
+def _roll_git(project, *args: str, tree_rel: str = ROLL_TREE) -> str:
     """git in the roll's tree, as a user resolving a conflict runs it."""
-    tree = project.root / ROLL_TREE
+    tree = project.root / tree_rel
     proc = subprocess.run(
         ["git", f"--git-dir={tree}.git", f"--work-tree={tree}", *args],
         capture_output=True,
@@ -209,12 +208,7 @@ def test_continue_finishes_a_roll_whose_git_rebase_already_ended(rolled) -> None
     publish(project, v19_files(conflict=True))
     assert project.run("rebase", "--onto", "0.19.0").code == 1
     engine = project.root / ROLL_TREE / "vllm/engine.py"
-    text = engine.read_text()
-    engine.write_text(
-        text.split("<<<<<<<")[0]
-        + "engine line 2 upstream ours\n"
-        + text.split(">>>>>>>")[1].split("\n", 1)[1]
-    )
+    resolve(engine, "engine line 2 upstream ours\n")
     _roll_git(project, "add", "vllm/engine.py")
     _roll_git(
         project,
@@ -230,3 +224,32 @@ def test_continue_finishes_a_roll_whose_git_rebase_already_ended(rolled) -> None
     r = project.run("rebase", "--continue")
     assert r.code == 0, r.text
     assert (project.root / ROLL / "series").read_text().split() == NAMES[:3]
+
+
+def test_a_roll_of_a_roll_names_its_source_series_and_its_own_tree(rolled) -> None:
+    """Rolling rolls/0.19.0 onto 0.20.0: the tree is named after 0.20.0 alone, the
+    manifest says once which series it came from, and --continue (run without
+    --patches, as the stop message says) names the source series, not patches/."""
+    project = rolled
+    publish(project, v19_files(conflict=False))
+    assert project.run("rebase", "--onto", "0.19.0").code == 0
+    files = v19_files(conflict=True)
+    files["PKG-INFO"] = files["PKG-INFO"].replace("0.19.0", "0.20.0")
+    files["vllm/_version.py"] = '__version__ = version = "0.20.0"\n'
+    publish(project, files, "0.20.0")
+    releases.clear_index_cache()
+    r = project.run("--patches", ROLL, "rebase", "--onto", "0.20.0")
+    assert r.code == 1, r.text
+    tree_rel = "third_party/vllm-0.20.0"
+    assert f"{tree_rel}/vllm/engine.py" in r.out
+    manifest = (project.root / "rolls/0.20.0/upstream.toml").read_text()
+    assert manifest.count("# Rolled by") == 1, manifest
+    assert f"from the 0.19.0 series ({ROLL}/)" in manifest
+    assert f'tree = "{tree_rel}"' in manifest
+    engine = project.root / tree_rel / "vllm/engine.py"
+    resolve(engine, "engine line 2 upstream ours\n")
+    _roll_git(project, "add", "vllm/engine.py", tree_rel=tree_rel)
+    r = project.run("rebase", "--continue")
+    assert r.code == 0, r.text
+    assert f"The 0.19.0 series in {ROLL}/ is unchanged" in r.out, r.out
+    assert project.run("--patches", "rolls/0.20.0", "check").code == 0

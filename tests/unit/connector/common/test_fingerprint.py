@@ -34,6 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprin
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    send_layout_on_every_pull,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
     WorkerExtension,
 )
@@ -516,3 +519,35 @@ def test_refusal_warnings_are_rate_limited_per_key_and_in_all():
     assert logged == ["a 1", "k0", "k1", "k2", "k3"]
     now[0] = 61.0  # an interval later: each warns again
     assert lim.warn("a", "a %s", 3) and logged[-1] == "a 3"
+
+
+def test_a_pull_request_naming_a_cached_layout_is_asked_for_the_layout():
+    """vLLM 0.33.0's D may send a layout id instead of its KV addresses once P
+    cached them; layer-wise writes at the addresses the request carries, so P
+    asks for them (LAYOUT_MISS: upstream's D sends the request again with its
+    layout) and writes nothing."""
+    p = worker("kv_producer")
+    wire = pull_request(d_fields())
+    fields = {n: getattr(wire, n) for n in wire.__struct_fields__}
+    meta = SimpleNamespace(**{**fields, "layout_id": 7, "kv_caches_base_addr": []})
+    [answer] = serve(p, meta)
+    assert answer.status == getattr(
+        MooncakeXferResponseStatus, "LAYOUT_MISS", MooncakeXferResponseStatus.ERROR
+    )
+    assert "KV layout" in answer.err_msg
+    assert p.sender.served == []
+
+
+def test_a_decode_instance_sends_its_layout_with_every_pull():
+    class Worker033:
+        _kv_layout_id = 0x1235
+
+    class Worker032:
+        pass
+
+    w = Worker033()
+    send_layout_on_every_pull(w)
+    assert w._kv_layout_id == 0  # upstream's "layout on every pull"
+    old = Worker032()
+    send_layout_on_every_pull(old)
+    assert not hasattr(old, "_kv_layout_id")

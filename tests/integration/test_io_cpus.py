@@ -1,0 +1,79 @@
+"""Layer-wise push with the transfer threads on the decode instance's core
+(MOONCAKE_IO_CPUS), as mb7 runs it on an idle 2-core host.
+
+P computes on core 0, D on core 1; both instances' transfer threads, P's
+layer-wise writer and bootstrap server among them, run on core 1. vLLM 0.32.0's
+worker waits for its engine's next call by spinning (sched_yield) for a second
+after each one, and D's engine calls its worker every step while a request
+waits for KV: core 1 is busy the whole time P writes. P's threads there must
+still run. When each instance ran in a session of its own (autogroup: a
+scheduling group per session, weighted by its load on each core) they did not:
+P's bootstrap server thread, runnable on core 1 and never picked, held P's GIL,
+so P's compute stopped and the first request never finished. Each request here
+must finish within its deadline, with D's KV from P byte-exact and the transfer
+completed layer by layer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from harness.correctness import compare, reference_completion
+from harness.kv_usage import wait_no_blocks_in_use
+from harness.pd_client import bootstrap_headers, pd_generate
+from harness.prompts import random_prompt as prompt
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    cached_tokens_of_whole_prompt,
+)
+
+pytestmark = pytest.mark.integration
+
+D_CORE = "1"  # the launcher binds P's compute to core 0 and D's to core 1
+REQUEST_DEADLINE_S = 120  # a 1024-token P->D request takes a few seconds here
+
+
+@pytest.fixture(scope="module")
+def cluster(pd_cluster):
+    return pd_cluster(
+        env={
+            "MOONCAKE_LAYERWISE": "1",
+            "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
+            "MOONCAKE_IO_CPUS": D_CORE,
+        },
+    )
+
+
+@pytest.mark.parametrize("n", [1024, 2048])
+def test_layerwise_on_the_decode_core_finishes_byte_exact(cluster, n):
+    p, d = cluster["prefill"], cluster["decode"]
+    assert {i.spec.cores for i in (p, d)} == {"0", D_CORE}
+    ids = prompt(n, seed=8800 + n)
+    transfer_id = f"xfer-io-cpus-{n}-{time.time_ns()}"
+    t0 = time.monotonic()
+    r = pd_generate(
+        p.url,
+        p.bootstrap_url,
+        d.url,
+        ids,
+        max_tokens=4,
+        logprobs=5,
+        transfer_id=transfer_id,
+        timeout=REQUEST_DEADLINE_S,
+    )
+    took = time.monotonic() - t0
+    ref = reference_completion(p.url, ids, max_tokens=4)
+    check = compare(
+        r.decode, ref, expected_cached_tokens=cached_tokens_of_whole_prompt(n)
+    )
+    assert check.ok, (check.problems, f"{took:.1f} s")
+    transfers = httpx.get(
+        p.bootstrap_url + "/layerwise/transfers",
+        headers=bootstrap_headers(),
+        timeout=10,
+    ).json()
+    (t,) = [t for t in transfers["transfers"] if t["transfer_id"] == transfer_id]
+    assert t["outcome"] == "completed", t
+    assert wait_no_blocks_in_use(p.url, d.url) == (0.0, 0.0)
