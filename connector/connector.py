@@ -24,6 +24,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
@@ -344,6 +345,16 @@ class ExtMooncakeConnector(MooncakeConnector):
         return self.connector_scheduler.ext.keep_stepping_while_blocks_held()
 
     # ---- worker side ------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before every forward pass, in every release: the features that must act
+        before the forward see the step's metadata here. start_load_kv runs after
+        the forward from vLLM 0.32.0 when the step's loads are asynchronous."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(self.connector_worker, ExtMooncakeConnectorWorker):
+            self.connector_worker.ext.before_forward(
+                getattr(connector_metadata, "ext", None)
+            )
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert isinstance(self.connector_worker, ExtMooncakeConnectorWorker)
         return self.connector_worker.ext.build_worker_meta()

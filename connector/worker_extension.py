@@ -139,8 +139,12 @@ class WorkerRoles:
 class WorkerFeature:
     """One capability's per-step part on a worker (every method: nothing by default)."""
 
+    def before_forward(self, meta: ExtMetadata) -> None:
+        """Before the forward pass, with the step's metadata (bind_connector_metadata)."""
+
     def start_load_kv(self, meta: ExtMetadata) -> None:
-        """Before the forward pass, with the step's metadata."""
+        """With the step's metadata: before the forward pass up to vLLM 0.18.1, after
+        it from 0.32.0 when the step's loads are asynchronous."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """After an attention layer wrote its KV."""
@@ -178,7 +182,7 @@ class LayerwisePrefillStep(WorkerFeature):
     def __init__(self, sender: LayerwiseSender):
         self.sender = sender
 
-    def start_load_kv(self, meta: ExtMetadata) -> None:
+    def before_forward(self, meta: ExtMetadata) -> None:
         self.sender.on_metadata(meta.layerwise)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -375,8 +379,14 @@ class WorkerExtension(UpstreamHooks):
         )
 
     # ---- every step -------------------------------------------------------------------
+    def before_forward(self, meta: ExtMetadata | None) -> None:
+        """Before the forward pass (bind_connector_metadata)."""
+        meta = meta or ExtMetadata()
+        for feature in self.features:
+            feature.before_forward(meta)
+
     def start_load_kv(self, meta: ExtMetadata | None) -> None:
-        """Before the forward pass."""
+        """Upstream's start_load_kv: before or after the forward pass (WorkerFeature)."""
         meta = meta or ExtMetadata()
         for feature in self.features:
             feature.start_load_kv(meta)

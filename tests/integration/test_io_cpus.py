@@ -11,7 +11,11 @@ scheduling group per session, weighted by its load on each core) they did not:
 P's bootstrap server thread, runnable on core 1 and never picked, held P's GIL,
 so P's compute stopped and the first request never finished. Each request here
 must finish within its deadline, with D's KV from P byte-exact and the transfer
-completed layer by layer.
+completed layer by layer: each prompt is one forward pass on P, and most of its
+KV must be written before P's last layer. vLLM 0.32.0 calls the connector's
+start_load_kv after the forward pass; P's layer-wise sender took its step there,
+so it wrote the whole prompt after the forward (16 % before P's last layer in
+mb7), until it took the step in bind_connector_metadata.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ pytestmark = pytest.mark.integration
 
 D_CORE = "1"  # the launcher binds P's compute to core 0 and D's to core 1
 REQUEST_DEADLINE_S = 120  # a 1024-token P->D request takes a few seconds here
+ONE_CHUNK = 2048  # each prompt is computed in one forward pass
 
 
 @pytest.fixture(scope="module")
 def cluster(pd_cluster):
     return pd_cluster(
+        max_num_batched_tokens=ONE_CHUNK,
         env={
             "MOONCAKE_LAYERWISE": "1",
             "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
@@ -76,4 +82,8 @@ def test_layerwise_on_the_decode_core_finishes_byte_exact(cluster, n):
     ).json()
     (t,) = [t for t in transfers["transfers"] if t["transfer_id"] == transfer_id]
     assert t["outcome"] == "completed", t
+    # layer by layer: most bytes were written while P still computed its one
+    # forward pass (a write of the whole prompt after it writes none)
+    share = t["bytes_before_prefill_end"] / t["bytes_written"]
+    assert share > 0.5, f"{share:.0%} of the KV written before P's last layer: {t}"
     assert wait_no_blocks_in_use(p.url, d.url) == (0.0, 0.0)

@@ -76,6 +76,9 @@ class Recording(WorkerFeature):
     ):
         self.name, self.log, self.sends, self.recvs = name, log, set(sends), set(recvs)
 
+    def before_forward(self, meta):
+        self.log.append((self.name, "before"))
+
     def start_load_kv(self, meta):
         self.log.append((self.name, "start"))
 
@@ -95,15 +98,18 @@ def test_each_step_reaches_every_feature_this_worker_runs_and_no_other():
     assert w.features == []  # a decode without layer-wise: nothing until registration
     log: list = []
     w.features = [Recording("a", log, sends={"p1"}), Recording("b", log, recvs={"d1"})]
-    w.start_load_kv(ExtMetadata())
+    w.before_forward(ExtMetadata())
     w.save_kv_layer("layer.0", None)
+    w.start_load_kv(ExtMetadata())  # after the forward from vLLM 0.32.0
     assert w.get_finished(None, {"d0"}) == ({"p1"}, {"d0", "d1"})
     w.shutdown()
     assert log == [
-        ("a", "start"),
-        ("b", "start"),
+        ("a", "before"),
+        ("b", "before"),
         ("a", "layer.0"),
         ("b", "layer.0"),
+        ("a", "start"),
+        ("b", "start"),
         ("a", "shutdown"),
         ("b", "shutdown"),
     ]
