@@ -205,7 +205,9 @@ class LayerwiseDecodeStep(WorkerFeature):
         self.pulls.add_cleanup(meta.layerwise.cleanup_reqs)
 
     def finished(self, sending: set[str], recving: set[str]) -> None:
-        recving |= self.pulls.take_finished()
+        once = self.pulls.report_once(recving)
+        recving.clear()
+        recving |= once
 
 
 class PushDestinationStep(WorkerFeature):

@@ -28,6 +28,15 @@ logger = init_logger(__name__)
 ENDED_KEPT_S = 3600.0  # how long an ended pull's id is remembered (double reports)
 
 
+def _forget_older(seen: collections.OrderedDict[str, float], now: float) -> None:
+    """Drop ids remembered for ENDED_KEPT_S, from the oldest: O(1) amortized."""
+    while seen:
+        oldest, when = next(iter(seen.items()))
+        if now - when < ENDED_KEPT_S:
+            break
+        del seen[oldest]
+
+
 class PullOutcomes:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -37,6 +46,9 @@ class PullOutcomes:
         self._ended: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._cleanup: set[str] = set()
         self._finished: set[str] = set()  # failed pulls to report in finished_recving
+        # D request id -> when it was handed to the scheduler in finished_recving
+        # (by upstream's receiver or by this tracker), oldest first
+        self._reported: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._invalid: set[int] = set()  # their blocks (get_block_ids_with_load_errors)
 
     def add_cleanup(self, req_ids: set[str]) -> None:
@@ -51,11 +63,7 @@ class PullOutcomes:
         if d_req_id in self._ended:
             return False
         now = self._clock()
-        while self._ended:
-            oldest, when = next(iter(self._ended.items()))
-            if now - when < ENDED_KEPT_S:
-                break
-            del self._ended[oldest]
+        _forget_older(self._ended, now)
         self._ended[d_req_id] = now
         if d_req_id in self._cleanup:
             self._cleanup.discard(d_req_id)
@@ -76,9 +84,20 @@ class PullOutcomes:
             self._invalid.update(block_ids)
         logger.error("KV pull for request %s failed: %s", d_req_id, reason)
 
-    def take_finished(self) -> set[str]:
+    def report_once(self, upstream: set[str]) -> set[str]:
+        """This step's finished_recving: upstream's and this tracker's failed pulls,
+        each request id once ever. vLLM 0.32.0's receiver also reports a pull it saw
+        fail (``_handle_failed_recv``); a second report of a request the scheduler
+        already failed and freed trips its ``assert req_id in self.requests`` and
+        kills the engine."""
         with self._lock:
-            out, self._finished = self._finished, set()
+            candidates = upstream | self._finished
+            self._finished = set()
+            now = self._clock()
+            _forget_older(self._reported, now)
+            out = {r for r in candidates if r not in self._reported}
+            for r in out:
+                self._reported[r] = now
             return out
 
     def take_invalid_block_ids(self) -> set[int]:

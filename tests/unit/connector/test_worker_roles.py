@@ -15,6 +15,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import 
     ExtMooncakeConnector,
     ExtMooncakeConnectorScheduler,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_pulls import (
+    PullOutcomes,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metadata import (
     ExtMetadata,
 )
@@ -22,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extensi
     SchedulerExtension,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
+    LayerwiseDecodeStep,
     WorkerExtension,
     WorkerFeature,
     WorkerRoles,
@@ -153,3 +157,29 @@ def test_keeping_an_idle_engine_stepping_is_paced():
     started = time.monotonic()
     assert facade.keeps_engine_stepping_while_blocks_held() is True
     assert time.monotonic() - started >= 0.05
+
+
+def finished_recving(step: LayerwiseDecodeStep, upstream: set[str]) -> set[str]:
+    recving = set(upstream)
+    step.finished(set(), recving)
+    return recving
+
+
+def test_a_failed_pull_upstream_also_reports_reaches_the_scheduler_once():
+    """vLLM 0.32.0's receiver reports a pull it saw fail in finished_recving too;
+    a second report, a step after the scheduler failed and freed the request,
+    trips its `assert req_id in self.requests` (seen: D's engine died in the
+    link-down fault tests)."""
+    pulls = PullOutcomes()
+    step = LayerwiseDecodeStep(pulls)
+    pulls.failed("d-1", [3], "no complete answer")  # this tracker first
+    assert finished_recving(step, set()) == {"d-1"}
+    assert finished_recving(step, {"d-1"}) == set()  # upstream's, a step later
+    assert finished_recving(step, {"d-2"}) == {"d-2"}  # upstream first
+    pulls.failed("d-2", [4], "no complete answer")
+    assert finished_recving(step, set()) == set()
+    pulls.failed("d-3", [5], "P refused")  # both in one step
+    assert finished_recving(step, {"d-3"}) == {"d-3"}
+    assert pulls.completed("d-4")  # a pull that completed: upstream reports it
+    assert finished_recving(step, {"d-4"}) == {"d-4"}
+    assert pulls.take_invalid_block_ids() == {3, 4, 5}
