@@ -135,7 +135,8 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
             return self.ext.request_finished(request)
         params = request.kv_transfer_params or {}
         transfer_id = params.get("transfer_id")
-        # read before upstream clears it: a pull that was never scheduled
+        # a pull that was never scheduled (upstream turns it into a cleanup-only
+        # pull without blocks, decode_pulls.py)
         unscheduled_pull = bool(transfer_id and params.get("do_remote_prefill"))
         ids = one_group_block_ids(block_ids)
         if (
@@ -147,10 +148,7 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
             delay = self.ext.send_finished(request, ids, transfer_id)
             if delay is not None:
                 return delay, None
-        result = super().request_finished(request, block_ids)
-        if unscheduled_pull:
-            self.ext.pull_aborted_unscheduled(request.request_id)
-        return result
+        return super().request_finished(request, block_ids)
 
 
 class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
@@ -290,14 +288,11 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
             pm = pull_metas.get(req_id)
             if pm is None or pm.pull_tasks_count != 0 or pm.d_req_id in already:
                 continue
-            if not self.ext.pull_completed(pm.d_req_id):
+            block_ids = all_block_ids(pm.local_block_ids)
+            if not self.ext.pull_completed(pm.d_req_id, block_ids):
                 self.finished_recving_reqs.discard(pm.d_req_id)
                 continue
-            zero_received_block(
-                self.device_kv_caches,
-                all_block_ids(pm.local_block_ids),
-                split_k_and_v(self),
-            )
+            zero_received_block(self.device_kv_caches, block_ids, split_k_and_v(self))
         if response.err_reqs:
             self.ext.pulls_failed(pull_metas, response.err_reqs, str(response.err_msg))
 

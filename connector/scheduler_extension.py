@@ -127,11 +127,6 @@ class SchedulerExtension:
             return None
         return self.layerwise.request_finished(request, block_ids, transfer_id)
 
-    def pull_aborted_unscheduled(self, request_id: str) -> None:
-        """D: a request finished before its pull was scheduled (cleanup-only pull)."""
-        if self.layerwise is not None:
-            self.layerwise.cleanup_pull(request_id)
-
     # ---- every step -----------------------------------------------------------------
     def build_metadata(self, scheduler_output: SchedulerOutput) -> ExtMetadata:
         meta = ExtMetadata(push_jobs=self.push.take_jobs())

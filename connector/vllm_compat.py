@@ -19,6 +19,9 @@ never by a version string, so a release in between gets what its own code has:
 - D's pull request may leave out D's KV layout once P has cached it under a
   ``layout_id`` (0.33.0): :func:`send_layout_on_every_pull`,
   :func:`layout_omitted`, :func:`layout_miss_status`.
+- D's pull request carries one list of block ids per KV cache group and each
+  region's block length (0.32.0): :func:`pull_request_blocks`, for the tests that
+  forge D's requests.
 
 Imported by ``hooks.py``, which upstream's ``mooncake_connector.py`` imports: no
 vLLM import at module level.
@@ -167,3 +170,23 @@ def layout_miss_status(status_enum: Any) -> Any:
     """P: the answer that makes upstream's D send the request again with its layout
     (``LAYOUT_MISS``, 0.33.0); ``ERROR`` where there is none (no such D exists)."""
     return getattr(status_enum, "LAYOUT_MISS", status_enum.ERROR)
+
+
+def pull_request_blocks(
+    block_ids: Sequence[int], block_len: int, num_regions: int
+) -> tuple[Any, dict[str, Any]]:
+    """D's pull request (upstream's ``MooncakeXferMetadata``) for one request's
+    ``block_ids`` over ``num_regions`` registered regions of ``block_len`` bytes per
+    block, as the running release's D writes it: the request's ``req_blocks`` block
+    ids, and the message's per-region fields. One list per KV cache group plus
+    ``block_lens``/``kv_block_lens`` where the message has them (0.32.0); one list
+    and no such fields before. The connector never builds this message (upstream's
+    D does); tests that forge D's requests do."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+        MooncakeXferMetadata,
+    )
+
+    if "block_lens" not in MooncakeXferMetadata.__struct_fields__:
+        return list(block_ids), {}
+    lens = [block_len] * num_regions
+    return [list(block_ids)], {"block_lens": lens, "kv_block_lens": list(lens)}

@@ -201,9 +201,6 @@ class LayerwiseDecodeStep(WorkerFeature):
     def __init__(self, pulls: PullOutcomes):
         self.pulls = pulls
 
-    def start_load_kv(self, meta: ExtMetadata) -> None:
-        self.pulls.add_cleanup(meta.layerwise.cleanup_reqs)
-
     def finished(self, sending: set[str], recving: set[str]) -> None:
         once = self.pulls.report_once(recving)
         recving.clear()
@@ -417,9 +414,11 @@ class WorkerExtension(UpstreamHooks):
         return self.pulls.take_invalid_block_ids() if self.pulls is not None else set()
 
     # ---- upstream's pull protocol ----------------------------------------------------------
-    def pull_completed(self, d_req_id: str) -> bool:
+    def pull_completed(self, d_req_id: str, block_ids: list[int]) -> bool:
         """D: all KV of a pull arrived. False: do not report it (duplicate, cleanup-only)."""
-        return self.pulls.completed(d_req_id) if self.pulls is not None else True
+        if self.pulls is None:
+            return True
+        return self.pulls.completed(d_req_id, block_ids)
 
     def pulls_failed(
         self, pull_metas: dict[str, Any], req_ids: Any, reason: str

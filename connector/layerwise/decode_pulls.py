@@ -7,8 +7,12 @@ keeps its blocks. With layer-wise on, :class:`PullOutcomes` owns the end of
 every pull: a failed or timed-out pull is reported finished with its blocks
 marked invalid (the scheduler then recomputes or fails the request, per
 ``kv_load_failure_policy``), each pull is reported once even when both a
-result and an error arrive, and cleanup-only pulls (requests aborted before
-being scheduled) are never reported (vLLM issue #43226).
+result and an error arrive, and cleanup-only pulls are never reported
+(vllm-project/vllm#43226). A cleanup-only pull is one without local blocks:
+upstream's scheduler sends it for a request that ended before it was
+scheduled, only so that P frees its blocks; the scheduler does not know that
+request any more. Upstream's own receiver tells them apart the same way from
+0.32.0 on.
 
 P answers a transfer (success or error) only after none of its writes is in
 flight (sender.py), so D reuses blocks only when no write into them can come.
@@ -44,41 +48,33 @@ class PullOutcomes:
         # D request id -> when it ended, oldest first (pruned from the front:
         # O(1) amortized per pull however many are remembered)
         self._ended: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._cleanup: set[str] = set()
         self._finished: set[str] = set()  # failed pulls to report in finished_recving
         # D request id -> when it was handed to the scheduler in finished_recving
         # (by upstream's receiver or by this tracker), oldest first
         self._reported: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._invalid: set[int] = set()  # their blocks (get_block_ids_with_load_errors)
 
-    def add_cleanup(self, req_ids: set[str]) -> None:
-        """Scheduler metadata: these pulls only free P's blocks; never report them."""
-        if req_ids:
-            with self._lock:
-                self._cleanup |= req_ids
-
-    def _end(self, d_req_id: str) -> bool:
+    def _end(self, d_req_id: str, block_ids: list[int]) -> bool:
         """Caller holds the lock. True if this is the pull's first end and it is
-        to be reported to the scheduler."""
+        to be reported to the scheduler (it has blocks: not cleanup-only)."""
         if d_req_id in self._ended:
             return False
         now = self._clock()
         _forget_older(self._ended, now)
         self._ended[d_req_id] = now
-        if d_req_id in self._cleanup:
-            self._cleanup.discard(d_req_id)
-            return False
-        return True
+        return bool(block_ids)
 
-    def completed(self, d_req_id: str) -> bool:
-        """All of a pull's KV arrived: report it (True) or not (a duplicate, or cleanup-only)."""
+    def completed(self, d_req_id: str, block_ids: list[int]) -> bool:
+        """All of a pull's KV arrived in ``block_ids``: report it (True) or not (a
+        duplicate, or cleanup-only)."""
         with self._lock:
-            return self._end(d_req_id)
+            return self._end(d_req_id, block_ids)
 
     def failed(self, d_req_id: str, block_ids: list[int], reason: str) -> None:
-        """A pull failed: report it finished with its blocks invalid (once)."""
+        """A pull into ``block_ids`` failed: report it finished with its blocks
+        invalid (once; never a cleanup-only pull)."""
         with self._lock:
-            if not self._end(d_req_id):
+            if not self._end(d_req_id, block_ids):
                 return
             self._finished.add(d_req_id)
             self._invalid.update(block_ids)

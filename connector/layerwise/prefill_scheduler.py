@@ -97,9 +97,6 @@ class LayerwiseScheduler:
         )
         return True
 
-    def cleanup_pull(self, request_id: str) -> None:
-        self._pending.cleanup_reqs.add(request_id)
-
     def build(self, scheduler_output: SchedulerOutput) -> LayerwiseMetadata:
         meta, self._pending = self._pending, LayerwiseMetadata()
         if not self._reqs:

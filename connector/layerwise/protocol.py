@@ -76,16 +76,6 @@ class LayerwiseMetadata:
     # fail them before the forward; the request itself goes on and is reported
     # when it finishes.
     preempted: list[str] = field(default_factory=list)
-    # D side: request ids of cleanup-only pulls (aborted before being scheduled).
-    # P is told to free its blocks, but D's scheduler has already forgotten the
-    # request and must never hear of it again (vLLM issue #43226).
-    cleanup_reqs: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(
-            self.steps
-            or self.finished
-            or self.aborted
-            or self.preempted
-            or self.cleanup_reqs
-        )
+        return bool(self.steps or self.finished or self.aborted or self.preempted)

@@ -28,6 +28,7 @@ from harness.pd_client import bootstrap_headers, complete, model_name, pd_genera
 from harness.prompts import random_prompt as prompt
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
     cached_tokens_of_whole_prompt,
+    pull_request_blocks,
 )
 
 pytestmark = pytest.mark.integration
@@ -72,11 +73,7 @@ def forge_pull(
         MooncakeXferResponseStatus,
     )
 
-    block_ids: list = [1, 2]
-    per_region = {}
-    if "block_lens" in ExtXferMetadata.__struct_fields__:  # vLLM 0.32.0
-        block_ids = [block_ids]  # one list per KV cache group
-        per_region = {"block_lens": [65536] * 4, "kv_block_lens": [65536] * 4}
+    block_ids, per_region = pull_request_blocks([1, 2], 65536, 4)
     meta = ExtXferMetadata(
         remote_hostname="127.0.0.1",
         remote_port=1,

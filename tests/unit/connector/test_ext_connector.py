@@ -112,9 +112,6 @@ class _SchedulerExt:
         self.calls.append(("send_finished", transfer_id))
         return self._delay
 
-    def pull_aborted_unscheduled(self, request_id):
-        self.calls.append(("pull_aborted_unscheduled", request_id))
-
     def request_finished(self, request):
         return "ours", None
 
@@ -167,15 +164,16 @@ def test_a_layer_wise_send_decides_its_own_delay():
     assert s._reqs_need_send == {}  # upstream's post-hoc send never saw it
 
 
-def test_an_unscheduled_pull_is_cleaned_up_by_both():
+def test_an_unscheduled_pull_is_left_to_upstream():
     s = _scheduler(_SchedulerExt())
     s.is_kv_producer, s.is_kv_consumer = False, True
     params = {"do_remote_prefill": True, "transfer_id": "t1"}
     assert s.request_finished(
         SimpleNamespace(request_id="r1", kv_transfer_params=params, status=None), []
     ) == (False, None)
-    assert "r1" in s._reqs_need_recv and params["do_remote_prefill"] is False
-    assert s.ext.calls == [("pull_aborted_unscheduled", "r1")]
+    # a cleanup-only pull without blocks (its end is never reported: decode_pulls.py)
+    assert s._reqs_need_recv["r1"][1] == [] and params["do_remote_prefill"] is False
+    assert s.ext.calls == []
 
 
 # ---- worker --------------------------------------------------------------------------
@@ -184,7 +182,7 @@ class _WorkerExt:
         self._completed = completed
         self.failed = []
 
-    def pull_completed(self, d_req_id):
+    def pull_completed(self, d_req_id, block_ids):
         return self._completed
 
     def pulls_failed(self, pull_metas, req_ids, reason):

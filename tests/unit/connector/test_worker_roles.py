@@ -180,6 +180,25 @@ def test_a_failed_pull_upstream_also_reports_reaches_the_scheduler_once():
     assert finished_recving(step, set()) == set()
     pulls.failed("d-3", [5], "P refused")  # both in one step
     assert finished_recving(step, {"d-3"}) == {"d-3"}
-    assert pulls.completed("d-4")  # a pull that completed: upstream reports it
+    assert pulls.completed("d-4", [6])  # a pull that completed: upstream reports it
     assert finished_recving(step, {"d-4"}) == {"d-4"}
     assert pulls.take_invalid_block_ids() == {3, 4, 5}
+
+
+def test_a_pull_without_blocks_is_never_reported_whatever_arrives_first():
+    """A pull with no local blocks only frees P's blocks for a request that ended
+    before it was scheduled (vLLM's abort of a rejected request); the scheduler does
+    not know it. It was told apart by the scheduler's metadata, which reached the
+    worker after the pull had started: when P answered at once (an error), D
+    reported it and its engine died on `assert req_id in self.requests` (seen on
+    vLLM 0.32.0 in the layer-wise abort test)."""
+    pulls = PullOutcomes()
+    step = LayerwiseDecodeStep(pulls)
+    pulls.failed(
+        "cleanup-1", [], "a second request for a transfer that is being served"
+    )
+    assert finished_recving(step, set()) == set()
+    assert not pulls.completed("cleanup-2", [])
+    assert finished_recving(step, set()) == set()
+    assert pulls.completed("d-1", [7])  # a pull into blocks is reported
+    assert pulls.take_invalid_block_ids() == set()

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
     KVFingerprint,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    pull_request_blocks,
     send_layout_on_every_pull,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
@@ -337,14 +338,9 @@ def worker(role: str, fingerprint: KVFingerprint | None = None) -> WorkerExtensi
 
 def pull_request(fields, n_tensors: int = 4) -> ExtXferMetadata:
     """D's pull request as P decodes it from the wire."""
-    per_region = {}
-    block_ids: list = [3, 4]
-    if "block_lens" in ExtXferMetadata.__struct_fields__:  # 0.32.0
-        block_ids = [block_ids]  # one list per KV cache group
-        per_region = {
-            "block_lens": [P_FIELDS["block_len"]] * n_tensors,
-            "kv_block_lens": [P_FIELDS["block_len"]] * n_tensors,
-        }
+    block_ids, per_region = pull_request_blocks(
+        [3, 4], P_FIELDS["block_len"], n_tensors
+    )
     meta = ExtXferMetadata(
         remote_hostname="127.0.0.1",
         remote_port=7000,

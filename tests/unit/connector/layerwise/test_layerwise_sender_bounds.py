@@ -396,21 +396,21 @@ def test_remembering_ended_pulls_costs_constant_work_per_pull(monkeypatch):
     CountedId.hashes = 0
     for i, rid in enumerate(ids):
         if i % 2:
-            assert outcomes.completed(rid)
+            assert outcomes.completed(rid, [1])
         else:
             outcomes.failed(rid, [i], "test")
     per_pull = CountedId.hashes / n
     assert per_pull <= 10, f"{per_pull:.0f} dict operations per pull ({n} pulls)"
-    assert not outcomes.completed(ids[-1])  # still remembered: reported once
+    assert not outcomes.completed(ids[-1], [1])  # still remembered: reported once
 
 
 def test_ended_pulls_are_forgotten_after_an_hour():
     now = [1000.0]
     outcomes = decode_pulls.PullOutcomes(clock=lambda: now[0])
     for i in range(5000):
-        assert outcomes.completed(f"old-{i}")
+        assert outcomes.completed(f"old-{i}", [1])
     now[0] += decode_pulls.ENDED_KEPT_S + 1
     for i in range(5000):
-        assert outcomes.completed(f"new-{i}")
+        assert outcomes.completed(f"new-{i}", [1])
     assert len(outcomes._ended) <= 5000 + 1
-    assert not outcomes.completed("new-4999")
+    assert not outcomes.completed("new-4999", [1])
