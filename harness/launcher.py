@@ -339,17 +339,26 @@ class Cluster:
         self.token = token
         if token is not None:
             specs = [replace(s, env={TOKEN_ENV: token, **s.env}) for s in specs]
-        self.instances: dict[str, Instance] = {}
-        for s in specs:
-            boot = None
-            if s.role in ("kv_producer", "kv_both"):
-                boot = s.bootstrap_port or free_port()
-            self.instances[s.name] = Instance(
+        self.instances: dict[str, Instance] = {
+            s.name: Instance(
                 spec=s,
-                port=s.port or free_port(),
-                bootstrap_port=boot,
+                port=0,
+                bootstrap_port=None,
                 log_path=Path(log_dir) / f"{s.name}.log",
             )
+            for s in specs
+        }
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Free ports for what the specs leave at 0 (the specs' own ports are kept),
+        and the push sources made of them."""
+        for inst in self.instances.values():
+            s = inst.spec
+            inst.port = s.port or free_port()
+            inst.bootstrap_port = None
+            if s.role in ("kv_producer", "kv_both"):
+                inst.bootstrap_port = s.bootstrap_port or free_port()
         self.push_sources = ",".join(
             i.bootstrap_url
             for i in self.instances.values()
@@ -363,7 +372,9 @@ class Cluster:
         """Start every instance and wait until all serve. An instance that died at
         start-up because a port was taken meanwhile (vLLM picks torch.distributed's
         port itself, after our free_port() checks: seen once in mb7 when a second
-        cluster started) is retried once, the whole cluster with it."""
+        cluster started; our own picks can be taken too, e.g. as the source port of an
+        outgoing connection) is retried once, the whole cluster with it, on ports
+        picked anew."""
         for attempt in (1, 2):
             try:
                 return self._start_once()
@@ -372,9 +383,10 @@ class Cluster:
                     raise
                 print(
                     "[launcher] a port was taken during start-up (EADDRINUSE); "
-                    "starting the cluster again",
+                    "starting the cluster again on other ports",
                     flush=True,
                 )
+                self._pick_ports()
         raise AssertionError("unreachable")
 
     def _start_once(self) -> Cluster:

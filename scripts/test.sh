@@ -69,10 +69,13 @@ fi
 unset VMP_VENV
 failed=()
 run_release "$PINNED" tests "${args[@]}" || failed+=("$PINNED")
-# Rolls with no CPU build on the index: their series is checked, never run.
+# Rolls with no CPU build on the index: their series is checked, never run, with the
+# pinned release's virtualenv (set up above; the check needs no vLLM).
+pinned_py="$(eval "$(VMP_VLLM="$PINNED" "${PYTHON:-python3}" -m harness.vllm_series shell)"
+  echo "$VMP_DEFAULT_VENV/bin/python")"
 for folder in $("${PYTHON:-python3}" -c 'from harness.vllm_series import CHECKED_ONLY; print(" ".join(CHECKED_ONLY.values()))'); do
   ( vmp_run "python build.py --patches $folder check (not run on CPU)" \
-    .venv/bin/python build.py --patches "$folder" check ) || failed+=("$folder")
+    "$pinned_py" build.py --patches "$folder" check ) || failed+=("$folder")
 done
 for version in $ROLLS; do
   run_release "$version" tests/unit tests/upstream tests/integration "${args[@]}" \

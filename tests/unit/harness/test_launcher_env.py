@@ -65,3 +65,47 @@ def test_a_port_taken_at_start_up_restarts_the_cluster_once(tmp_path, monkeypatc
 
     with pytest.raises(launcher.InstanceStartError, match="CUDA"):
         c.start()
+
+
+def test_the_restart_after_a_taken_port_picks_new_ports(tmp_path, monkeypatch):
+    """The retry used the ports picked before the first attempt, so a bootstrap port
+    another process took made the second start fail the same way."""
+    import socket
+
+    from harness import launcher
+
+    c = launcher.Cluster(
+        [
+            launcher.InstanceSpec("p", role="kv_producer", model="m"),
+            launcher.InstanceSpec("fixed", role="kv_producer", model="m", port=18123),
+        ],
+        tmp_path,
+    )
+    seen, takers = [], []
+
+    def once():
+        p = c.instances["p"]
+        seen.append(
+            (p.port, p.bootstrap_port, c.instances["fixed"].port, c.push_sources)
+        )
+        if len(seen) == 1:
+            # another process takes P's bootstrap port between our check and P's bind
+            s = socket.socket()
+            s.bind(("127.0.0.1", p.bootstrap_port))
+            takers.append(s)
+            raise launcher.InstanceStartError(
+                f"[Errno 98] error while attempting to bind on address "
+                f"('127.0.0.1', {p.bootstrap_port}): address already in use"
+            )
+        return c
+
+    monkeypatch.setattr(c, "_start_once", once)
+    try:
+        assert c.start() is c
+    finally:
+        for s in takers:
+            s.close()
+    (port1, boot1, fixed1, sources1), (port2, boot2, fixed2, sources2) = seen
+    assert boot2 != boot1 and port2 != port1
+    assert fixed1 == fixed2 == 18123  # a port the spec names is kept
+    assert f":{boot2}" in sources2 and f":{boot1}" not in sources2
