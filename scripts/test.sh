@@ -34,8 +34,11 @@ run_release() {
   local version="$1" py
   shift
   vmp_say "=== vLLM $version ==="
-  VMP_VLLM="$version" "$ROOT/scripts/setup.sh"
-  eval "$(VMP_VLLM="$version" "${PYTHON:-python3}" -m harness.vllm_series shell)"
+  # errexit does not hold here (callers run this under ||): each step's status is checked.
+  VMP_VLLM="$version" "$ROOT/scripts/setup.sh" || return
+  local vars
+  vars="$(VMP_VLLM="$version" "${PYTHON:-python3}" -m harness.vllm_series shell)" || return
+  eval "$vars"
   py="${VMP_VENV:-$VMP_DEFAULT_VENV}/bin/python"
   vmp_run "python build.py --patches $VMP_PATCHES check" "$py" build.py --patches "$VMP_PATCHES" check
   if [ "$version" = "$LINT_RELEASE" ]; then  # our code is the same for every release: once

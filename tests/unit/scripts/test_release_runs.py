@@ -1,0 +1,74 @@
+"""scripts/test.sh's per-release runs, in a stand-in project: its set-up, series
+selection and build.py are small scripts that record what ran."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def stand_in_project(tmp_path: Path, setup_status: int) -> Path:
+    """A project with the real scripts/test.sh, a scripts/setup.sh that defines the
+    real output functions when sourced and exits ``setup_status`` when run, one
+    supported release, and a build.py that records each call."""
+    root = tmp_path / "project"
+    (root / "scripts").mkdir(parents=True)
+    (root / "harness").mkdir()
+    shutil.copy(ROOT / "scripts" / "test.sh", root / "scripts" / "test.sh")
+    venv_bin = root / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(sys.executable)
+    (root / "scripts" / "setup.sh").write_text(
+        textwrap.dedent(
+            f"""\
+            #!/usr/bin/env bash
+            if [ "${{BASH_SOURCE[0]}}" != "$0" ]; then . {ROOT / "scripts" / "setup.sh"}; return 0; fi
+            echo setup >> {root / "ran"}
+            exit {setup_status}
+            """
+        )
+    )
+    (root / "scripts" / "setup.sh").chmod(0o755)
+    (root / "harness" / "__init__.py").write_text("")
+    (root / "harness" / "vllm_series.py").write_text(
+        textwrap.dedent(
+            f"""\
+            PINNED = "1.0"
+            SUPPORTED = {{"1.0": "patches"}}
+            CHECKED_ONLY = {{}}
+            if __name__ == "__main__":
+                print("VMP_PATCHES=patches VMP_DEFAULT_VENV={root / "venv"}")
+            """
+        )
+    )
+    (root / "build.py").write_text(
+        f"open({str(root / 'ran')!r}, 'a').write('build.py check\\n')\n"
+    )
+    return root
+
+
+def run_tests(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("VMP_VERBOSE", "VMP_LOG")}
+    env.update(VMP_LOG_DIR=str(tmp_path / "logs"), PYTHON=sys.executable)
+    return subprocess.run(
+        ["bash", str(root / "scripts" / "test.sh")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_release_whose_setup_failed_is_not_checked_and_fails_the_run(tmp_path):
+    root = stand_in_project(tmp_path, setup_status=3)
+    r = run_tests(root, tmp_path)
+    assert r.returncode != 0, r.stdout
+    assert (root / "ran").read_text().splitlines() == ["setup"], r.stdout
+    assert "[test] FAILED: 1.0" in r.stdout, r.stdout + r.stderr
