@@ -17,7 +17,8 @@ and exist only inside what this module creates (see ../shared/cpu-runtime.md,
 kills every process left in the namespaces, then deletes namespaces, veths and
 the bridge. Needs root and iproute2 (``ip``, ``tc``).
 
-Fault tools: link down/up on the host's bridge port; ``tc tbf`` rate limit;
+Fault tools: the host's link cut beyond its NIC (its port leaves the bridge) or
+its NIC's carrier taken away (its port down), and either undone; ``tc tbf`` rate limit;
 ``tc netem`` (loss, delay) where the kernel has it (``netem_available``):
 this project's CI kernel does not (``Error: Specified qdisc kind is unknown``).
 """
@@ -288,10 +289,23 @@ class Topology:
     # -- faults ---------------------------------------------------------------
 
     def link_down(self, name: str) -> None:
+        """Cut the host's link beyond its NIC, as a failure past the host's own
+        switch port does: its port leaves the bridge, so every frame to or from the host is
+        lost on the way, while the host's eth0 keeps its carrier and its TCP
+        stack retransmits as it would over a real network."""
+        _run("ip", "link", "set", self.hosts[name].port_dev, "nomaster")
+
+    def nic_down(self, name: str) -> None:
+        """Take away the carrier of the host's NIC (its bridge port down): the
+        host's own stack sees NO-CARRIER and drops what it sends. Kept for the
+        fault matrix's ``nic_down_short`` (docs/faults.md), not the CI rows."""
         _run("ip", "link", "set", self.hosts[name].port_dev, "down")
 
     def link_up(self, name: str) -> None:
-        _run("ip", "link", "set", self.hosts[name].port_dev, "up")
+        """Undo :meth:`link_down` and :meth:`nic_down`."""
+        port = self.hosts[name].port_dev
+        _run("ip", "link", "set", port, "master", self.bridge)
+        _run("ip", "link", "set", port, "up")
 
     def limit(
         self, name: str, *, mbit: float, burst_kb: int = 64, latency_ms: int = 50

@@ -305,11 +305,15 @@ class FaultBench:
         self.baseline(out, self.p, self.d)
         out.recovery_s.append(round(time.monotonic() - t0, 2))
 
-    def _link_down(self, out: Outcome, down_s: float, resumes: bool) -> None:
+    def _link_down(
+        self, out: Outcome, down_s: float, resumes: bool, nic: bool = False
+    ) -> None:
+        """P's link cut for ``down_s`` at the hold's moment, then restored;
+        ``nic``: P's NIC loses its carrier instead of the link failing beyond it."""
         ids, xfer = self.prompt(HOLD_LEN), f"xfer-{uuid.uuid4().hex}"
         fut = self.start_pd(ids, xfer)
         self.wait_writes(xfer, HOLD_AFTER)
-        self.topology.link_down("prefill")
+        (self.topology.nic_down if nic else self.topology.link_down)("prefill")
         time.sleep(down_s)
         self.topology.link_up("prefill")
         up = time.monotonic()
@@ -327,6 +331,13 @@ class FaultBench:
     def link_down_short(self, out: Outcome) -> None:
         """P's link down for SHORT_DOWN_S while it writes a transfer, then up."""
         self._link_down(out, SHORT_DOWN_S, resumes=True)
+
+    def nic_down_short(self, out: Outcome) -> None:
+        """P's NIC without carrier for SHORT_DOWN_S while it writes, then back: P's
+        own stack drops what it sends meanwhile (docs/faults.md: on vLLM 0.32.0
+        Mooncake's TCP transport can leave P's connections to D without progress
+        until its 30 s watchdog, and the request then ends with an error)."""
+        self._link_down(out, SHORT_DOWN_S, resumes=True, nic=True)
 
     def link_down_engine_timeout(self, out: Outcome) -> None:
         """P's link down for ENGINE_TIMEOUT_DOWN_S: longer than MC_TRANSFER_TIMEOUT,
@@ -558,6 +569,7 @@ NEEDS_NETEM = {"packet_loss", "link_delay"}
 SCENARIOS: dict[str, Callable[[FaultBench, Outcome], None]] = {
     "no_fault": FaultBench.no_fault,
     "link_down_short": FaultBench.link_down_short,
+    "nic_down_short": FaultBench.nic_down_short,
     "link_down_engine_timeout": FaultBench.link_down_engine_timeout,
     "link_down_long": FaultBench.link_down_long,
     "bandwidth_limit": FaultBench.bandwidth_limit,

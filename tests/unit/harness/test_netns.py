@@ -26,6 +26,15 @@ def reachable(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def carrier(host: netns.Host) -> str:
+    """The carrier of the host's eth0, as its own namespace sees it."""
+    return subprocess.run(
+        [*host.exec_prefix(), "cat", "/sys/class/net/eth0/carrier"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
 def test_hosts_reach_each_other_link_down_cuts_them_and_nothing_is_left():
     topo = netns.Topology(["prefill", "decode"])
     with topo:
@@ -57,7 +66,14 @@ def test_hosts_reach_each_other_link_down_cuts_them_and_nothing_is_left():
         assert subprocess.run(from_decode, capture_output=True).returncode == 0
         topo.link_down("prefill")
         assert subprocess.run(from_decode, capture_output=True).returncode != 0
+        assert carrier(p) == "1"  # cut beyond P's NIC: its own stack sees no change
         topo.link_up("prefill")
+        assert subprocess.run(from_decode, capture_output=True).returncode == 0
+        topo.nic_down("prefill")
+        assert subprocess.run(from_decode, capture_output=True).returncode != 0
+        assert carrier(p) == "0"
+        topo.link_up("prefill")
+        assert carrier(p) == "1"
         topo.limit("prefill", mbit=50)
         assert subprocess.run(from_decode, capture_output=True).returncode == 0
         topo.clear("prefill")
