@@ -77,8 +77,10 @@ run_release "$PINNED" tests "${args[@]}" || failed+=("$PINNED")
 pinned_py="$(eval "$(VMP_VLLM="$PINNED" "${PYTHON:-python3}" -m harness.vllm_series shell)"
   echo "$VMP_DEFAULT_VENV/bin/python")"
 for folder in $("${PYTHON:-python3}" -c 'from harness.vllm_series import CHECKED_ONLY; print(" ".join(CHECKED_ONLY.values()))'); do
-  ( vmp_run "python build.py --patches $folder check (not run on CPU)" \
-    "$pinned_py" build.py --patches "$folder" check ) || failed+=("$folder")
+  # its sdist is fetched here: no set-up of it runs that would (a fresh machine has none)
+  ( vmp_run "python build.py --patches $folder fetch" "$pinned_py" build.py --patches "$folder" fetch
+    vmp_run "python build.py --patches $folder check (not run on CPU)" \
+      "$pinned_py" build.py --patches "$folder" check ) || failed+=("$folder")
 done
 for version in $ROLLS; do
   run_release "$version" tests/unit tests/upstream tests/integration "${args[@]}" \

@@ -13,10 +13,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def stand_in_project(tmp_path: Path, setup_status: int) -> Path:
+def stand_in_project(
+    tmp_path: Path, setup_status: int, checked_only: dict[str, str] | None = None
+) -> Path:
     """A project with the real scripts/test.sh, a scripts/setup.sh that defines the
     real output functions when sourced and exits ``setup_status`` when run, one
-    supported release, and a build.py that records each call."""
+    supported release (and ``checked_only`` rolls), and a build.py that records
+    each call's arguments."""
     root = tmp_path / "project"
     (root / "scripts").mkdir(parents=True)
     (root / "harness").mkdir()
@@ -41,14 +44,16 @@ def stand_in_project(tmp_path: Path, setup_status: int) -> Path:
             f"""\
             PINNED = "1.0"
             SUPPORTED = {{"1.0": "patches"}}
-            CHECKED_ONLY = {{}}
+            CHECKED_ONLY = {checked_only or {}!r}
             if __name__ == "__main__":
                 print("VMP_PATCHES=patches VMP_DEFAULT_VENV={root / "venv"}")
             """
         )
     )
     (root / "build.py").write_text(
-        f"open({str(root / 'ran')!r}, 'a').write('build.py check\\n')\n"
+        "import sys\n"
+        f"open({str(root / 'ran')!r}, 'a').write("
+        "'build.py ' + ' '.join(sys.argv[1:]) + '\\n')\n"
     )
     return root
 
@@ -72,3 +77,16 @@ def test_a_release_whose_setup_failed_is_not_checked_and_fails_the_run(tmp_path)
     assert r.returncode != 0, r.stdout
     assert (root / "ran").read_text().splitlines() == ["setup"], r.stdout
     assert "[test] FAILED: 1.0" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_checked_only_roll_has_its_sdist_fetched_before_its_check(tmp_path):
+    """On a fresh machine nothing else fetches such a roll's sdist (no set-up runs
+    for it), and build.py check refuses to run without it."""
+    # the pinned release's set-up fails: the checked-only roll is checked all the same
+    root = stand_in_project(tmp_path, setup_status=3, checked_only={"2.0": "rolls/2.0"})
+    run_tests(root, tmp_path)
+    calls = (root / "ran").read_text().splitlines()
+    assert "build.py --patches rolls/2.0 check" in calls, calls
+    assert calls.index("build.py --patches rolls/2.0 fetch") < calls.index(
+        "build.py --patches rolls/2.0 check"
+    ), calls
