@@ -5,7 +5,8 @@
 # areas, two-instance integration tests).
 #   scripts/test.sh [--vllm V] [pytest args...]      e.g. scripts/test.sh -m "not integration"
 # Without --vllm: the pinned release (0.18.1) runs the whole suite, then each roll
-# (0.32.0) the whole suite but the patch manager's tests, which do not depend on the
+# (0.32.0) the whole suite but the patch manager's tests and the engine-only tests
+# (harness.vllm_series.RELEASE_INDEPENDENT_TESTS), which do not depend on the
 # release and run once; a roll that is checked only (0.33.0: no CPU build exists)
 # gets `build.py check`. With --vllm V: the whole suite on release V alone. Exits
 # non-zero if any run failed.
@@ -82,8 +83,13 @@ for folder in $("${PYTHON:-python3}" -c 'from harness.vllm_series import CHECKED
     vmp_run "python build.py --patches $folder check (not run on CPU)" \
       "$pinned_py" build.py --patches "$folder" check ) || failed+=("$folder")
 done
+# Tests that do not depend on the release ran with the pinned one (harness/vllm_series.py).
+once=()
+for path in $("${PYTHON:-python3}" -c 'from harness.vllm_series import RELEASE_INDEPENDENT_TESTS; print(" ".join(RELEASE_INDEPENDENT_TESTS))'); do
+  once+=("--ignore=$path")
+done
 for version in $ROLLS; do
-  run_release "$version" tests/unit tests/upstream tests/integration "${args[@]}" \
+  run_release "$version" tests/unit tests/upstream tests/integration "${once[@]}" "${args[@]}" \
     || failed+=("$version")
 done
 if [ ${#failed[@]} -gt 0 ]; then

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from harness import vllm_series
-from harness.vllm_series import PINNED, SUPPORTED, selected, series
+from harness.vllm_series import (
+    PINNED,
+    RELEASE_INDEPENDENT_TESTS,
+    SUPPORTED,
+    selected,
+    series,
+)
 
 
 @pytest.mark.parametrize("version", list(SUPPORTED))
@@ -51,3 +57,22 @@ def test_a_folder_that_pins_another_release_is_refused(tmp_path, monkeypatch):
     )
     with pytest.raises(ValueError, match="pins vLLM 0.19.0, not " + PINNED):
         series(PINNED, root=tmp_path)
+
+
+def mooncake_pins(version: str) -> set[str]:
+    lock = (series(version).requirements / "lock.txt").read_text().splitlines()
+    return {ln.strip() for ln in lock if ln.startswith("mooncake-transfer-engine")}
+
+
+def test_release_independent_tests_exist_and_every_release_pins_one_engine():
+    """What lets scripts/test.sh run those tests once: they import no vLLM code
+    but this series' overlay, and every release pins the same Mooncake engine."""
+    root = vllm_series.ROOT
+    for path in RELEASE_INDEPENDENT_TESTS:
+        text = (root / path).read_text()
+        assert "import vllm" not in text and "from vllm" not in text, path
+    pinned = mooncake_pins(PINNED)
+    assert pinned
+    for version in SUPPORTED:
+        cpu_engine = {p for p in mooncake_pins(version) if "non-cuda" in p}
+        assert cpu_engine and cpu_engine <= pinned, (version, cpu_engine, pinned)

@@ -45,6 +45,7 @@ def stand_in_project(
             PINNED = "1.0"
             SUPPORTED = {{"1.0": "patches"}}
             CHECKED_ONLY = {checked_only or {}!r}
+            RELEASE_INDEPENDENT_TESTS = ()
             if __name__ == "__main__":
                 print("VMP_PATCHES=patches VMP_DEFAULT_VENV={root / "venv"}")
             """
