@@ -1,7 +1,9 @@
 """Which vLLM release this checkout runs on: the pinned series or a rolled one.
 
     VMP_VLLM=0.32.0 scripts/test.sh      (or scripts/setup.sh --vllm 0.32.0)
-    python -m harness.vllm_series shell  the selection as shell assignments
+    python -m harness.vllm_series shell     the selection as shell assignments
+    python -m harness.vllm_series releases  the releases scripts/test.sh runs, as
+                                            shell assignments
 
 One place decides it, read once from ``VMP_VLLM`` (default: the pinned release,
 ``patches/``). Every supported release has its own patch folder (``patches/``
@@ -91,23 +93,46 @@ def selected(root: Path = ROOT) -> VllmSeries:
     return series(os.environ.get("VMP_VLLM") or PINNED, root)
 
 
+def release_assignments() -> dict[str, str]:
+    """What scripts/test.sh runs: the pinned release, the rolls it runs, the patch
+    folders of the rolls it checks only, the tests it runs once (space-separated)."""
+    return {
+        "VMP_PINNED": PINNED,
+        "VMP_ROLLS": " ".join(v for v in SUPPORTED if v != PINNED),
+        "VMP_CHECKED_ONLY": " ".join(CHECKED_ONLY.values()),
+        "VMP_ONCE": " ".join(RELEASE_INDEPENDENT_TESTS),
+    }
+
+
+def selection_assignments() -> dict[str, str]:
+    """The series VMP_VLLM selects; a ValueError names the supported ones."""
+    s = selected()
+    return {
+        "VMP_VLLM": s.version,
+        "VMP_PATCHES": str(s.patches.relative_to(ROOT)),
+        "VMP_TREE": str(s.tree.relative_to(ROOT)),
+        "VMP_DEFAULT_VENV": str(s.venv),
+        "VMP_REQ_DIR": str(s.requirements),
+    }
+
+
+MODES = {"shell": selection_assignments, "releases": release_assignments}
+
+
 def main(argv: list[str]) -> int:
-    if argv != ["shell"]:
-        print("usage: python -m harness.vllm_series shell", file=sys.stderr)
+    if len(argv) != 1 or argv[0] not in MODES:
+        print(
+            f"usage: python -m harness.vllm_series {{{'|'.join(MODES)}}}",
+            file=sys.stderr,
+        )
         return 2
     try:
-        s = selected()
+        values = MODES[argv[0]]()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for name, value in (
-        ("VMP_VLLM", s.version),
-        ("VMP_PATCHES", s.patches.relative_to(ROOT)),
-        ("VMP_TREE", s.tree.relative_to(ROOT)),
-        ("VMP_DEFAULT_VENV", s.venv),
-        ("VMP_REQ_DIR", s.requirements),
-    ):
-        print(f"{name}={shlex.quote(str(value))}")
+    for name, value in values.items():
+        print(f"{name}={shlex.quote(value)}")
     return 0
 
 

@@ -59,9 +59,10 @@ run_release() {
   return "$rc"
 }
 
-PINNED=$("${PYTHON:-python3}" -c 'from harness.vllm_series import PINNED; print(PINNED)')
-ROLLS=$("${PYTHON:-python3}" -c 'from harness.vllm_series import PINNED, SUPPORTED; print(" ".join(v for v in SUPPORTED if v != PINNED))')
-LINT_RELEASE="${only:-$PINNED}"  # ruff runs once, in this release's virtualenv
+# VMP_PINNED, VMP_ROLLS, VMP_CHECKED_ONLY (patch folders), VMP_ONCE (test paths)
+releases="$("${PYTHON:-python3}" -m harness.vllm_series releases)"
+eval "$releases"
+LINT_RELEASE="${only:-$VMP_PINNED}"  # ruff runs once, in this release's virtualenv
 
 if [ -n "$only" ]; then
   rc=0
@@ -72,12 +73,12 @@ fi
 # Every release in its own virtualenv: VMP_VENV names one, so it goes with --vllm only.
 unset VMP_VENV
 failed=()
-run_release "$PINNED" tests "${args[@]}" || failed+=("$PINNED")
+run_release "$VMP_PINNED" tests "${args[@]}" || failed+=("$VMP_PINNED")
 # Rolls with no CPU build on the index: their series is checked, never run, with the
 # pinned release's virtualenv (set up above; the check needs no vLLM).
-pinned_py="$(eval "$(VMP_VLLM="$PINNED" "${PYTHON:-python3}" -m harness.vllm_series shell)"
+pinned_py="$(eval "$(VMP_VLLM="$VMP_PINNED" "${PYTHON:-python3}" -m harness.vllm_series shell)"
   echo "$VMP_DEFAULT_VENV/bin/python")"
-for folder in $("${PYTHON:-python3}" -c 'from harness.vllm_series import CHECKED_ONLY; print(" ".join(CHECKED_ONLY.values()))'); do
+for folder in $VMP_CHECKED_ONLY; do
   # its sdist is fetched here: no set-up of it runs that would (a fresh machine has none)
   ( vmp_run "python build.py --patches $folder fetch" "$pinned_py" build.py --patches "$folder" fetch
     vmp_run "python build.py --patches $folder check (not run on CPU)" \
@@ -85,10 +86,10 @@ for folder in $("${PYTHON:-python3}" -c 'from harness.vllm_series import CHECKED
 done
 # Tests that do not depend on the release ran with the pinned one (harness/vllm_series.py).
 once=()
-for path in $("${PYTHON:-python3}" -c 'from harness.vllm_series import RELEASE_INDEPENDENT_TESTS; print(" ".join(RELEASE_INDEPENDENT_TESTS))'); do
+for path in $VMP_ONCE; do
   once+=("--ignore=$path")
 done
-for version in $ROLLS; do
+for version in $VMP_ROLLS; do
   run_release "$version" tests/unit tests/upstream tests/integration "${once[@]}" "${args[@]}" \
     || failed+=("$version")
 done
@@ -96,4 +97,4 @@ if [ ${#failed[@]} -gt 0 ]; then
   vmp_say "FAILED: ${failed[*]}"
   exit 1
 fi
-vmp_say "every supported release passed: $PINNED $ROLLS"
+vmp_say "every supported release passed: $VMP_PINNED $VMP_ROLLS"

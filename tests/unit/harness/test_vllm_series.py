@@ -3,6 +3,9 @@ with its own upstream.toml, and VMP_VLLM selects among them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from harness import vllm_series
@@ -76,3 +79,36 @@ def test_release_independent_tests_exist_and_every_release_pins_one_engine():
     for version in SUPPORTED:
         cpu_engine = {p for p in mooncake_pins(version) if "non-cuda" in p}
         assert cpu_engine and cpu_engine <= pinned, (version, cpu_engine, pinned)
+
+
+def shell_values(mode: str) -> dict[str, str]:
+    """What bash sees after ``eval "$(python -m harness.vllm_series MODE)"``."""
+    names = "VMP_PINNED VMP_ROLLS VMP_CHECKED_ONLY VMP_ONCE VMP_VLLM VMP_PATCHES"
+    script = (
+        f'eval "$({sys.executable} -m harness.vllm_series {mode})" || exit 9; '
+        f'for n in {names}; do printf "%s=%s\\n" "$n" "${{!n-}}"; done'
+    )
+    out = subprocess.run(
+        ["bash", "-c", script],
+        cwd=vllm_series.ROOT,
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(line.split("=", 1) for line in out.splitlines())
+
+
+def test_the_releases_mode_gives_test_sh_every_list_in_one_call():
+    got = shell_values("releases")
+    assert got["VMP_PINNED"] == PINNED
+    assert got["VMP_ROLLS"].split() == [v for v in SUPPORTED if v != PINNED]
+    assert got["VMP_CHECKED_ONLY"].split() == list(vllm_series.CHECKED_ONLY.values())
+    assert got["VMP_ONCE"].split() == list(RELEASE_INDEPENDENT_TESTS)
+    assert got["VMP_VLLM"] == ""  # the selection is the other mode's
+
+
+def test_the_shell_mode_gives_the_selected_release():
+    got = shell_values("shell")
+    assert (got["VMP_VLLM"], got["VMP_PATCHES"]) == (PINNED, "patches")
+    assert got["VMP_PINNED"] == ""

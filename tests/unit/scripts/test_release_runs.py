@@ -42,11 +42,11 @@ def stand_in_project(
     (root / "harness" / "vllm_series.py").write_text(
         textwrap.dedent(
             f"""\
-            PINNED = "1.0"
-            SUPPORTED = {{"1.0": "patches"}}
-            CHECKED_ONLY = {checked_only or {}!r}
-            RELEASE_INDEPENDENT_TESTS = ()
-            if __name__ == "__main__":
+            import sys
+            if sys.argv[1:] == ["releases"]:
+                print("VMP_PINNED=1.0 VMP_ROLLS= VMP_ONCE=")
+                print("VMP_CHECKED_ONLY='{" ".join((checked_only or {}).values())}'")
+            else:
                 print("VMP_PATCHES=patches VMP_DEFAULT_VENV={root / "venv"}")
             """
         )
