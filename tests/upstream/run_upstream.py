@@ -3,13 +3,16 @@
 
     python tests/upstream/run_upstream.py [--tree PATH] [--list] [--timeout S]
                                           [--only SUBSTR ...] [--json OUT]
-                                          [--hf-home DIR] [-- PYTEST_ARGS...]
+                                          [--hf-home DIR] [--full-cleanup]
+                                          [-- PYTEST_ARGS...]
 
 Runs the SELECTION below with pytest in one subprocess (cwd = the vLLM tree,
 the CPU runtime environment of harness.runtime_env.vllm_env(), -p
 no:cacheprovider, a per-test timeout), offline: HF_HUB_OFFLINE=1 and a private
 HF_HOME holding local stand-ins (hub_standins.py) for the hub models the tests
-name. Tests listed in DESELECT are deselected with their reason. Prints a table
+name. Tests listed in DESELECT are deselected with their reason. The selected
+tests skip upstream's per-test global cleanup (upstream_offline_plugin.py, point
+4); --full-cleanup keeps it. Prints a table
 per file (passed / failed / skipped / deselected, with reasons) and exits 1 if
 any selected test failed or errored, a file could not be collected or the run
 did not complete; 0 otherwise. Deselected and skipped tests are never counted
@@ -344,6 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         "(default: a temporary directory, removed afterwards)",
     )
     ap.add_argument("--json", type=Path, help="also write the counts as JSON here")
+    ap.add_argument(
+        "--full-cleanup",
+        action="store_true",
+        help="run upstream's cleanup_dist_env_and_memory() after every test, as "
+        "upstream's suite does (slower; by default the selected tests are marked "
+        "skip_global_cleanup: tests/upstream/upstream_offline_plugin.py)",
+    )
     args = ap.parse_args(argv)
 
     files = [p for p, _ in SELECTION if not args.only or any(s in p for s in args.only)]
@@ -374,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         deselect_file.write_text(json.dumps(DESELECT, indent=1))
         report_file = work / "report.jsonl"
         env = runtime_env(hf_home, deselect_file, report_file)
+        if args.full_cleanup:
+            env["UPSTREAM_FULL_CLEANUP"] = "1"
         cmd = [
             args.python,
             "-m",

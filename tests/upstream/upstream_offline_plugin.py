@@ -1,5 +1,5 @@
 """pytest plugin that run_upstream.py loads (``-p upstream_offline_plugin``) into
-the upstream vLLM test run. It does three things:
+the upstream vLLM test run. It does four things:
 
 1. Platform detection. vLLM picks its platform from
    ``importlib.metadata.version("vllm")`` ("+cpu" means the CPU platform). The
@@ -21,6 +21,17 @@ the upstream vLLM test run. It does three things:
    test outcome, deselection and collection error, flushed as it happens (so a
    crash of the process still leaves what ran). run_upstream.py reads it.
 
+4. Teardown. Upstream's autouse ``cleanup_fixture`` runs
+   ``cleanup_dist_env_and_memory()`` after every test unless the test carries
+   upstream's ``skip_global_cleanup`` marker; its full ``gc.collect()`` over a
+   process holding torch and vLLM costs about 0.45 s a test on a 2-core machine,
+   most of the run's time. The selected tests (tests/upstream/run_upstream.py)
+   build schedulers, KV cache managers and connectors on the CPU with no
+   distributed group or device memory to release, so every collected test gets
+   the marker, as upstream's own CPU scheduler tests have it
+   (tests/v1/simple_kv_offload/test_scheduler.py). ``UPSTREAM_FULL_CLEANUP=1``
+   (run_upstream.py --full-cleanup) leaves upstream's cleanup on, to compare.
+
 It also refuses to run unless HF_HUB_OFFLINE=1, so a test can never fetch
 from the hub what a stand-in should provide.
 """
@@ -30,6 +41,8 @@ from __future__ import annotations
 import json
 import os
 from importlib.metadata import version
+
+import pytest
 
 if os.environ.get("HF_HUB_OFFLINE") != "1":
     raise RuntimeError("upstream_offline_plugin: HF_HUB_OFFLINE=1 is required")
@@ -86,6 +99,9 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("UPSTREAM_FULL_CLEANUP") != "1":
+        for item in items:
+            item.add_marker(pytest.mark.skip_global_cleanup)
     if not _deselect:
         return
     keep, dropped = [], []
