@@ -12,11 +12,10 @@ no:cacheprovider, a per-test timeout), offline: HF_HUB_OFFLINE=1 and a private
 HF_HOME holding local stand-ins (hub_standins.py) for the hub models the tests
 name. Tests listed in DESELECT are deselected with their reason. The selected
 tests skip upstream's per-test global cleanup (upstream_offline_plugin.py, point
-4); --full-cleanup keeps it. Prints a table
-per file (passed / failed / skipped / deselected, with reasons) and exits 1 if
-any selected test failed or errored, a file could not be collected or the run
-did not complete; 0 otherwise. Deselected and skipped tests are never counted
-as passed.
+4); --full-cleanup keeps it. Prints a table per file (passed / failed / skipped
+/ deselected, with reasons) and exits 1 if any selected test failed or errored,
+a file could not be collected or the run did not complete; 0 otherwise.
+Deselected and skipped tests are never counted as passed.
 
 Use the Python that has the (editable) vLLM installed; the default is the one
 running this script.
