@@ -43,6 +43,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_s
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
     LayerwiseSender,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    SOURCE_REFUSAL,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
     NO_PREFIX_CACHING,
     PROOF_MAX_BODY_BYTES,
@@ -91,9 +94,15 @@ async def read_capped(request: Request, limit: int) -> bytes | None:
     return bytes(body)
 
 
+def refusal(status: int, detail: Any) -> HTTPException:
+    """An answer of this server's before anything of the request was acted on,
+    marked so (protocol.SOURCE_REFUSAL): D ends a push at once only on those."""
+    return HTTPException(status_code=status, detail=detail, headers=SOURCE_REFUSAL)
+
+
 def _refuse(denied: tuple[int, Any] | None) -> None:
     if denied is not None:
-        raise HTTPException(status_code=denied[0], detail=denied[1])
+        raise refusal(*denied)
 
 
 def authenticator(
@@ -139,21 +148,16 @@ def bootstrap_router(
     def push_server() -> PushServer:
         server = served.push()
         if server is None:
-            raise HTTPException(
-                status_code=503,
-                detail=NOT_READY if served.push_here else NO_PREFIX_CACHING,
-            )
+            raise refusal(503, NOT_READY if served.push_here else NO_PREFIX_CACHING)
         return server
 
     async def run(
         server: PushServer, job: Callable[[], tuple[int, dict[str, Any]]], limited: bool
     ) -> JSONResponse:
         if limited and not server.try_begin():
-            raise HTTPException(
-                status_code=429,
-                detail=(
-                    f"{server.config.push_max_concurrent} pushes in progress; retry later"
-                ),
+            raise refusal(
+                429,
+                f"{server.config.push_max_concurrent} pushes in progress; retry later",
             )
         try:
             # hashing and the write block (the engine releases the GIL): off the event loop
@@ -161,7 +165,10 @@ def bootstrap_router(
         finally:
             if limited:
                 server.end()
-        return JSONResponse(out, status_code=code)
+        # PushServer answers other than 200 only before it writes anything
+        return JSONResponse(
+            out, status_code=code, headers=None if code == 200 else SOURCE_REFUSAL
+        )
 
     @router.post("/match_blocks")
     async def match_blocks(caller: Caller = Depends(authenticate)) -> JSONResponse:

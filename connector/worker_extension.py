@@ -157,14 +157,16 @@ class WorkerFeature:
 
 
 class HashMirrorStep(WorkerFeature):
-    """The block-hash mirror: applies the scheduler's delta; a step's new blocks
-    become matchable once the event recorded after its forward has completed."""
+    """The block-hash mirror: applies the scheduler's delta before the forward pass
+    (in every release: vLLM 0.32.0 calls start_load_kv after it, when a block the
+    step evicted and reused is already overwritten); a step's new blocks become
+    matchable once the event recorded after its forward has completed."""
 
     def __init__(self, sync: WorkerHashSync, event_tensor: torch.Tensor | None):
         self.sync = sync
         self._event_tensor = event_tensor
 
-    def start_load_kv(self, meta: ExtMetadata) -> None:
+    def before_forward(self, meta: ExtMetadata) -> None:
         self.sync.on_metadata(meta.hash_delta)
 
     def finished(self, sending: set[str], recving: set[str]) -> None:

@@ -207,6 +207,28 @@ def pd_generate(
     return PDResult(prefill, decode, transfer_id, time.perf_counter() - t0, started)
 
 
+def forwarded_match_claiming_every_block(
+    bootstrap_url: str, raw: bytes, authorization: str | None, block: int
+) -> dict:
+    """A test's push source: D's /match_blocks body forwarded to C as D sent it
+    (D's authorization is valid at C too); C's answer, claiming every full block
+    of the prompt (``block`` tokens each)."""
+    r = httpx.post(
+        bootstrap_url + "/match_blocks",
+        content=raw,
+        timeout=30,
+        headers={
+            "content-type": "application/json",
+            **({"authorization": authorization} if authorization else {}),
+        },
+    )
+    if r.status_code != 200:
+        raise RequestFailed(f"C refused the forwarded /match_blocks: {r.text[:500]}")
+    out = r.json()
+    full = out["total_full_blocks"]
+    return {**out, "matched_blocks": full, "matched_tokens": full * block}
+
+
 def match_blocks(
     bootstrap_url: str,
     token_ids: list[int],

@@ -47,7 +47,10 @@ server. To encrypt, bind it to loopback (``MOONCAKE_BOOTSTRAP_HOST=127.0.0.1``)
 with ``MOONCAKE_BOOTSTRAP_TOKEN`` set, and put a TLS-terminating reverse proxy
 in front of it on the host's address (nginx ``proxy_pass
 http://127.0.0.1:<bootstrap port>``, stunnel, an Envoy sidecar), forwarding
-the path and the ``Authorization`` header unchanged (the path is signed).
+the path and the ``Authorization`` header unchanged (the path is signed),
+and the source's ``x-mooncake-source-refusal`` answer header too (D ends a
+push early only on an answer carrying it; the proxy's own errors, such as a
+504 at its read timeout, keep D's blocks until the push's hold).
 List the sources as ``https://host:port`` in D's MOONCAKE_PUSH_SOURCES; D
 verifies the proxy's certificate against the system's CA store
 (``push/client.py``; no proxy variables are read). The signatures then also

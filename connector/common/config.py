@@ -30,6 +30,11 @@ MOONCAKE_PUSH_TIMEOUT_S                30       C must start a push's write with
 MOONCAKE_PUSH_CLOCK_SKEW_S             5        largest clock skew between D and C: D
                                                 measures it on each /match_blocks and
                                                 prefills locally beyond it
+MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S     120      D: the largest engine timeout (its
+                                                MC_TRANSFER_TIMEOUT) D accepts from a source
+                                                (or D's own, if larger); a source reporting
+                                                more is not pushed from (it would hold D's
+                                                blocks that much longer)
 MOONCAKE_PUSH_SOURCES=URL,...          empty    D: the only push_from sources D pushes from
                                                 (empty: no prefix push; local prefill)
 MOONCAKE_PUSH_MAX_TOKENS               131072   C and D: longest prompt a push may name
@@ -165,6 +170,8 @@ class ExtConfig:
     push_timeout_s: float = 30.0
     push_clock_skew_s: float = 5.0
     engine_transfer_timeout_s: int = DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
+    # D: a source's engine timeout beyond this is refused (its hold would be longer)
+    push_source_timeout_max_s: int = 120
     # empty engine steps while finished requests hold blocks: at most one per this
     idle_step_interval_s: float = 0.001
     push_sources: tuple[str, ...] = ()
@@ -340,6 +347,15 @@ class ExtConfig:
             push_timeout_s=_number(env, "MOONCAKE_PUSH_TIMEOUT_S", 30.0, minimum=0.1),
             push_clock_skew_s=_number(env, "MOONCAKE_PUSH_CLOCK_SKEW_S", 5.0),
             engine_transfer_timeout_s=engine_timeout,
+            push_source_timeout_max_s=int(
+                _number(
+                    env,
+                    "MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S",
+                    max(120, engine_timeout),
+                    minimum=ENGINE_TIMEOUT_FLOOR_S,
+                    integer=True,
+                )
+            ),
             push_sources=tuple(
                 normalize_source(u)
                 for u in env.get("MOONCAKE_PUSH_SOURCES", "").split(",")

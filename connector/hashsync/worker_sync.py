@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Block-hash sync, worker process: the mirror of the scheduler's prefix cache.
 
-Applies the scheduler's delta (scheduler_sync.py) before the forward pass (new
-blocks become matchable only once the step that computes them has completed:
-after an event recorded after its forward on CUDA, worker_table.py) and answers
-lookups: which of a prompt's full blocks this instance holds, hashed exactly as
+Applies the scheduler's delta (scheduler_sync.py) before the forward pass, in
+every release (``bind_connector_metadata``; vLLM 0.32.0 calls ``start_load_kv``
+after the forward, when a block the step evicted and gave to another request is
+already overwritten): an eviction takes effect before the block's new bytes are
+written. New blocks become matchable only once the step that computes them has
+completed (after an event recorded after its forward on CUDA, worker_table.py).
+Answers lookups: which of a prompt's full blocks this instance holds, hashed exactly as
 its scheduler hashes them (same algorithm, NONE_HASH, cache_salt, LoRA), so a
 block is never matched for a request with another cache_salt. Read by prefix
 push (push/source_server.py) and served as ``GET /hashsync`` (routes.py).
@@ -35,7 +38,8 @@ class WorkerHashSync:
         self.table = BlockHashTable(defer_stores=True)
 
     def on_metadata(self, delta: HashDelta | None) -> None:
-        """Before the forward pass: apply the step's delta (stores stay pending)."""
+        """Before the forward pass: apply the step's delta (removals at once, stores
+        pending until the step has completed)."""
         if delta is not None and (len(delta) or delta.hash_config is not None):
             self.table.apply(delta)
 

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpcore
@@ -90,6 +90,7 @@ class AnswerTooLarge(ValueError):
 class Answer:
     status: int
     body: bytes
+    headers: dict[str, str] = field(default_factory=dict)  # names lower-cased
 
     def text(self, limit: int = 300) -> str:
         return self.body[:limit].decode("utf-8", "replace")
@@ -248,9 +249,11 @@ class _SourceClient:
                 content=content,
                 extensions={"timeout": {"pool": left}},
             ) as r:
-                declared = dict((k.lower(), v) for k, v in r.headers).get(
-                    b"content-length"
-                )
+                headers = {
+                    k.decode("latin-1").lower(): v.decode("latin-1")
+                    for k, v in r.headers
+                }
+                declared = headers.get("content-length")
                 if declared is not None and declared.isdigit() and int(declared) > cap:
                     raise AnswerTooLarge(
                         f"POST {url}: an answer of {int(declared)} bytes, "
@@ -269,7 +272,7 @@ class _SourceClient:
                         raise DeadlinePassed(
                             f"POST {url}: no whole answer within the call's deadline"
                         )
-                return Answer(r.status, bytes(body))
+                return Answer(r.status, bytes(body), headers)
         except httpcore.TimeoutException as e:
             raise DeadlinePassed(
                 f"POST {url}: no whole answer within the call's deadline ({e})"

@@ -106,6 +106,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
     PushOutcome,
     PushProofRequest,
     PushProofResponse,
+    is_source_refusal,
 )
 from vllm.logger import init_logger
 
@@ -339,14 +340,28 @@ class PushReceiver:
                         resp.status,
                         resp.message,
                     )
-            else:
+            elif is_source_refusal(r.status, r.headers):
                 logger.warning(
-                    "push for %s from %s: HTTP %d %s",
+                    "push for %s from %s: refused, nothing written: HTTP %d %s",
                     job.req_id,
                     job.source,
                     r.status,
                     r.text(),
                 )
+            else:
+                # Not the source's own answer (a proxy's 502/504, say, while the
+                # source's write may still run): the blocks stay until the hold.
+                logger.warning(
+                    "push for %s from %s: HTTP %d %s, not an answer of the source's "
+                    "own; its blocks are kept until the push's hold has passed "
+                    "(%.0f s from its start), then recomputed locally",
+                    job.req_id,
+                    job.source,
+                    r.status,
+                    r.text(),
+                    t.hold_until - t.started,
+                )
+                return
         except Exception as e:
             # No answer, or one we cannot read: C may still be writing. The
             # push ends when its hold has passed (try_end), not now.

@@ -72,8 +72,6 @@ logger = init_logger(__name__)
 
 PARAM_PUSH_FROM = "push_from"
 MATCH_THREADS_PER_SOURCE = 4
-# an engine timeout no source is configured with: such an answer is not believed
-SOURCE_ENGINE_TIMEOUT_MAX_S = 3600
 
 
 class ClockSkewError(RuntimeError):
@@ -221,10 +219,14 @@ class PushScheduler:
                 "lengthens how long a push's blocks are held when the source does not "
                 "answer)"
             )
-        if not 0 < resp.engine_timeout_s <= SOURCE_ENGINE_TIMEOUT_MAX_S:
+        accepted = self.config.push_source_timeout_max_s
+        if not 0 < resp.engine_timeout_s <= accepted:
             raise RuntimeError(
-                f"it reports an engine timeout of {resp.engine_timeout_s} s "
-                f"(believed: 1 .. {SOURCE_ENGINE_TIMEOUT_MAX_S})"
+                f"it reports an engine timeout (its MC_TRANSFER_TIMEOUT) of "
+                f"{resp.engine_timeout_s} s; this instance accepts 1 .. {accepted} s "
+                "(MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S): a push from it could hold this "
+                "instance's blocks for longer. Lower the source's MC_TRANSFER_TIMEOUT "
+                "or raise MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S here"
             )
         return _Match(resp.matched_blocks, resp.engine_timeout_s)
 

@@ -42,6 +42,23 @@ PROBE_BYTES = 8  # bytes at each probe of a proof of write (as kv_reader.py read
 MAX_PROBES = 16  # probes in one proof
 PUSH_ID_MAX_CHARS = 64
 
+# C's own refusals: every non-200 answer C's routes produce (authentication,
+# validation, a busy or unready server) is given before any write of the request
+# started, and carries this header. D ends a push early only on such an answer;
+# any other (a proxy's 502/504 while C's write still runs, a reset) keeps the
+# push's blocks until its hold has passed.
+SOURCE_REFUSAL_HEADER = "x-mooncake-source-refusal"
+SOURCE_REFUSAL_NOTHING_WRITTEN = "nothing-written"
+SOURCE_REFUSAL = {SOURCE_REFUSAL_HEADER: SOURCE_REFUSAL_NOTHING_WRITTEN}
+
+
+def is_source_refusal(status: int, headers: dict[str, str]) -> bool:
+    """An answer C's own code gave before writing anything (headers: lower-cased names)."""
+    return (
+        status != 200
+        and headers.get(SOURCE_REFUSAL_HEADER) == SOURCE_REFUSAL_NOTHING_WRITTEN
+    )
+
 
 class PushRequestError(ValueError):
     """A malformed or inconsistent push request; ``field`` names the culprit.

@@ -428,6 +428,13 @@ class PushServer:
             self.stats.add(proofs_refused=1)
             return e.status, {"detail": e.detail()}
         assert self.reader is not None  # no id is issued without one
+        values = [
+            self.reader(slot, pushed.blocks[i], off).hex()
+            for i, slot, off in req.probes
+        ]
+        # After the read: a block evicted before the read ended may hold another
+        # request's bytes (the mirror learns of an eviction before the forward
+        # pass that overwrites the block, worker_extension.HashMirrorStep).
         if not self.sync.table.generations_unchanged(pushed.blocks, pushed.gens):
             self.stats.add(proofs_failed=1)
             return 200, PushProofResponse(
@@ -437,10 +444,6 @@ class PushServer:
                     "no longer be shown"
                 ),
             ).model_dump()
-        values = [
-            self.reader(slot, pushed.blocks[i], off).hex()
-            for i, slot, off in req.probes
-        ]
         self.stats.add(proofs_ok=1)
         return 200, PushProofResponse(status="ok", probe_values=values).model_dump()
 

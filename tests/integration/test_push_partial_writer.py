@@ -21,14 +21,13 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler
 
-import httpx
 import numpy as np
 import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK
-from harness.pd_client import complete
+from harness.pd_client import complete, forwarded_match_claiming_every_block
 from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
@@ -83,22 +82,11 @@ class PartialWriter:
         return values
 
     def match(self, raw: bytes, authorization: str | None) -> dict:
-        """C's answer to D's own call (D's authorization is valid at C too), claiming
-        every full block of the prompt."""
-        r = httpx.post(
-            self.c_bootstrap + "/match_blocks",
-            content=raw,
-            timeout=30,
-            headers={
-                "content-type": "application/json",
-                **({"authorization": authorization} if authorization else {}),
-            },
+        out = forwarded_match_claiming_every_block(
+            self.c_bootstrap, raw, authorization, BLOCK
         )
-        assert r.status_code == 200, f"C refused the forwarded /match_blocks: {r.text}"
-        out = r.json()
         self.fingerprint = out["fingerprint"]
-        full = out["total_full_blocks"]
-        return {**out, "matched_blocks": full, "matched_tokens": full * BLOCK}
+        return out
 
     def answer(self, path: str, req: dict) -> dict:
         fp = self.fingerprint

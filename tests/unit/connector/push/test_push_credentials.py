@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_sched
     PushScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    SOURCE_REFUSAL,
     PushJob,
 )
 
@@ -80,7 +81,8 @@ def d_receiver(d: KV, deliver: bool, capture: Captured) -> PushReceiver:
         try:
             if deliver:
                 return real(source, path, content, headers, deadline)
-            return Answer(503, b"{}")  # taken off the wire: C never saw it
+            # taken off the wire: C never saw it, nothing was written
+            return Answer(503, b"{}", dict(SOURCE_REFUSAL))
         finally:
             capture.done.set()
 

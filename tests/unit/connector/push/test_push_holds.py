@@ -289,3 +289,38 @@ def test_the_push_request_carries_its_budget_beside_the_deadline():
     finally:
         rec.shutdown()
         c.close()
+
+
+@pytest.mark.parametrize(
+    ("reported", "pushed"), [(120, True), (121, False), (3600, False)]
+)
+def test_a_source_reporting_a_longer_engine_timeout_than_d_accepts_is_not_pushed_from(
+    c_server, caplog, reported, pushed
+):
+    """C says its MC_TRANSFER_TIMEOUT is ``reported`` s. D holds a push's blocks
+    for C's write bound, which grows with it: beyond what D accepts (120 s by
+    default) D prefills locally and says why, naming both values."""
+    c = c_server()
+    c.server.engine_timeout_s = reported
+    d_cfg = ExtConfig.from_env({"MOONCAKE_PUSH_SOURCES": c.url})
+    assert d_cfg.push_source_timeout_max_s == 120
+    sched = PushScheduler(BS, d_cfg, SCHED_FP)
+    with caplog.at_level(logging.WARNING):
+        got = ask(sched, c_request(c.url))
+    assert got == ((3 * BS, True) if pushed else (0, False))
+    if not pushed:
+        assert sched.take_jobs() == [] and c.engine.log == []
+        (warning,) = [w for w in warnings_of(caplog) if "MC_TRANSFER_TIMEOUT" in w]
+        assert f"{reported} s" in warning and "1 .. 120 s" in warning, warning
+        assert "MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S" in warning
+
+
+def test_d_accepts_a_source_with_its_own_engine_timeout_when_that_is_longer():
+    cfg = ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "300"})
+    assert cfg.push_source_timeout_max_s == 300
+    assert (
+        ExtConfig.from_env(
+            {"MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S": "40"}
+        ).push_source_timeout_max_s
+        == 40
+    )

@@ -79,6 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_sched
     PushScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    SOURCE_REFUSAL,
     KVFingerprint,
     PushBlocksResponse,
     PushJob,
@@ -1350,7 +1351,11 @@ class HostileC:
         async def push_blocks(request: Request):
             self.seen.append(("push", dict(request.headers), await request.body()))
             self.answered.set()
-            return Response(self.push[1], self.push[0], media_type="application/json")
+            status, body = self.push[:2]
+            headers = self.push[2] if len(self.push) > 2 else None
+            return Response(
+                body, status, headers=headers, media_type="application/json"
+            )
 
         app.post("/match_blocks")(match_blocks)
         app.post("/push_blocks")(push_blocks)
@@ -1534,9 +1539,13 @@ HOSTILE_PUSHES = [  # (id, status, body, landed, answered: ends before the hold)
     ("one tensor's bytes", 200, push_answer(bytes=3 * BLEN), 0, True),
     ("failed", 200, push_answer(status="failed"), 0, True),
     ("no_match", 200, push_answer(status="no_match"), 0, True),
-    ("409", 409, push_answer(), 0, True),
-    ("500", 500, push_answer(), 0, True),
-    # answers D cannot read: C may still be writing, so only the hold ends them
+    ("409 refusal", (409, SOURCE_REFUSAL), push_answer(), 0, True),
+    ("500 refusal", (500, SOURCE_REFUSAL), push_answer(), 0, True),
+    # answers D cannot read, or that C's own code did not give (no refusal
+    # header): C may still be writing, so only the hold ends them
+    ("409", 409, push_answer(), 0, False),
+    ("500", 500, push_answer(), 0, False),
+    ("504", 504, b"<html>gateway time-out</html>", 0, False),
     ("float blocks", 200, push_answer(pushed_blocks=3.0), 0, False),
     ("string blocks", 200, push_answer(pushed_blocks="3"), 0, False),
     ("OK", 200, push_answer(status="OK"), 0, False),
@@ -1553,7 +1562,8 @@ HOSTILE_PUSHES = [  # (id, status, body, landed, answered: ends before the hold)
 def test_hostile_push_answer_lands_nothing_it_cannot_prove(
     hostile, name, status, body, landed, answered
 ):
-    hostile.push = (status, body)
+    status, headers = status if isinstance(status, tuple) else (status, None)
+    hostile.push = (status, body, headers)
     hostile.answered.clear()
     hostile.seen.clear()
     d = KV(fill=False)
