@@ -154,7 +154,8 @@ def bootstrap_router(
     async def run(
         server: PushServer, job: Callable[[], tuple[int, dict[str, Any]]], limited: bool
     ) -> JSONResponse:
-        if limited and not server.try_begin():
+        token = server.try_begin() if limited else None
+        if limited and token is None:
             raise refusal(
                 429,
                 f"{server.config.push_max_concurrent} pushes in progress; retry later",
@@ -163,8 +164,8 @@ def bootstrap_router(
             # hashing and the write block (the engine releases the GIL): off the event loop
             code, out = await asyncio.to_thread(job)
         finally:
-            if limited:
-                server.end()
+            if token is not None:
+                server.end(token)
         # PushServer answers other than 200 only before it writes anything
         return JSONResponse(
             out, status_code=code, headers=None if code == 200 else SOURCE_REFUSAL
@@ -193,7 +194,12 @@ def bootstrap_router(
 
     @router.get("/push/stats")
     async def push_stats() -> dict[str, Any]:
-        return dict(push_server().stats)
+        server = push_server()
+        return {
+            **server.stats,
+            "overdue_now": server.num_overdue(),
+            **server.fence_stats(),
+        }
 
     @router.get("/hashsync")
     async def hashsync(sample: str = "8") -> dict[str, Any]:

@@ -297,6 +297,9 @@ class WorkerExtension(UpstreamHooks):
                 kv.block_len,
                 kv.block_size,
                 cfg,
+                max_blocks_per_request=-(
+                    -self.vllm_config.model_config.max_model_len // kv.block_size
+                ),
             )
             features.append(LayerwisePrefillStep(self.sender))
             logger.info("Mooncake layer-wise KV push enabled (MOONCAKE_LAYERWISE)")

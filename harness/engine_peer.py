@@ -11,11 +11,13 @@ failure semantics (tests/integration/test_engine_failure_semantics.py).
         whole buffer with MODE "sync" (the engine's batch_transfer_sync_write) or
         "terminal" (this series' TerminalWriter) and prints "RETURNED <rc>".
 
-Both bind the engine to 127.0.0.1 (P2PHANDSHAKE, TCP).
+Both bind the engine to $VMP_ENGINE_HOST (default 127.0.0.1; P2PHANDSHAKE, TCP);
+the writer finds the receiver at $VMP_PEER_HOST (default 127.0.0.1).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -23,7 +25,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +42,8 @@ def _engine():
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
-    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+    host = os.environ.get("VMP_ENGINE_HOST", "127.0.0.1")
+    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
         raise SystemExit("engine_peer: the transfer engine did not start")
     return engine
 
@@ -60,7 +65,7 @@ def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
     src = np.full(nbytes, 0xAB, dtype=np.uint8)
     if engine.register_memory(src.ctypes.data, nbytes) != 0:
         raise SystemExit("engine_peer: register_memory failed")
-    session = f"127.0.0.1:{port}"
+    session = f"{os.environ.get('VMP_PEER_HOST', '127.0.0.1')}:{port}"
     # The segment handshake has no timeout of ours: do it while the peer runs.
     if engine.transfer_sync_write(session, src.ctypes.data, addr, 1) != 0:
         raise SystemExit("engine_peer: the first write (handshake) failed")
@@ -143,6 +148,50 @@ class EnginePeer:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.kill()
         self.proc.wait(timeout=10)
+
+
+def landed(receiver: EnginePeer) -> int:
+    """The receiver's 64 KiB chunks that hold the writer's bytes (while it runs)."""
+    receiver.send("count")
+    return int(receiver.expect("COUNT", 30)[0].split()[1])
+
+
+@contextlib.contextmanager
+def terminal_write_on_two_hosts(
+    nbytes: int, env: dict[str, str]
+) -> Iterator[tuple[Any, EnginePeer, EnginePeer]]:
+    """A receiver and a writer (this series' TerminalWriter) on two hosts of their
+    own (harness/netns.py), the writer READY to write ``nbytes`` (send "go"):
+    (the topology, the writer, the receiver). Needs root."""
+    from harness import netns
+
+    with netns.Topology(["writer", "receiver"]) as topo:
+        w, r = topo.host("writer"), topo.host("receiver")
+        recv = EnginePeer(
+            "receiver",
+            str(nbytes),
+            env={**env, "VMP_ENGINE_HOST": r.ip},
+            prefix=r.exec_prefix(),
+        )
+        writer = None
+        try:
+            _, port, addr = recv.expect("READY", 60)[0].split()
+            writer = EnginePeer(
+                "writer",
+                port,
+                addr,
+                str(nbytes),
+                "terminal",
+                env={**env, "VMP_ENGINE_HOST": w.ip, "VMP_PEER_HOST": r.ip},
+                prefix=w.exec_prefix(),
+            )
+            writer.expect("READY", 120)
+            yield topo, writer, recv
+            writer.send("exit")
+        finally:
+            if writer is not None:
+                writer.close()
+            recv.close()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,13 @@ the wait goes on: its blocks stay out of use (the writer's source blocks, and
 on the peer the blocks the peer holds for it); a peer that stops holding at the
 bound is the residual risk docs/architecture.md states.
 
+A task reported FAILED is not proof either: after a link cut longer than the
+transport's 30 s no-progress watchdog, the bytes of its dropped connections
+are still in the kernel's send queues and land when the link returns. A failed
+write therefore returns only once :class:`~.send_queues.SendQueueFence` has
+seen every byte the kernel held for the peer at that moment acknowledged or
+dropped.
+
 Verified on the CPU backend over TCP (mooncake-transfer-engine-non-cuda
 0.3.13.post1). The CUDA/RDMA build has the same Python calls; not run here.
 """
@@ -42,6 +49,9 @@ from typing import Any, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
+    SendQueueFence,
 )
 from vllm.logger import init_logger
 
@@ -82,9 +92,12 @@ class TerminalWriter:
         config: ExtConfig,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        fence: SendQueueFence | None = None,
     ):
         self.engine = engine
         self.config = config
+        # after a failed write: the bytes still in the kernel's send queues (TCP)
+        self.fence = fence if fence is not None else SendQueueFence()
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
@@ -123,8 +136,14 @@ class TerminalWriter:
                 )
                 break
             tasks.append(batch_id)
-        failed = self._wait_terminal(session, tasks, sum(int(n) for n in lens), start)
-        return 0 if submitted_all and not failed else -1
+        nbytes = sum(int(n) for n in lens)
+        failed = self._wait_terminal(session, tasks, nbytes, start)
+        if failed or not submitted_all:
+            # A FAILED task is no proof: its bytes may sit in the kernel's send
+            # queues and land when the link returns (send_queues.py).
+            self.fence.wait(session, self.config.engine_write_bound_s(nbytes), start)
+            return -1
+        return 0
 
     def _wait_terminal(
         self, session: str, tasks: list[int], nbytes: int, start: float

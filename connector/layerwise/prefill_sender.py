@@ -98,6 +98,7 @@ WriteFn = Callable[[str, list[int], list[int], list[int]], int]
 Reply = Callable[[list[str], dict[str, str], bool], Awaitable[None]]
 
 MAX_UNKNOWN = 1024  # destinations waiting for a transfer this instance has not seen
+MAX_UNKNOWN_BLOCK_IDS = 1 << 20  # ... and the block ids they name, in all
 # Transfers served from one of D's requests (D sends one per P worker and step:
 # at most its max_num_seqs); the rest of a larger one is refused at once.
 MAX_TRANSFERS_PER_REQUEST = 1024
@@ -156,7 +157,10 @@ class LayerwiseSender:
         config: ExtConfig,
         event_factory: EventFactory = record_after_compute,
         clock: Callable[[], float] = time.monotonic,
+        max_blocks_per_request: int | None = None,
     ):
+        # a pull naming more blocks than a request of max_model_len has is refused
+        self.max_blocks_per_request = max_blocks_per_request
         self.layer_slots = layer_slots
         self.write_fn = write_fn
         self.local_base_addrs = list(base_addrs)
@@ -168,7 +172,13 @@ class LayerwiseSender:
         self.tracker = LayerwiseTracker(len(self.local_base_addrs), block_size)
         self._lock = threading.Lock()
         self.writers: WriterPool[_Batch] = WriterPool(
-            self._run_batch, self._dispatch, config.io_cpus
+            self._run_batch,
+            self._dispatch,
+            config.io_cpus,
+            # a layer's write is small: past the engine's own bound its peer is
+            # frozen or cut off, and healthy peers must not wait for it
+            overdue_after_s=config.engine_write_bound_s(0),
+            clock=clock,
         )
         self._in_flight: dict[str, _InFlight] = {}  # decode session -> its engine write
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -199,13 +209,22 @@ class LayerwiseSender:
         block_len: int,
         block_size: int,
         config: ExtConfig,
+        max_blocks_per_request: int | None = None,
     ) -> LayerwiseSender:
         layer_slots, addrs = slots_by_layer(kv_caches, split_k_and_v)
         if addrs != list(base_addrs):
             raise RuntimeError(
                 "layer-wise push: KV tensor order differs from the registered one"
             )
-        return cls(write_fn, layer_slots, base_addrs, block_len, block_size, config)
+        return cls(
+            write_fn,
+            layer_slots,
+            base_addrs,
+            block_len,
+            block_size,
+            config,
+            max_blocks_per_request=max_blocks_per_request,
+        )
 
     # ---- forward thread ------------------------------------------------------
     def on_metadata(self, meta: LayerwiseMetadata) -> None:
@@ -336,13 +355,17 @@ class LayerwiseSender:
                 return self._results[transfer_id][1] or "the transfer already ended"
             if transfer_id in self._waiters:
                 return "a second request for a transfer that is being served"
-            if (
-                self.tracker.unannounced(transfer_id)
-                and self.tracker.num_unannounced() >= MAX_UNKNOWN
+            if self.tracker.unannounced(transfer_id) and (
+                self.tracker.num_unannounced() >= MAX_UNKNOWN
+                or self.tracker.num_unannounced_block_ids() + len(dest.block_ids)
+                > MAX_UNKNOWN_BLOCK_IDS
             ):
                 return (
-                    f"{MAX_UNKNOWN} requests already wait for transfers this prefill "
-                    "instance has not scheduled; refusing more"
+                    f"{self.tracker.num_unannounced()} requests naming "
+                    f"{self.tracker.num_unannounced_block_ids()} blocks already wait "
+                    "for transfers this prefill instance has not scheduled (at most "
+                    f"{MAX_UNKNOWN} requests, {MAX_UNKNOWN_BLOCK_IDS} blocks); "
+                    "refusing more"
                 )
             self._waiters[transfer_id] = (loop, fut)
             ops = self.tracker.set_destination(transfer_id, dest)
@@ -444,6 +467,7 @@ class LayerwiseSender:
         MAX_TRANSFERS_PER_REQUEST are refused in the first reply, before
         anything is created for them."""
         items = list(req_blocks.items())
+        served = items[:MAX_TRANSFERS_PER_REQUEST]
         refused = {
             d_req_id: (
                 f"one request named {len(items)} transfers; a prefill worker "
@@ -451,13 +475,25 @@ class LayerwiseSender:
             )
             for d_req_id, _ in items[MAX_TRANSFERS_PER_REQUEST:]
         }
+        cap = self.max_blocks_per_request
+        if cap is not None:
+            too_long = {
+                d_req_id: (
+                    f"the pull names {len(block_ids)} blocks; a request of this "
+                    f"instance's max_model_len has at most {cap}"
+                )
+                for d_req_id, (_, block_ids) in served
+                if len(block_ids) > cap
+            }
+            refused.update(too_long)
+            served = [i for i in served if i[0] not in too_long]
         tasks = {
             asyncio.create_task(
                 self.push(
                     transfer_id, Destination(session, list(base_addrs), list(block_ids))
                 )
             ): d_req_id
-            for d_req_id, (transfer_id, block_ids) in items[:MAX_TRANSFERS_PER_REQUEST]
+            for d_req_id, (transfer_id, block_ids) in served
         }
         if refused:
             await reply([], refused, not tasks)
@@ -627,7 +663,13 @@ class LayerwiseSender:
     def snapshot(self) -> dict[str, Any]:
         """Totals and the last transfers' timelines (GET /layerwise/transfers)."""
         with self._lock:
-            return self.log.snapshot(self.tracker.num_unannounced())
+            out = self.log.snapshot(self.tracker.num_unannounced())
+        # writes past the engine's bound (frozen or cut-off peers): out of the cap
+        out["overdue_writers"] = self.writers.num_overdue()
+        fence = getattr(self.write_fn, "fence", None)  # failed writes, send queues
+        out["fenced_writes"] = getattr(fence, "fenced", 0)
+        out["fence_seconds"] = round(getattr(fence, "fence_seconds", 0.0), 3)
+        return out
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

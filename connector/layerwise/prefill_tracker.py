@@ -370,6 +370,10 @@ class LayerwiseTracker:
         """Destinations waiting for a transfer P's scheduler has not announced."""
         return len(self._pending)
 
+    def num_unannounced_block_ids(self) -> int:
+        """The block ids those destinations hold (what they cost in memory)."""
+        return sum(len(d.block_ids) for d in self._pending.values())
+
     # ---- internals -----------------------------------------------------------
     def _get_or_create(
         self, transfer_id: str, p_req_id: str, prompt_len: int

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -20,6 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.io_affinit
 )
 
 MAX_PEERS = 64  # decode sessions with queued or running writes at once
+# Writers whose write has outlived its bound (a frozen or cut-off peer) leave the
+# cap to the others, up to this many times MAX_PEERS writers in all.
+OVERDUE_FACTOR = 4
 
 Batch = TypeVar("Batch")
 
@@ -33,12 +37,17 @@ class _Writer(Generic[Batch]):
     # batches queued or being handled; changed under WriterPool._lock (with every
     # put), so 0 means nothing is queued and nothing is in flight
     pending: int = 0
+    running_since: float | None = None  # the batch being run started then (clock)
 
 
 class WriterPool(Generic[Batch]):
     """Runs ``run(session, batch)`` on the session's writer thread, in FIFO order,
     then ``after()``. A writer retires once it had nothing to do for ``idle_s``;
-    at :data:`MAX_PEERS` sessions with work a new session is refused."""
+    at :data:`MAX_PEERS` sessions with work a new session is refused. A writer
+    whose batch has run longer than ``overdue_after_s`` (the engine's bound: its
+    peer is frozen or cut off) is counted as overdue and no longer counts
+    toward that cap, so healthy peers proceed; its write goes on (its blocks stay
+    out of use), and at most OVERDUE_FACTOR x MAX_PEERS writers exist at all."""
 
     def __init__(
         self,
@@ -47,12 +56,16 @@ class WriterPool(Generic[Batch]):
         io_cpus: list[int] | None,
         idle_s: float = 30.0,
         max_peers: int = MAX_PEERS,
+        overdue_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self._run = run
         self._after = after
         self._io_cpus = io_cpus
         self.idle_s = idle_s
         self.max_peers = max_peers
+        self.overdue_after_s = overdue_after_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._writers: dict[str, _Writer[Batch]] = {}  # decode session -> its writer
         self._started = 0
@@ -78,7 +91,11 @@ class WriterPool(Generic[Batch]):
             for idle in [w for w in self._writers.values() if w.pending == 0]:
                 del self._writers[idle.session]
                 idle.queue.put(None)
-            if len(self._writers) >= self.max_peers:
+            working = len(self._writers) - self._num_overdue()
+            if (
+                working >= self.max_peers
+                or len(self._writers) >= OVERDUE_FACTOR * self.max_peers
+            ):
                 return None
         w = self._writers[session] = _Writer(session, queue.Queue())
         self._started += 1
@@ -89,6 +106,23 @@ class WriterPool(Generic[Batch]):
             name=f"vllm-mooncake-layerwise-{self._started}",
         ).start()
         return w
+
+    def _num_overdue(self) -> int:
+        """Writers whose running batch has outlived overdue_after_s. Caller holds _lock."""
+        if self.overdue_after_s is None:
+            return 0
+        now = self._clock()
+        return sum(
+            1
+            for w in self._writers.values()
+            if w.running_since is not None
+            and now - w.running_since > self.overdue_after_s
+        )
+
+    def num_overdue(self) -> int:
+        """Writers whose write has outlived the engine's bound (a frozen peer)."""
+        with self._lock:
+            return self._num_overdue()
 
     def num_writers(self) -> int:
         """Writer threads serving a decode session now."""
@@ -115,11 +149,14 @@ class WriterPool(Generic[Batch]):
                 continue
             if batch is None:
                 return
+            with self._lock:
+                w.running_since = self._clock()
             try:
                 self._run(w.session, batch)
             finally:
                 with self._lock:
                     w.pending -= 1
+                    w.running_since = None
             self._after()
 
     def shutdown(self) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import array
 import collections
+import itertools
 import math
 import secrets
 import threading
@@ -106,6 +107,53 @@ NO_PREFIX_CACHING = (
 )
 
 
+class PushSlots:
+    """C's concurrent pushes: at most ``limit`` that are within ``overdue_after_s``
+    of their start. A push past it (its write outlived the engine's bound: the
+    destination is frozen or cut off) is overdue and no longer takes a slot, so
+    other destinations are served; its write goes on, its blocks out of use. At
+    most OVERDUE_FACTOR x ``limit`` pushes are in progress in all."""
+
+    OVERDUE_FACTOR = 4
+
+    def __init__(
+        self,
+        limit: int,
+        overdue_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.limit = limit
+        self.overdue_after_s = overdue_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started: dict[int, float] = {}  # token -> its start (clock)
+        self._next = itertools.count(1)
+
+    def _num_overdue(self, now: float) -> int:
+        return sum(1 for t in self._started.values() if now - t > self.overdue_after_s)
+
+    def begin(self) -> int | None:
+        with self._lock:
+            now = self._clock()
+            working = len(self._started) - self._num_overdue(now)
+            if (
+                working >= self.limit
+                or len(self._started) >= self.OVERDUE_FACTOR * self.limit
+            ):
+                return None
+            token = next(self._next)
+            self._started[token] = now
+            return token
+
+    def end(self, token: int) -> None:
+        with self._lock:
+            self._started.pop(token, None)
+
+    def overdue(self) -> int:
+        with self._lock:
+            return self._num_overdue(self._clock())
+
+
 class Counters(dict):
     """Counters several threads update: each push's in one step (:meth:`add`, under a
     lock), so a copy (``dict(counters)``, one step under the GIL) never shows half a
@@ -168,7 +216,18 @@ class PushServer:
         # what D's hold needs (protocol.MatchBlocksResponse): the engine reads
         # MC_TRANSFER_TIMEOUT as whole seconds
         self.engine_timeout_s = math.ceil(config.engine_transfer_timeout_s)
-        self._slots = threading.BoundedSemaphore(config.push_max_concurrent)
+        # at most push_max_concurrent pushes within their bound; one whose write
+        # outlived it (a frozen or cut-off destination) leaves its slot to others
+        max_bytes = (
+            -(-config.push_max_tokens // sync.block_size)
+            * block_len
+            * len(self.base_addrs)
+        )
+        self._slots = PushSlots(
+            config.push_max_concurrent,
+            config.push_timeout_s + config.engine_write_bound_s(max_bytes),
+            clock,
+        )
         # never into this instance's own engine, by address; each destination's layout
         self.destinations = Destinations(OwnEngine(local_session))
         self.stats = Counters(
@@ -191,15 +250,25 @@ class PushServer:
         self._pushed_blocks = 0
         self._pushed_lock = threading.Lock()
 
-    def try_begin(self) -> bool:
-        """Take one of the concurrent-push slots (False: all busy, answer 429)."""
-        if self._slots.acquire(blocking=False):
-            return True
-        self.stats.add(busy=1)
-        return False
+    def try_begin(self) -> int | None:
+        """Take one of the concurrent-push slots: its token, or None (all busy,
+        answer 429)."""
+        token = self._slots.begin()
+        if token is None:
+            self.stats.add(busy=1)
+        return token
 
-    def end(self) -> None:
-        self._slots.release()
+    def end(self, token: int) -> None:
+        self._slots.end(token)
+
+    def num_overdue(self) -> int:
+        """Pushes whose write has outlived its bound (they hold no slot)."""
+        return self._slots.overdue()
+
+    def fence_stats(self) -> dict[str, float]:
+        """This worker's failed writes (every path) that waited for the kernel's
+        send queues to the peer, and how long in all (send_queues.py)."""
+        return fence_stats(self._writer.write_fn)
 
     def match(self, payload: Any) -> tuple[int, dict[str, Any]]:
         """Serve one /match_blocks body; returns (HTTP status, JSON body)."""
@@ -446,6 +515,16 @@ class PushServer:
             ).model_dump()
         self.stats.add(proofs_ok=1)
         return 200, PushProofResponse(status="ok", probe_values=values).model_dump()
+
+
+def fence_stats(write_fn: Any) -> dict[str, float]:
+    """The send-queue fence's counters of a terminal write function (zeros for
+    another write function)."""
+    fence = getattr(write_fn, "fence", None)
+    return {
+        "fenced_writes": getattr(fence, "fenced", 0),
+        "fence_seconds": round(getattr(fence, "fence_seconds", 0.0), 3),
+    }
 
 
 def payload_request_id(payload: Any) -> str:

@@ -16,13 +16,15 @@ any more.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
 import pytest
 
-from harness.engine_peer import EnginePeer
+from harness import netns
+from harness.engine_peer import EnginePeer, landed, terminal_write_on_two_hosts
 
 pytestmark = pytest.mark.integration
 
@@ -88,3 +90,56 @@ def test_a_terminal_write_returns_only_once_no_byte_of_it_can_land():
     assert r["rc"] == 0, r
     assert r["landed_at_return"] == CHUNKS, r
     assert r["landed_later"] == r["landed_at_return"], r
+
+
+# ---- a link cut past the transport's no-progress watchdog --------------------------
+
+CUT_NBYTES = 512 << 20
+CUT_S = 40  # longer than the TCP transport's 30 s no-progress watchdog
+WATCH_AFTER_S = 20  # late bytes came 7-13 s after the return in measurements
+
+
+def write_across_a_link_cut() -> dict:
+    """Writer and receiver on two hosts (network namespaces on a bridge); the
+    receiver's link is cut 80 ms into a 512 MiB terminal write and restored
+    after CUT_S. Returns the writer's rc and the receiver's landed chunks when
+    the write returned and WATCH_AFTER_S after that (and after the link came
+    back)."""
+    with terminal_write_on_two_hosts(CUT_NBYTES, ENV) as (topo, writer, recv):
+        writer.send("go")
+        time.sleep(0.08)
+        topo.link_down("receiver")
+        t_cut = time.monotonic()
+        line, t_ret = None, 0.0
+        with contextlib.suppress(AssertionError):  # returned during the cut
+            line, t_ret = writer.expect("RETURNED", CUT_S)
+        topo.link_up("receiver")
+        t_up = time.monotonic()
+        if line is None:
+            line, t_ret = writer.expect("RETURNED", 300)
+        at_return = landed(recv)
+        time.sleep(max(0.0, max(t_ret, t_up) + WATCH_AFTER_S - time.monotonic()))
+        return {
+            "rc": int(line.split()[1]),
+            "returned_after_cut_s": round(t_ret - t_cut, 1),
+            "returned_after_link_up_s": round(t_ret - t_up, 1),
+            "landed_at_return": at_return,
+            "landed_later": landed(recv),
+        }
+
+
+@pytest.mark.skipif(
+    netns.available() is not None,
+    reason=f"no network namespaces here: {netns.available()}",
+)
+def test_a_failed_write_returns_only_once_the_kernel_holds_none_of_its_bytes():
+    """The transport drops the stalled connections after 30 s and the engine
+    reports their tasks FAILED, but their bytes stay in the kernel's send queues
+    (FIN-WAIT-1 orphans) and are delivered when the link returns. The terminal
+    write must return only once they were delivered or dropped: no byte of it
+    lands afterwards."""
+    r = write_across_a_link_cut()
+    assert r["rc"] == -1, r
+    assert r["landed_later"] == r["landed_at_return"], (
+        f"bytes of a write that returned -1 landed after it returned: {r}"
+    )

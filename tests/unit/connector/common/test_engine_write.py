@@ -53,8 +53,35 @@ class ScriptedEngine:
         return next(i for i, s in enumerate(self.scripts[batch_id - 1]) if s in (1, -1))
 
 
-def writer(engine, **cfg) -> TerminalWriter:
-    return TerminalWriter(engine, ExtConfig(**cfg), sleep=lambda s: None)
+class RecordedFence:
+    """The send-queue fence, recording the failed writes it was asked to wait for."""
+
+    def __init__(self):
+        self.waited: list[str] = []
+
+    def wait(self, session, bound_s, started):
+        self.waited.append(session)
+        return 0.0
+
+
+def writer(engine, fence=None, **cfg) -> TerminalWriter:
+    return TerminalWriter(
+        engine, ExtConfig(**cfg), sleep=lambda s: None, fence=fence or RecordedFence()
+    )
+
+
+@pytest.mark.parametrize(
+    ("scripts", "fail_submit_at", "rc"),
+    [([[1], [1]], None, 0), ([[1], [-1]], None, -1), ([[1], [1]], 1, -1)],
+    ids=["completed", "a task failed", "a submit refused"],
+)
+def test_only_a_failed_write_waits_for_the_kernels_send_queues(
+    scripts, fail_submit_at, rc
+):
+    fence = RecordedFence()
+    eng = ScriptedEngine(scripts, fail_submit_at=fail_submit_at)
+    assert writer(eng, fence)("d:1", [1, 2], [3, 4], [8, 8]) == rc
+    assert fence.waited == ([] if rc == 0 else ["d:1"])
 
 
 def test_a_write_returns_only_once_every_entry_is_terminal():
@@ -98,7 +125,9 @@ def test_an_overdue_write_is_logged_once_and_still_waited_for(caplog):
     def sleep(s):
         now[0] += 5.0  # every back-off step takes 5 s of the clock
 
-    w = TerminalWriter(eng, cfg, clock=lambda: now[0], sleep=sleep)
+    w = TerminalWriter(
+        eng, cfg, clock=lambda: now[0], sleep=sleep, fence=RecordedFence()
+    )
     with caplog.at_level(logging.ERROR):
         assert w("d:1", [1], [2], [1 << 20]) == 0
     assert eng.polls[1] == 71

@@ -249,6 +249,40 @@ def test_one_request_holds_at_most_max_transfers_per_request_waiters(loop, monke
     sender.shutdown()
 
 
+def test_waiting_pulls_are_bounded_by_the_block_ids_they_name(loop, monkeypatch):
+    """Waiting pulls cost memory by the block ids they name, not by their number:
+    a few pulls naming many blocks each are refused once the ids waiting in all
+    would pass MAX_UNKNOWN_BLOCK_IDS."""
+    monkeypatch.setattr(prefill_sender, "MAX_UNKNOWN_BLOCK_IDS", 10_000)
+    sender = make_sender(unknown_s=5.0)
+    replies = Replies()
+    big = {f"b-r{i}": (f"b-t{i}", list(range(3_000))) for i in range(5)}
+    fut = loop.submit(sender.serve("forged:1", D_BASES, big, replies))
+
+    def errs():
+        return {d: e for _, es, _ in list(replies.answers) for d, e in es.items()}
+
+    assert wait_until(lambda: len(errs()) >= 2, 3)  # before the waiting ones time out
+    assert len(errs()) == 2
+    assert all("blocks already wait" in e for e in errs().values()), errs()
+    assert sender.tracker.num_unannounced_block_ids() == 9_000
+    fut.result(10)
+    assert state_sizes(sender) == BASELINE
+    sender.shutdown()
+
+
+def test_a_pull_naming_more_blocks_than_max_model_len_allows_is_refused(loop):
+    sender = make_sender(unknown_s=0.3)
+    sender.max_blocks_per_request = 64
+    replies = Replies()
+    pulls = {"ok-r": ("ok-t", list(range(64))), "long-r": ("long-t", list(range(65)))}
+    loop.submit(sender.serve("d:1", D_BASES, pulls, replies)).result(10)
+    first_ok, first_errs, _ = replies.answers[0]
+    assert list(first_errs) == ["long-r"] and "at most 64" in first_errs["long-r"]
+    assert sorted(replies.answered()) == ["long-r", "ok-r"]
+    sender.shutdown()
+
+
 # ---- no scan over every transfer on the forward thread -------------------------------
 
 
