@@ -14,8 +14,9 @@ upstream's own ``/register`` and ``/query``, which are left as upstream has them
 Authentication is a dependency of the router every route is added to
 (:func:`bootstrap_router`), so a route cannot be served without it, and it runs
 before anything of the request is looked at: GET routes take the bearer token,
-POST routes a signature over the method, the path and the body (common/auth.py),
-read at most a route's body cap. What a feature is not serving yet (the KV
+POST routes a signature over the method, the path and the body's hash
+(common/auth.py), checked before the body is read; the body is then read up to
+a route's cap within BODY_READ_DEADLINE_S and must hash to the signed value. What a feature is not serving yet (the KV
 caches are not registered) answers 503; what this instance never serves, 404.
 """
 
@@ -31,6 +32,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    BODY_READ_DEADLINE_S,
     EndpointGuard,
     signed_target,
 )
@@ -117,16 +119,30 @@ def authenticator(
         if request.method in ("GET", "HEAD"):
             _refuse(guard.check(authorization))
             return Caller(received)
-        # signed: a header that cannot be a signature is refused before the body is read
-        _refuse(guard.check_signed_header(authorization))
+        # signed: the header (its signature over the body's hash, its timestamp) is
+        # checked before a byte of the body is read; then the body, capped and
+        # within a total deadline, must hash to the signed value
+        target = signed_target(request.scope)
+        _refuse(guard.verify_header(request.method, target, authorization).denied)
         cap = body_caps.get(request.url.path, config.push_max_body_bytes)
-        body = await read_capped(request, cap)
+        try:
+            body = await asyncio.wait_for(
+                read_capped(request, cap), BODY_READ_DEADLINE_S
+            )
+        except TimeoutError:
+            _refuse(
+                (
+                    408,
+                    {
+                        "field": "body",
+                        "message": f"not received whole within {BODY_READ_DEADLINE_S:g} s",
+                    },
+                )
+            )
         if body is None:
             _refuse((413, {"field": "body", "message": f"larger than {cap} bytes"}))
         assert body is not None
-        verified = guard.verify(
-            request.method, signed_target(request.scope), authorization, body
-        )
+        verified = guard.verify(request.method, target, authorization, body)
         _refuse(verified.denied)
         return Caller(received, body, verified.signed_ms)
 

@@ -10,14 +10,19 @@ authentication, so these endpoints need their own:
   never sent on ``POST /match_blocks`` and ``POST /push_blocks``. D signs each of
   those requests (:func:`request_headers`)::
 
-      Authorization: Mooncake-HMAC-SHA256 t=<unix ms>,n=<nonce>,s=<signature>
+      Authorization: Mooncake-HMAC-SHA256 t=<unix ms>,n=<nonce>,b=<body hash>,s=<signature>
+      body hash = hex SHA-256(body)
       signature = hex HMAC-SHA256(key=token, "mooncake-push-v1" LF method LF path
-                                  LF t LF nonce LF hex SHA-256(body))
+                                  LF t LF nonce LF body hash)
 
   (the nonce: 32 random hex digits). The body names ``dst_session`` and the
-  push's deadline, so neither can be changed without the secret. C
-  (:meth:`EndpointGuard.verify`) recomputes the signature and compares it in
-  constant time (401 if it differs), refuses a timestamp more than
+  push's deadline, so neither can be changed without the secret. C checks the
+  header before it reads a byte of the body (:meth:`EndpointGuard.verify_header`:
+  the signature over the hash the header names, and the timestamp), so only a
+  holder of the secret makes it read a body at all; then it reads the body
+  (capped, within BODY_READ_DEADLINE_S) and checks that its hash is the signed
+  one (:meth:`EndpointGuard.verify`). C recomputes the signature and compares it
+  in constant time (401 if it differs), refuses a timestamp more than
   MOONCAKE_PUSH_CLOCK_SKEW_S + MOONCAKE_PUSH_TIMEOUT_S from its own clock
   (401: stale, or from the future), and refuses a nonce it has already
   accepted (409: a replay). A nonce is remembered until its timestamp would be
@@ -86,15 +91,23 @@ CONTEXT = b"mooncake-push-v1"
 # about 1900 signed requests a second
 NONCES_KEPT = 1 << 16
 
+# a signed body must arrive whole within this after its headers (408 beyond)
+BODY_READ_DEADLINE_S = 10.0
+
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _MS = re.compile(r"[0-9]{1,16}")
 
 
+def body_hash(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
 def signature(
-    token: str, method: str, target: str, timestamp_ms: str, nonce: str, body: bytes
+    token: str, method: str, target: str, timestamp_ms: str, nonce: str, digest: str
 ) -> str:
-    """The hex HMAC-SHA256 of one request (see the module docstring)."""
+    """The hex HMAC-SHA256 of one request whose body hashes to ``digest`` (see
+    the module docstring)."""
     msg = b"\n".join(
         [
             CONTEXT,
@@ -102,7 +115,7 @@ def signature(
             target.encode("latin-1"),
             timestamp_ms.encode(),
             nonce.encode(),
-            hashlib.sha256(body).hexdigest().encode(),
+            digest.encode(),
         ]
     )
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
@@ -119,11 +132,13 @@ def sign(
     """The Authorization value of one signed request."""
     t = str(int(time.time() * 1000) if now_ms is None else now_ms)
     n = secrets.token_hex(16) if nonce is None else nonce
-    return f"{SCHEME} t={t},n={n},s={signature(token, method, target, t, n, body)}"
+    b = body_hash(body)
+    return f"{SCHEME} t={t},n={n},b={b},s={signature(token, method, target, t, n, b)}"
 
 
-def parse_signed(authorization: str | None) -> tuple[str, str, str] | None:
-    """(timestamp, nonce, signature) of a well-formed signed Authorization value."""
+def parse_signed(authorization: str | None) -> tuple[str, str, str, str] | None:
+    """(timestamp, nonce, body hash, signature) of a well-formed signed
+    Authorization value."""
     scheme, _, params = (authorization or "").partition(" ")
     if scheme.lower() != SCHEME.lower():
         return None
@@ -133,12 +148,17 @@ def parse_signed(authorization: str | None) -> tuple[str, str, str] | None:
         if not sep or key in fields:
             return None
         fields[key] = value
-    if fields.keys() != {"t", "n", "s"}:
+    if fields.keys() != {"t", "n", "b", "s"}:
         return None
-    t, n, s = fields["t"], fields["n"], fields["s"]
-    if not (_MS.fullmatch(t) and _HEX32.fullmatch(n) and _HEX64.fullmatch(s)):
+    t, n, b, s = fields["t"], fields["n"], fields["b"], fields["s"]
+    if not (
+        _MS.fullmatch(t)
+        and _HEX32.fullmatch(n)
+        and _HEX64.fullmatch(b)
+        and _HEX64.fullmatch(s)
+    ):
         return None
-    return t, n, s
+    return t, n, b, s
 
 
 class NonceMemory:
@@ -251,17 +271,56 @@ class EndpointGuard:
         if parse_signed(authorization) is None:
             return 401, (
                 f"this route takes signed requests only (Authorization: {SCHEME} "
-                "t=<unix ms>,n=<32 hex>,s=<HMAC-SHA256 with MOONCAKE_BOOTSTRAP_TOKEN>; "
-                "auth.py); a bearer token is not accepted here"
+                "t=<unix ms>,n=<32 hex>,b=<SHA-256 of the body>,s=<HMAC-SHA256 with "
+                "MOONCAKE_BOOTSTRAP_TOKEN>; auth.py); a bearer token is not accepted here"
             )
         return None
 
     def verify(
         self, method: str, target: str, authorization: str | None, body: bytes
     ) -> Verified:
-        """Signed routes, once the body is read: the signature over the method, the
-        path (``target``, as sent: path and query), the timestamp, the nonce and the
-        body; then the timestamp's age; then the nonce (remembered only now)."""
+        """Signed routes, once the body is read: :meth:`verify_header`, then the
+        body's hash against the signed one, then the nonce (remembered only now)."""
+        header = self.verify_header(method, target, authorization)
+        if header.denied is not None or self.open:
+            return header
+        parsed = parse_signed(authorization)
+        assert parsed is not None
+        t, nonce, digest, _ = parsed
+        if not hmac.compare_digest(body_hash(body).encode(), digest.encode()):
+            return Verified(
+                (
+                    401,
+                    "the body is not the one that was signed (its SHA-256 differs "
+                    "from the header's): the request was changed on its way",
+                )
+            )
+        now, signed = self._now_ms(), int(t)
+        seen = self.nonces.add(nonce, signed + self.window_ms, now)
+        if seen == "replay":
+            return Verified(
+                (
+                    409,
+                    "this request was already received (same nonce): a replay "
+                    "is refused; every request needs a new nonce",
+                )
+            )
+        if seen == "full":
+            return Verified(
+                (
+                    503,
+                    f"{self.nonces.capacity} signed requests within "
+                    f"{self.window_ms / 1000:g} s; retry later",
+                )
+            )
+        return Verified(None, signed)
+
+    def verify_header(
+        self, method: str, target: str, authorization: str | None
+    ) -> Verified:
+        """Signed routes, before the body is read: the signature over the method,
+        the path (``target``, as sent: path and query), the timestamp, the nonce and
+        the body hash the header names; then the timestamp's age."""
         if self.open:
             return Verified()
         if (denied := self.check_signed_header(authorization)) is not None:
@@ -269,8 +328,8 @@ class EndpointGuard:
         assert self._token is not None
         parsed = parse_signed(authorization)
         assert parsed is not None
-        t, nonce, given = parsed
-        expected = signature(self._token, method, target, t, nonce, body)
+        t, nonce, digest, given = parsed
+        expected = signature(self._token, method, target, t, nonce, digest)
         if not hmac.compare_digest(given.encode(), expected.encode()):
             return Verified(
                 (
@@ -290,23 +349,6 @@ class EndpointGuard:
                         "(MOONCAKE_PUSH_CLOCK_SKEW_S + MOONCAKE_PUSH_TIMEOUT_S): a stale or replayed "
                         "request, or clocks out of sync (NTP)"
                     ),
-                )
-            )
-        seen = self.nonces.add(nonce, signed + self.window_ms, now)
-        if seen == "replay":
-            return Verified(
-                (
-                    409,
-                    "this request was already received (same nonce): a replay "
-                    "is refused; every request needs a new nonce",
-                )
-            )
-        if seen == "full":
-            return Verified(
-                (
-                    503,
-                    f"{self.nonces.capacity} signed requests within "
-                    f"{self.window_ms / 1000:g} s; retry later",
                 )
             )
         return Verified(None, signed)
