@@ -38,8 +38,8 @@ pytestmark = [
 C_BLOCKS = 16
 TURN1, TURN2 = 5 * BLOCK, 5 * BLOCK + 60
 # C's write waits this long: the flood must evict the session's blocks first (it took
-# 13-25 s on a loaded 2-core machine); under D's 30 s push budget, which C checks
-# before it writes
+# 24.9 s on a loaded AVX2-only 2-core machine); under D's 30 s push budget, which C
+# checks before it writes
 DELAY_S = 25
 FLOOD_LEN = 12 * BLOCK  # each flood prompt needs 12 of C's 16 blocks
 
