@@ -41,6 +41,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.logger import init_logger
 
@@ -147,11 +148,12 @@ class SendQueueFence:
         self.fenced = 0  # failed writes whose queued bytes had to be waited for
         self.fence_seconds = 0.0
 
-    def held(self, session: str) -> dict[tuple[str, str], tuple[int, int]] | None:
-        """Per socket to the peer that holds bytes now: the ``bytes_acked`` by which
-        all of them are acknowledged, and how many they are (None: the sockets
-        cannot be read)."""
-        ip = self._resolve(session)
+    def held(
+        self, session: str, ip: str | None
+    ) -> dict[tuple[str, str], tuple[int, int]] | None:
+        """Per socket to the peer (``session``, at ``ip``) that holds bytes now: the
+        ``bytes_acked`` by which all of them are acknowledged, and how many they are
+        (None: the sockets cannot be read)."""
         text = self._read()
         if ip is None or text is None:
             if not self._warned_unreadable:
@@ -176,11 +178,11 @@ class SendQueueFence:
         acknowledged or its socket is gone; logs once past ``bound_s`` after
         ``started`` (this clock) and keeps waiting. Returns the seconds waited."""
         t0 = self._clock()
-        held = self.held(session)
-        if not held:
+        ip = self._resolve(session)  # once: a name lookup per poll is not needed
+        held = self.held(session, ip)
+        if not held or ip is None:
             return 0.0
         targets = {k: target for k, (target, _) in held.items()}
-        ip = self._resolve(session) or ""
         logger.warning(
             "engine write to %s failed with %d bytes still queued in this host's kernel "
             "on %d connection(s) to it: the write ends once they are delivered or the "
@@ -217,4 +219,21 @@ class SendQueueFence:
         return waited
 
 
-__all__ = ["QueuedSocket", "SendQueueFence", "parse_ss", "peer_ip", "read_ss"]
+def fence_stats(write_fn: Any) -> dict[str, float]:
+    """The send-queue fence's counters of a terminal write function (zeros for
+    another write function), as the stats routes serve them."""
+    fence = getattr(write_fn, "fence", None)
+    return {
+        "fenced_writes": getattr(fence, "fenced", 0),
+        "fence_seconds": round(getattr(fence, "fence_seconds", 0.0), 3),
+    }
+
+
+__all__ = [
+    "QueuedSocket",
+    "SendQueueFence",
+    "fence_stats",
+    "parse_ss",
+    "peer_ip",
+    "read_ss",
+]

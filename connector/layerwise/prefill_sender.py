@@ -73,6 +73,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.gpu_order 
     record_after_compute,
     wait_all,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
+    fence_stats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_stats import (
     TransferLog,
     TransferStats,
@@ -666,9 +669,7 @@ class LayerwiseSender:
             out = self.log.snapshot(self.tracker.num_unannounced())
         # writes past the engine's bound (frozen or cut-off peers): out of the cap
         out["overdue_writers"] = self.writers.num_overdue()
-        fence = getattr(self.write_fn, "fence", None)  # failed writes, send queues
-        out["fenced_writes"] = getattr(fence, "fenced", 0)
-        out["fence_seconds"] = round(getattr(fence, "fence_seconds", 0.0), 3)
+        out.update(fence_stats(self.write_fn))  # failed writes, send queues
         return out
 
 

@@ -57,6 +57,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fault_inje
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
     ReadFn,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
+    fence_stats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
     WorkerHashSync,
 )
@@ -515,16 +518,6 @@ class PushServer:
             ).model_dump()
         self.stats.add(proofs_ok=1)
         return 200, PushProofResponse(status="ok", probe_values=values).model_dump()
-
-
-def fence_stats(write_fn: Any) -> dict[str, float]:
-    """The send-queue fence's counters of a terminal write function (zeros for
-    another write function)."""
-    fence = getattr(write_fn, "fence", None)
-    return {
-        "fenced_writes": getattr(fence, "fenced", 0),
-        "fence_seconds": round(getattr(fence, "fence_seconds", 0.0), 3),
-    }
 
 
 def payload_request_id(payload: Any) -> str:

@@ -127,7 +127,7 @@ def test_unreadable_sockets_are_said_once_and_not_waited_for(caplog):
 def test_the_fences_counters_are_served_with_the_push_and_layerwise_stats(c_server):
     from types import SimpleNamespace
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
         fence_stats,
     )
 
