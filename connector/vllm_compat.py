@@ -125,14 +125,15 @@ def kv_geometry(worker: Any) -> KVGeometry:
 
 
 def bootstrap_server(vllm_config: VllmConfig, host: str, port: int) -> Any:
-    """Upstream's bootstrap server, not yet started."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
-        MooncakeBootstrapServer,
+    """Upstream's bootstrap server, not yet started, whose ``start()`` has a deadline
+    (prefill_bootstrap.PrefillBootstrapServer)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.prefill_bootstrap import (
+        PrefillBootstrapServer,
     )
 
-    if _takes(MooncakeBootstrapServer.__init__, "vllm_config"):
-        return MooncakeBootstrapServer(vllm_config, host, port)
-    return MooncakeBootstrapServer(host, port)
+    if _takes(PrefillBootstrapServer.__init__, "vllm_config"):
+        return PrefillBootstrapServer(vllm_config, host, port)
+    return PrefillBootstrapServer(host, port)
 
 
 def cached_tokens_of_whole_prompt(prompt_len: int) -> int:

@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -48,9 +49,41 @@ BLOCK = 128
 DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("VMP_STARTUP_TIMEOUT_S", "300"))
 
 
+# Ports free_port() hands out: below the kernel's ephemeral range (32768-60999 by
+# default), so the source port of some process's outgoing connection cannot take one
+# between our pick and the instance's bind (seen: a bootstrap port taken that way),
+# and above Mooncake's RPC ports (15000-17000).
+PICK_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+_pick_lock = threading.Lock()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(
+            Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]
+        )
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on loopback that nothing listens on right now, below the ephemeral
+    range and not handed out before by this process."""
+    top = min(PICK_PORTS.stop, _ephemeral_low())
+    with _pick_lock:
+        for _ in range(200):
+            port = random.randrange(PICK_PORTS.start, top)
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: any
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -232,8 +265,8 @@ class Instance:
                 return
             time.sleep(1.0)
         raise InstanceStartError(
-            f"vLLM instance '{self.spec.name}' not healthy after "
-            f"{DEFAULT_STARTUP_TIMEOUT_S:.0f}s (log: {self.log_path}). Last lines:\n{self.log_tail()}"
+            f"vLLM instance '{self.spec.name}' neither healthy nor exited by its "
+            f"start-up deadline (log: {self.log_path}). Last lines:\n{self.log_tail()}"
         )
 
     def kill(self) -> None:

@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P's bootstrap server (prefill side): upstream's ``MooncakeBootstrapServer``,
+started within a deadline and failing with a message that names the address.
+
+Up to vLLM 0.18.1 upstream's ``start()`` runs uvicorn in a thread and then waits,
+with no deadline, until the server says it started. When the port is taken, uvicorn
+logs "address already in use" and its thread exits, and ``start()`` waits for ever:
+P's engine never finishes starting and never exits. From 0.32.0 upstream binds the
+socket in the caller and waits at most ``timeout`` seconds; there the error is an
+``OSError`` that does not say which address or what to do. This class starts the
+server the 0.32.0 way on every release (upstream's ``start`` is not called; its
+``shutdown`` is, and stops what this one started on both) and fails with one
+:class:`BootstrapServerStartError`. Verified on the
+CPU backend of both releases (tests/unit/connector/test_prefill_bootstrap.py,
+tests/integration/test_bootstrap_port_taken.py); nothing in it depends on the device.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
+    MooncakeBootstrapServer,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+START_TIMEOUT_S = 30.0
+PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+
+
+class BootstrapServerStartError(RuntimeError):
+    """P's bootstrap server could not listen, or did not start in time."""
+
+
+class PrefillBootstrapServer(MooncakeBootstrapServer):
+    """Upstream's bootstrap server whose ``start()`` returns or raises within
+    ``START_TIMEOUT_S``."""
+
+    _listener: socket.socket | None = None
+
+    def _cannot_listen(self, error: BaseException) -> BootstrapServerStartError:
+        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        return BootstrapServerStartError(
+            f"Mooncake bootstrap server cannot listen on {self.host}:{self.port} "
+            f"({reason}). Another process may hold the port: free it, or start "
+            f"this prefill instance with {PORT_ENV} set to a free port (D learns "
+            "it from the request's kv_transfer_params)."
+        )
+
+    def start(self, *, timeout: float = START_TIMEOUT_S) -> None:
+        """Bind here (an error is raised in the caller, naming the address), then wait
+        for uvicorn at most ``timeout`` s. Upstream's start is not called: 0.32.0's
+        does the same without naming the address, 0.18.1's waits for ever."""
+        if self.server_thread is not None:
+            return
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            listener = socket.create_server((self.host, self.port), family=family)
+        except OSError as e:
+            raise self._cannot_listen(e) from e
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        server = self.server = uvicorn.Server(
+            uvicorn.Config(app=self.app, host=self.host, port=self.port)
+        )
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                server.run(sockets=[listener])
+            except BaseException as e:  # uvicorn ends a failed start with SystemExit
+                failure.append(e)
+
+        self.server_thread = threading.Thread(
+            target=run, name="mooncake_bootstrap_server", daemon=True
+        )
+        self.server_thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not self.server_thread.is_alive() or time.monotonic() >= deadline:
+                why = (
+                    f"did not start within {timeout:.0f}s"
+                    if self.server_thread.is_alive()
+                    else f"exited during start-up ({failure[0] if failure else 'no error'})"
+                )
+                self._stop_listener(server)
+                raise BootstrapServerStartError(
+                    f"Mooncake bootstrap server on {self.host}:{self.port} {why}"
+                ) from (failure[0] if failure else None)
+            time.sleep(0.01)
+        logger.info("Mooncake Bootstrap Server started at %s:%d", self.host, self.port)
+
+    def _stop_listener(self, server: uvicorn.Server) -> None:
+        server.should_exit = True
+        if self.server_thread is not None:
+            self.server_thread.join(timeout=5)
+        self.server_thread = None
+        self.server = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
