@@ -23,18 +23,23 @@ authentication, so these endpoints need their own:
   (capped, within BODY_READ_DEADLINE_S) and checks that its hash is the signed
   one (:meth:`EndpointGuard.verify`). C recomputes the signature and compares it
   in constant time (401 if it differs), refuses a timestamp more than
-  MOONCAKE_PUSH_CLOCK_SKEW_S + MOONCAKE_PUSH_TIMEOUT_S from its own clock
-  (401: stale, or from the future), and refuses a nonce it has already
-  accepted (409: a replay). A nonce is remembered until its timestamp would be
-  refused as stale anyway, at most :data:`NONCES_KEPT` at once (beyond that,
-  503 until some expire), so a captured request can be neither replayed nor
-  altered. A bad signature is refused before its nonce is looked at: an
-  unauthenticated caller cannot fill the nonce memory. ``Authorization:
-  Bearer`` is refused on these two routes.
+  MOONCAKE_PUSH_CLOCK_SKEW_S + MOONCAKE_PUSH_TIMEOUT_S behind its own clock
+  (401: stale) or more than MOONCAKE_PUSH_CLOCK_SKEW_S ahead of it (401: from
+  the future), and refuses a nonce it has already accepted (409: a replay). A
+  nonce is remembered until its timestamp would be refused as stale anyway, at
+  most :data:`NONCES_KEPT` at once; beyond that the oldest is forgotten and
+  every request signed no later than it is refused (401, :class:`NonceMemory`),
+  so a captured request can be neither replayed nor altered, and a flood of
+  signed requests shuts others out for at most the clock skew after it ends.
+  A bad signature is refused before its nonce is looked at: an unauthenticated
+  caller cannot fill the nonce memory. ``Authorization: Bearer`` is refused on
+  these two routes.
   The GET routes (``/push/stats``, ``/hashsync``, ``/layerwise/transfers``;
-  read-only) take
-  ``Authorization: Bearer <token>`` (compared in constant time), else 401.
-  That header is the secret itself: send it only over loopback or TLS (below).
+  read-only) take ``Authorization: Bearer <read key>`` (compared in constant
+  time), else 401. The read key is derived from the token (:func:`read_key`;
+  ``python -m vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth
+  read-key`` prints it): it travels in that header, so a leaked one reads
+  statistics but cannot sign, and the token itself is never sent.
 - no token, server bound to loopback (``MOONCAKE_BOOTSTRAP_HOST=127.0.0.1``):
   open; only local processes can reach it.
 - no token, bound to anything else: closed (403, saying what to set), unless
@@ -59,7 +64,7 @@ push early only on an answer carrying it; the proxy's own errors, such as a
 List the sources as ``https://host:port`` in D's MOONCAKE_PUSH_SOURCES; D
 verifies the proxy's certificate against the system's CA store
 (``push/client.py``; no proxy variables are read). The signatures then also
-keep working end to end, and the GET routes' bearer token no longer travels
+keep working end to end, and the GET routes' read key no longer travels
 in clear.
 
 Upstream's own ``/register`` and ``/query`` are left as upstream has them.
@@ -87,6 +92,8 @@ logger = init_logger(__name__)
 HEADER = "authorization"
 SCHEME = "Mooncake-HMAC-SHA256"
 CONTEXT = b"mooncake-push-v1"
+# the GET routes' bearer key is derived from the token (read_key), never the token
+READ_CONTEXT = b"mooncake-read-v1"
 # nonces remembered at once (32 hex digits each): with the default window of 35 s,
 # about 1900 signed requests a second
 NONCES_KEPT = 1 << 16
@@ -97,6 +104,13 @@ BODY_READ_DEADLINE_S = 10.0
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _MS = re.compile(r"[0-9]{1,16}")
+
+
+def read_key(token: str) -> str:
+    """The GET routes' bearer key: hex HMAC-SHA256(token, "mooncake-read-v1"). A
+    leaked read key (the header of a GET sent in clear) reads statistics; it cannot
+    sign a push, nor be turned back into the token."""
+    return hmac.new(token.encode(), READ_CONTEXT, hashlib.sha256).hexdigest()
 
 
 def body_hash(body: bytes) -> str:
@@ -162,24 +176,38 @@ def parse_signed(authorization: str | None) -> tuple[str, str, str, str] | None:
 
 
 class NonceMemory:
-    """Nonces of accepted requests, each until it expires (bounded)."""
+    """Nonces of accepted requests, each until it expires, at most ``capacity``.
+
+    Full, it forgets the nonce that expires first and from then on refuses every
+    request expiring no later than that one (``floor_ms``), so no forgotten nonce
+    can be replayed. A holder of the token who floods signed requests then shuts
+    others out only while its own timestamps are ahead of theirs, which the guard
+    bounds by the clock skew it accepts ahead of its clock (before, a full memory
+    answered 503 to everyone until the flood's nonces expired: 35 s by default).
+    """
 
     def __init__(self, capacity: int = NONCES_KEPT):
         self.capacity = capacity
+        self.floor_ms = 0  # requests expiring at or before this are refused
         self._expiry: dict[str, int] = {}
         self._heap: list[tuple[int, str]] = []
         self._lock = threading.Lock()
 
     def add(self, nonce: str, expires_ms: int, now_ms: int) -> str | None:
-        """Remember ``nonce``; None if new, else "replay" or "full"."""
+        """Remember ``nonce``; None if new, "replay" if remembered, "older" if it
+        expires no later than a nonce already forgotten (it may be a replay)."""
         with self._lock:
             while self._heap and self._heap[0][0] <= now_ms:
                 _, old = heapq.heappop(self._heap)
                 self._expiry.pop(old, None)
             if nonce in self._expiry:
                 return "replay"
-            if len(self._expiry) >= self.capacity:
-                return "full"
+            while len(self._expiry) >= self.capacity:
+                forgotten, old = heapq.heappop(self._heap)
+                del self._expiry[old]
+                self.floor_ms = max(self.floor_ms, forgotten)
+            if expires_ms <= self.floor_ms:
+                return "older"
             self._expiry[nonce] = expires_ms
             heapq.heappush(self._heap, (expires_ms, nonce))
             return None
@@ -207,6 +235,7 @@ class EndpointGuard:
         nonces: NonceMemory | None = None,
     ):
         self._token = config.bootstrap_token
+        self._read_key = read_key(self._token) if self._token is not None else None
         self.host = config.bootstrap_host
         self.open = self._token is None and (
             config.bootstrap_loopback or config.bootstrap_insecure
@@ -219,6 +248,8 @@ class EndpointGuard:
         )
         # a signed request is accepted this long either side of this instance's clock
         self.window_ms = int(1000 * (config.push_clock_skew_s + config.push_timeout_s))
+        # ... and at most this far ahead of it (D signs right before it sends)
+        self.ahead_ms = int(1000 * config.push_clock_skew_s)
         self._now_ms = wall_clock_ms
         self.nonces = nonces if nonces is not None else NonceMemory()
 
@@ -251,13 +282,14 @@ class EndpointGuard:
         if self.closed:
             return self._closed()
         scheme, _, given = (authorization or "").partition(" ")
-        assert self._token is not None
+        assert self._read_key is not None
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.encode(), self._token.encode()
+            given.encode(), self._read_key.encode()
         ):
-            return (
-                401,
-                "missing or wrong token (Authorization: Bearer <MOONCAKE_BOOTSTRAP_TOKEN>)",
+            return 401, (
+                "missing or wrong read key (Authorization: Bearer <read key>; the "
+                "read key is derived from MOONCAKE_BOOTSTRAP_TOKEN, never the token "
+                f"itself: python -m {__name__} read-key)"
             )
         return None
 
@@ -305,12 +337,14 @@ class EndpointGuard:
                     "is refused; every request needs a new nonce",
                 )
             )
-        if seen == "full":
+        if seen == "older":
             return Verified(
                 (
-                    503,
-                    f"{self.nonces.capacity} signed requests within "
-                    f"{self.window_ms / 1000:g} s; retry later",
+                    401,
+                    f"more than {self.nonces.capacity} signed requests within "
+                    f"{self.window_ms / 1000:g} s: this one is older than what this "
+                    "instance still remembers, so it cannot tell it from a replay; "
+                    "sign it anew",
                 )
             )
         return Verified(None, signed)
@@ -339,7 +373,18 @@ class EndpointGuard:
                 )
             )
         now, signed = self._now_ms(), int(t)
-        if abs(now - signed) > self.window_ms:
+        if signed - now > self.ahead_ms:
+            return Verified(
+                (
+                    401,
+                    (
+                        f"the request was signed {(signed - now) / 1000:.1f} s ahead of this "
+                        f"instance's clock, more than the {self.ahead_ms / 1000:g} s accepted "
+                        "(MOONCAKE_PUSH_CLOCK_SKEW_S): clocks out of sync (NTP)"
+                    ),
+                )
+            )
+        if now - signed > self.window_ms:
             return Verified(
                 (
                     401,
@@ -364,10 +409,10 @@ def signed_target(scope: dict) -> str:
 
 def client_headers(config: ExtConfig) -> dict[str, str]:
     """Headers for the GET routes (``/push/stats``, ``/hashsync``, ``/layerwise/transfers``): the
-    bearer token. D's POSTs are signed instead (:func:`request_headers`)."""
+    read key (:func:`read_key`). D's POSTs are signed instead (:func:`request_headers`)."""
     headers = {"content-type": "application/json"}
     if config.bootstrap_token:
-        headers["authorization"] = f"Bearer {config.bootstrap_token}"
+        headers["authorization"] = f"Bearer {read_key(config.bootstrap_token)}"
     return headers
 
 
@@ -380,3 +425,16 @@ def request_headers(
     if config.bootstrap_token:
         headers["authorization"] = sign(config.bootstrap_token, method, target, body)
     return headers
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    if sys.argv[1:] != ["read-key"] or not os.environ.get("MOONCAKE_BOOTSTRAP_TOKEN"):
+        sys.exit(
+            f"usage: MOONCAKE_BOOTSTRAP_TOKEN=... python -m {__spec__.name} read-key\n"
+            "prints the bearer key of the GET routes (/push/stats, /hashsync, "
+            "/layerwise/transfers), derived from the token"
+        )
+    print(read_key(os.environ["MOONCAKE_BOOTSTRAP_TOKEN"]))

@@ -43,7 +43,8 @@ MOONCAKE_BOOTSTRAP_HOST                0.0.0.0  bind address of the bootstrap se
                                                 (upstream's; 127.0.0.1 keeps it local)
 MOONCAKE_BOOTSTRAP_TOKEN               unset    shared secret for this series' endpoints: D
                                                 signs its POSTs with it, never sends it
-                                                (auth.py); the GET routes take it as Bearer
+                                                (auth.py); the GET routes take a key
+                                                derived from it (auth.py read-key)
 MOONCAKE_BOOTSTRAP_INSECURE=1          off      serve them without a token on a non-loopback
                                                 bind (trusted network only; logged loudly)
 MOONCAKE_MODEL_ID=NAME                 unset    names the weights in the KV fingerprint instead

@@ -35,12 +35,15 @@ from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK
 from harness.pd_client import complete, push_stats
 from harness.prompts import random_prompt as prompt
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import sign
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    read_key,
+    sign,
+)
 
 pytestmark = pytest.mark.integration
 
 TOKEN = "s3cret-token-for-tests"
-AUTH = {"authorization": f"Bearer {TOKEN}"}
+AUTH = {"authorization": f"Bearer {read_key(TOKEN)}"}  # the GET routes' key
 
 
 class FakeSource:
@@ -187,7 +190,14 @@ def assert_d_correct(c, d, seed):
 def test_every_endpoint_needs_the_token(env):
     c, _, _ = env
     ids = prompt(2 * BLOCK, seed=7000)
-    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
+    for headers in (
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": TOKEN},
+        # the signing key itself is never a bearer key: one GET sent in clear
+        # would give away what signs pushes
+        {"authorization": f"Bearer {TOKEN}"},
+    ):
         assert (
             post(
                 c.bootstrap_url + "/match_blocks", {"token_ids": ids}, headers
@@ -204,7 +214,7 @@ def test_every_endpoint_needs_the_token(env):
         )
     assert httpx.get(c.bootstrap_url + "/hashsync", headers=AUTH).status_code == 200
     assert httpx.get(c.bootstrap_url + "/push/stats", headers=AUTH).status_code == 200
-    # the token as a bearer header opens only the GET routes
+    # the read key opens only the GET routes
     assert (
         post(c.bootstrap_url + "/match_blocks", {"token_ids": ids}, AUTH).status_code
         == 401

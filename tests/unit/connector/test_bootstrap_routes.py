@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
     EndpointGuard,
+    read_key,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
@@ -99,7 +100,7 @@ def test_a_route_added_to_the_router_runs_the_guard_without_asking_for_it():
     app.router.routes.extend(router.routes)
     client = TestClient(app)
     assert client.get("/another").status_code == 401
-    ok = client.get("/another", headers={"authorization": f"Bearer {TOKEN}"})
+    ok = client.get("/another", headers={"authorization": f"Bearer {read_key(TOKEN)}"})
     assert ok.json() == {"served": True}
 
 

@@ -190,10 +190,13 @@ def test_a_captured_push_delivered_late_is_refused_as_stale(c_server):
     assert c.engine.log == [] and d.untouched()
 
 
-def test_a_bearer_token_does_not_open_the_post_routes(c_server):
+def test_the_read_key_does_not_open_the_post_routes(c_server):
     c = c_server(ExtConfig(**C_CONFIG))
     d = c.destination()
-    bearer = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    bearer = {
+        "authorization": f"Bearer {auth.read_key(TOKEN)}",
+        "content-type": "application/json",
+    }
     assert c.post("/push_blocks", push_body(d), headers=bearer).status_code == 401
     assert (
         c.post("/match_blocks", {"token_ids": TOKENS}, headers=bearer).status_code
@@ -201,7 +204,7 @@ def test_a_bearer_token_does_not_open_the_post_routes(c_server):
     )
     assert (
         c.http.get("/hashsync", headers=bearer).status_code == 200
-    )  # GET: bearer still
+    )  # GET: the read key
     assert c.engine.log == [] and d.untouched()
 
 
@@ -269,7 +272,7 @@ def test_a_nonce_is_remembered_until_stale_and_memory_is_bounded():
         wall_clock_ms=lambda: now[0],
         nonces=auth.NonceMemory(capacity=3),
     )
-    h = [auth.sign(TOKEN, "POST", "/p", b"x", now_ms=now[0]) for _ in range(4)]
+    h = [auth.sign(TOKEN, "POST", "/p", b"x", now_ms=now[0]) for _ in range(3)]
     assert g.verify("POST", "/p", h[0], b"x") == auth.Verified(None, now[0])
     assert g.verify("POST", "/p", h[0], b"x").denied[0] == 409
     # a wrong signature is refused before its nonce counts: it fills nothing
@@ -278,14 +281,49 @@ def test_a_nonce_is_remembered_until_stale_and_memory_is_bounded():
     assert len(g.nonces) == 1
     assert g.verify("POST", "/p", h[1], b"x").denied is None
     assert g.verify("POST", "/p", h[2], b"x").denied is None
-    assert (
-        g.verify("POST", "/p", h[3], b"x").denied[0] == 503
-    )  # full: nothing evicted early
-    now[0] += 2_001  # the first three are stale now, and forgotten
+    assert len(g.nonces) == 3
+    now[0] += 2_001  # the three are stale now, and forgotten
     fresh = auth.sign(TOKEN, "POST", "/p", b"x", now_ms=now[0])
     assert g.verify("POST", "/p", fresh, b"x").denied is None
     assert len(g.nonces) == 1
     assert g.verify("POST", "/p", h[0], b"x").denied[0] == 401  # the replay is stale
+
+
+def test_a_flood_of_signed_requests_shuts_others_out_at_most_for_the_skew():
+    """A holder of the token fills the nonce memory: the oldest nonces are forgotten,
+    their replays refused, and a request signed after the flood's is served (a full
+    memory used to answer 503 to everyone until the flood's nonces expired)."""
+    now = [1_700_000_000_000]
+    skew_ms = 1_000
+    g = auth.EndpointGuard(
+        ExtConfig(bootstrap_token=TOKEN, push_clock_skew_s=1, push_timeout_s=30),
+        wall_clock_ms=lambda: now[0],
+        nonces=auth.NonceMemory(capacity=4),
+    )
+
+    def signed(at_ms):
+        return auth.sign(TOKEN, "POST", "/p", b"x", now_ms=at_ms)
+
+    legit = signed(now[0])
+    assert g.verify("POST", "/p", legit, b"x").denied is None
+    flood = [signed(now[0]) for _ in range(10)]  # at this instant's clock
+    now[0] += 1
+    assert [g.verify("POST", "/p", f, b"x").denied for f in flood[:3]] == [None] * 3
+    assert g.verify("POST", "/p", signed(now[0]), b"x").denied is None  # not 503
+    assert len(g.nonces) == 4
+    # what was forgotten cannot be replayed: the first request, a flood member
+    for old in (legit, flood[0]):
+        denied = g.verify("POST", "/p", old, b"x").denied
+        assert denied is not None and denied[0] in (401, 409), denied
+    # the flood signs as far ahead as the guard allows: others wait out the skew
+    ahead = [signed(now[0] + skew_ms) for _ in range(4)]
+    assert [g.verify("POST", "/p", a, b"x").denied for a in ahead] == [None] * 4
+    assert g.verify("POST", "/p", signed(now[0] + 5), b"x").denied is not None
+    assert g.verify("POST", "/p", signed(now[0] + skew_ms + 1), b"x").denied[0] == 401
+    now[0] += skew_ms + 1
+    assert g.verify("POST", "/p", signed(now[0]), b"x").denied is None
+    # and no request is accepted further ahead than the skew
+    assert g.verify("POST", "/p", signed(now[0] + skew_ms + 1), b"x").denied[0] == 401
 
 
 def test_the_signature_is_compared_in_constant_time(monkeypatch):

@@ -89,7 +89,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
 )
 
 TOKEN = "tok-3f9c2a7e51"
-AUTH = {"authorization": f"Bearer {TOKEN}"}
+READ = auth.read_key(TOKEN)  # the GET routes' bearer key
+AUTH = {"authorization": f"Bearer {READ}"}
 
 
 # ---- shared pieces ------------------------------------------------------------------
@@ -165,29 +166,31 @@ def test_token_is_required_when_set(host, insecure):
             bootstrap_token=TOKEN, bootstrap_host=host, bootstrap_insecure=insecure
         )
     )
-    assert g.check(f"Bearer {TOKEN}") is None
-    assert g.check(f"bearer {TOKEN}") is None  # the scheme is case-insensitive
+    assert g.check(f"Bearer {READ}") is None
+    assert g.check(f"bearer {READ}") is None  # the scheme is case-insensitive
     for header in [
         None,
         "",
-        TOKEN,
+        READ,
+        f"Bearer {TOKEN}",  # the signing key itself is never a bearer key
+        f"Bearer {auth.read_key(TOKEN + 'x')}",
         "Bearer",
         "Bearer ",
-        f"Basic {TOKEN}",
-        f"Token {TOKEN}",
-        f"Bearer {TOKEN[:-1]}",
-        f"Bearer {TOKEN}x",
-        f"Bearer x{TOKEN}",
-        f"Bearer {TOKEN.upper()}",
-        f"Bearer  {TOKEN}",
-        f"Bearer {TOKEN} ",
-        f"Bearer {TOKEN} {TOKEN}",
+        f"Basic {READ}",
+        f"Token {READ}",
+        f"Bearer {READ[:-1]}",
+        f"Bearer {READ}x",
+        f"Bearer x{READ}",
+        f"Bearer {READ.upper()}",
+        f"Bearer  {READ}",
+        f"Bearer {READ} ",
+        f"Bearer {READ} {READ}",
         "Bearer wrong",
         "Bearer \u00e9t\u00e9",
     ]:
         denied = g.check(header)
         assert denied is not None and denied[0] == 401, (header, denied)
-        assert TOKEN not in denied[1]  # the reason never echoes the secret
+        assert TOKEN not in denied[1] and READ not in denied[1]  # nor echoes them
 
 
 @pytest.mark.parametrize(
@@ -237,7 +240,7 @@ def test_guard_from_the_environment():
         {"MOONCAKE_BOOTSTRAP_TOKEN": TOKEN, "MOONCAKE_BOOTSTRAP_HOST": " 10.0.0.1 "}
     )
     assert cfg.bootstrap_host == "10.0.0.1" and cfg.bootstrap_token == TOKEN
-    assert EndpointGuard(cfg).check(f"Bearer {TOKEN}") is None
+    assert EndpointGuard(cfg).check(f"Bearer {READ}") is None
     assert (
         EndpointGuard(ExtConfig.from_env({"MOONCAKE_BOOTSTRAP_INSECURE": "1"})).check(
             None
@@ -259,25 +262,26 @@ def test_token_is_compared_with_hmac_compare_digest(monkeypatch):
         calls.append((a, b))
         return hmac.compare_digest(a, b)
 
-    monkeypatch.setattr(auth, "hmac", SimpleNamespace(compare_digest=spy))
     g = EndpointGuard(ExtConfig(bootstrap_token=TOKEN))
-    assert g.check(f"Bearer {TOKEN}") is None
+    monkeypatch.setattr(auth, "hmac", SimpleNamespace(compare_digest=spy))
+    assert g.check(f"Bearer {READ}") is None
     assert g.check("Bearer nope")[0] == 401
     assert (
-        g.check(f"Bearer {TOKEN}" + "0" * 1000)[0] == 401
+        g.check(f"Bearer {READ}" + "0" * 1000)[0] == 401
     )  # other length: no exception
     assert calls == [
-        (TOKEN.encode(), TOKEN.encode()),
-        (b"nope", TOKEN.encode()),
-        ((TOKEN + "0" * 1000).encode(), TOKEN.encode()),
+        (READ.encode(), READ.encode()),
+        (b"nope", READ.encode()),
+        ((READ + "0" * 1000).encode(), READ.encode()),
     ]
 
 
-def test_d_sends_the_token():
+def test_d_sends_the_read_key_never_the_token():
     assert (
         client_headers(ExtConfig(bootstrap_token=TOKEN))["authorization"]
-        == f"Bearer {TOKEN}"
+        == f"Bearer {READ}"
     )
+    assert TOKEN not in READ and len(READ) == 64
     assert "authorization" not in client_headers(ExtConfig())
 
 
