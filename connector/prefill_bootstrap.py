@@ -102,12 +102,13 @@ class PrefillBootstrapServer(MooncakeBootstrapServer):
             self.server_thread.join(timeout=5)
         self.server_thread = None
         self.server = None
+        self._close_listener()
+
+    def _close_listener(self) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
 
     def shutdown(self) -> None:
         super().shutdown()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self._close_listener()

@@ -34,9 +34,9 @@ def bootstrap_headers(
     """Headers for our endpoints on a bootstrap server, with the token the instances
     were started with (MOONCAKE_BOOTSTRAP_TOKEN; set by the launcher for clusters off
     loopback or given a token): the GET routes (/hashsync, /push/stats,
-    /layerwise/transfers) the read key derived from it as a bearer token; the POST routes (/match_blocks,
-    /push_blocks) a signature of the request (``method``, ``path``, ``body``;
-    connector/common/auth.py), never the token itself."""
+    /layerwise/transfers) take the read key derived from it as a bearer token; the
+    POST routes (/match_blocks, /push_blocks) a signature of the request (``method``,
+    ``path``, ``body``; connector/common/auth.py), never the token itself."""
     token = os.environ.get("MOONCAKE_BOOTSTRAP_TOKEN")
     if not token:
         return {}
@@ -47,7 +47,6 @@ def bootstrap_headers(
 
     if method.upper() == "GET":
         return {"authorization": f"Bearer {read_key(token)}"}
-
     return {"authorization": sign(token, method, path, body)}
 
 

@@ -27,12 +27,12 @@ def held_port():
         yield s.getsockname()[1]
 
 
-def start_in_thread(server) -> tuple[threading.Thread, list]:
+def start_in_thread(server, **kwargs) -> tuple[threading.Thread, list]:
     outcome: list = []
 
     def run():
         try:
-            server.start()
+            server.start(**kwargs)
             outcome.append("started")
         except BaseException as e:
             outcome.append(e)
@@ -81,17 +81,7 @@ def test_a_start_that_never_completes_ends_at_the_deadline(monkeypatch):
 
     monkeypatch.setattr(uvicorn.Server, "run", hang)
     server = vllm_compat.bootstrap_server(None, "127.0.0.1", 0)
-    outcome: list = []
-
-    def run():
-        try:
-            server.start(timeout=0.5)
-            outcome.append("started")
-        except BaseException as e:
-            outcome.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t, outcome = start_in_thread(server, timeout=0.5)
     t.join(BOUND_S)
     release.set()
     assert not t.is_alive()
