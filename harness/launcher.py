@@ -154,6 +154,8 @@ class Instance:
     bootstrap_port: int | None
     log_path: Path
     proc: subprocess.Popen | None = None
+    # where log_text() starts reading: moved on when a cluster passes to another user
+    log_mark: int = 0
 
     @property
     def url(self) -> str:
@@ -167,6 +169,16 @@ class Instance:
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
+
+    def log_text(self) -> str:
+        """The instance's log from its mark on (the whole log unless mark_log moved it)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_mark)
+            return f.read().decode(errors="replace")
+
+    def mark_log(self) -> None:
+        """From now on log_text() shows only what the instance logs after this call."""
+        self.log_mark = self.log_path.stat().st_size
 
     def command(self) -> list[str]:
         s = self.spec
@@ -226,6 +238,7 @@ class Instance:
 
     def start(self, push_sources: str = "") -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_mark = 0  # a new log
         with open(self.log_path, "w") as log:  # the instance keeps its own copy
             log.write("# " + " ".join(self.command()) + "\n")
             log.flush()

@@ -1,10 +1,13 @@
 """Fixtures the integration modules share: their vLLM clusters, and push sources
 served from this process.
 
-Every module starts its instances once (module scope) through ``pd_cluster``: one
-call names what the module needs (roles, environment, hosts, model, arguments), and
-the factory owns the cluster's life (log folder, start-up, teardown, and for hosts
-of their own, that no namespace or link is left behind).
+A module either starts its instances once (module scope) through ``pd_cluster``:
+one call names what the module needs (roles, environment, hosts, model,
+arguments), and the factory owns the cluster's life (log folder, start-up,
+teardown, and for hosts of their own, that no namespace or link is left behind);
+or it takes one of SHARED_CLUSTERS through ``shared_cluster``, a cluster that the
+modules named with it run on one after another (harness/cluster_pool.py), and
+reads from it what its tests depend on (each such module asserts those values).
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.launcher import Cluster, InstanceSpec
+from harness.cluster_pool import ClusterPool, run_order
+from harness.launcher import BLOCK, Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
 
 PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -69,6 +74,39 @@ def instance_specs(
     return specs
 
 
+def make_cluster(
+    log_dir,
+    roles: Mapping[str, str | None] = PD_ROLES,
+    *,
+    env: Mapping[str, str] | None = None,
+    hosts: bool | None = None,
+    model: str | None = None,
+    extra_args: Sequence[str] = (),
+    token: str | None = None,
+    instances: Mapping[str, Mapping[str, Any]] | None = None,
+    specs: list[InstanceSpec] | None = None,
+    **spec: Any,
+) -> Cluster:
+    """A cluster (not started) as pd_cluster describes it, logging to ``log_dir``."""
+    if specs is None:
+        specs = instance_specs(
+            roles,
+            model=model or str(ensure_model(ModelShape())),
+            env=env or {},
+            extra_args=extra_args,
+            instances=instances or {},
+            spec=spec,
+        )
+    return Cluster(specs, log_dir, hosts=hosts, token=token)
+
+
+def assert_torn_down(clusters: Sequence[Cluster]) -> None:
+    left = [
+        x for c in clusters if c.topology is not None for x in c.topology.leftovers()
+    ]
+    assert left == [], f"the topology was not torn down: {left}"
+
+
 @pytest.fixture(scope="module")
 def pd_cluster(tmp_path_factory) -> Iterator[ClusterFactory]:
     """Starts a cluster of real vLLM instances for the module and returns it started;
@@ -89,40 +127,15 @@ def pd_cluster(tmp_path_factory) -> Iterator[ClusterFactory]:
     """
     started: list[Cluster] = []
 
-    def start(
-        roles: Mapping[str, str | None] = PD_ROLES,
-        *,
-        env: Mapping[str, str] | None = None,
-        hosts: bool | None = None,
-        model: str | None = None,
-        extra_args: Sequence[str] = (),
-        token: str | None = None,
-        instances: Mapping[str, Mapping[str, Any]] | None = None,
-        specs: list[InstanceSpec] | None = None,
-        **spec: Any,
-    ) -> Cluster:
-        if specs is None:
-            specs = instance_specs(
-                roles,
-                model=model or str(ensure_model(ModelShape())),
-                env=env or {},
-                extra_args=extra_args,
-                instances=instances or {},
-                spec=spec,
-            )
-        cluster = Cluster(
-            specs, tmp_path_factory.mktemp("logs"), hosts=hosts, token=token
-        )
+    def start(*args: Any, **kwargs: Any) -> Cluster:
+        cluster = make_cluster(tmp_path_factory.mktemp("logs"), *args, **kwargs)
         started.append(cluster)
         return cluster.start()
 
     yield start
     for cluster in reversed(started):
         cluster.stop()
-    left = [
-        x for c in started if c.topology is not None for x in c.topology.leftovers()
-    ]
-    assert left == [], f"the topology was not torn down: {left}"
+    assert_torn_down(started)
 
 
 def send_json(handler: BaseHTTPRequestHandler, body: dict) -> None:
@@ -136,16 +149,23 @@ def send_json(handler: BaseHTTPRequestHandler, body: dict) -> None:
 
 class SourceServer:
     """An HTTP server on loopback in this process that a test makes a push source
-    (on D's allowlist): every POST is answered by ``answer(handler, path, body)``."""
+    (on D's allowlist): every POST is answered by ``answer(handler, path, body)``
+    (the attribute; with none, 404)."""
 
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: Answer | None) -> None:
+        self.answer = answer
+        server = self
+
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("content-length", 0)))
-                body = answer(self, self.path, raw)
+                if server.answer is None:
+                    self.send_error(404, "no test answers here now")
+                    return
+                body = server.answer(self, self.path, raw)
                 if body is not None:
                     send_json(self, body)
 
@@ -189,3 +209,148 @@ def push_source_cluster(
     yield start
     for source in sources:
         source.close()
+
+
+# Clusters that consecutive modules share (harness/cluster_pool.py): their
+# configurations, and their modules in the order they run.
+
+UNREACHABLE_SOURCE = "http://127.0.0.1:9"  # on D's allowlist, nothing listens there
+PUSH_FAIL_WRITE_PROMPT_LEN = 5 * BLOCK + 11  # C fails every push of a prompt this long
+
+
+@dataclass(frozen=True)
+class SharedCluster:
+    modules: tuple[str, ...]  # file names, in the order they run
+    config: Callable[[SourceServer], dict[str, Any]]  # make_cluster's arguments
+
+
+LAYERWISE_FROM_256 = {"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256"}
+SHARED_CLUSTERS: dict[str, SharedCluster] = {
+    # C and D share a token; C fails the push of one prompt length; D takes pushes
+    # from C, from an address where nothing listens, and from the source this
+    # process serves (shared_source); x64, of another block size, never matches.
+    # test_posthoc_write_failure kills D: it runs last.
+    "push": SharedCluster(
+        (
+            "test_push.py",
+            "test_push_partial_writer.py",
+            "test_push_exposed.py",
+            "test_posthoc_write_failure.py",
+        ),
+        lambda source: dict(
+            roles={**CD_ROLES, "x64": "kv_both"},
+            token=PUSH_TOKEN,
+            env={
+                "MOONCAKE_PUSH_MATCH_TIMEOUT_S": "5",
+                "MOONCAKE_PUSH_MAX_CONCURRENT": "4",
+            },
+            instances={
+                "c": {
+                    "env": {
+                        "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(
+                            PUSH_FAIL_WRITE_PROMPT_LEN
+                        )
+                    }
+                },
+                "d": {"extra_push_sources": [UNREACHABLE_SOURCE, source.url]},
+                "x64": {"block_size": 64},
+            },
+        ),
+    ),
+    # layer-wise P -> D in chunks of 256 tokens; P fails the writes of one prompt
+    # length (777 tokens)
+    "layerwise": SharedCluster(
+        ("test_layerwise.py", "test_layerwise_unknown_ids.py"),
+        lambda _: dict(
+            max_num_batched_tokens=256,
+            env={
+                **LAYERWISE_FROM_256,
+                "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": "777",
+                "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": "8",
+                "MOONCAKE_LAYERWISE_TIMEOUT_S": "20",
+            },
+        ),
+    ),
+    # layer-wise P -> D, prompts of up to 2048 tokens in one forward pass, D's
+    # transfer threads on D's core. test_cold_start needs the first request after
+    # the start: it runs first.
+    "layerwise_io_on_decode_core": SharedCluster(
+        ("test_cold_start.py", "test_io_cpus.py"),
+        lambda _: dict(
+            max_num_batched_tokens=2048,
+            env={**LAYERWISE_FROM_256, "MOONCAKE_IO_CPUS": "1"},
+        ),
+    ),
+}
+_HERE = Path(__file__).parent
+
+
+def shared_name(item: pytest.Item) -> str | None:
+    if item.path.parent != _HERE:
+        return None
+    for name, shared in SHARED_CLUSTERS.items():
+        if item.path.name in shared.modules:
+            return name
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules of a shared cluster run together (cluster_pool.run_order)."""
+    here = [item.path.name if item.path.parent == _HERE else "" for item in items]
+    order = run_order(here, {n: s.modules for n, s in SHARED_CLUSTERS.items()})
+    items[:] = [items[i] for i in order]
+
+
+_POOL: list[ClusterPool] = []  # the session's pool, for the hand-over hook
+
+
+@pytest.fixture(scope="session")
+def shared_source() -> Iterator[SourceServer]:
+    """The push source this process serves to the "push" cluster's D (its answer
+    is set by shared_cluster for one module at a time)."""
+    source = SourceServer(None)
+    yield source
+    source.close()
+
+
+@pytest.fixture(scope="session")
+def cluster_pool(tmp_path_factory, shared_source) -> Iterator[ClusterPool]:
+    def make(name: str) -> Cluster:
+        config = SHARED_CLUSTERS[name].config(shared_source)
+        return make_cluster(tmp_path_factory.mktemp(f"logs-{name}"), **config)
+
+    pool = ClusterPool(make)
+    _POOL.append(pool)
+    yield pool
+    _POOL.remove(pool)
+    pool.release()
+    assert_torn_down(pool.started)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(
+    cluster_pool: ClusterPool, shared_source: SourceServer
+) -> Iterator[Callable[..., Cluster]]:
+    """``shared_cluster(name, answer=None, fresh=False)``: the live cluster
+    SHARED_CLUSTERS[name], fit for this module (ClusterPool.get); ``answer``
+    answers what D posts to shared_source during this module; ``fresh``: a
+    cluster started for this module."""
+
+    def get(name: str, *, answer: Answer | None = None, fresh: bool = False) -> Cluster:
+        cluster = cluster_pool.get(name, fresh=fresh)
+        shared_source.answer = answer
+        return cluster
+
+    yield get
+    shared_source.answer = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """A shared cluster stops once the next test is of none of its modules."""
+    yield
+    for pool in _POOL:
+        if pool.name is not None and (
+            nextitem is None or shared_name(nextitem) != pool.name
+        ):
+            pool.release()

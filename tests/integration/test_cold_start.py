@@ -24,9 +24,9 @@ FACTOR, SLACK_S = 2.0, 1.5
 
 
 @pytest.fixture(scope="module")
-def cluster(pd_cluster):
+def cluster(shared_cluster):
     """Started for this module's one test: its first request is the first after start."""
-    return pd_cluster(env={"MOONCAKE_LAYERWISE": "1"})
+    return shared_cluster("layerwise_io_on_decode_core", fresh=True)
 
 
 def test_first_pd_request_after_start_is_not_slower_than_the_second(cluster):

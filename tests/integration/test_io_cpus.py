@@ -41,15 +41,14 @@ ONE_CHUNK = 2048  # each prompt is computed in one forward pass
 
 
 @pytest.fixture(scope="module")
-def cluster(pd_cluster):
-    return pd_cluster(
-        max_num_batched_tokens=ONE_CHUNK,
-        env={
-            "MOONCAKE_LAYERWISE": "1",
-            "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
-            "MOONCAKE_IO_CPUS": D_CORE,
-        },
-    )
+def cluster(shared_cluster):
+    """Layer-wise, each prompt in one forward pass, D's transfer threads on D's
+    core (conftest.SHARED_CLUSTERS)."""
+    cl = shared_cluster("layerwise_io_on_decode_core")
+    p, d = cl["prefill"], cl["decode"]
+    assert p.spec.max_num_batched_tokens == ONE_CHUNK
+    assert d.spec.env["MOONCAKE_IO_CPUS"] == D_CORE
+    return cl
 
 
 @pytest.mark.parametrize("n", [1024, 2048])

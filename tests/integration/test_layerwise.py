@@ -30,17 +30,15 @@ UNKNOWN_TIMEOUT_S = 8
 
 
 @pytest.fixture(scope="module")
-def cluster(pd_cluster):
-    return pd_cluster(
-        max_num_batched_tokens=MAX_BATCHED,
-        env={
-            "MOONCAKE_LAYERWISE": "1",
-            "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
-            # only a prompt of exactly this length gets its writes failed
-            "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN),
-            "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": str(UNKNOWN_TIMEOUT_S),
-        },
-    )
+def cluster(shared_cluster):
+    """Layer-wise in chunks of MAX_BATCHED tokens; only a prompt of exactly
+    FAULTY_PROMPT_LEN tokens gets its writes failed (conftest.SHARED_CLUSTERS)."""
+    cl = shared_cluster("layerwise")
+    p = cl["prefill"]
+    assert p.spec.max_num_batched_tokens == MAX_BATCHED
+    assert p.spec.env["MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"] == str(FAULTY_PROMPT_LEN)
+    assert p.spec.env["MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S"] == str(UNKNOWN_TIMEOUT_S)
+    return cl
 
 
 @pytest.mark.parametrize(
@@ -197,15 +195,12 @@ def test_failed_write_fails_one_request_and_both_keep_serving(cluster):
             p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120
         )
     assert time.monotonic() - started < 120
-    assert (
-        "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"
-        in p.log_path.read_text()
-    )
+    assert "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN" in p.log_text()
     usage = wait_no_blocks_in_use(p.url, d.url)
     assert usage == (0.0, 0.0), (
         f"KV blocks still allocated after a failed write (P, D): {usage}"
     )
-    assert "Counters can only be incremented" not in d.log_path.read_text()
+    assert "Counters can only be incremented" not in d.log_text()
     ids = prompt(600, seed=4001)
     r = pd_generate(
         p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300

@@ -33,21 +33,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat impor
 
 pytestmark = pytest.mark.integration
 
-UNKNOWN_TIMEOUT_S = 2
+UNKNOWN_TIMEOUT_S = 8
 TRANSFER_TIMEOUT_S = 20
 
 
 @pytest.fixture(scope="module")
-def cluster(pd_cluster):
-    return pd_cluster(
-        max_num_batched_tokens=256,
-        env={
-            "MOONCAKE_LAYERWISE": "1",
-            "MOONCAKE_LAYERWISE_MIN_TOKENS": "256",
-            "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": str(UNKNOWN_TIMEOUT_S),
-            "MOONCAKE_LAYERWISE_TIMEOUT_S": str(TRANSFER_TIMEOUT_S),
-        },
-    )
+def cluster(shared_cluster):
+    """Layer-wise from 256 tokens on (conftest.SHARED_CLUSTERS), with the unknown
+    and transfer timeouts above."""
+    cl = shared_cluster("layerwise")
+    env = cl["prefill"].spec.env
+    assert env["MOONCAKE_LAYERWISE_MIN_TOKENS"] == "256"
+    assert env["MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S"] == str(UNKNOWN_TIMEOUT_S)
+    assert env["MOONCAKE_LAYERWISE_TIMEOUT_S"] == str(TRANSFER_TIMEOUT_S)
+    return cl
 
 
 def worker_addr(bootstrap_url: str) -> str:
@@ -154,7 +153,7 @@ def test_a_forged_pull_for_a_future_transfer_id_leaves_its_request_unharmed(clus
     assert t["outcome"] and t["outcome"].startswith("expired"), t
     assert t["bytes_written"] == 0, t
     assert stats["totals"]["waiting_unknown"] == 0, stats["totals"]
-    log = p.log_path.read_text(errors="replace")
+    log = p.log_text()
     assert "EngineCore encountered a fatal error" not in log
     assert "AssertionError" not in log
     assert kv_usage(p.url) == 0.0
@@ -180,7 +179,8 @@ def test_a_decode_that_gives_up_before_the_prefill_may_answer_is_refused(
     msg = answers[-1].err_msg or ""
     if give_up_s > 0:
         assert (
-            "gives up after 50 s" in msg and "MOONCAKE_LAYERWISE_TIMEOUT_S=20" in msg
+            "gives up after 50 s" in msg
+            and f"MOONCAKE_LAYERWISE_TIMEOUT_S={TRANSFER_TIMEOUT_S}" in msg
         ), answers
     else:
         assert "invalid pull timeout" in msg, answers
@@ -211,6 +211,6 @@ def test_a_decode_within_the_limits_is_served_and_real_decodes_send_their_limits
     assert check.ok, check.problems
     # P warns once per decode session whose requests carry no limits: only the
     # forged requests of this module (session 127.0.0.1:1) may have none
-    log = p.log_path.read_text(errors="replace").splitlines()
+    log = p.log_text().splitlines()
     without = [line for line in log if "carries no pull timeout" in line]
     assert all("127.0.0.1:1 " in line for line in without), without

@@ -28,13 +28,16 @@ FREED_WITHIN_S = (
 
 
 @pytest.fixture(scope="module")
-def cluster(pd_cluster):
-    """Upstream's post-hoc path only (no MOONCAKE_LAYERWISE); D is killed by the test."""
-    return pd_cluster()
+def cluster(shared_cluster):
+    """Upstream's post-hoc path only (no MOONCAKE_LAYERWISE); D is killed by the
+    test, so it runs last on the shared "push" cluster (C the prefill side)."""
+    cl = shared_cluster("push")
+    assert "MOONCAKE_LAYERWISE" not in cl["c"].spec.env
+    return cl
 
 
 def test_a_failed_posthoc_write_frees_the_prefill_blocks(cluster):
-    p, d = cluster["prefill"], cluster["decode"]
+    p, d = cluster["c"], cluster["d"]
     prompts = PromptSource(seed=21)
     pd_generate(p.url, p.bootstrap_url, d.url, prompts(200), max_tokens=1)  # warm-up
     assert wait_no_blocks_in_use(p.url, timeout=30) == (0.0,)

@@ -36,21 +36,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat impor
 
 pytestmark = pytest.mark.integration
 
-FAULTY_PROMPT_LEN = 5 * BLOCK + 11  # C fails every push of a prompt this long
 UNREACHABLE = "http://127.0.0.1:9"  # allowed on D, nothing listens there
 
 
 @pytest.fixture(scope="module")
-def cluster(pd_cluster):
-    return pd_cluster(
-        {"c": "kv_producer", "d": "kv_consumer"},
-        instances={
-            "c": {
-                "env": {"MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(FAULTY_PROMPT_LEN)}
-            },
-            "d": {"extra_push_sources": [UNREACHABLE]},
-        },
-    )
+def cluster(shared_cluster):
+    """C fails every push of one prompt length (faulty_prompt_len); D also takes
+    pushes from UNREACHABLE (conftest.SHARED_CLUSTERS["push"])."""
+    cl = shared_cluster("push")
+    assert UNREACHABLE in cl["d"].spec.extra_push_sources
+    return cl
+
+
+def faulty_prompt_len(c) -> int:
+    return int(c.spec.env["MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"])
 
 
 def turn_on_c(c, ids, salt=None):
@@ -84,13 +83,14 @@ def test_pushed_blocks_land_byte_exact(cluster):
     c, d = cluster["c"], cluster["d"]
     ids = prompt(8 * BLOCK + 50, seed=5000)
     turn_on_c(c, ids)
+    before = push_stats(c.bootstrap_url)
     got = push_request(d, c, ids)
     ref = reference_completion(c.url, ids, max_tokens=4)
     check = compare(got, ref, expected_cached_tokens=8 * BLOCK)
     assert check.ok, check.problems
-    assert "push_blocks" in c.log_path.read_text()
+    assert "push_blocks" in c.log_text()
     stats = push_stats(c.bootstrap_url)
-    assert stats["ok"] >= 1 and stats["bytes"] > 0, stats
+    assert stats["ok"] > before["ok"] and stats["bytes"] > before["bytes"], stats
     assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)
 
 
@@ -132,15 +132,12 @@ def test_other_cache_salt_matches_nothing(cluster):
 
 def test_failed_push_falls_back_to_local_prefill(cluster):
     c, d = cluster["c"], cluster["d"]
-    ids = prompt(FAULTY_PROMPT_LEN, seed=5004)
+    ids = prompt(faulty_prompt_len(c), seed=5004)
     turn_on_c(c, ids)
     got = push_request(d, c, ids)  # matched 5 blocks, then C's write fails
     check_local(got, ids, c)
-    assert (
-        "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"
-        in c.log_path.read_text()
-    )
-    assert "prefilling the other" in d.log_path.read_text()
+    assert "FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN" in c.log_text()
+    assert "prefilling the other" in d.log_text()
     assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)
 
 
@@ -165,7 +162,7 @@ def test_source_outside_the_allowlist_is_never_asked(cluster):
         d, c, ids, source=c.bootstrap_url.replace("127.0.0.1", "localhost")
     )
     check_local(got, ids, c)  # same server, but not the allowlisted name: refused
-    assert "is not in MOONCAKE_PUSH_SOURCES" in d.log_path.read_text()
+    assert "is not in MOONCAKE_PUSH_SOURCES" in d.log_text()
 
 
 def test_malformed_push_is_422_naming_the_field(cluster):

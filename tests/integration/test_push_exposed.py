@@ -53,7 +53,7 @@ class FakeSource:
         self.mode = "ok"
         self.fingerprint: dict = {}
         self.calls = 0
-        self.url = ""  # where it is served (push_source_cluster)
+        self.url = ""  # where it is served (shared_source)
 
     def respond(
         self, handler: BaseHTTPRequestHandler, path: str, raw: bytes
@@ -111,22 +111,31 @@ class FakeSource:
 
 
 @pytest.fixture(scope="module")
-def env(push_source_cluster):
+def cluster(shared_cluster, shared_source):
+    """C, D and x64 (another block size: a push source and destination that must
+    never match) share TOKEN; the fake source is on D's allowlist."""
     fake = FakeSource()
-    cl, source = push_source_cluster(
-        fake.respond,
-        token=TOKEN,
-        env={"MOONCAKE_PUSH_MATCH_TIMEOUT_S": "3", "MOONCAKE_PUSH_MAX_CONCURRENT": "4"},
-        # another block size: a push source and destination that must never match
-        roles={"x64": "kv_both"},
-        instances={"x64": {"block_size": 64}},
-    )
-    fake.url = source.url
-    ENV_X64.append(cl["x64"])
+    cl = shared_cluster("push", answer=fake.respond)
+    assert cl.token == TOKEN
+    # test_limits_answer_at_once_and_a_legitimate_push_still_completes: 4 at once
+    assert cl["c"].spec.env["MOONCAKE_PUSH_MAX_CONCURRENT"] == "4"
+    fake.url = shared_source.url
+    return cl, fake
+
+
+@pytest.fixture(scope="module")
+def env(cluster):
+    cl, fake = cluster
     return cl["c"], cl["d"], fake
 
 
-ENV_X64: list = []
+@pytest.fixture(scope="module")
+def x64(cluster):
+    return cluster[0]["x64"]
+
+
+def match_timeout_s(d) -> float:
+    return float(d.spec.env["MOONCAKE_PUSH_MATCH_TIMEOUT_S"])
 
 
 def signed(url: str, content: bytes, at_ms: int | None = None) -> dict:
@@ -473,7 +482,10 @@ def test_slow_loris_source_ends_by_local_prefill_within_the_deadline(env):
         kv_transfer_params={"push_from": fake.url},
     )
     took = time.monotonic() - t0
-    assert took < 3 + 20, f"took {took:.1f}s with a 3 s match deadline"
+    deadline_s = match_timeout_s(d)
+    assert took < deadline_s + 20, (
+        f"took {took:.1f}s with a {deadline_s:g} s match deadline"
+    )
     check = compare(
         got, reference_completion(c.url, ids, max_tokens=4), expected_cached_tokens=None
     )
@@ -481,13 +493,13 @@ def test_slow_loris_source_ends_by_local_prefill_within_the_deadline(env):
 
 
 @pytest.mark.parametrize("direction", ["128 from 64", "64 from 128"])
-def test_block_size_mismatch_falls_back_to_local_prefill(env, direction):
+def test_block_size_mismatch_falls_back_to_local_prefill(env, x64, direction):
     """Instances with different block sizes: the destination sees the source's
     fingerprint in its /match_blocks answer and prefills locally (one warning
     naming both block sizes); the source would refuse the push with 409 too
     (tests/unit/connector/push/test_push_security.py)."""
     c, d, _ = env
-    x = ENV_X64[0]
+    x = x64
     src, dst = (x, d) if direction == "128 from 64" else (c, x)
     ids = prompt(4 * BLOCK + 3, seed=7600 if direction.startswith("128") else 7700)
     complete(src.url, ids, max_tokens=1, logprobs=None, timeout=300)
@@ -504,4 +516,4 @@ def test_block_size_mismatch_falls_back_to_local_prefill(env, direction):
         got, reference_completion(c.url, ids, max_tokens=4), expected_cached_tokens=None
     )
     assert check.ok, check.problems
-    assert "block_size" in dst.log_path.read_text()
+    assert "block_size" in dst.log_text()

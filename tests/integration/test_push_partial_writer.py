@@ -10,8 +10,8 @@ tensor (64 bytes in all), and, asked for a proof, the positions asked for
 before answering; it answers "ok" with consistent numbers and the bytes it
 wrote. D must count none of the blocks (the rest holds whatever D's blocks
 held before), prefill them itself and answer correctly. C, D and the source are
-set up as in tests/integration/test_push_exposed.py (push_source_cluster, whose
-hostile answers write nothing).
+the shared "push" cluster (tests/integration/conftest.py), as in
+tests/integration/test_push_exposed.py, whose hostile answers write nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class PartialWriter:
         self.pushes: dict[str, dict] = {}
         self.words_written = 0
         self.lock = threading.Lock()
-        self.url = ""  # where it is served (push_source_cluster)
+        self.url = ""  # where it is served (shared_source)
 
     def respond(self, handler: BaseHTTPRequestHandler, path: str, raw: bytes) -> dict:
         if path == "/match_blocks":
@@ -119,12 +119,10 @@ class PartialWriter:
 
 
 @pytest.fixture(scope="module")
-def env(push_source_cluster):
+def env(shared_cluster, shared_source):
     writer = PartialWriter()
-    cl, source = push_source_cluster(
-        writer.respond, env={"MOONCAKE_PUSH_MATCH_TIMEOUT_S": "5"}
-    )
-    writer.url = source.url
+    cl = shared_cluster("push", answer=writer.respond)
+    writer.url = shared_source.url
     return cl["c"], cl["d"], writer
 
 
