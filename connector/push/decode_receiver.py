@@ -282,6 +282,7 @@ class PushReceiver:
             budget_ms=budget_ms,
             dst_num_blocks=self.num_blocks,
             fingerprint=self.fingerprint,
+            source_id=job.source_id,
         )
 
     def _run(self, t: PushTransfer) -> None:

@@ -102,6 +102,7 @@ def unpushable(request: Request) -> str | None:
 class _Match:
     blocks: int  # leading full blocks of the prompt the source holds
     engine_timeout_s: int  # the source's
+    source_id: str  # the source's name, sent back in the push request
 
 
 def push_source(request: Request) -> str | None:
@@ -146,8 +147,8 @@ class PushScheduler:
         self._lanes = SourceLanes("mooncake-push-match", MATCH_THREADS_PER_SOURCE)
         self._matches: dict[str, Future] = {}  # req id -> _Match (or raises)
         self._times: dict[str, tuple[float, float]] = {}  # req id -> (asked, matched)
-        # req id -> (source, first, n, the source's engine timeout)
-        self._planned: dict[str, tuple[str, int, int, int]] = {}
+        # req id -> (source, first, n, the source's match answer)
+        self._planned: dict[str, tuple[str, int, int, _Match]] = {}
         self._inflight: dict[str, _Inflight] = {}
         # pushes that ended: vLLM asks again when a request is back to 0 computed
         # tokens (nothing landed); it must then prefill locally, not push again.
@@ -228,7 +229,7 @@ class PushScheduler:
                 "instance's blocks for longer. Lower the source's MC_TRANSFER_TIMEOUT "
                 "or raise MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S here"
             )
-        return _Match(resp.matched_blocks, resp.engine_timeout_s)
+        return _Match(resp.matched_blocks, resp.engine_timeout_s, resp.source_id)
 
     def _allowed(self, rid: str, source: str) -> bool:
         """Only an allowed source gets a lane (threads, connections): their number
@@ -315,7 +316,7 @@ class PushScheduler:
             self._times.pop(rid, None)
             return 0, False
         assert match is not None
-        self._planned[rid] = (source, first, n, match.engine_timeout_s)
+        self._planned[rid] = (source, first, n, match)
         return n * self.block_size, True
 
     def _match_result(self, fut: Future, rid: str, source: str) -> _Match | None:
@@ -359,7 +360,7 @@ class PushScheduler:
         self._matches.pop(rid, None)
         if plan is None or num_external_tokens == 0:
             return
-        source, first, n, source_timeout = plan
+        source, first, n, match = plan
         assert num_external_tokens == n * self.block_size, (num_external_tokens, n)
         block_ids = blocks.get_block_ids()[0]
         dst = list(block_ids[first : first + n])
@@ -375,7 +376,8 @@ class PushScheduler:
                 lora_name(request),
                 first,
                 tuple(dst),
-                source_engine_timeout_s=source_timeout,
+                source_engine_timeout_s=match.engine_timeout_s,
+                source_id=match.source_id,
             )
         )
         self.stats["requests"] += 1

@@ -21,6 +21,12 @@ the destination blocks out of the free pool, when C does not answer, for the
 budget plus C's bound on a write of the bytes asked for (with C's engine
 timeout) plus the skew allowance (config.ExtConfig.push_hold_for_s).
 
+Target: C's /match_blocks answer names C (``source_id``, made anew by each C
+process) and D's push request carries that name; C refuses (421) a push naming
+another source. The body is what D signs (common/auth.py), so a signed push
+captured on its way to one source is refused by every other source that shares
+the token, and by the same source once it restarted.
+
 Proof of write, in two calls: an "ok" /push_blocks answer carries a
 ``push_id``; D then posts /push_proof with that id and positions in the pushed
 blocks that it chose before the push and sent nowhere until C had answered,
@@ -41,6 +47,8 @@ PushStatus = Literal["ok", "no_match", "failed"]
 PROBE_BYTES = 8  # bytes at each probe of a proof of write (as kv_reader.py reads them)
 MAX_PROBES = 16  # probes in one proof
 PUSH_ID_MAX_CHARS = 64
+SOURCE_ID_MAX_CHARS = 64
+SourceId = Annotated[StrictStr, Field(min_length=1, max_length=SOURCE_ID_MAX_CHARS)]
 
 # C's own refusals: every non-200 answer C's routes produce (authentication,
 # validation, a busy or unready server) is given before any write of the request
@@ -124,6 +132,7 @@ class MatchBlocksResponse(_Strict):
     # epoch; D measures the clock skew with it)
     engine_timeout_s: StrictInt
     now_unix_ms: StrictInt
+    source_id: SourceId  # this C process's name; D puts it in its push request
 
 
 class PushBlocksRequest(_Strict):
@@ -151,6 +160,9 @@ class PushBlocksRequest(_Strict):
     # address inside [base, base + dst_num_blocks * block_len) of its tensor
     dst_num_blocks: StrictInt
     fingerprint: KVFingerprint  # D's; C refuses (409) unless equal to its own
+    # the source this push is for (its /match_blocks answer's): C refuses (421)
+    # any other, so a captured signed push does not replay to another source
+    source_id: SourceId
 
 
 class PushBlocksResponse(_Strict):
@@ -369,6 +381,8 @@ class PushJob:
     # C's engine timeout from its /match_blocks answer (the hold is computed with
     # it); None only where no answer was asked for (then this instance's own)
     source_engine_timeout_s: int | None = None
+    # C's name from its /match_blocks answer, sent back in the push request
+    source_id: str = ""
 
 
 @dataclass

@@ -3,10 +3,11 @@
 
 Runs in the worker process that owns the KV caches (the bootstrap server's
 thread), next to the block-hash mirror (hashsync/); the scheduler and the
-model are not involved. A push: validate (nothing is written on a 4xx), hash
-the prompt as the scheduler does, match the longest cached prefix and
-snapshot its blocks' generations, refuse to start once the request's
-deadline (D's wall clock) or its budget (from when this server received it,
+model are not involved. A push: validate (nothing is written on a 4xx; a push
+naming another source than this process's ``source_id``, which its /match_blocks
+answers carry, is refused with 421), hash the prompt as the scheduler does,
+match the longest cached prefix and snapshot its blocks' generations, refuse to
+start once the request's deadline (D's wall clock) or its budget (from when this server received it,
 on this instance's monotonic clock) has passed, write blocks
 ``first_block ..`` into D's blocks with one terminal engine write
 (engine_write.py; on a thread at nice 19: it polls the engine, see writer.py), then check
@@ -202,6 +203,7 @@ class PushServer:
         wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         reader: ReadFn | None = None,
         clock: Callable[[], float] = time.monotonic,
+        source_id: str | None = None,
     ):
         config = config or ExtConfig()
         self.sync = sync
@@ -212,6 +214,9 @@ class PushServer:
         self.block_len = block_len
         self.fingerprint = fingerprint
         self.local_session = local_session
+        # this process's name in its /match_blocks answers (None: a new random
+        # one); a push names it back
+        self.source_id = source_id or secrets.token_hex(8)
         self.config = config
         self.faults: FaultConfig = config.faults
         self._now_ms = wall_clock_ms
@@ -313,6 +318,7 @@ class PushServer:
             fingerprint=self.fingerprint,
             engine_timeout_s=self.engine_timeout_s,
             now_unix_ms=self._now_ms(),
+            source_id=self.source_id,
         ).model_dump()
 
     def push(
@@ -325,6 +331,14 @@ class PushServer:
             received = self.clock()
         try:
             req = parse_push_request(payload)
+            if req.source_id != self.source_id:
+                raise PushRequestError(
+                    "source_id",
+                    f"the push is for source {log_id(req.source_id)}, this is "
+                    f"{self.source_id} (a request sent to another source, or to this "
+                    "one before it restarted); nothing written",
+                    421,
+                )
             validate(
                 req,
                 block_size=self.sync.block_size,
@@ -337,7 +351,7 @@ class PushServer:
                 req.dst_session, req.dst_num_blocks, req.dst_kv_base_addrs, signed_ms
             )
         except PushRequestError as e:
-            if e.status == 409:
+            if e.status in (409, 421):
                 self.stats.add(refused=1)
                 logger.warning(
                     "push_blocks %s refused: %s", payload_request_id(payload), e

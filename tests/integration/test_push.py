@@ -172,7 +172,7 @@ def test_malformed_push_is_422_naming_the_field(cluster):
     turn_on_c(
         c, ids
     )  # C has stepped: /match_blocks answers (503 before the first step)
-    fingerprint = match_blocks(c.bootstrap_url, ids)["fingerprint"]
+    match = match_blocks(c.bootstrap_url, ids)
     body = {
         "token_ids": ids,
         "block_size": BLOCK,
@@ -181,7 +181,8 @@ def test_malformed_push_is_422_naming_the_field(cluster):
         "dst_block_ids": [0, 1],
         "deadline_unix_ms": int(time.time() * 1000) + 60_000,
         "dst_num_blocks": 100,
-        "fingerprint": fingerprint,
+        "fingerprint": match["fingerprint"],
+        "source_id": match["source_id"],
     }
     for raw, field in (
         (json.dumps(body).encode(), "dst_kv_base_addrs"),

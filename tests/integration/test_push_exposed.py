@@ -7,9 +7,10 @@ C and D share a token (MOONCAKE_BOOTSTRAP_TOKEN). Checked here across the wire:
 - fuzzing C's /push_blocks and /match_blocks with signed requests (so inputs reach
   validation): only 4xx, C writes nothing (its push counters), both keep serving
   and D's next answer is correct;
-- destinations C refuses: its own session, a session's second layout signed
-  earlier than its first, block ids beyond the destination's cache, a mismatched
-  fingerprint;
+- destinations C refuses: a push signed for another source sharing the token
+  (421: a capture does not replay between sources), its own session, a
+  session's second layout signed earlier than its first, block ids beyond the
+  destination's cache, a mismatched fingerprint;
 - limits: an oversized body, a million-token push, 200 concurrent pushes at a
   black-hole session: 413/429 at once and a legitimate push still completes;
 - hostile or slow sources (a fake C in this process, on D's allowlist): absurd
@@ -93,6 +94,7 @@ class FakeSource:
                 "fingerprint": fp,
                 "engine_timeout_s": 30,
                 "now_unix_ms": int(time.time() * 1000),
+                "source_id": "fake-source",
             }
         if path == "/push_proof":  # bytes guessed as zeros
             return {"status": "ok", "probe_values": ["00" * 8 for _ in req["probes"]]}
@@ -248,9 +250,21 @@ def valid_push(c, ids, fingerprint, **over):
         "deadline_unix_ms": int(time.time() * 1000) + 60_000,
         "dst_num_blocks": 64,
         "fingerprint": fingerprint,
+        "source_id": source_id_of(c),
     }
     body.update(over)
     return body
+
+
+def source_id_of(inst) -> str:
+    """The name an instance's /match_blocks answers carry (a push names it back)."""
+    ask = {"token_ids": [1] * BLOCK}
+    m = post(inst.bootstrap_url + "/match_blocks", ask)
+    if m.status_code == 503:  # no step yet, so no hash configuration: take one
+        complete(inst.url, prompt(BLOCK, seed=7999), max_tokens=1, logprobs=None)
+        m = post(inst.bootstrap_url + "/match_blocks", ask)
+    assert m.status_code == 200, m.text
+    return m.json()["source_id"]
 
 
 def mutations(rng, body):
@@ -336,7 +350,7 @@ def test_fuzzing_the_source_writes_nothing_and_both_keep_serving(env):
     assert_d_correct(c, d, 7101)
 
 
-def test_destinations_the_source_refuses(env):
+def test_destinations_the_source_refuses(env, x64):
     c, _, _ = env
     ids = prompt(2 * BLOCK, seed=7200)
     fp = cached_on_c(c, ids)["fingerprint"]
@@ -353,6 +367,12 @@ def test_destinations_the_source_refuses(env):
         "overlapping tensors": (
             valid_push(c, ids, fp, dst_kv_base_addrs=[1 << 32] * fp["num_kv_tensors"]),
             422,
+        ),
+        # signed with the same token, but for another source (x64): a capture
+        # does not replay from one source to another
+        "for another source": (
+            valid_push(c, ids, fp, source_id=source_id_of(x64)),
+            421,
         ),
     }
     for name, (body, code) in cases.items():

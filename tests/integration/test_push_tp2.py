@@ -36,7 +36,8 @@ def test_push_from_a_tp2_source_is_refused_and_d_prefills_locally(cluster):
     c, d = cluster
     ids = prompt(4 * BLOCK + 3, seed=8800)
     complete(c.url, ids, max_tokens=1, logprobs=None, timeout=300)
-    fp = match_blocks(c.bootstrap_url, ids)["fingerprint"]
+    match = match_blocks(c.bootstrap_url, ids)
+    fp = match["fingerprint"]
     assert fp["tp_size"] == 2, fp
     got = complete(
         d.url,
@@ -62,6 +63,7 @@ def test_push_from_a_tp2_source_is_refused_and_d_prefills_locally(cluster):
         "deadline_unix_ms": int(time.time() * 1000) + 60_000,
         "dst_num_blocks": 64,
         "fingerprint": fp,
+        "source_id": match["source_id"],
     }
     r = httpx.post(c.bootstrap_url + "/push_blocks", json=body, timeout=30)
     assert r.status_code == 409 and "TP=1" in r.text, r.text

@@ -7,7 +7,7 @@ import asyncio
 import threading
 
 import pytest
-from helpers import FP, CServer
+from helpers import C_SOURCE, FP, CServer
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
@@ -47,10 +47,14 @@ def c_server():
     made: list[CServer] = []
 
     def make(
-        config: ExtConfig | None = None, fingerprint: KVFingerprint = FP
+        config: ExtConfig | None = None,
+        fingerprint: KVFingerprint = FP,
+        source_id: str = C_SOURCE,
     ) -> CServer:
         made.append(
-            CServer(config or ExtConfig(bootstrap_host="127.0.0.1"), fingerprint)
+            CServer(
+                config or ExtConfig(bootstrap_host="127.0.0.1"), fingerprint, source_id
+            )
         )
         return made[-1]
 

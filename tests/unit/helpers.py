@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_sched
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
+    PushJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
     PushServer,
@@ -87,6 +88,7 @@ FP = KVFingerprint(
 )
 C_SESSION = "127.0.0.1:17001"  # C's own transfer engine
 D_SESSION = "127.0.0.1:17002"
+C_SOURCE = "c-under-test"  # the source_id of the PushServers tests build
 SCHED_FP = KVFingerprint(model=FP.model, dtype=FP.dtype, block_size=BS, tp_size=1)
 
 
@@ -238,13 +240,25 @@ class CServer:
     """C: a filled KV cache whose hash mirror holds TOKENS' 3 blocks, serving
     every route of routes.py over HTTP (no layer-wise sender)."""
 
-    def __init__(self, config: ExtConfig, fingerprint: KVFingerprint = FP):
+    def __init__(
+        self,
+        config: ExtConfig,
+        fingerprint: KVFingerprint = FP,
+        source_id: str = C_SOURCE,
+    ):
         self.config = config
         self.c = KV(fill=True)
         self.sync = filled_mirror(BS, TOKENS, C_BLOCKS, HCFG)
         self.engine = MemEngine()
         self.server = PushServer(
-            self.sync, self.engine, self.c.bases, BLEN, fingerprint, C_SESSION, config
+            self.sync,
+            self.engine,
+            self.c.bases,
+            BLEN,
+            fingerprint,
+            C_SESSION,
+            config,
+            source_id=source_id,
         )
         self.url, self._stop = serve_routes(
             config, push=self.server, hashsync=self.sync
@@ -272,6 +286,14 @@ class CServer:
 
 
 # ---- prefix push: D -------------------------------------------------------------------
+
+
+def push_job(rid: str, source: str, dst_blocks=DST_BLOCKS, tokens=TOKENS) -> PushJob:
+    """D's job: push the leading blocks of ``tokens`` from ``source`` (a C named
+    C_SOURCE) into ``dst_blocks``."""
+    return PushJob(
+        rid, source, tuple(tokens), None, None, 0, tuple(dst_blocks), source_id=C_SOURCE
+    )
 
 
 def d_request(rid="r1", n_tokens=5 * BS + 3, source="http://c:9000"):

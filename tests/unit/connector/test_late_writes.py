@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import filled_mirror, serve_push, wait_until
+from helpers import C_SOURCE, filled_mirror, push_job, serve_push, wait_until
 
 from harness.launcher import free_port
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
@@ -48,7 +48,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_recei
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
-    PushJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
     PushServer,
@@ -355,7 +354,14 @@ def gated_c():
     sync = filled_mirror(BS, TOKENS, C_BLOCKS, CFG)
     engine = MemEngine()
     server = PushServer(
-        sync, engine, [addr(b) for b in c_kv], BLEN, FP, "c:1", C_CONFIG
+        sync,
+        engine,
+        [addr(b) for b in c_kv],
+        BLEN,
+        FP,
+        "c:1",
+        C_CONFIG,
+        source_id=C_SOURCE,
     )
     url, stop = serve_push(server)
     yield url, engine, server, c_kv
@@ -371,7 +377,7 @@ def test_push_blocks_stay_with_the_request_until_c_can_no_longer_write(gated_c):
     recv = PushReceiver("d:1", [addr(b) for b in d_kv], BLEN, BS, NBLK, FP, cfg)
     gate = engine.gate("d:1")
     dst_blocks = (3, 4, 7)
-    recv.start([PushJob("r1", url, tuple(TOKENS), None, None, 0, dst_blocks)])
+    recv.start([push_job("r1", url, dst_blocks, tokens=TOKENS)])
     assert engine.entered["d:1"].wait(5)  # C started writing before the deadline
     time.sleep(1.0)  # past D's deadline (0.5 s); C still writing
     assert recv.merge_finished(None) is None, (
@@ -410,7 +416,7 @@ def test_push_not_started_past_its_deadline_writes_nothing(gated_c):
         cfg,
         wall_clock=lambda: time.time() - 10,
     )
-    recv.start([PushJob("r2", url, tuple(TOKENS), None, None, 0, (3, 4, 7))])
+    recv.start([push_job("r2", url, (3, 4, 7), tokens=TOKENS)])
     assert wait_until(lambda: bool(recv.merge_finished(None)), 5)
     assert recv.take_outcome().landed == {"r2": 0}
     assert engine.writes_to("d:1") == []
@@ -426,9 +432,7 @@ def test_push_with_no_answer_ends_only_after_the_hold(gated_c):
     )
     now = [100.0]
     recv = PushReceiver("d:1", [1, 2], BLEN, BS, NBLK, FP, cfg, clock=lambda: now[0])
-    job = PushJob(
-        "r3", f"http://127.0.0.1:{free_port()}", tuple(TOKENS), None, None, 0, (3, 4, 7)
-    )
+    job = push_job("r3", f"http://127.0.0.1:{free_port()}", (3, 4, 7), tokens=TOKENS)
     recv.start([job])
     time.sleep(0.5)  # the POST failed at once (connection refused)
     now[0] += recv.hold_s(job) - 0.01

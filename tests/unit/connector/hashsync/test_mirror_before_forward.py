@@ -24,6 +24,7 @@ from helpers import (
     BS,
     C_BLOCKS,
     C_SESSION,
+    C_SOURCE,
     D_SESSION,
     DST_BLOCKS,
     FP,
@@ -112,6 +113,7 @@ def push_request(d: KV) -> dict:
         "request_id": "push-of-X",
         "deadline_unix_ms": 2**50,
         "dst_num_blocks": NBLK,
+        "source_id": C_SOURCE,
         "fingerprint": FP.model_dump(),
     }
 
@@ -133,6 +135,7 @@ def test_a_push_during_the_forward_never_sends_a_block_evicted_for_it(
         FP,
         C_SESSION,
         ExtConfig(bootstrap_host="127.0.0.1"),
+        source_id=C_SOURCE,
     )
     # step N: the scheduler evicted X's last block and gave it to request R
     evicted = C_BLOCKS[-1]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from helpers import filled_mirror, serve_push
+from helpers import C_SOURCE, filled_mirror, push_job, serve_push
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
@@ -31,7 +31,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_recei
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
-    PushJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
     PushServer,
@@ -86,6 +85,7 @@ def serve_c(engine, c_kv):
         "c:1",
         ExtConfig(bootstrap_host="127.0.0.1"),
         reader=reader.read,
+        source_id=C_SOURCE,
     )
     return serve_push(server)
 
@@ -105,7 +105,7 @@ def push_once(engine, proof=True):
             kv=KVReader(d_kv, BLEN, NBLK) if proof else None,
         )
         dst = (3, 4, 7)
-        recv.start([PushJob("r", url, tuple(TOKENS), None, None, 0, dst)])
+        recv.start([push_job("r", url, dst, tokens=TOKENS)])
         end = time.monotonic() + 10
         while not recv.merge_finished(None) and time.monotonic() < end:
             time.sleep(0.01)

@@ -3,7 +3,8 @@
 C and D share MOONCAKE_BOOTSTRAP_TOKEN. D's real receiver and scheduler talk
 to a real C over HTTP (helpers.CServer); what D sends is captured on its way
 and then replayed, altered or delivered late, as someone on the path would.
-C must refuse each (401/409) without calling its engine, while the
+C, or another source sharing the token, must refuse each (401/409/421) without
+calling its engine, while the
 legitimate flow still lands byte-exact, and the token itself is never sent.
 """
 
@@ -18,7 +19,6 @@ import pytest
 from helpers import (
     BS,
     D_SESSION,
-    DST_BLOCKS,
     FP,
     KV,
     NBLK,
@@ -26,6 +26,7 @@ from helpers import (
     TOKENS,
     ask,
     d_request,
+    push_job,
 )
 from test_push_security import TOKEN, assert_landed, push_body
 
@@ -44,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_sched
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     SOURCE_REFUSAL,
-    PushJob,
+    is_source_refusal,
 )
 
 BLEN = FP.block_len
@@ -98,7 +99,7 @@ def push_from_d(c, deliver=True) -> tuple[KV, Captured, int]:
     rec = d_receiver(d, deliver, cap)
     if deliver:
         c.engine.register(D_SESSION, d)
-    rec.start([PushJob("r1", c.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))])
+    rec.start([push_job("r1", c.url)])
     end = time.monotonic() + 10
     finished = None
     while not finished and time.monotonic() < end:
@@ -188,6 +189,27 @@ def test_a_captured_push_delivered_late_is_refused_as_stale(c_server):
     r = deliver(c, cap.calls[0])
     assert r.status_code == 401 and "clock" in r.text, r.text
     assert c.engine.log == [] and d.untouched()
+
+
+def test_a_captured_push_is_refused_by_another_source_sharing_the_token(c_server):
+    """The signed body names the source it is for (the source_id of that source's
+    /match_blocks answer): a push captured on its way to C and delivered within
+    its window to another source with the same token is refused there, as C's own
+    refusal (421, nothing written); at C the same capture is good."""
+    c = c_server(ExtConfig(**C_CONFIG))
+    other = c_server(ExtConfig(**C_CONFIG), source_id="another-source")
+    _, cap, _ = push_from_d(c, deliver=False)
+    d = KV(fill=False)
+    other.engine.register(D_SESSION, d)
+    r = deliver(other, cap.calls[0])
+    assert r.status_code == 421 and "c-under-test" in r.text, r.text
+    assert is_source_refusal(r.status_code, dict(r.headers))
+    assert other.engine.log == [] and d.untouched()
+    assert other.server.stats["refused"] == 1
+    c.engine.register(D_SESSION, d)
+    r = deliver(c, cap.calls[0])
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    assert_landed(c.c, d)
 
 
 def test_the_read_key_does_not_open_the_post_routes(c_server):

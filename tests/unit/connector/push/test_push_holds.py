@@ -20,6 +20,7 @@ from helpers import (
     BLEN,
     BS,
     C_BLOCKS,
+    C_SOURCE,
     D_SESSION,
     FP,
     HCFG,
@@ -31,6 +32,7 @@ from helpers import (
     ask,
     d_request,
     filled_mirror,
+    push_job,
     serve_push,
 )
 
@@ -42,9 +44,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_recei
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
     PushScheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
-    PushJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
     PushServer,
@@ -123,6 +122,7 @@ def test_the_round_trip_counts_against_the_allowance():
                         "total_full_blocks": 5,
                         "fingerprint": FP.model_dump(),
                         "engine_timeout_s": 30,
+                        "source_id": C_SOURCE,
                         "now_unix_ms": int(c_now * 1000),
                     }
                 ).encode(),
@@ -160,7 +160,7 @@ def test_c_with_a_clock_a_minute_behind_starts_no_write_once_the_budget_passed(
     d = c.destination()
     cfg = ExtConfig(push_timeout_s=0.5, push_clock_skew_s=0.2)
     rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, cfg)
-    rec.start([PushJob("r1", c.url, tuple(TOKENS), None, None, 0, (3, 4, 7))])
+    rec.start([push_job("r1", c.url, (3, 4, 7))])
     end = time.monotonic() + 10
     while not rec.merge_finished(None) and time.monotonic() < end:
         time.sleep(0.01)
@@ -200,7 +200,14 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
         return -1
 
     server = PushServer(
-        sync, hanging_write, [1 << 40, 2 << 40], BIG_BLEN, fp, "127.0.0.1:1", c_cfg
+        sync,
+        hanging_write,
+        [1 << 40, 2 << 40],
+        BIG_BLEN,
+        fp,
+        "127.0.0.1:1",
+        c_cfg,
+        source_id=C_SOURCE,
     )
     url, stop = serve_push(server)
     d_cfg = ExtConfig(
@@ -279,7 +286,7 @@ def test_the_push_request_carries_its_budget_beside_the_deadline():
         clock=Clock(),
     )
     try:
-        rec.start([PushJob("r1", c.url, tuple(TOKENS), None, None, 0, (3, 4, 7))])
+        rec.start([push_job("r1", c.url, (3, 4, 7))])
         end = time.monotonic() + 10
         while not rec.merge_finished(None) and time.monotonic() < end:
             time.sleep(0.01)

@@ -22,12 +22,11 @@ from helpers import (
     BS,
     C_SESSION,
     D_SESSION,
-    DST_BLOCKS,
     FP,
     KV,
     NBLK,
     SCHED_FP,
-    TOKENS,
+    push_job,
     serve,
     serve_routes,
 )
@@ -45,9 +44,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_recei
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
     PushScheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
-    PushJob,
 )
 
 
@@ -240,9 +236,7 @@ def test_c_logs_the_requesters_id_printable_and_short(c_server, caplog):
 def push_via_receiver(c, d: KV, config: ExtConfig) -> int:
     rec = PushReceiver(D_SESSION, d.bases, FP.block_len, BS, NBLK, FP, config)
     try:
-        rec.start(
-            [PushJob("r1", c.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))]
-        )
+        rec.start([push_job("r1", c.url)])
         end = time.monotonic() + 10
         while not (finished := rec.merge_finished(None)) and time.monotonic() < end:
             time.sleep(0.01)

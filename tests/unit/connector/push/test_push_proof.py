@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 import torch
-from helpers import filled_mirror, serve_push, wait_until
+from helpers import C_SOURCE, filled_mirror, push_job, serve_push, wait_until
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
     request_headers,
@@ -54,7 +54,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_recei
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
-    PushJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
     PushServer,
@@ -135,6 +134,7 @@ class Source(PushServer):
             C_CONFIG,
             reader=KVReader(c_kv, BLEN, NBLK).read,
             clock=clock,
+            source_id=C_SOURCE,
         )
 
     def _copy(self, i, slot, off, n=8):
@@ -202,7 +202,7 @@ class Receiver:
         self.rec._rng = random.Random(seed)
 
     def push(self, url):
-        self.rec.start([PushJob("r", url, tuple(TOKENS), None, None, 0, DST)])
+        self.rec.start([push_job("r", url, DST, tokens=TOKENS)])
         assert wait_until(lambda: bool(self.rec.merge_finished(None)), 10)
         return self.rec.take_outcome().landed["r"]
 
@@ -313,6 +313,7 @@ def push_body(**over):
         "dst_block_ids": list(DST),
         "deadline_unix_ms": int(time.time() * 1000) + 60_000,
         "dst_num_blocks": NBLK,
+        "source_id": C_SOURCE,
         "fingerprint": FP.model_dump(),
         "block_len": BLEN,
     }

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from helpers import C_SOURCE
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
@@ -35,6 +36,7 @@ def body(**over):
         "request_id": "req-1",
         "deadline_unix_ms": 1_700_000_000_000,
         "dst_num_blocks": NBLK,
+        "source_id": C_SOURCE,
         "fingerprint": FP.model_dump(),
     }
     b.update(over)
@@ -179,6 +181,7 @@ def test_match_answer_must_carry_what_the_hold_needs():
         "total_full_blocks": 3,
         "fingerprint": FP.model_dump(),
         "engine_timeout_s": 30,
+        "source_id": C_SOURCE,
         "now_unix_ms": 1_700_000_000_000,
     }
     assert MatchBlocksResponse.model_validate(answer).engine_timeout_s == 30

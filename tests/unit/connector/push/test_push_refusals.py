@@ -20,11 +20,11 @@ from helpers import (
     BLEN,
     BS,
     D_SESSION,
-    DST_BLOCKS,
     FP,
     NBLK,
     TOKENS,
     Clock,
+    push_job,
     serve,
     serve_routes,
     wait_until,
@@ -123,7 +123,7 @@ def receiver(clock: Clock) -> PushReceiver:
 
 
 def job(url: str) -> PushJob:
-    return PushJob("r1", url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
+    return push_job("r1", url)
 
 
 @pytest.mark.parametrize("status", [502, 504, 500])

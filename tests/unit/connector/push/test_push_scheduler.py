@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers import C_SOURCE
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
@@ -89,6 +90,7 @@ def matched(sched, r, local_tokens=0, answer=4):
                 "total_full_blocks": full,
                 "fingerprint": C_FP.model_dump(),
                 "engine_timeout_s": 30,
+                "source_id": C_SOURCE,
                 "now_unix_ms": int(time.time() * 1000),
             },
         )
@@ -116,6 +118,7 @@ def test_held_blocks_become_async_external_tokens():
     (job,) = s.take_jobs()
     assert (
         job.source == SRC
+        and job.source_id == C_SOURCE  # the match answer's, sent back in the push
         and job.first_block == 0
         and job.dst_block_ids == (30, 31, 32, 33)
     )
@@ -216,6 +219,7 @@ def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, 
         assert body["first_block"] == 1 and body["dst_block_ids"] == [5, 6, 7]
         assert body["deadline_unix_ms"] == int((WALL + CONFIG.push_timeout_s) * 1000)
         assert body["dst_num_blocks"] == 16 and body["fingerprint"] == C_FP.model_dump()
+        assert body["source_id"] == C_SOURCE  # the job's (its match answer's)
         posted.set()
         if isinstance(answer, Exception):
             raise answer
@@ -234,7 +238,9 @@ def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, 
         wall_clock=lambda: WALL,
     )
     monkeypatch.setattr(rec._lanes, "post", post)
-    job = PushJob("r1", SRC, tuple(range(80)), None, None, 1, (5, 6, 7))
+    job = PushJob(
+        "r1", SRC, tuple(range(80)), None, None, 1, (5, 6, 7), source_id=C_SOURCE
+    )
     rec.start([job])
     assert posted.wait(5)
     if isinstance(answer, Exception) or (answer[0] != 200 and len(answer) < 3):

@@ -42,6 +42,7 @@ from helpers import (
     BS,
     C_BLOCKS,
     C_SESSION,
+    C_SOURCE,
     D_SESSION,
     DST_BLOCKS,
     FP,
@@ -54,6 +55,7 @@ from helpers import (
     CServer,
     ask,
     d_request,
+    push_job,
     serve,
 )
 
@@ -82,7 +84,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
     SOURCE_REFUSAL,
     KVFingerprint,
     PushBlocksResponse,
-    PushJob,
     PushRequestError,
     parse_push_request,
     validate,
@@ -133,6 +134,7 @@ def push_body(d: KV, session: str = D_SESSION, **over) -> dict:
         "request_id": "r1",
         "deadline_unix_ms": int(time.time() * 1000) + 60_000,
         "dst_num_blocks": NBLK,
+        "source_id": C_SOURCE,
         "fingerprint": FP.model_dump(),
     }
     b.update(over)
@@ -480,6 +482,7 @@ class PushFuzz:
         "deadline_unix_ms",
         "dst_num_blocks",
         "fingerprint",
+        "source_id",
     ]
 
     def __init__(self, rng: random.Random, d: KV, max_tokens: int):
@@ -590,6 +593,10 @@ class PushFuzz:
             )
         if field in ("cache_salt", "lora_name", "request_id"):
             return wrong_str(r)
+        if field == "source_id":  # another source's, empty, too long, not a string
+            return r.choice(
+                ["another-source", C_SOURCE + "x", "", "s" * 65, wrong_str(r)]
+            )
         if field == "fingerprint":
             return self.bad_fingerprint()
         raise AssertionError(field)
@@ -1383,6 +1390,7 @@ def match_answer(**over):
         "total_full_blocks": 5,
         "fingerprint": FP.model_dump(),
         "engine_timeout_s": 30,
+        "source_id": C_SOURCE,
         "now_unix_ms": NOW,
     }
     b.update(over)
@@ -1579,7 +1587,7 @@ def test_hostile_push_answer_lands_nothing_it_cannot_prove(
     )
     clock = Clock()
     rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, cfg, clock=clock)
-    job = PushJob("r1", hostile.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))
+    job = push_job("r1", hostile.url)
     rec.start([job])
     assert hostile.answered.wait(5)
     assert hostile.seen[0][1].get("authorization").startswith("Mooncake-HMAC-SHA256 ")
@@ -1616,9 +1624,7 @@ def test_hostile_push_answer_lands_nothing_it_cannot_prove(
 )
 def test_proven_blocks(pushed, nbytes, expected):
     rec = PushReceiver(D_SESSION, [1 << 20, 2 << 20], BLEN, BS, NBLK, FP, ExtConfig())
-    job = PushJob(
-        "r1", "http://c:9000", tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
-    )
+    job = push_job("r1", "http://c:9000")
     resp = PushBlocksResponse(status="ok", pushed_blocks=pushed, bytes=nbytes)
     assert rec.proven_blocks(job, resp) == expected
 

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import KV, filled_mirror
+from helpers import C_SOURCE, KV, filled_mirror
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
@@ -79,6 +79,7 @@ def make(held=C_BLOCKS, salt=None, write=None, log=None):
         C_SESSION,
         config=ExtConfig(),
         wall_clock_ms=lambda: NOW_MS,
+        source_id=C_SOURCE,
     )
     return server, c, d, log
 
@@ -94,6 +95,7 @@ def body(d, **over):
         "request_id": "r1",
         "deadline_unix_ms": DEADLINE_MS,
         "dst_num_blocks": NBLK,
+        "source_id": C_SOURCE,
         "fingerprint": FP.model_dump(),
     }
     b.update(over)
@@ -216,6 +218,7 @@ def test_before_the_first_step_is_503():
         FP,
         C_SESSION,
         wall_clock_ms=lambda: NOW_MS,
+        source_id=C_SOURCE,
     )
     assert server.push(body(d))[0] == 503
 

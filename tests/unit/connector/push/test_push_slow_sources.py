@@ -27,14 +27,15 @@ from fastapi.responses import Response
 from helpers import (
     BLEN,
     BS,
+    C_SOURCE,
     D_SESSION,
-    DST_BLOCKS,
     FP,
     NBLK,
     SCHED_FP,
     TOKENS,
     ask,
     d_request,
+    push_job,
     serve,
 )
 
@@ -46,9 +47,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_recei
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
     PushScheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
-    PushJob,
 )
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -224,19 +222,10 @@ def test_a_slow_source_at_the_push_phase_does_not_delay_a_healthy_one(sources, h
         D_SESSION, d.bases, BLEN, BS, NBLK, FP, ExtConfig(push_timeout_s=5)
     )
     try:
-        rec.start(
-            [
-                PushJob(
-                    f"s{i}", slow.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
-                )
-                for i in range(6)
-            ]
-        )
+        rec.start([push_job(f"s{i}", slow.url) for i in range(6)])
         assert wait_until(lambda: slow.open >= 4, 5)
         t0 = time.monotonic()
-        rec.start(
-            [PushJob("h", healthy.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))]
-        )
+        rec.start([push_job("h", healthy.url)])
         ended: set[str] = set()
 
         def healthy_ended():
@@ -279,7 +268,7 @@ def test_the_process_exits_while_calls_to_a_slow_source_are_in_flight(sources):
         s.get_num_new_matched_tokens(r, 0)
         rec = PushReceiver("127.0.0.1:2", [1 << 20], 64, 4, 16, fp,
                            ExtConfig(push_timeout_s=600))
-        rec.start([PushJob("p", url, tuple(range(9)), None, None, 0, (1, 2))])
+        rec.start([PushJob("p", url, tuple(range(9)), None, None, 0, (1, 2), source_id={C_SOURCE!r})])
         time.sleep(2)
         print("exiting", flush=True)
     """)
@@ -348,18 +337,9 @@ def test_a_push_that_ended_while_queued_is_never_sent():
         clock=lambda: clock.now,
     )
     try:
-        rec.start(
-            [
-                PushJob(
-                    f"a{i}", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
-                )
-                for i in range(4)
-            ]
-        )
+        rec.start([push_job(f"a{i}", src.url) for i in range(4)])
         assert wait_until(lambda: len(src.pushes) == 4, 5)
-        rec.start(
-            [PushJob("late", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS))]
-        )
+        rec.start([push_job("late", src.url)])
         time.sleep(0.2)
         clock.now += 3600  # every hold has passed
         assert rec.merge_finished(None) == {"a0", "a1", "a2", "a3", "late"}
@@ -422,13 +402,7 @@ def test_a_400_mib_answer_is_not_read(sources, phase, declared):
             ExtConfig(push_timeout_s=20),
         )
         try:
-            rec.start(
-                [
-                    PushJob(
-                        "r1", src.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
-                    )
-                ]
-            )
+            rec.start([push_job("r1", src.url)])
             # the answer is refused (the source's connection is gone), unread: no
             # end before the hold (C may still write)
             assert wait_until(lambda: src.paths and src.open == 0, 30)
@@ -467,13 +441,7 @@ def test_d_ignores_proxies_from_its_environment(monkeypatch, sources, healthy):
         r = d_request(source=healthy.url, n_tokens=len(TOKENS))
         r.prompt_token_ids = list(TOKENS)
         assert ask(sched, r) == (3 * BS, True)
-        rec.start(
-            [
-                PushJob(
-                    "r1", healthy.url, tuple(TOKENS), None, None, 0, tuple(DST_BLOCKS)
-                )
-            ]
-        )
+        rec.start([push_job("r1", healthy.url)])
         assert wait_until(lambda: rec.merge_finished(None) == {"r1"}, 10)
         assert rec.take_outcome().landed == {"r1": 3}
         assert proxy.paths == [], f"D went through the proxy: {proxy.paths}"
