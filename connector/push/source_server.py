@@ -7,8 +7,8 @@ model are not involved. A push: validate (nothing is written on a 4xx; a push
 naming another source than this process's ``source_id``, which its /match_blocks
 answers carry, is refused with 421), hash the prompt as the scheduler does,
 match the longest cached prefix and snapshot its blocks' generations, refuse to
-start once the request's deadline (D's wall clock) or its budget (from when this server received it,
-on this instance's monotonic clock) has passed, write blocks
+start once the request's deadline (D's wall clock) or its budget (from when this
+server received it, on this instance's monotonic clock) has passed, write blocks
 ``first_block ..`` into D's blocks with one terminal engine write
 (engine_write.py; on a thread at nice 19: it polls the engine, see writer.py), then check
 that none of the read blocks was evicted or reused meanwhile (else the push
