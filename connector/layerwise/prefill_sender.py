@@ -105,6 +105,8 @@ MAX_UNKNOWN_BLOCK_IDS = 1 << 20  # ... and the block ids they name, in all
 # Transfers served from one of D's requests (D sends one per P worker and step:
 # at most its max_num_seqs); the rest of a larger one is refused at once.
 MAX_TRANSFERS_PER_REQUEST = 1024
+# transfer ids answered "never scheduled" that are remembered (oldest forgotten)
+MAX_REFUSED_IDS = 4096
 # How often D's answer, waiting for an in-flight write, checks it against the
 # engine's bound (only to log; the answer itself comes when the write returns).
 OVERDUE_CHECK_S = 1.0
@@ -191,6 +193,16 @@ class LayerwiseSender:
         )
         # finished on P, no destination yet: deadline, in order of deadline (one timeout)
         self._deadlines: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # Ids whose pull was answered "never scheduled" (that decode instance gave
+        # up and prefills locally), oldest first, at most MAX_REFUSED_IDS; a request
+        # P runs later under one waits only the unknown timeout for another pull
+        # before its blocks are freed (_refused_deadlines, in order of deadline).
+        self._refused_ids: collections.OrderedDict[str, None] = (
+            collections.OrderedDict()
+        )
+        self._refused_deadlines: collections.OrderedDict[str, float] = (
+            collections.OrderedDict()
+        )
         # P requests whose blocks the scheduler keeps until we report them
         self._handed_over: set[str] = set()
         self._slot_events: list[ComputeEvent | None] = [None] * len(
@@ -270,6 +282,11 @@ class LayerwiseSender:
                 if t is not None and t.destination is None and not t.done:
                     self._deadlines[fin.transfer_id] = now + self.timeout_s
                     self._deadlines.move_to_end(fin.transfer_id)
+                    if fin.transfer_id in self._refused_ids:
+                        del self._refused_ids[fin.transfer_id]
+                        self._refused_deadlines[fin.transfer_id] = (
+                            now + self._unknown_timeout_s()
+                        )
             ops += self.tracker.begin_step(meta.steps)
             self._step_active = bool(meta.steps)
             self._step_final = [
@@ -308,6 +325,26 @@ class LayerwiseSender:
         Costs O(expired + ended): deadlines and results are kept in time order."""
         now = self._clock()
         with self._lock:
+            while self._refused_deadlines:
+                transfer_id, deadline = next(iter(self._refused_deadlines.items()))
+                if now <= deadline:
+                    break
+                del self._refused_deadlines[transfer_id]
+                t = self.tracker.get(transfer_id)
+                if t is None or t.done or t.destination is not None:
+                    continue
+                logger.warning(
+                    "Layer-wise transfer %s: its decode instance was answered that "
+                    "this prefill instance never scheduled it, and nobody asked again "
+                    "within %.0fs of the request's end; freeing the blocks.",
+                    transfer_id,
+                    self._unknown_timeout_s(),
+                )
+                self.tracker.fail(
+                    transfer_id,
+                    "expired: its decode instance had been answered that it was "
+                    "never scheduled",
+                )
             while self._deadlines:
                 transfer_id, deadline = next(iter(self._deadlines.items()))
                 if now <= deadline:
@@ -381,8 +418,13 @@ class LayerwiseSender:
             with self._lock:
                 if self.tracker.drop_pending(transfer_id):
                     # Never scheduled here: nothing was written and nothing of
-                    # it stays (a request scheduled later under this id runs
-                    # as if it had never been named).
+                    # it stays. A request scheduled later under this id is
+                    # served if a pull for it comes again, but its blocks wait
+                    # for one only the unknown timeout (this decode gave up).
+                    self._refused_ids[transfer_id] = None
+                    self._refused_ids.move_to_end(transfer_id)
+                    while len(self._refused_ids) > MAX_REFUSED_IDS:
+                        self._refused_ids.popitem(last=False)
                     return reason
                 self.tracker.fail(transfer_id, reason)
             self._dispatch()
@@ -425,6 +467,9 @@ class LayerwiseSender:
             except asyncio.TimeoutError:
                 continue
 
+    def _unknown_timeout_s(self) -> float:
+        return min(self.config.layerwise_unknown_timeout_s, self.timeout_s)
+
     async def _wait_or_timeout(
         self, transfer_id: str, fut: asyncio.Future
     ) -> str | None:
@@ -434,7 +479,7 @@ class LayerwiseSender:
         socket, which would otherwise hold a waiter for the whole timeout), or
         it did not end within the transfer timeout."""
         start = time.monotonic()
-        unknown_s = min(self.config.layerwise_unknown_timeout_s, self.timeout_s)
+        unknown_s = self._unknown_timeout_s()
         try:
             await asyncio.wait_for(asyncio.shield(fut), unknown_s)
             return None

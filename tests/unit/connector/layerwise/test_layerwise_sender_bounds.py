@@ -152,6 +152,35 @@ def test_an_unknown_id_that_timed_out_is_later_reported_under_the_real_request_i
     sender.shutdown()
 
 
+def test_a_request_whose_decode_was_told_never_scheduled_frees_its_blocks_early(loop):
+    """D asked for X before P scheduled it and was answered "never scheduled"
+    (D gave up and prefills locally). When P later runs X and nobody asks again,
+    its blocks are freed after the unknown timeout, not the transfer timeout."""
+    sender = make_sender(timeout_s=30.0, unknown_s=0.3)
+    err = loop.submit(sender.push("X", dest())).result(5)
+    assert err and "never scheduled" in err
+    sender.on_metadata(LayerwiseMetadata(steps=[step("X", "req-X")]))
+    sender.layer_saved("l0", KV)
+    sender.on_metadata(LayerwiseMetadata(finished=[finished("X", "req-X")]))
+    assert poll_until(sender, {"req-X"}, timeout=3) == {"req-X"}
+    assert "never scheduled" in sender._results["X"][1]
+    # an id nobody was refused keeps the whole transfer timeout
+    sender.on_metadata(LayerwiseMetadata(steps=[step("Y", "req-Y")]))
+    sender.layer_saved("l0", KV)
+    sender.on_metadata(LayerwiseMetadata(finished=[finished("Y", "req-Y")]))
+    assert poll_until(sender, {"req-Y"}, timeout=1) == set()
+    sender.shutdown()
+
+
+def test_refused_ids_are_remembered_up_to_a_bound(loop, monkeypatch):
+    monkeypatch.setattr(prefill_sender, "MAX_REFUSED_IDS", 3)
+    sender = make_sender(unknown_s=0.05)
+    for i in range(5):
+        assert "never scheduled" in loop.submit(sender.push(f"X{i}", dest())).result(5)
+    assert list(sender._refused_ids) == ["X2", "X3", "X4"]
+    sender.shutdown()
+
+
 def test_a_refused_id_does_not_stop_the_real_decode_from_pulling_it_later(loop):
     sender = make_sender(unknown_s=0.2)
     assert "never scheduled" in loop.submit(
