@@ -325,43 +325,24 @@ class LayerwiseSender:
         Costs O(expired + ended): deadlines and results are kept in time order."""
         now = self._clock()
         with self._lock:
-            while self._refused_deadlines:
-                transfer_id, deadline = next(iter(self._refused_deadlines.items()))
-                if now <= deadline:
-                    break
-                del self._refused_deadlines[transfer_id]
-                t = self.tracker.get(transfer_id)
-                if t is None or t.done or t.destination is not None:
-                    continue
-                logger.warning(
-                    "Layer-wise transfer %s: its decode instance was answered that "
-                    "this prefill instance never scheduled it, and nobody asked again "
-                    "within %.0fs of the request's end; freeing the blocks.",
-                    transfer_id,
-                    self._unknown_timeout_s(),
-                )
-                self.tracker.fail(
-                    transfer_id,
-                    "expired: its decode instance had been answered that it was "
-                    "never scheduled",
-                )
-            while self._deadlines:
-                transfer_id, deadline = next(iter(self._deadlines.items()))
-                if now <= deadline:
-                    break
-                del self._deadlines[transfer_id]
-                t = self.tracker.get(transfer_id)
-                if t is None or t.done or t.destination is not None:
-                    continue
-                logger.warning(
-                    "Layer-wise transfer %s: the decode instance did not ask for "
-                    "the KV within %.0fs; freeing the blocks.",
-                    transfer_id,
-                    self.timeout_s,
-                )
-                self.tracker.fail(
-                    transfer_id, "expired: the decode instance never asked"
-                )
+            self._expire(
+                self._refused_deadlines,
+                now,
+                "Layer-wise transfer %s: its decode instance was answered that this "
+                "prefill instance never scheduled it, and nobody asked again within "
+                "%.0fs of the request's end; freeing the blocks.",
+                self._unknown_timeout_s(),
+                "expired: its decode instance had been answered that it was never "
+                "scheduled",
+            )
+            self._expire(
+                self._deadlines,
+                now,
+                "Layer-wise transfer %s: the decode instance did not ask for the KV "
+                "within %.0fs; freeing the blocks.",
+                self.timeout_s,
+                "expired: the decode instance never asked",
+            )
             while self._results:
                 transfer_id, (when, _) = next(iter(self._results.items()))
                 if now - when <= 2 * self.timeout_s:
@@ -466,6 +447,27 @@ class LayerwiseSender:
                 return await asyncio.wait_for(asyncio.shield(fut), wait)
             except asyncio.TimeoutError:
                 continue
+
+    def _expire(
+        self,
+        deadlines: collections.OrderedDict[str, float],
+        now: float,
+        warning: str,
+        after_s: float,
+        reason: str,
+    ) -> None:
+        """Fail the transfers in ``deadlines`` (in order of deadline) whose
+        deadline passed and that still have no destination. Under the lock."""
+        while deadlines:
+            transfer_id, deadline = next(iter(deadlines.items()))
+            if now <= deadline:
+                break
+            del deadlines[transfer_id]
+            t = self.tracker.get(transfer_id)
+            if t is None or t.done or t.destination is not None:
+                continue
+            logger.warning(warning, transfer_id, after_s)
+            self.tracker.fail(transfer_id, reason)
 
     def _unknown_timeout_s(self) -> float:
         return min(self.config.layerwise_unknown_timeout_s, self.timeout_s)
