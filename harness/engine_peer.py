@@ -77,9 +77,14 @@ def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
             TerminalWriter,
         )
 
-        write = TerminalWriter(engine, ExtConfig.from_env())
+        config = ExtConfig.from_env()
+        write = TerminalWriter(engine, config)
+        ready = (
+            f"READY {config.engine_write_bound_s(nbytes):.1f}"  # what peers hold for
+        )
     elif mode == "sync":
         write = engine.batch_transfer_sync_write
+        ready = "READY"
     else:
         raise SystemExit(f"engine_peer: unknown mode {mode!r}")
     # Entries of 32 MiB, as a KV write has many entries.
@@ -88,7 +93,7 @@ def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
     srcs = [src.ctypes.data + o for o in offs]
     dsts = [addr + o for o in offs]
     lens = [min(step, nbytes - o) for o in offs]
-    print("READY", flush=True)
+    print(ready, flush=True)
     sys.stdin.readline()
     rc = write(session, srcs, dsts, lens)
     print(f"RETURNED {rc}", flush=True)
@@ -122,6 +127,7 @@ class EnginePeer:
             cwd=ROOT,
         )
         self.lines: queue.Queue[str] = queue.Queue()
+        self.write_bound_s: float | None = None  # a terminal writer's, once READY
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -158,15 +164,20 @@ def landed(receiver: EnginePeer) -> int:
 
 @contextlib.contextmanager
 def terminal_write_on_two_hosts(
-    nbytes: int, env: dict[str, str]
+    nbytes: int, env: dict[str, str], writer_sysctls: dict[str, int] | None = None
 ) -> Iterator[tuple[Any, EnginePeer, EnginePeer]]:
     """A receiver and a writer (this series' TerminalWriter) on two hosts of their
     own (harness/netns.py), the writer READY to write ``nbytes`` (send "go"):
-    (the topology, the writer, the receiver). Needs root."""
+    (the topology, the writer, the receiver). ``writer.write_bound_s`` is the
+    bound the writer's configuration puts on the write (what peers hold blocks
+    for), read in its namespace after ``writer_sysctls`` were set there. Needs
+    root."""
     from harness import netns
 
     with netns.Topology(["writer", "receiver"]) as topo:
         w, r = topo.host("writer"), topo.host("receiver")
+        for name, value in (writer_sysctls or {}).items():
+            w.sysctl(name, value)
         recv = EnginePeer(
             "receiver",
             str(nbytes),
@@ -185,7 +196,7 @@ def terminal_write_on_two_hosts(
                 env={**env, "VMP_ENGINE_HOST": w.ip, "VMP_PEER_HOST": r.ip},
                 prefix=w.exec_prefix(),
             )
-            writer.expect("READY", 120)
+            writer.write_bound_s = float(writer.expect("READY", 120)[0].split()[1])
             yield topo, writer, recv
             writer.send("exit")
         finally:

@@ -171,6 +171,10 @@ class Host:
     def exec_prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.netns]
 
+    def sysctl(self, name: str, value: int) -> None:
+        """Set a per-namespace kernel setting (net.*) in this host only."""
+        _run(*self.exec_prefix(), "sysctl", "-qw", f"{name}={value}")
+
 
 _LIVE: set[Topology] = set()
 _LIVE_LOCK = threading.Lock()

@@ -17,7 +17,8 @@ MOONCAKE_LAYERWISE_TIMEOUT_S           see →    P's wait for D's request, and 
                                                 transfer's writes once D asked; default:
                                                 VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, capped so
                                                 that it + the write bound + 5 s ends before D
-                                                gives up (that timeout + 60 s)
+                                                gives up (that timeout + 60 s), in whole
+                                                seconds (294 with the defaults)
 MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S    60       P fails D's request for a transfer P has not
                                                 scheduled within this (a queue longer than
                                                 this on P needs a larger value)
@@ -75,6 +76,17 @@ ENGINE_TIMEOUT_FLOOR_S = 5
 # Mooncake's TCP transport fails a connection's slices after about this long
 # without progress (its no-progress watchdog, separate from the call's timeout).
 ENGINE_NO_PROGRESS_S = 30
+# Linux keeps a TCP connection that was closed with data still queued (an
+# orphan, FIN-WAIT-1) and retransmits that data until net.ipv4.tcp_orphan_retries
+# retransmissions have timed out (0 means 8), by the kernel's time model
+# (tcp_model_timeout: the RTO doubles from TCP_RTO_MIN up to TCP_RTO_MAX). The
+# transport's watchdog closes a stalled connection that way, so its queued bytes
+# can still be delivered that long after the stall began (measured: 104 s with the
+# default, send_queues.py).
+TCP_RTO_MIN_S = 0.2
+TCP_RTO_MAX_S = 120.0
+LINUX_ORPHAN_RETRIES = 8  # what tcp_orphan_retries=0 (the default) means
+TCP_ORPHAN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_orphan_retries"
 # Time allowed for the segment handshake of a first write to a peer (it has no
 # timeout of its own in the engine).
 ENGINE_HANDSHAKE_ALLOWANCE_S = 5
@@ -161,7 +173,7 @@ class FaultConfig:
 class ExtConfig:
     layerwise: bool = False
     layerwise_min_tokens: int = 256
-    layerwise_timeout_s: float = 470.0  # as from_env computes it with the defaults
+    layerwise_timeout_s: float = 294.0  # as from_env computes it with the defaults
     layerwise_unknown_timeout_s: float = 60.0
     # D: its pull socket gives up (and D frees the pull's blocks) this long after
     # asking (upstream: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s)
@@ -171,6 +183,9 @@ class ExtConfig:
     push_timeout_s: float = 30.0
     push_clock_skew_s: float = 5.0
     engine_transfer_timeout_s: int = DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
+    # this host's net.ipv4.tcp_orphan_retries as the kernel applies it (0 -> 8);
+    # a peer's writes are assumed to come from a kernel set the same way
+    tcp_orphan_retries: int = LINUX_ORPHAN_RETRIES
     # D: a source's engine timeout beyond this is refused (its hold would be longer)
     push_source_timeout_max_s: int = 120
     # empty engine steps while finished requests hold blocks: at most one per this
@@ -198,35 +213,41 @@ class ExtConfig:
 
         From the engine's own rule (0.3.13, TCP): the segment handshake
         (ENGINE_HANDSHAKE_ALLOWANCE_S), then the call's timeout
-        (``max(5, atoi(MC_TRANSFER_TIMEOUT))`` s + 1 ns per byte), then the
-        transport's no-progress watchdog, which fails the slices still queued
-        on a stalled connection. engine_write.py waits for every slice to be
-        terminal; past this bound it logs the write as overdue and keeps
-        waiting (its blocks stay out of use). A peer that holds blocks for
-        someone else's write uses this bound, computed with the *writer's*
-        MC_TRANSFER_TIMEOUT."""
+        (``max(5, atoi(MC_TRANSFER_TIMEOUT))`` s + 1 ns per byte); then the
+        kernel's: how long bytes queued on a connection that stalled can still
+        be delivered (:func:`stalled_delivery_bound_s`, which covers the
+        transport's no-progress watchdog and the orphaned connections it
+        leaves). engine_write.py waits for every slice to be terminal and for
+        the kernel's queues (send_queues.py); past this bound it logs the write
+        as overdue and keeps waiting (its blocks stay out of use). A peer that
+        holds blocks for someone else's write uses this bound, computed with
+        the *writer's* MC_TRANSFER_TIMEOUT."""
         return (
             ENGINE_HANDSHAKE_ALLOWANCE_S
             + self.engine_transfer_timeout_s
             + nbytes * ENGINE_NS_PER_BYTE * 1e-9
-            + ENGINE_NO_PROGRESS_S
+            + stalled_delivery_bound_s(self.tcp_orphan_retries)
         )
 
     def push_hold_for_s(
-        self, nbytes: int, source_engine_timeout_s: int | None = None
+        self,
+        nbytes: int,
+        source_engine_timeout_s: int | None = None,
+        source_tcp_orphan_retries: int | None = None,
     ) -> float:
         """How long D keeps a push's blocks when C never answers. C starts no write
         once the push's budget (push_timeout_s, from when C received the request)
         or its deadline (D's wall clock + push_timeout_s, read on C's clock, which
         D measured within push_clock_skew_s) has passed; a write started by then
         ends within C's engine_write_bound_s for the ``nbytes`` asked for,
-        computed with C's MC_TRANSFER_TIMEOUT (``source_engine_timeout_s``, from
-        C's /match_blocks answer; None: this instance's own)."""
-        source = (
-            self
-            if source_engine_timeout_s is None
-            else replace(self, engine_transfer_timeout_s=source_engine_timeout_s)
-        )
+        computed with C's MC_TRANSFER_TIMEOUT (``source_engine_timeout_s``) and
+        its kernel's orphan retries (``source_tcp_orphan_retries``), both from C's
+        /match_blocks answer (None: this instance's own)."""
+        source = self
+        if source_engine_timeout_s is not None:
+            source = replace(source, engine_transfer_timeout_s=source_engine_timeout_s)
+        if source_tcp_orphan_retries is not None:
+            source = replace(source, tcp_orphan_retries=source_tcp_orphan_retries)
         return (
             self.push_timeout_s
             + source.engine_write_bound_s(nbytes)
@@ -314,6 +335,7 @@ class ExtConfig:
             delay_write_s=delay_s,
         )
         engine_timeout = engine_timeout_s(env)
+        orphan_retries = tcp_orphan_retries()
         # D's pull socket gives up after VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s
         # (upstream) and then frees the blocks; P must have answered by then. P
         # answers after its timeout once the in-flight write is terminal, which the
@@ -321,10 +343,10 @@ class ExtConfig:
         # write, small against the rest).
         d_gives_up = abort_timeout + 60
         write_bound = cls(
-            engine_transfer_timeout_s=engine_timeout
+            engine_transfer_timeout_s=engine_timeout, tcp_orphan_retries=orphan_retries
         ).engine_write_bound_s(0)
         default_layerwise_timeout = max(
-            0.1, min(abort_timeout, d_gives_up - write_bound - 5)
+            0.1, min(abort_timeout, math.floor(d_gives_up - write_bound - 5))
         )
         cfg = cls(
             layerwise=_flag(env, "MOONCAKE_LAYERWISE"),
@@ -348,6 +370,7 @@ class ExtConfig:
             push_timeout_s=_number(env, "MOONCAKE_PUSH_TIMEOUT_S", 30.0, minimum=0.1),
             push_clock_skew_s=_number(env, "MOONCAKE_PUSH_CLOCK_SKEW_S", 5.0),
             engine_transfer_timeout_s=engine_timeout,
+            tcp_orphan_retries=orphan_retries,
             push_source_timeout_max_s=int(
                 _number(
                     env,
@@ -379,7 +402,8 @@ class ExtConfig:
         if cfg.layerwise_timeout_s + write_bound >= d_gives_up:
             raise ConfigError(
                 f"MOONCAKE_LAYERWISE_TIMEOUT_S={cfg.layerwise_timeout_s:g} + the bound on an "
-                f"in-flight write ({write_bound:g} s, from MC_TRANSFER_TIMEOUT) must "
+                f"in-flight write ({write_bound:g} s, from MC_TRANSFER_TIMEOUT and "
+                f"net.ipv4.tcp_orphan_retries={orphan_retries}) must "
                 f"stay below the decode side's {d_gives_up:g} s "
                 "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, or raise "
                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both instances"
@@ -395,6 +419,44 @@ def engine_timeout_s(env: Mapping[str, str]) -> int:
         return DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
     m = re.match(r"\s*([+-]?\d+)", raw)
     return max(ENGINE_TIMEOUT_FLOOR_S, int(m.group(1)) if m else 0)
+
+
+def tcp_retransmission_span_s(retries: int) -> float:
+    """The kernel's time model for ``retries`` retransmissions (tcp_model_timeout
+    with TCP_RTO_MIN): a connection whose unacknowledged data has been
+    retransmitted for this long counts as having used them up."""
+    linear_after = 9  # ilog2(TCP_RTO_MAX / TCP_RTO_MIN)
+    if retries <= linear_after:
+        return ((2 << retries) - 1) * TCP_RTO_MIN_S
+    return ((2 << linear_after) - 1) * TCP_RTO_MIN_S + (
+        retries - linear_after
+    ) * TCP_RTO_MAX_S
+
+
+def stalled_delivery_bound_s(orphan_retries: int) -> float:
+    """How long after a connection stalls the bytes it had queued can still be
+    delivered: the transport's watchdog closes it after ENGINE_NO_PROGRESS_S
+    without progress, the kernel keeps it as an orphan and gives up at the first
+    retransmission timer past the retransmission span of ``orphan_retries``
+    (counted from the stall), which can fire up to one backed-off interval (no
+    longer than the time so far, nor than TCP_RTO_MAX) after it; 1 s for the RTO
+    above TCP_RTO_MIN. Measured with the default (8: 102.2 s + 102.2 s + 1 s):
+    the orphans died 104 s after the cut (docs/results/2026-11-26-late-bytes.md).
+    """
+    span = max(ENGINE_NO_PROGRESS_S, tcp_retransmission_span_s(orphan_retries))
+    return span + min(span, TCP_RTO_MAX_S) + 1.0
+
+
+def tcp_orphan_retries(path: str = TCP_ORPHAN_RETRIES_PATH) -> int:
+    """net.ipv4.tcp_orphan_retries of this process's network namespace as the
+    kernel applies it to a connection that was still sending (0 means 8); the
+    Linux default when it cannot be read."""
+    try:
+        with open(path) as f:
+            value = int(f.read().strip())
+    except (OSError, ValueError):
+        return LINUX_ORPHAN_RETRIES
+    return value if value > 0 else LINUX_ORPHAN_RETRIES
 
 
 def is_loopback(host: str) -> bool:

@@ -38,6 +38,7 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,8 +131,8 @@ def peer_ip(session: str) -> str | None:
 
 class SendQueueFence:
     """Waits until nothing a failed write queued in this namespace's kernel for a
-    peer can still be delivered (module docstring). Thread-safe (no state but
-    its counters, each updated by one call at a time under the GIL)."""
+    peer can still be delivered (module docstring). Thread-safe: no state but
+    its counters, which one lock guards."""
 
     def __init__(
         self,
@@ -145,8 +146,12 @@ class SendQueueFence:
         self._clock = clock
         self._sleep = sleep
         self._warned_unreadable = False
+        self._counters = threading.Lock()
         self.fenced = 0  # failed writes whose queued bytes had to be waited for
         self.fence_seconds = 0.0
+        # failed writes waiting now: their blocks (and the peer's, held for them)
+        # are out of use until the kernel has delivered or dropped the bytes
+        self.fencing = 0
 
     def held(
         self, session: str, ip: str | None
@@ -191,6 +196,26 @@ class SendQueueFence:
             sum(queued for _, queued in held.values()),
             len(held),
         )
+        with self._counters:
+            self.fencing += 1
+        try:
+            self._wait_for(session, ip, targets, bound_s, started)
+        finally:
+            waited = self._clock() - t0
+            with self._counters:
+                self.fencing -= 1
+                self.fenced += 1
+                self.fence_seconds += waited
+        return waited
+
+    def _wait_for(
+        self,
+        session: str,
+        ip: str,
+        targets: dict[tuple[str, str], int],
+        bound_s: float,
+        started: float,
+    ) -> None:
         warned = False
         while targets:
             self._sleep(POLL_S)
@@ -213,10 +238,6 @@ class SendQueueFence:
                     len(targets),
                     self._clock() - started,
                 )
-        waited = self._clock() - t0
-        self.fenced += 1
-        self.fence_seconds += waited
-        return waited
 
 
 def fence_stats(write_fn: Any) -> dict[str, float]:
@@ -226,6 +247,7 @@ def fence_stats(write_fn: Any) -> dict[str, float]:
     return {
         "fenced_writes": getattr(fence, "fenced", 0),
         "fence_seconds": round(getattr(fence, "fence_seconds", 0.0), 3),
+        "fencing_now": getattr(fence, "fencing", 0),
     }
 
 

@@ -197,7 +197,9 @@ class PushReceiver:
     def hold_s(self, job: PushJob) -> float:
         """How long this push's blocks are kept if C never answers."""
         nbytes = len(job.dst_block_ids) * self.block_len * len(self.base_addrs)
-        return self.config.push_hold_for_s(nbytes, job.source_engine_timeout_s)
+        return self.config.push_hold_for_s(
+            nbytes, job.source_engine_timeout_s, job.source_tcp_orphan_retries
+        )
 
     def start(self, jobs: list[PushJob]) -> None:
         if not jobs:

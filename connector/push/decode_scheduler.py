@@ -21,9 +21,9 @@ A failed or slow ``/match_blocks`` means no push at all, and so does a
 source whose clock is off by more than MOONCAKE_PUSH_CLOCK_SKEW_S: D measures
 the skew on each answer (C's clock against the midpoint of D's send and
 receive, give or take half the round trip), since its hold for the push
-relies on C reading D's deadline within that allowance. C's engine timeout,
-from the same answer, goes with the job: the worker's hold is computed with
-it (config.ExtConfig.push_hold_for_s).
+relies on C reading D's deadline within that allowance. C's engine timeout
+and its kernel's orphan retries, from the same answer, go with the job: the
+worker's hold is computed with them (config.ExtConfig.push_hold_for_s).
 
 Each source has its own threads and connections and every call one deadline
 (client.py): a slow source delays only its own requests.
@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth impor
     request_headers,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    LINUX_ORPHAN_RETRIES,
     ExtConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
@@ -103,6 +104,7 @@ class _Match:
     blocks: int  # leading full blocks of the prompt the source holds
     engine_timeout_s: int  # the source's
     source_id: str  # the source's name, sent back in the push request
+    tcp_orphan_retries: int | None = None  # the source's kernel's (None: ours)
 
 
 def push_source(request: Request) -> str | None:
@@ -229,7 +231,19 @@ class PushScheduler:
                 "instance's blocks for longer. Lower the source's MC_TRANSFER_TIMEOUT "
                 "or raise MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S here"
             )
-        return _Match(resp.matched_blocks, resp.engine_timeout_s, resp.source_id)
+        retries = resp.tcp_orphan_retries
+        most = max(LINUX_ORPHAN_RETRIES, self.config.tcp_orphan_retries)
+        if retries is not None and not 0 < retries <= most:
+            raise RuntimeError(
+                f"it reports net.ipv4.tcp_orphan_retries={retries} (as its kernel applies "
+                f"it); this instance accepts 1 .. {most} (the kernel's default, or its "
+                "own if larger): a write of it cut off mid-way could land in this "
+                "instance's blocks for longer than it would hold them. Lower the "
+                "source's setting or raise this instance's"
+            )
+        return _Match(
+            resp.matched_blocks, resp.engine_timeout_s, resp.source_id, retries
+        )
 
     def _allowed(self, rid: str, source: str) -> bool:
         """Only an allowed source gets a lane (threads, connections): their number
@@ -378,6 +392,7 @@ class PushScheduler:
                 tuple(dst),
                 source_engine_timeout_s=match.engine_timeout_s,
                 source_id=match.source_id,
+                source_tcp_orphan_retries=match.tcp_orphan_retries,
             )
         )
         self.stats["requests"] += 1

@@ -133,6 +133,10 @@ class MatchBlocksResponse(_Strict):
     engine_timeout_s: StrictInt
     now_unix_ms: StrictInt
     source_id: SourceId  # this C process's name; D puts it in its push request
+    # C's kernel's net.ipv4.tcp_orphan_retries as applied (0 -> 8): how long bytes
+    # of a write cut off mid-way can still be delivered (config.stalled_delivery_bound_s);
+    # None: D assumes its own kernel's
+    tcp_orphan_retries: StrictInt | None = None
 
 
 class PushBlocksRequest(_Strict):
@@ -383,6 +387,8 @@ class PushJob:
     source_engine_timeout_s: int | None = None
     # C's name from its /match_blocks answer, sent back in the push request
     source_id: str = ""
+    # C's kernel's orphan retries from the same answer (None: this instance's own)
+    source_tcp_orphan_retries: int | None = None
 
 
 @dataclass

@@ -319,6 +319,7 @@ class PushServer:
             engine_timeout_s=self.engine_timeout_s,
             now_unix_ms=self._now_ms(),
             source_id=self.source_id,
+            tcp_orphan_retries=self.config.tcp_orphan_retries,
         ).model_dump()
 
     def push(

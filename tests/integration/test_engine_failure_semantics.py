@@ -143,3 +143,51 @@ def test_a_failed_write_returns_only_once_the_kernel_holds_none_of_its_bytes():
     assert r["landed_later"] == r["landed_at_return"], (
         f"bytes of a write that returned -1 landed after it returned: {r}"
     )
+
+
+# ---- a link cut for good: how long peers must hold -------------------------------
+
+# The writer's kernel gives up on the orphaned connections at the first retransmission
+# timer past the span of this many retransmissions, about 52 s after the cut (the
+# default, 8, takes about 104 s); either is past the engine's own rule (about 40 s
+# with MC_TRANSFER_TIMEOUT=5: handshake, call timeout, 30 s watchdog).
+ORPHAN_RETRIES = 7
+
+
+@pytest.mark.skipif(
+    netns.available() is not None,
+    reason=f"no network namespaces here: {netns.available()}",
+)
+def test_a_write_cut_off_for_good_ends_within_the_bound_peers_hold_for():
+    """The receiver's link is cut 80 ms into the write and not restored until the
+    write has returned. Peers hold blocks for a write for the writer's bound
+    (ExtConfig.engine_write_bound_s: D's push hold, D's pull give-up against P's
+    timeout), so the write must end within it, and once it has ended no byte of
+    it may land, even when the link comes back."""
+    with terminal_write_on_two_hosts(
+        CUT_NBYTES, ENV, writer_sysctls={"net.ipv4.tcp_orphan_retries": ORPHAN_RETRIES}
+    ) as (topo, writer, recv):
+        bound = writer.write_bound_s
+        writer.send("go")
+        time.sleep(0.08)
+        topo.link_down("receiver")
+        t_cut = time.monotonic()
+        line, t_ret = writer.expect("RETURNED", bound + 120)
+        took = t_ret - t_cut
+        topo.link_up("receiver")
+        at_return = landed(recv)
+        time.sleep(WATCH_AFTER_S / 2)
+        later = landed(recv)
+    print(
+        f"cut for good: the write returned {took:.1f} s after the cut (bound {bound:.1f} s)"
+    )
+    assert int(line.split()[1]) == -1, line
+    assert took > 30, f"the write ended {took:.1f} s after the cut: no stall was seen"
+    assert took <= bound, (
+        f"the write ended {took:.1f} s after the cut, past the {bound:.1f} s its "
+        "peers hold blocks for: they would have freed them while its bytes could "
+        "still land"
+    )
+    assert later == at_return, (
+        f"bytes landed after the write had returned: {at_return} -> {later} chunks"
+    )

@@ -32,7 +32,7 @@ from harness.prompts import random_prompt as prompt
 pytestmark = pytest.mark.integration
 
 LATE_S = 3.0  # the write behind the proxy lands this long after its 504
-PUSH_TIMEOUT_S = 5  # D's MOONCAKE_PUSH_TIMEOUT_S: its hold is about 50 s here
+PUSH_TIMEOUT_S = 5  # D's MOONCAKE_PUSH_TIMEOUT_S: its hold is about 81 s here
 
 
 class SourceBehindAProxy:
@@ -73,8 +73,9 @@ class SourceBehindAProxy:
             self.c_bootstrap, raw, authorization, BLOCK
         )
         self.fingerprint = out["fingerprint"]
-        # the engine's floor: D's hold for this source is as short as it can be
-        return {**out, "engine_timeout_s": 5}
+        # the engine's floor and a kernel that gives up on orphaned connections at
+        # once: D's hold for this source is as short as it can be
+        return {**out, "engine_timeout_s": 5, "tcp_orphan_retries": 1}
 
     def write_late(self, push: dict) -> None:
         time.sleep(LATE_S)

@@ -6,22 +6,40 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ConfigError,
     ExtConfig,
+    stalled_delivery_bound_s,
+    tcp_orphan_retries,
+    tcp_retransmission_span_s,
 )
+
+
+@pytest.fixture(autouse=True)
+def linux_default_orphan_retries(monkeypatch):
+    """from_env reads this host's net.ipv4.tcp_orphan_retries; these tests assume
+    the kernel's default (0, applied as 8)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import config
+
+    monkeypatch.setattr(config, "tcp_orphan_retries", lambda: 8)
 
 
 def test_defaults_and_derived_bounds():
     cfg = ExtConfig.from_env({})
     assert not cfg.layerwise and cfg.layerwise_min_tokens == 256
     # upstream's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (480), capped so that it plus the
-    # bound on an in-flight write (5 + 30 + 30) plus 5 s ends before D gives up (540)
-    assert cfg.layerwise_timeout_s == 470
+    # bound on an in-flight write (5 + 30 + 205.4) plus 5 s ends before D gives up
+    # (540), in whole seconds
+    cfg = ExtConfig.from_env({})
+    assert (
+        ExtConfig.from_env({}).layerwise_timeout_s
+        == 294
+        == ExtConfig().layerwise_timeout_s
+    )
     assert cfg.push_timeout_s == 30 and cfg.engine_transfer_timeout_s == 30
     # D's hold for a push C never answers: push timeout + C's bound for the bytes
-    # (handshake 5 + C's MC_TRANSFER_TIMEOUT + 1 ns/byte + watchdog 30) + skew
-    assert cfg.push_hold_for_s(0) == 30 + (5 + 30 + 0 + 30) + 5
-    assert (
-        cfg.push_hold_for_s(2 * 10**9, source_engine_timeout_s=60)
-        == 30 + (5 + 60 + 2 + 30) + 5
+    # (handshake 5 + C's MC_TRANSFER_TIMEOUT + 1 ns/byte + the kernel's 205.4 for
+    # the stalled connections' orphans) + skew
+    assert cfg.push_hold_for_s(0) == pytest.approx(30 + (5 + 30 + 0 + 205.4) + 5)
+    assert cfg.push_hold_for_s(2 * 10**9, source_engine_timeout_s=60) == pytest.approx(
+        30 + (5 + 60 + 2 + 205.4) + 5
     )
     assert not cfg.faults.armed
 
@@ -35,11 +53,12 @@ def test_values_are_read():
             "MOONCAKE_PUSH_CLOCK_SKEW_S": "1",
             "MOONCAKE_FAULT_DELAY_WRITE": "600:12",
             "MOONCAKE_FAULT_HOLD_WRITE": "1500:10:4.5",
-            "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "100",
+            "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "300",
         }
     )
-    assert cfg.layerwise and cfg.layerwise_timeout_s == 100
-    assert cfg.push_hold_for_s(0) == 3 + (5 + 10 + 30) + 1
+    # D gives up at 300 + 60 s; the bound on a write is 5 + 10 + 205.4 s
+    assert cfg.layerwise and cfg.layerwise_timeout_s == 134  # floor(360 - 220.4 - 5)
+    assert cfg.push_hold_for_s(0) == pytest.approx(3 + (5 + 10 + 205.4) + 1)
     assert (cfg.faults.delay_write_prompt_len, cfg.faults.delay_write_s) == (600, 12.0)
     f = cfg.faults
     assert (f.hold_write_prompt_len, f.hold_write_after, f.hold_write_s) == (
@@ -68,9 +87,12 @@ def test_bad_values_name_the_variable(env, name):
 def test_layerwise_timeout_must_end_before_the_decode_side_gives_up():
     """D frees a pull's blocks VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s after asking;
     P must have answered (timeout + the bound on its in-flight write) before that."""
-    assert ExtConfig.from_env({"MOONCAKE_LAYERWISE_TIMEOUT_S": "470"})  # 470 + 65 < 540
+    # 294 + 240.4 < 540
+    assert ExtConfig.from_env({"MOONCAKE_LAYERWISE_TIMEOUT_S": "294"})
     with pytest.raises(ConfigError, match="MOONCAKE_LAYERWISE_TIMEOUT_S"):
-        ExtConfig.from_env({"MOONCAKE_LAYERWISE_TIMEOUT_S": "480"})  # 480 + 65 >= 540
+        ExtConfig.from_env(
+            {"MOONCAKE_LAYERWISE_TIMEOUT_S": "300"}
+        )  # 300 + 240.4 >= 540
     with pytest.raises(ConfigError, match="MC_TRANSFER_TIMEOUT"):
         ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "600"})
     with pytest.raises(ConfigError, match="MC_TRANSFER_TIMEOUT"):  # no default fits
@@ -107,19 +129,24 @@ def test_worker_registers_where_the_bootstrap_server_listens(bind, upstream, exp
 def test_a_prefill_refuses_a_decode_that_gives_up_before_it_may_answer():
     """P answers a layer-wise pull at the latest after MOONCAKE_LAYERWISE_TIMEOUT_S + the
     bound on an in-flight write; the decode side frees its blocks when it gives up."""
-    d = ExtConfig.from_env({"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "20"})
-    assert d.decode_limits() == {"pull_give_up_s": 80.0}
+    d = ExtConfig.from_env(
+        {
+            "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "200",
+            "MOONCAKE_LAYERWISE_TIMEOUT_S": "1",
+        }
+    )
+    assert d.decode_limits() == {"pull_give_up_s": 260.0}
     p = ExtConfig.from_env(
         {"MOONCAKE_LAYERWISE_TIMEOUT_S": "60", "MC_TRANSFER_TIMEOUT": "5"}
     )
-    why = p.layerwise_refusal(d.decode_limits())  # 60 + (5 + 5 + 30) = 100 >= 80
+    why = p.layerwise_refusal(d.decode_limits())  # 60 + (5 + 5 + 205.4) = 275.4 >= 260
     assert (
         why
-        and "100 s" in why
-        and "80 s" in why
+        and "275.4 s" in why
+        and "260 s" in why
         and "MOONCAKE_LAYERWISE_TIMEOUT_S" in why
     )
-    assert p.layerwise_refusal({"pull_give_up_s": 101.0}) is None
+    assert p.layerwise_refusal({"pull_give_up_s": 276.0}) is None
     assert (
         ExtConfig.from_env({}).layerwise_refusal(ExtConfig.from_env({}).decode_limits())
         is None
@@ -127,3 +154,42 @@ def test_a_prefill_refuses_a_decode_that_gives_up_before_it_may_answer():
     assert p.layerwise_refusal(None) is None  # a decode without the hook: not checkable
     for bad in (float("nan"), float("inf"), 0.0, -5.0, "x"):
         assert "invalid" in p.layerwise_refusal({"pull_give_up_s": bad})
+
+
+def test_the_write_bound_covers_what_a_cut_link_can_still_deliver():
+    """A write whose link is cut for longer than the transport's 30 s watchdog ends
+    only once the kernel has given up on the orphaned connections (send_queues.py);
+    peers hold blocks for it that long. Measured with the real engine
+    (MC_TRANSFER_TIMEOUT=5, 512 MiB, the kernel's default tcp_orphan_retries): the
+    write returned 106.8 s after the cut; without the fence (MC_TRANSFER_TIMEOUT=30)
+    it returned after 113.3 s. The engine's own rule gave 40.5 s and 65 s."""
+    assert (
+        ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "5"}).engine_write_bound_s(512 << 20)
+        > 106.8
+    )
+    assert ExtConfig.from_env({}).engine_write_bound_s(0) > 113.3
+    assert ExtConfig.from_env({}).push_hold_for_s(0) > 30 + 113.3
+
+
+def test_the_kernels_retransmission_model():
+    # tcp_model_timeout: (2^(n+1) - 1) * 200 ms up to 9, then 120 s per retry
+    assert tcp_retransmission_span_s(8) == pytest.approx(102.2)
+    assert tcp_retransmission_span_s(9) == pytest.approx(204.6)
+    assert tcp_retransmission_span_s(15) == pytest.approx(204.6 + 6 * 120)
+    # the watchdog's 30 s is the floor; the timer past the span fires at most one
+    # interval later (no longer than the span itself, nor than TCP_RTO_MAX)
+    assert stalled_delivery_bound_s(1) == pytest.approx(30 + 30 + 1)
+    assert stalled_delivery_bound_s(8) == pytest.approx(102.2 + 102.2 + 1)
+    assert stalled_delivery_bound_s(15) == pytest.approx(924.6 + 120 + 1)
+
+
+@pytest.mark.parametrize(
+    "text,applied", [("0\n", 8), ("7\n", 7), ("15", 15), ("x", 8), (None, 8)]
+)
+def test_the_orphan_retries_are_read_as_the_kernel_applies_them(
+    tmp_path, text, applied
+):
+    path = tmp_path / "tcp_orphan_retries"
+    if text is not None:
+        path.write_text(text)
+    assert tcp_orphan_retries(str(path)) == applied

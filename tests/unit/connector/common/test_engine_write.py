@@ -123,7 +123,7 @@ def test_an_overdue_write_is_logged_once_and_still_waited_for(caplog):
     cfg = ExtConfig(engine_transfer_timeout_s=5)
 
     def sleep(s):
-        now[0] += 5.0  # every back-off step takes 5 s of the clock
+        now[0] += 15.0  # every back-off step takes 15 s of the clock
 
     w = TerminalWriter(
         eng, cfg, clock=lambda: now[0], sleep=sleep, fence=RecordedFence()

@@ -9,6 +9,7 @@ exercised by tests/integration/test_engine_failure_semantics.py."""
 from __future__ import annotations
 
 import logging
+import time
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
     SendQueueFence,
@@ -131,9 +132,48 @@ def test_the_fences_counters_are_served_with_the_push_and_layerwise_stats(c_serv
         fence_stats,
     )
 
-    write = SimpleNamespace(fence=SimpleNamespace(fenced=3, fence_seconds=41.25))
-    assert fence_stats(write) == {"fenced_writes": 3, "fence_seconds": 41.25}
-    assert fence_stats(lambda *a: 0) == {"fenced_writes": 0, "fence_seconds": 0}
+    write = SimpleNamespace(
+        fence=SimpleNamespace(fenced=3, fence_seconds=41.25, fencing=1)
+    )
+    assert fence_stats(write) == {
+        "fenced_writes": 3,
+        "fence_seconds": 41.25,
+        "fencing_now": 1,
+    }
+    assert fence_stats(lambda *a: 0) == {
+        "fenced_writes": 0,
+        "fence_seconds": 0,
+        "fencing_now": 0,
+    }
     c = c_server()
     stats = c.http.get("/push/stats").json()
     assert stats["fenced_writes"] == 0 and stats["overdue_now"] == 0
+    assert stats["fencing_now"] == 0
+
+
+def test_a_write_waiting_on_the_fence_is_counted_while_it_waits():
+    """The stats routes show how many failed writes wait for the kernel now (their
+    blocks are out of use meanwhile), and each leaves the count when it ends."""
+    import threading
+
+    held = line("FIN-WAIT-1", 100, 1, 0)
+    release = threading.Event()
+    seen: list[int] = []
+    f = None
+
+    def read():
+        if f is not None:
+            seen.append(f.fencing)
+        return "" if release.is_set() else held
+
+    f = SendQueueFence(read=read, resolve=lambda session: PEER, sleep=lambda s: None)
+    t = threading.Thread(target=f.wait, args=(f"{PEER}:1", 30, 0.0))
+    t.start()
+    deadline = time.monotonic() + 5
+    while f.fencing != 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert f.fencing == 1 and f.fenced == 0
+    release.set()
+    t.join(5)
+    assert not t.is_alive()
+    assert f.fencing == 0 and f.fenced == 1 and 1 in seen

@@ -13,6 +13,7 @@ import logging
 import re
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -38,6 +39,7 @@ from helpers import (
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
+    stalled_delivery_bound_s,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
     PushReceiver,
@@ -188,7 +190,7 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
         {
             "MC_TRANSFER_TIMEOUT": "60",
             "MOONCAKE_BOOTSTRAP_HOST": "127.0.0.1",
-            "MOONCAKE_LAYERWISE_TIMEOUT_S": "300",
+            "MOONCAKE_LAYERWISE_TIMEOUT_S": "200",
         }
     )
     sync = filled_mirror(BS, TOKENS, C_BLOCKS, HCFG)
@@ -331,3 +333,51 @@ def test_d_accepts_a_source_with_its_own_engine_timeout_when_that_is_longer():
         ).push_source_timeout_max_s
         == 40
     )
+
+
+@pytest.mark.parametrize(
+    ("reported", "pushed"), [(1, True), (8, True), (9, False), (255, False)]
+)
+def test_the_hold_follows_the_sources_kernel_and_refuses_one_beyond_what_d_accepts(
+    c_server, caplog, reported, pushed
+):
+    """C says its kernel retries orphaned connections ``reported`` times: a write
+    of C's cut off mid-way can land in D's blocks that much later, so D's hold for
+    the push is computed with it; beyond the kernel's default (or D's own, if
+    larger) D prefills locally and says why."""
+    c = c_server()
+    c.server.config = replace(c.server.config, tcp_orphan_retries=reported)
+    d_cfg = replace(
+        ExtConfig.from_env({"MOONCAKE_PUSH_SOURCES": c.url}), tcp_orphan_retries=8
+    )
+    sched = PushScheduler(BS, d_cfg, SCHED_FP)
+    r = c_request(c.url)
+    with caplog.at_level(logging.WARNING):
+        got = ask(sched, r)
+    assert got == ((3 * BS, True) if pushed else (0, False))
+    if pushed:
+        sched.update_state_after_alloc(
+            r, SimpleNamespace(get_block_ids=lambda: ([3, 4, 7],)), 3 * BS
+        )
+        (job,) = sched.take_jobs()
+        assert job.source_tcp_orphan_retries == reported
+        rec = PushReceiver(D_SESSION, [3 << 40], 1 << 20, BS, NBLK, FP, d_cfg)
+        try:
+            nbytes = 3 * (1 << 20)
+            assert rec.hold_s(job) == d_cfg.push_hold_for_s(
+                nbytes, job.source_engine_timeout_s, reported
+            )
+            assert rec.hold_s(job) == pytest.approx(
+                d_cfg.push_timeout_s
+                + 5
+                + job.source_engine_timeout_s
+                + nbytes * 1e-9
+                + stalled_delivery_bound_s(reported)
+                + d_cfg.push_clock_skew_s
+            )
+        finally:
+            rec.shutdown()
+    else:
+        assert sched.take_jobs() == [] and c.engine.log == []
+        (warning,) = [w for w in warnings_of(caplog) if "tcp_orphan_retries" in w]
+        assert f"={reported}" in warning and "1 .. 8" in warning, warning
