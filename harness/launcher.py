@@ -123,6 +123,9 @@ class InstanceSpec:
     # where it runs: loopback, or a host of its own (set by Cluster(hosts=True))
     ip: str = "127.0.0.1"
     netns: str | None = None
+    # kernel settings of its own host (net.*, per network namespace): only with
+    # Cluster(hosts=True), set before the instance starts
+    sysctls: dict[str, int] = field(default_factory=dict)
 
     def kv_transfer_config(self) -> dict | None:
         if self.role is None:
@@ -368,6 +371,11 @@ class Cluster:
             hosts = os.environ.get("VMP_TOPOLOGY", "loopback") == "netns"
         # one network namespace per instance, created in start(), removed in stop()
         self.topology = Topology(names) if hosts else None
+        if self.topology is None and any(s.sysctls for s in specs):
+            raise ValueError(
+                "InstanceSpec.sysctls needs hosts of their own (Cluster(hosts=True)): "
+                "this machine's settings are not the cluster's to change"
+            )
         if self.topology is not None:
             # off loopback our bootstrap endpoints need a token (connector/common/auth.py)
             token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
@@ -446,6 +454,9 @@ class Cluster:
                 os.environ[TOKEN_ENV] = self.token
             if self.topology is not None:
                 self.topology.create()
+                for inst in self.instances.values():
+                    for name, value in inst.spec.sysctls.items():
+                        self.topology.host(inst.spec.name).sysctl(name, value)
             for inst in self.instances.values():
                 inst.start(self.push_sources)
             deadline = t0 + self.startup_timeout_s

@@ -81,8 +81,9 @@ ENGINE_NO_PROGRESS_S = 30
 # retransmissions have timed out (0 means 8), by the kernel's time model
 # (tcp_model_timeout: the RTO doubles from TCP_RTO_MIN up to TCP_RTO_MAX). The
 # transport's watchdog closes a stalled connection that way, so its queued bytes
-# can still be delivered that long after the stall began (measured: 104 s with the
-# default, send_queues.py).
+# can still be delivered that long after the stall began (measured: a write cut
+# off for good returned 106.8 s after the cut with the default,
+# docs/results/2026-11-27-cut-for-good.md).
 TCP_RTO_MIN_S = 0.2
 TCP_RTO_MAX_S = 120.0
 LINUX_ORPHAN_RETRIES = 8  # what tcp_orphan_retries=0 (the default) means
@@ -440,8 +441,9 @@ def stalled_delivery_bound_s(orphan_retries: int) -> float:
     retransmission timer past the retransmission span of ``orphan_retries``
     (counted from the stall), which can fire up to one backed-off interval (no
     longer than the time so far, nor than TCP_RTO_MAX) after it; 1 s for the RTO
-    above TCP_RTO_MIN. Measured with the default (8: 102.2 s + 102.2 s + 1 s):
-    the orphans died 104 s after the cut (docs/results/2026-11-26-late-bytes.md).
+    above TCP_RTO_MIN. Measured (docs/results/2026-11-27-cut-for-good.md): with
+    the default (8: 102.2 s + 102.2 s + 1 s) the write returned 106.8 s after
+    the cut; with 7 (51 s + 51 s + 1 s), 62.7 and 79.0 s.
     """
     span = max(ENGINE_NO_PROGRESS_S, tcp_retransmission_span_s(orphan_retries))
     return span + min(span, TCP_RTO_MAX_S) + 1.0

@@ -62,7 +62,14 @@ LAYERWISE_MIN_TOKENS = 256
 POSTHOC_LEN = 200  # below LAYERWISE_MIN_TOKENS: upstream's post-hoc pull
 LAYERWISE_TIMEOUT_S = 20.0
 ENGINE_TIMEOUT_S = 5  # MC_TRANSFER_TIMEOUT: the engine's sync call gives up after this
-ABORT_TIMEOUT_S = 20  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
+# Each host's kernel gives up on an orphaned connection after one retransmission
+# (net.ipv4.tcp_orphan_retries), so the bound on a write is the engine's floor:
+# 5 + 5 + 61 s (connector/common/config.py, stalled_delivery_bound_s); with the
+# kernel's default (205.4 s instead of 61) D's pull give-up would have to be minutes.
+ORPHAN_RETRIES = 1
+# VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT: D's pull gives up 60 s after it, which must
+# come after P's LAYERWISE_TIMEOUT_S + the bound on a write (20 + 71 s)
+ABORT_TIMEOUT_S = 35
 PUSH_TIMEOUT_S = 10.0
 # the longest any request may take under these faults: D's pull socket gives up at
 # ABORT_TIMEOUT_S + 60 s (connector/common/config.py), plus a prefill and a decode
@@ -94,6 +101,7 @@ def cluster_specs(model: str) -> list[InstanceSpec]:
         kv_cache_gib=2,
         max_model_len=4096,
         env=dict(FAULT_ENV),
+        sysctls={"net.ipv4.tcp_orphan_retries": ORPHAN_RETRIES},
         extra_args=["--enable-prompt-tokens-details"],
     )
     return [
