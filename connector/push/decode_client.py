@@ -16,6 +16,13 @@ bounded in time, in bytes and per source.
 - No proxy: D connects straight to the source it names. httpcore reads no
   environment (an httpx client with trust_env left on would route these calls
   through HTTP_PROXY/HTTPS_PROXY/ALL_PROXY).
+- Kept connections: one idle for KEEPALIVE_EXPIRY_S is not used again, below
+  the source server's own idle close (uvicorn's 5 s). A close the source sent
+  while the link was cut can be lost for good (the kernel gives up on the
+  orphaned connection before the link returns: net.ipv4.tcp_orphan_retries);
+  without an expiry D's pool kept such a connection and the first call after
+  the cut failed on it ("Server disconnected without sending a response"),
+  which cost a push its blocks' hold and then a local prefill.
 - ``shutdown()``: queued calls are cancelled, in-flight ones aborted (their
   sockets shut down), the threads joined. The threads are daemons: none of
   them keeps the process from exiting.
@@ -76,6 +83,8 @@ def source_origin(url: str) -> str:
 # The largest answer D reads from a source (its answers are a few hundred bytes;
 # a push answer with its probes a few KiB).
 MAX_ANSWER_BYTES = 1 << 20
+# below uvicorn's timeout_keep_alive (5 s), which the source's bootstrap server uses
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class DeadlinePassed(TimeoutError):
@@ -225,6 +234,7 @@ class _SourceClient:
             ssl_context=httpx.create_ssl_context() if tls else None,
             max_connections=connections,
             max_keepalive_connections=connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
             network_backend=self.backend,
         )
 
