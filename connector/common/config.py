@@ -185,7 +185,7 @@ class ExtConfig:
     push_clock_skew_s: float = 5.0
     engine_transfer_timeout_s: int = DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
     # this host's net.ipv4.tcp_orphan_retries as the kernel applies it (0 -> 8);
-    # a peer's writes are assumed to come from a kernel set the same way
+    # a push source reports its own in /match_blocks (PushJob carries it to D's hold)
     tcp_orphan_retries: int = LINUX_ORPHAN_RETRIES
     # D: a source's engine timeout beyond this is refused (its hold would be longer)
     push_source_timeout_max_s: int = 120
