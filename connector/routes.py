@@ -10,6 +10,7 @@ upstream's own ``/register`` and ``/query``, which are left as upstream has them
   GET  /push/stats           C: push counters
   GET  /hashsync             the block-hash mirror: size, algorithm, a sample
   GET  /layerwise/transfers  P: layer-wise totals and the last transfers' timelines
+  GET  /metrics              all of these counters in Prometheus' text format (metrics.py)
 
 Authentication is a dependency of the router every route is added to
 (:func:`bootstrap_router`), so a route cannot be served without it, and it runs
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
     BODY_READ_DEADLINE_S,
@@ -44,6 +45,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_s
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
     LayerwiseSender,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metrics import (
+    CONTENT_TYPE,
+    exposition,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     SOURCE_REFUSAL,
@@ -71,6 +76,8 @@ class Served:
     layerwise_here: bool = (
         True  # this instance sends layer-wise (P, MOONCAKE_LAYERWISE)
     )
+    # the worker's write function, every path (engine_write.TerminalWriter)
+    writes: Callable[[], Any] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -214,7 +221,7 @@ def bootstrap_router(
         return {
             **server.stats,
             "overdue_now": server.num_overdue(),
-            **server.fence_stats(),
+            **server.write_stats(),
         }
 
     @router.get("/hashsync")
@@ -246,6 +253,11 @@ def bootstrap_router(
                 )
             raise HTTPException(status_code=503, detail=NOT_READY)
         return sender.snapshot()
+
+    @router.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = exposition(served.writes(), served.push(), served.layerwise())
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     return router
 

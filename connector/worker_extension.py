@@ -379,6 +379,7 @@ class WorkerExtension(UpstreamHooks):
                 hashsync_here=self.roles.push_source,
                 push_here=self.roles.push_source,
                 layerwise_here=self.roles.layerwise_prefill,
+                writes=lambda: self._write,
             ),
         )
 

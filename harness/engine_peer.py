@@ -9,7 +9,9 @@ failure semantics (tests/integration/test_engine_failure_semantics.py).
         registers NBYTES of 0xAB, makes a 1-byte write to open the segment
         (the handshake; at offset 0, which no count looks at), prints "READY", waits for a line on stdin, then writes the
         whole buffer with MODE "sync" (the engine's batch_transfer_sync_write) or
-        "terminal" (this series' TerminalWriter) and prints "RETURNED <rc>".
+        "terminal" (this series' TerminalWriter) and prints "RETURNED <rc> <n>",
+        n the engine writes it submitted; again for each further "go", until
+        another line.
 
 Both bind the engine to $VMP_ENGINE_HOST (default 127.0.0.1; P2PHANDSHAKE, TCP);
 the writer finds the receiver at $VMP_PEER_HOST (default 127.0.0.1).
@@ -69,6 +71,7 @@ def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
     # The segment handshake has no timeout of ours: do it while the peer runs.
     if engine.transfer_sync_write(session, src.ctypes.data, addr, 1) != 0:
         raise SystemExit("engine_peer: the first write (handshake) failed")
+    engine = _CountingEngine(engine)
     if mode == "terminal":
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
             ExtConfig,
@@ -94,10 +97,33 @@ def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
     dsts = [addr + o for o in offs]
     lens = [min(step, nbytes - o) for o in offs]
     print(ready, flush=True)
-    sys.stdin.readline()
-    rc = write(session, srcs, dsts, lens)
-    print(f"RETURNED {rc}", flush=True)
-    sys.stdin.readline()  # stay alive (the engine's threads) until told
+    # Each "go" writes the buffer once; anything else (or EOF) ends the process.
+    # The engine's threads stay alive in between.
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        submitted = engine.submitted
+        rc = write(session, srcs, dsts, lens)
+        print(f"RETURNED {rc} {engine.submitted - submitted}", flush=True)
+
+
+class _CountingEngine:
+    """The engine, counting the writes submitted to it (RETURNED's second field)."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.submitted = 0
+
+    def transfer_submit_write(self, *args: Any) -> int:
+        self.submitted += 1
+        return self._engine.transfer_submit_write(*args)
+
+    def batch_transfer_sync_write(self, *args: Any) -> int:
+        self.submitted += 1
+        return self._engine.batch_transfer_sync_write(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
 class EnginePeer:

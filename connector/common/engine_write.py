@@ -36,6 +36,9 @@ write therefore returns only once :class:`~.send_queues.SendQueueFence` has
 seen every byte the kernel held for the peer at that moment acknowledged or
 dropped.
 
+A peer whose writes keep failing is refused for a while (peer_refusal.py): a
+refused write submits nothing and returns -1 at once.
+
 Verified on the CPU backend over TCP (mooncake-transfer-engine-non-cuda
 0.3.13.post1). The CUDA/RDMA build has the same Python calls; not run here.
 """
@@ -50,8 +53,12 @@ from typing import Any, Protocol
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_refusal import (
+    RefusedPeers,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
     SendQueueFence,
+    fence_stats,
 )
 from vllm.logger import init_logger
 
@@ -93,11 +100,14 @@ class TerminalWriter:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         fence: SendQueueFence | None = None,
+        peers: RefusedPeers | None = None,
     ):
         self.engine = engine
         self.config = config
         # after a failed write: the bytes still in the kernel's send queues (TCP)
         self.fence = fence if fence is not None else SendQueueFence()
+        # peers whose writes keep failing, refused for a while
+        self.peers = peers if peers is not None else RefusedPeers(clock=clock)
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
@@ -115,6 +125,22 @@ class TerminalWriter:
                 len(lens),
             )
             return -1
+        why = self.peers.refusal(session)
+        if why is not None:
+            logger.debug("engine write: %s", why)
+            return -1
+        rc = self._write(session, src, dst, lens)
+        self.peers.record(session, rc == 0)
+        return rc
+
+    def refusal(self, session: str) -> str | None:
+        """Why a write to ``session`` would be refused now (peer_refusal.py), or
+        None. Callers that can name the reason to their requester ask first."""
+        return self.peers.refusal(session)
+
+    def _write(
+        self, session: str, src: Sequence[int], dst: Sequence[int], lens: Sequence[int]
+    ) -> int:
         start = self._clock()
         tasks: list[int] = []
         submitted_all = True
@@ -190,6 +216,28 @@ class TerminalWriter:
         return failed
 
 
+def write_refusal(write_fn: Any, session: str) -> str | None:
+    """Why ``write_fn`` (a :class:`TerminalWriter`, or another write function:
+    never refused) refuses writes to ``session`` now, or None."""
+    refusal = getattr(write_fn, "refusal", None)
+    return refusal(session) if refusal is not None else None
+
+
+def write_stats(write_fn: Any) -> dict[str, float]:
+    """The counters of a worker's writes (every path) as the stats routes and
+    /metrics serve them: failed writes that waited for the kernel's send queues
+    (send_queues.py), writes past the engine's bound, refused peers (zeros for
+    another write function)."""
+    peers = getattr(write_fn, "peers", None)
+    return {
+        **fence_stats(write_fn),
+        "overdue_writes": getattr(write_fn, "overdue", 0),
+        "refused_peers_now": peers.num_refused() if peers is not None else 0,
+        "peer_refusals": getattr(peers, "refusals", 0),
+        "refused_writes": getattr(peers, "refused_writes", 0),
+    }
+
+
 def terminal_write_fn(write_fn: WriteFn, config: ExtConfig) -> WriteFn:
     """The write function this series uses for ``write_fn`` (the engine's
     ``batch_transfer_sync_write``, as upstream registers it): a
@@ -205,4 +253,10 @@ def terminal_write_fn(write_fn: WriteFn, config: ExtConfig) -> WriteFn:
     return write_fn
 
 
-__all__ = ["TerminalWriter", "WriteFn", "terminal_write_fn"]
+__all__ = [
+    "TerminalWriter",
+    "WriteFn",
+    "terminal_write_fn",
+    "write_refusal",
+    "write_stats",
+]

@@ -64,6 +64,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.block_runs
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
+    write_refusal,
+    write_stats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fault_injection import (
     write_fault,
 )
@@ -72,9 +76,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.gpu_order 
     EventFactory,
     record_after_compute,
     wait_all,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
-    fence_stats,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_stats import (
     TransferLog,
@@ -646,6 +647,8 @@ class LayerwiseSender:
         if self.config.faults.armed:  # tests only
             for plen, writes_done in prompt_lens.items():
                 err = err or write_fault(self.config.faults, plen, writes_done)
+        # a peer whose writes keep failing: refused for a while, nothing written
+        err = err or write_refusal(self.write_fn, session)
         try:
             if err is None:
                 rc = self.write_fn(session, src, dst, lens)
@@ -716,7 +719,7 @@ class LayerwiseSender:
             out = self.log.snapshot(self.tracker.num_unannounced())
         # writes past the engine's bound (frozen or cut-off peers): out of the cap
         out["overdue_writers"] = self.writers.num_overdue()
-        out.update(fence_stats(self.write_fn))  # failed writes, send queues
+        out.update(write_stats(self.write_fn))  # failed, fenced, refused writes
         return out
 
 

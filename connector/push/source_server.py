@@ -52,14 +52,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config imp
     ExtConfig,
     FaultConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
+    write_refusal,
+    write_stats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fault_injection import (
     write_fault,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
     ReadFn,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
-    fence_stats,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
     WorkerHashSync,
@@ -245,6 +246,7 @@ class PushServer:
             no_match=0,
             past_deadline=0,
             refused=0,
+            peer_refused=0,
             busy=0,
             bytes=0,
             entries=0,
@@ -273,10 +275,10 @@ class PushServer:
         """Pushes whose write has outlived its bound (they hold no slot)."""
         return self._slots.overdue()
 
-    def fence_stats(self) -> dict[str, float]:
-        """This worker's failed writes (every path) that waited for the kernel's
-        send queues to the peer, and how long in all (send_queues.py)."""
-        return fence_stats(self._writer.write_fn)
+    def write_stats(self) -> dict[str, float]:
+        """This worker's writes (every path): failed ones that waited for the
+        kernel's send queues, overdue ones, refused peers (engine_write.py)."""
+        return write_stats(self._writer.write_fn)
 
     def match(self, payload: Any) -> tuple[int, dict[str, Any]]:
         """Serve one /match_blocks body; returns (HTTP status, JSON body)."""
@@ -396,6 +398,14 @@ class PushServer:
             over_ms = int((self.clock() - received) * 1000) - req.budget_ms
             if over_ms > late_ms:
                 late_ms, what = over_ms, f"budget of {req.budget_ms} ms"
+        refused = write_refusal(self._writer.write_fn, req.dst_session)
+        if refused is not None:
+            # nothing submitted: D may free its blocks at once
+            resp.status = "failed"
+            resp.message = refused
+            self.stats.add(failed=1, peer_refused=1)
+            logger.warning("push_blocks %s: %s", log_id(req.request_id), refused)
+            return 200, resp.model_dump()
         if late_ms > 0:
             # D may already have given these blocks to another request.
             resp.status = "failed"

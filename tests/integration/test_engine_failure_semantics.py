@@ -191,3 +191,39 @@ def test_a_write_cut_off_for_good_ends_within_the_bound_peers_hold_for():
     assert later == at_return, (
         f"bytes landed after the write had returned: {at_return} -> {later} chunks"
     )
+
+
+# ---- a peer whose writes keep failing ----------------------------------------------
+
+
+def test_a_peer_whose_writes_keep_failing_is_refused_without_a_write():
+    """The receiver is killed (its engine's port closed); the writer writes to it
+    again and again. After a few failed writes in a row (peer_refusal.py) the
+    writer refuses the peer: the next write fails at once without submitting
+    anything to the engine (no byte of it can land anywhere)."""
+    recv = EnginePeer("receiver", str(1 << 20), env=ENV)
+    writer = None
+    runs = []
+    try:
+        _, port, addr = recv.expect("READY", 60)[0].split()
+        writer = EnginePeer("writer", port, addr, str(1 << 20), "terminal", env=ENV)
+        writer.expect("READY", 120)
+        recv.close()
+        for _ in range(10):
+            t0 = time.monotonic()
+            writer.send("go")
+            line, t_ret = writer.expect("RETURNED", 120)
+            _, rc, submitted = line.split()
+            runs.append((int(rc), int(submitted), round(t_ret - t0, 2)))
+            if runs[-1][1] == 0:
+                break
+        writer.send("exit")
+    finally:
+        if writer is not None:
+            writer.close()
+        recv.close()
+    print(f"(rc, engine writes submitted, seconds) per write: {runs}")
+    assert all(rc == -1 for rc, _, _ in runs), runs
+    assert runs[-1][1] == 0, f"a peer whose writes keep failing was written to: {runs}"
+    assert len(runs) >= 3, f"refused after {len(runs) - 1} failed write(s): {runs}"
+    assert all(n >= 1 for _, n, _ in runs[:-1]), runs

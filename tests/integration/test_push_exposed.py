@@ -457,6 +457,51 @@ def test_limits_answer_at_once_and_a_legitimate_push_still_completes(env):
     assert check.ok, check.problems
 
 
+def test_a_destination_whose_writes_keep_failing_is_refused_for_a_while(env):
+    """C's writes into a session where no engine listens fail; after a few in a
+    row, C refuses that destination: the next push is answered ``failed`` with
+    the reason at once, nothing is submitted to the engine, and the refusal is
+    counted in /push/stats and /metrics."""
+    c, d, _ = env
+    ids = prompt(2 * BLOCK, seed=7350)
+    fp = cached_on_c(c, ids)["fingerprint"]
+    body = valid_push(c, ids, fp, dst_session="127.0.0.1:4")
+    before = push_stats(c.bootstrap_url)
+    messages = []
+    for _ in range(8):
+        r = post(c.bootstrap_url + "/push_blocks", body)
+        assert r.status_code == 200 and r.json()["status"] == "failed", r.text
+        messages.append(r.json()["message"])
+        if "refused" in messages[-1]:
+            break
+    assert "127.0.0.1:4 are refused" in messages[-1], messages
+    assert "nothing written" in messages[-1], messages
+    assert all("transfer engine returned -1" in m for m in messages[:-1]), messages
+    after = push_stats(c.bootstrap_url)
+    assert after["peer_refused"] == before["peer_refused"] + 1, (before, after)
+    assert after["refused_peers_now"] >= 1, after
+    metrics = httpx.get(c.bootstrap_url + "/metrics", headers=AUTH, timeout=10)
+    assert metrics.status_code == 200, metrics.text
+    lines = dict(
+        line.rsplit(" ", 1)
+        for line in metrics.text.splitlines()
+        if line and not line.startswith("#")
+    )
+    assert float(lines["vllm_mooncake_ext_peers_refused"]) >= 1, metrics.text
+    assert float(lines["vllm_mooncake_ext_writes_refused_total"]) >= 1, metrics.text
+    assert httpx.get(c.bootstrap_url + "/metrics", timeout=10).status_code == 401
+    # another destination (D's own session) is still pushed to
+    got = complete(
+        d.url,
+        ids + prompt(40, seed=7351),
+        max_tokens=4,
+        logprobs=None,
+        timeout=300,
+        kv_transfer_params={"push_from": c.bootstrap_url},
+    )
+    assert got.cached_tokens == 2 * BLOCK, got.cached_tokens
+
+
 HOSTILE = ["huge", "negative", "more", "mismatch", "ok_inconsistent", "ok_unwritten"]
 
 

@@ -62,6 +62,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.routes import (
 )
 
 
+class RecordedFence:
+    """The send-queue fence (engine_write.TerminalWriter's), recording the failed
+    writes it was asked to wait for; nothing is queued in the kernel."""
+
+    def __init__(self):
+        self.waited: list[str] = []
+
+    def wait(self, session, bound_s, started):
+        self.waited.append(session)
+        return 0.0
+
+
 def wait_until(cond, timeout=5.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from helpers import RecordedFence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
@@ -51,17 +52,6 @@ class ScriptedEngine:
     def terminal_at(self, batch_id: int) -> int:
         """The poll at which the task's script first answers terminal."""
         return next(i for i, s in enumerate(self.scripts[batch_id - 1]) if s in (1, -1))
-
-
-class RecordedFence:
-    """The send-queue fence, recording the failed writes it was asked to wait for."""
-
-    def __init__(self):
-        self.waited: list[str] = []
-
-    def wait(self, session, bound_s, started):
-        self.waited.append(session)
-        return 0.0
 
 
 def writer(engine, fence=None, **cfg) -> TerminalWriter:

@@ -404,6 +404,29 @@ def test_a_hundred_decode_sessions_one_after_another_all_succeed(loop):
     sender.shutdown()
 
 
+def test_a_transfer_to_a_refused_decode_session_fails_with_why_and_writes_nothing(
+    loop,
+):
+    """A decode session whose writes keep failing is refused by the write function
+    (peer_refusal.py): its transfer ends at once with that reason, which D is
+    answered, and nothing is written; other sessions are served."""
+
+    class RefusingEngine(Engine):
+        def refusal(self, session):
+            if session == "d:bad":
+                return "writes to d:bad are refused for another 30 s: ..."
+            return None
+
+    engine = RefusingEngine()
+    sender = make_sender(engine)
+    err = one_transfer(sender, loop, "t1", "d:bad")
+    assert err is not None and "d:bad are refused" in err, err
+    assert engine.writes.get("d:bad", 0) == 0
+    assert one_transfer(sender, loop, "t2", "d:good") is None
+    assert engine.writes["d:good"] == 1
+    sender.shutdown()
+
+
 def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(
     loop, monkeypatch
 ):

@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Peers whose writes keep failing are refused for a while, visibly.
+
+Every engine write of a worker (layer-wise, push, upstream's post-hoc send)
+goes through one :class:`~.engine_write.TerminalWriter`, which asks this
+module before it submits anything. After REFUSE_AFTER failed writes in a row
+to one session (``host:port`` of the peer's transfer engine), writes to it are
+refused for REFUSE_FIRST_S; when that has passed, writes go to it again, and
+another failure refuses it for twice as long (at most REFUSE_MAX_S); one write
+that succeeds ends it all. Failed writes are no cheap answer: after a link cut
+each holds its blocks, the peer's blocks held for it and a writer until the
+kernel has delivered or dropped its bytes (minutes, send_queues.py), and a
+peer that is down answers every new write with the same failure. A refused
+write submits nothing, so it can end at once: no byte of it can land.
+
+A refusal starts with one warning naming the peer, the failures and how long;
+the stats routes and ``/metrics`` count refused peers and refused writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+REFUSE_AFTER = 3  # failed writes in a row to one peer
+REFUSE_FIRST_S = 30.0
+REFUSE_MAX_S = 240.0
+PEERS_KEPT = 4096  # peers remembered (least recently written to forgotten first)
+
+
+@dataclass
+class _Peer:
+    failures: int = 0  # failed writes in a row
+    refused_until: float = 0.0  # this clock; 0: not refused
+    refusal_s: float = 0.0  # the last refusal's length (0: none yet)
+    refused_writes: int = 0  # writes refused in the current refusal
+
+
+class RefusedPeers:
+    """Per peer session: failed writes in a row, and a refusal after
+    ``refuse_after`` of them. Thread-safe."""
+
+    def __init__(
+        self,
+        refuse_after: int = REFUSE_AFTER,
+        first_s: float = REFUSE_FIRST_S,
+        max_s: float = REFUSE_MAX_S,
+        kept: int = PEERS_KEPT,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.refuse_after = refuse_after
+        self.first_s = first_s
+        self.max_s = max_s
+        self.kept = kept
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._peers: collections.OrderedDict[str, _Peer] = collections.OrderedDict()
+        self.refusals = 0  # refusals started (observability)
+        self.refused_writes = 0  # writes refused in all
+
+    def refusal(self, session: str) -> str | None:
+        """Why a write to ``session`` is refused now (counted as one refused
+        write), or None: it may be written to."""
+        with self._lock:
+            peer = self._peers.get(session)
+            if peer is None:
+                return None
+            left = peer.refused_until - self._clock()
+            if left <= 0:
+                return None
+            peer.refused_writes += 1
+            self.refused_writes += 1
+            return (
+                f"writes to {session} are refused for another {left:.0f} s: its last "
+                f"{peer.failures} writes failed (a peer that is down or cut off); "
+                "nothing written"
+            )
+
+    def record(self, session: str, ok: bool) -> None:
+        """A write to ``session`` ended, written (``ok``) or failed."""
+        with self._lock:
+            if ok:
+                peer = self._peers.pop(session, None)
+                if peer is not None and peer.refusal_s:
+                    logger.info(
+                        "transfer-engine writes to %s succeed again; no longer refused",
+                        session,
+                    )
+                return
+            peer = self._peers.get(session)
+            if peer is None:
+                peer = self._peers[session] = _Peer()
+            self._peers.move_to_end(session)
+            while len(self._peers) > self.kept:
+                self._peers.popitem(last=False)
+            peer.failures += 1
+            now = self._clock()
+            if (
+                self.refuse_after <= 0
+                or peer.failures < self.refuse_after
+                or peer.refused_until > now  # a write started before the refusal
+            ):
+                return
+            peer.refusal_s = (
+                min(self.max_s, 2 * peer.refusal_s) if peer.refusal_s else self.first_s
+            )
+            peer.refused_until = now + peer.refusal_s
+            peer.refused_writes = 0
+            self.refusals += 1
+            logger.warning(
+                "the last %d transfer-engine writes to %s failed: writes to it are "
+                "refused for %.0f s (the requests that need it fail at once, or fall "
+                "back as the decode instance's kv_load_failure_policy says); after "
+                "that it is tried again, and one write that succeeds ends this",
+                peer.failures,
+                session,
+                peer.refusal_s,
+            )
+
+    def num_refused(self) -> int:
+        """Peers refused now."""
+        now = self._clock()
+        with self._lock:
+            return sum(1 for p in self._peers.values() if p.refused_until > now)
+
+
+__all__ = ["RefusedPeers"]

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``GET /metrics`` on the bootstrap server: this series' counters for Prometheus.
+
+The same numbers the stats routes serve as JSON, in Prometheus' text format
+(version 0.0.4), for the worker whose bootstrap server answers (the first
+worker): its writes on every path (failed writes waiting for the kernel's send
+queues, writes past the engine's bound, refused peers; engine_write.py), its
+pushes as a source and its layer-wise transfers as a prefill instance. vLLM's
+own ``/metrics`` (the API server's port) is left as it is. The route takes the
+GET routes' bearer key like the others (a scrape config's ``authorization``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
+    write_stats,
+)
+
+PREFIX = "vllm_mooncake_ext_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# write_stats' keys -> (metric, type, help)
+WRITES = {
+    "fencing_now": (
+        "writes_fencing",
+        "gauge",
+        "Failed writes waiting now until the kernel has delivered or dropped the bytes "
+        "they queued; their blocks (and the peer's, held for them) are out of use.",
+    ),
+    "fenced_writes": (
+        "writes_fenced_total",
+        "counter",
+        "Failed writes that waited for the kernel's send queues to the peer.",
+    ),
+    "fence_seconds": (
+        "fence_seconds_total",
+        "counter",
+        "Seconds failed writes waited for the kernel's send queues, in all.",
+    ),
+    "overdue_writes": (
+        "writes_overdue_total",
+        "counter",
+        "Writes still in flight past the engine's bound (a frozen or cut-off peer).",
+    ),
+    "refused_peers_now": (
+        "peers_refused",
+        "gauge",
+        "Peers refused now because their last writes failed.",
+    ),
+    "peer_refusals": (
+        "peer_refusals_total",
+        "counter",
+        "Refusals of a peer after failed writes in a row.",
+    ),
+    "refused_writes": (
+        "writes_refused_total",
+        "counter",
+        "Writes to a refused peer, failed without writing anything.",
+    ),
+}
+PUSH_OUTCOMES = ("ok", "failed", "no_match", "refused", "busy")
+LAYERWISE = {
+    "transfers_completed": ("layerwise_transfers_completed_total", "counter"),
+    "transfers_failed": ("layerwise_transfers_failed_total", "counter"),
+    "bytes": ("layerwise_bytes_total", "counter"),
+    "writes_dropped": ("layerwise_writes_dropped_total", "counter"),
+}
+
+
+def _family(
+    name: str, kind: str, help_text: str, samples: Iterable[tuple[str, float]]
+) -> list[str]:
+    """One metric family: HELP, TYPE and its samples (``labels``, value)."""
+    out = [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
+    out += [f"{PREFIX}{name}{labels} {float(value):g}" for labels, value in samples]
+    return out
+
+
+def exposition(
+    write_fn: Any, push: Any | None = None, layerwise: Any | None = None
+) -> str:
+    """The text of ``GET /metrics``: the writes of ``write_fn`` (the worker's
+    terminal write function; None before its KV caches are registered), the push
+    source's counters (``push``: a PushServer) and the layer-wise sender's
+    totals (``layerwise``: a LayerwiseSender), each when present."""
+    lines: list[str] = []
+    stats = write_stats(write_fn) if write_fn is not None else {}
+    for key, (name, kind, help_text) in WRITES.items():
+        lines += _family(name, kind, help_text, [("", stats.get(key, 0))])
+    if push is not None:
+        counts = dict(push.stats)
+        lines += _family(
+            "push_requests_total",
+            "counter",
+            "Pushes this instance served as a source, by outcome.",
+            [(f'{{outcome="{o}"}}', counts.get(o, 0)) for o in PUSH_OUTCOMES],
+        )
+        lines += _family(
+            "push_bytes_total", "counter", "Bytes pushed.", [("", counts["bytes"])]
+        )
+        lines += _family(
+            "push_overdue",
+            "gauge",
+            "Pushes whose write is past its bound now (they hold no push slot).",
+            [("", push.num_overdue())],
+        )
+    if layerwise is not None:
+        snap = layerwise.snapshot()
+        totals = snap["totals"]
+        lines += _family(
+            "layerwise_writers_overdue",
+            "gauge",
+            "Layer-wise writers whose write is past the engine's bound now.",
+            [("", snap["overdue_writers"])],
+        )
+        for key, (name, kind) in LAYERWISE.items():
+            lines += _family(
+                name, kind, f"Layer-wise {key.replace('_', ' ')}.", [("", totals[key])]
+            )
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["CONTENT_TYPE", "exposition"]
