@@ -351,6 +351,8 @@ class LayerwiseSender:
                 del self._results[transfer_id]
         self._dispatch()
         with self._lock:
+            # requests that reused a live transfer_id: never sent, freed at their end
+            self._finished_sending.update(self.tracker.pop_released_duplicates())
             out, self._finished_sending = self._finished_sending, set()
             stray = out - self._handed_over
             out -= stray

@@ -135,6 +135,10 @@ class LayerwiseTracker:
         # D's addresses that arrived before P's scheduler announced the transfer.
         self._pending: dict[str, Destination] = {}
         self.inflight = 0  # writes in flight, all transfers
+        # P requests that reused the transfer_id of another live request: never
+        # sent (the id's transfer fails: D cannot tell whose KV it would get)
+        self._duplicates: dict[str, str] = {}  # p_req_id -> transfer_id
+        self._released_duplicates: list[str] = []  # ended: P frees their blocks
 
     # ---- prefill side events -------------------------------------------------
     def begin_step(self, steps: Iterable[ComputedStep]) -> list[WriteOp]:
@@ -153,8 +157,8 @@ class LayerwiseTracker:
                 list(step.block_ids),
                 step.computed_tokens,
             )
-            t = self._get_or_create(transfer_id, step.p_req_id, step.prompt_len)
-            if t.done:
+            t = self._announced(transfer_id, step.p_req_id, step.prompt_len)
+            if t is None or t.done:
                 continue
             if block_ids[: len(t.block_ids)] != t.block_ids:
                 t.epoch += 1
@@ -270,7 +274,10 @@ class LayerwiseTracker:
         layer by layer (a prompt under the layer-wise threshold) this issues the
         whole KV at once: the post-hoc path.
         """
-        t = self._get_or_create(transfer_id, p_req_id, prompt_len)
+        t = self._announced(transfer_id, p_req_id, prompt_len)
+        if t is None:
+            self._release_duplicate(p_req_id)
+            return []
         self._mark_request_finished(t)
         if t.done:
             return []
@@ -301,7 +308,10 @@ class LayerwiseTracker:
 
         A destination still waiting for the transfer to be announced is taken
         over by it, so whoever serves D answers at once instead of timing out."""
-        t = self._get_or_create(transfer_id, p_req_id, prompt_len)
+        t = self._announced(transfer_id, p_req_id, prompt_len)
+        if t is None:
+            self._release_duplicate(p_req_id, holds_blocks)
+            return
         self._pending.pop(transfer_id, None)
         t.holds_blocks = t.holds_blocks and holds_blocks
         self._mark_request_finished(t)
@@ -337,6 +347,16 @@ class LayerwiseTracker:
             if t.request_finished:
                 self._releasable[t.transfer_id] = t
         return out
+
+    def pop_released_duplicates(self) -> list[str]:
+        """P requests that reused a live transfer_id and have ended, each returned
+        once: nothing of theirs was ever sent, so P may free their blocks now."""
+        out, self._released_duplicates = self._released_duplicates, []
+        return out
+
+    def num_duplicates(self) -> int:
+        """Live P requests that reused another live request's transfer_id."""
+        return len(self._duplicates)
 
     def pop_releasable(self) -> list[Transfer]:
         """Ended and reported transfers whose P request is done, each returned
@@ -375,6 +395,35 @@ class LayerwiseTracker:
         return sum(len(d.block_ids) for d in self._pending.values())
 
     # ---- internals -----------------------------------------------------------
+    def _announced(
+        self, transfer_id: str, p_req_id: str, prompt_len: int
+    ) -> Transfer | None:
+        """The transfer P's scheduler announces for request ``p_req_id`` (a step,
+        or the request's end); None when that request reused the transfer_id of
+        another request this tracker still knows (a client's duplicate). Then the
+        id's transfer fails: its writes would mix both requests' blocks, and D
+        cannot tell whose KV it gets; the duplicate is never sent and its blocks
+        are released when it ends (pop_released_duplicates). The sender logs the
+        failure, which names both requests."""
+        if p_req_id and p_req_id in self._duplicates:
+            return None
+        t = self.transfers.get(transfer_id)
+        if t is not None and t.p_req_id and p_req_id and t.p_req_id != p_req_id:
+            self._duplicates[p_req_id] = transfer_id
+            self._fail(
+                t,
+                f"two requests on the prefill instance use transfer_id {transfer_id} "
+                f"({t.p_req_id} and {p_req_id}): neither is sent; give each request "
+                "a transfer_id of its own",
+            )
+            return None
+        return self._get_or_create(transfer_id, p_req_id, prompt_len)
+
+    def _release_duplicate(self, p_req_id: str, holds_blocks: bool = True) -> None:
+        self._duplicates.pop(p_req_id, None)
+        if holds_blocks:
+            self._released_duplicates.append(p_req_id)
+
     def _get_or_create(
         self, transfer_id: str, p_req_id: str, prompt_len: int
     ) -> Transfer:

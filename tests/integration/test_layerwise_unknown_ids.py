@@ -25,7 +25,14 @@ import zmq
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import kv_usage, wait_no_blocks_in_use
-from harness.pd_client import bootstrap_headers, complete, model_name, pd_generate
+from harness.pd_client import (
+    RequestFailed,
+    bootstrap_headers,
+    complete,
+    engine_id,
+    model_name,
+    pd_generate,
+)
 from harness.prompts import random_prompt as prompt
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
     cached_tokens_of_whole_prompt,
@@ -224,3 +231,58 @@ def test_a_decode_within_the_limits_is_served_and_real_decodes_send_their_limits
     log = p.log_text().splitlines()
     without = [line for line in log if "carries no pull timeout" in line]
     assert all("127.0.0.1:1 " in line for line in without), without
+
+
+def test_two_prefill_requests_with_one_transfer_id_send_neither_and_free_both(cluster):
+    """A client gives two requests on P the same transfer_id; then D asks for it.
+    P cannot tell whose KV D wants, and writing both would hand D a mix: neither
+    is sent, D's request ends with an error naming both (the pinned
+    kv_load_failure_policy, fail), and every block on P and D is freed (before,
+    the second request's blocks stayed allocated for good). P keeps serving."""
+    p, d = cluster["prefill"], cluster["decode"]
+    transfer_id = f"xfer-twice-{uuid.uuid4().hex}"
+    params = {"do_remote_decode": True, "transfer_id": transfer_id}
+    for seed in (7300, 7301):  # both end on P before D asks: both are live
+        r = complete(
+            p.url,
+            prompt(400, seed=seed),
+            max_tokens=1,
+            logprobs=None,
+            kv_transfer_params=params,
+            timeout=120,
+        )
+        assert r.prompt_tokens == 400
+    with pytest.raises(RequestFailed):
+        complete(
+            d.url,
+            prompt(400, seed=7300),
+            max_tokens=3,
+            logprobs=None,
+            kv_transfer_params={
+                "do_remote_prefill": True,
+                "remote_bootstrap_addr": p.bootstrap_url,
+                "remote_engine_id": engine_id(p.bootstrap_url),
+                "transfer_id": transfer_id,
+            },
+            timeout=120,
+        )
+    usage = wait_no_blocks_in_use(p.url, d.url, timeout=TRANSFER_TIMEOUT_S + 60)
+    assert usage == (0.0, 0.0), f"KV blocks still allocated (P, D usage): {usage}"
+    stats = httpx.get(
+        p.bootstrap_url + "/layerwise/transfers",
+        timeout=10,
+        headers=bootstrap_headers(),
+    ).json()
+    (t,) = [t for t in stats["transfers"] if t["transfer_id"] == transfer_id]
+    assert "neither is sent" in (t["outcome"] or ""), t
+    assert t["bytes_written"] == 0, t
+    other = prompt(300, seed=7302)
+    pd = pd_generate(
+        p.url, p.bootstrap_url, d.url, other, max_tokens=3, logprobs=5, timeout=120
+    )
+    check = compare(
+        pd.decode,
+        reference_completion(p.url, other, max_tokens=3),
+        expected_cached_tokens=cached_tokens_of_whole_prompt(300),
+    )
+    assert check.ok, check.problems

@@ -427,6 +427,32 @@ def test_a_transfer_to_a_refused_decode_session_fails_with_why_and_writes_nothin
     sender.shutdown()
 
 
+def test_two_live_requests_with_one_transfer_id_both_free_their_blocks(loop):
+    """A client gave two requests on P one transfer_id: D's pull for it is
+    answered with an error naming both, and P reports both requests in
+    finished_sending (before, the second one's blocks were never freed)."""
+    engine = Engine()
+    sender = make_sender(engine)
+    fut = loop.submit(sender.push("x", dest("d:1")))
+    assert wait_until(lambda: sender.tracker.num_unannounced() == 1)
+    sender.on_metadata(
+        LayerwiseMetadata(
+            steps=[step("x", "pa", (1, 2)), step("x", "pb", (3, 4))],
+        )
+    )
+    sender.layer_saved("l0", KV)
+    err = fut.result(5)
+    assert err is not None and "(pa and pb)" in err, err
+    sender.on_metadata(
+        LayerwiseMetadata(
+            finished=[finished("x", "pa", (1, 2)), finished("x", "pb", (3, 4))]
+        )
+    )
+    assert poll_until(sender, {"pa", "pb"}) == {"pa", "pb"}
+    assert sender.tracker.num_duplicates() == 0
+    sender.shutdown()
+
+
 def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(
     loop, monkeypatch
 ):

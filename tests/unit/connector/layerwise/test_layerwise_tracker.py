@@ -241,3 +241,51 @@ def test_releasable_transfers_are_collected_without_scanning_every_transfer():
     assert [t.p_req_id for t in tr.pop_releasable()] == ["pd"]
     assert tr.pop_releasable() == []
     assert tr.inflight == 0
+
+
+def test_two_live_requests_with_one_transfer_id_send_neither_and_both_are_freed():
+    """A client gives two requests on P the same transfer_id. In one step their
+    blocks would be written into D's blocks for that id, a mix of both: the id's
+    transfer fails instead, naming both requests, the second is never sent, and
+    each request's blocks are released when it ends."""
+    tr = LayerwiseTracker(SLOTS, BS)
+    tr.set_destination("x", dest(2))
+    ops = tr.begin_step([step("x", "pa", [1, 2], 8, 8), step("x", "pb", [5, 6], 8, 8)])
+    ops += run_layers(tr)
+    admitted, _ = tr.start_writes(ops)
+    assert all(op.src_blocks[0] in (1, 2) for op in admitted), "pb's blocks sent"
+    tr.writes_done(admitted, ok=True)
+    [t] = tr.pop_finished()
+    assert t.state is TransferState.FAILED and t.p_req_id == "pa"
+    assert "transfer_id x (pa and pb)" in t.error and "neither is sent" in t.error
+    assert tr.num_duplicates() == 1
+    # later steps and the ends of both requests
+    tr.begin_step([step("x", "pb", [5, 6], 8, 8)])
+    assert run_layers(tr) == []
+    assert tr.request_finished("x", "pb", [5, 6], 8) == []
+    assert tr.pop_released_duplicates() == ["pb"] and tr.num_duplicates() == 0
+    assert tr.request_finished("x", "pa", [1, 2], 8) == []
+    assert [r.p_req_id for r in tr.pop_releasable()] == ["pa"]
+    assert tr.pop_released_duplicates() == []
+
+
+def test_a_duplicate_that_is_aborted_is_released_and_one_without_blocks_is_not():
+    tr = LayerwiseTracker(SLOTS, BS)
+    tr.begin_step([step("x", "pa", [1], 4, 4), step("x", "pb", [5], 4, 4)])
+    tr.begin_step([step("x", "pc", [7], 4, 4)])
+    tr.release("x", "pb", 4, reason="aborted")
+    tr.release("x", "pc", 4, holds_blocks=False, reason="aborted")
+    assert tr.pop_released_duplicates() == ["pb"]
+    assert tr.num_duplicates() == 0
+
+
+def test_a_transfer_id_reused_after_its_transfer_was_forgotten_is_a_new_transfer():
+    tr = LayerwiseTracker(SLOTS, BS)
+    tr.set_destination("x", dest(1))
+    finish_all(tr, tr.request_finished("x", "pa", [1], 4))  # post-hoc: all at once
+    [t] = tr.pop_finished()
+    assert t.state is TransferState.COMPLETED
+    assert [r.p_req_id for r in tr.pop_releasable()] == ["pa"]
+    tr.forget("x")
+    tr.begin_step([step("x", "pb", [5], 4, 4)])
+    assert tr.num_duplicates() == 0 and tr.get("x").p_req_id == "pb"
