@@ -10,7 +10,9 @@ socket in the caller and waits at most ``timeout`` seconds; there the error is a
 ``OSError`` that does not say which address or what to do. This class starts the
 server the 0.32.0 way on every release (upstream's ``start`` is not called; its
 ``shutdown`` is, and stops what this one started on both) and fails with one
-:class:`BootstrapServerStartError`. Verified on the
+:class:`BootstrapServerStartError`. Its connections are limited
+(common/http_limits.py: headers within a deadline, a bounded number open).
+Verified on the
 CPU backend of both releases (tests/unit/connector/test_prefill_bootstrap.py,
 tests/integration/test_bootstrap_port_taken.py); nothing in it depends on the device.
 """
@@ -23,6 +25,9 @@ import time
 
 import uvicorn
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.http_limits import (
+    LimitedH11Protocol,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
     MooncakeBootstrapServer,
 )
@@ -67,7 +72,13 @@ class PrefillBootstrapServer(MooncakeBootstrapServer):
         self._listener = listener
         self.port = listener.getsockname()[1]
         server = self.server = uvicorn.Server(
-            uvicorn.Config(app=self.app, host=self.host, port=self.port)
+            uvicorn.Config(
+                app=self.app,
+                host=self.host,
+                port=self.port,
+                # headers within a deadline, a bounded number of connections
+                http=LimitedH11Protocol,
+            )
         )
         failure: list[BaseException] = []
 

@@ -25,9 +25,11 @@ addresses, recorded per destination (keyed by the canonical ``host:port``, so
 ``127.0.0.1:017002`` is ``127.0.0.1:17002``) and checked on every push; each
 push is also bounds-checked against the layout it declares (protocol.validate).
 A push declaring another layout for a known destination is refused (409)
-unless it is authenticated (signed, auth.py) and signed later than the push
-that recorded the layout: a restarted D (same session, new buffers)
-re-registers with its first push.
+while a push into that destination is being written, and when it is
+authenticated (signed, auth.py) but signed no later than the push that
+recorded the layout (a replay of an older push); otherwise it re-registers the
+destination: a restarted D (same session, new buffers) is served from its
+first push, with or without a token.
 """
 
 from __future__ import annotations
@@ -270,6 +272,7 @@ class _Layout:
     num_blocks: int
     base_addrs: tuple[int, ...]
     signed_ms: int | None  # the push that recorded it (None: not authenticated)
+    writing: int = 0  # pushes into this destination being written now
 
 
 class Destinations:
@@ -287,36 +290,49 @@ class Destinations:
         num_blocks: int,
         base_addrs: list[int],
         signed_ms: int | None = None,
-    ) -> None:
+    ) -> str:
         """Raise PushRequestError unless a push into ``session`` with this layout
-        may be written; record the layout. ``signed_ms``: the push's signed
-        timestamp if it was authenticated (auth.EndpointGuard.verify)."""
+        may be written; record the layout and return the destination's key
+        (for :meth:`writing`). ``signed_ms``: the push's signed timestamp if it
+        was authenticated (auth.EndpointGuard.verify)."""
         key = self.own.check(session).key
         layout = (num_blocks, tuple(base_addrs))
         with self._lock:
             known = self._layouts.get(key)
             if known is not None and (known.num_blocks, known.base_addrs) != layout:
-                if signed_ms is None or (
-                    known.signed_ms is not None and signed_ms <= known.signed_ms
+                why = None
+                if known.writing:
+                    why = (
+                        f"a push into it with that layout is being written ({known.writing} "
+                        "now); retry once it has ended"
+                    )
+                elif (
+                    signed_ms is not None
+                    and known.signed_ms is not None
+                    and signed_ms <= known.signed_ms
                 ):
+                    why = (
+                        "this push is signed no later than the one that registered it "
+                        "(a replay of an older push)"
+                    )
+                if why is not None:
                     raise PushRequestError(
                         "dst_session",
                         (
-                            f"{key} was registered with {known.num_blocks} blocks at other base "
-                            "addresses; a destination's layout changes only through an "
-                            "authenticated push (MOONCAKE_BOOTSTRAP_TOKEN set) signed after the "
-                            "one that registered it (a restarted instance), or under a new "
-                            "session"
+                            f"{key} was registered with {known.num_blocks} blocks at other "
+                            f"base addresses and {why}; a restarted instance is served "
+                            "under a new layout only then, or under a new session"
                         ),
                         409,
                     )
                 logger.info(
                     "push destination %s re-registered: %d blocks at new base "
-                    "addresses (was %d); a restarted instance",
+                    "addresses (was %d; no push into it in flight); a restarted instance",
                     key,
                     num_blocks,
                     known.num_blocks,
                 )
+                del self._layouts[key]
                 known = None
             if known is None:
                 self._layouts[key] = _Layout(num_blocks, tuple(base_addrs), signed_ms)
@@ -325,5 +341,34 @@ class Destinations:
             ):
                 known.signed_ms = signed_ms
             self._layouts.move_to_end(key)
-            while len(self._layouts) > self.kept:
-                self._layouts.popitem(last=False)
+            self._forget_oldest()
+        return key
+
+    def _forget_oldest(self) -> None:
+        """Beyond ``kept`` destinations, forget the least recently pushed to that
+        nothing is being written into. Caller holds _lock."""
+        extra = len(self._layouts) - self.kept
+        for key in [k for k, v in self._layouts.items() if not v.writing][:extra]:
+            del self._layouts[key]
+
+    @contextlib.contextmanager
+    def writing(self, key: str, num_blocks: int, base_addrs: list[int]):
+        """A push into ``key`` (a key :meth:`check` returned) with this layout is
+        being written: no other layout is registered for it until it ends."""
+        layout = (num_blocks, tuple(base_addrs))
+        with self._lock:
+            known = self._layouts.get(key)
+            if known is None or (known.num_blocks, known.base_addrs) != layout:
+                # re-registered between the check and the write: refuse it
+                raise PushRequestError(
+                    "dst_session",
+                    f"{key} was re-registered with another layout meanwhile; nothing "
+                    "written",
+                    409,
+                )
+            known.writing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                known.writing -= 1

@@ -350,7 +350,7 @@ class PushServer:
                 fingerprint=self.fingerprint,
                 max_tokens=self.config.push_max_tokens,
             )
-            self.destinations.check(
+            dst_key = self.destinations.check(
                 req.dst_session, req.dst_num_blocks, req.dst_kv_base_addrs, signed_ms
             )
         except PushRequestError as e:
@@ -422,9 +422,15 @@ class PushServer:
         )
         try:
             if err is None:
-                rc = self._writer(req.dst_session, src, dst, lens)
+                # no other layout is registered for the destination meanwhile
+                with self.destinations.writing(
+                    dst_key, req.dst_num_blocks, req.dst_kv_base_addrs
+                ):
+                    rc = self._writer(req.dst_session, src, dst, lens)
                 if rc != 0:
                     err = f"transfer engine returned {rc} writing to {req.dst_session}"
+        except PushRequestError as e:  # re-registered before the write started
+            err = e.message
         except Exception as e:  # the engine raising must not take the server down
             err = f"transfer engine raised {e!r} writing to {req.dst_session}"
         resp.seconds = time.perf_counter() - t0

@@ -237,6 +237,20 @@ def test_every_endpoint_needs_the_token(env):
     )
 
 
+def assert_pushed_to_d(c, d, ids, seed):
+    """A turn 2 (``ids``, cached on C, + 40 tokens) on D with push_from C: C's
+    blocks of ``ids`` come over."""
+    got = complete(
+        d.url,
+        ids + prompt(40, seed=seed),
+        max_tokens=4,
+        logprobs=None,
+        timeout=300,
+        kv_transfer_params={"push_from": c.bootstrap_url},
+    )
+    assert got.cached_tokens == len(ids) // BLOCK * BLOCK, got.cached_tokens
+
+
 def valid_push(c, ids, fingerprint, **over):
     body = {
         "token_ids": ids,
@@ -457,6 +471,61 @@ def test_limits_answer_at_once_and_a_legitimate_push_still_completes(env):
     assert check.ok, check.problems
 
 
+def test_connections_without_a_request_are_closed_and_their_number_capped(env):
+    """Connections to C's bootstrap server that never complete a request's headers
+    (nothing sent, or a trickle) are closed at the header deadline, and beyond the
+    cap new ones are closed at once; C's memory does not grow and a push from D
+    is served right after."""
+    import select
+    import socket
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.http_limits import (
+        HEADER_DEADLINE_S,
+        MAX_CONNECTIONS,
+    )
+
+    c, d, _ = env
+    url = httpx.URL(c.bootstrap_url)
+    rss_before = process_group_rss_mib(c)
+    n = MAX_CONNECTIONS + 44
+    socks = []
+    t0 = time.monotonic()
+    try:
+        for i in range(n):
+            s = socket.create_connection((url.host, url.port), timeout=5)
+            if i % 2:
+                s.sendall(b"POST /push_blocks HTTP/1.1\r\nHost: c\r\n")  # no end
+            socks.append(s)
+        open_at: dict[int, float] = {}  # connection -> when C closed it
+        index = {s: i for i, s in enumerate(socks)}
+        while len(open_at) < n and time.monotonic() - t0 < HEADER_DEADLINE_S + 20:
+            waiting = [s for s, i in index.items() if i not in open_at]
+            ready, _, _ = select.select(waiting, [], [], 0.2)
+            for s in ready:
+                try:
+                    data = s.recv(4096)
+                except OSError:
+                    data = b""
+                if data == b"":
+                    open_at[index[s]] = time.monotonic() - t0
+    finally:
+        for s in socks:
+            s.close()
+    at_once = sum(1 for t in open_at.values() if t < 2)
+    print(
+        f"{n} idle connections: {at_once} closed within 2 s, the last after "
+        f"{max(open_at.values(), default=0):.1f} s"
+    )
+    assert len(open_at) == n, f"{n - len(open_at)} connections still open"
+    assert at_once >= n - MAX_CONNECTIONS, f"only {at_once} closed at once"
+    assert max(open_at.values()) < HEADER_DEADLINE_S + 10, max(open_at.values())
+    grew = process_group_rss_mib(c) - rss_before
+    assert grew < 256, f"C's memory grew by {grew:.0f} MiB"
+    ids = prompt(2 * BLOCK, seed=7340)
+    cached_on_c(c, ids)
+    assert_pushed_to_d(c, d, ids, seed=7341)
+
+
 def test_a_destination_whose_writes_keep_failing_is_refused_for_a_while(env):
     """C's writes into a session where no engine listens fail; after a few in a
     row, C refuses that destination: the next push is answered ``failed`` with
@@ -490,16 +559,7 @@ def test_a_destination_whose_writes_keep_failing_is_refused_for_a_while(env):
     assert float(lines["vllm_mooncake_ext_peers_refused"]) >= 1, metrics.text
     assert float(lines["vllm_mooncake_ext_writes_refused_total"]) >= 1, metrics.text
     assert httpx.get(c.bootstrap_url + "/metrics", timeout=10).status_code == 401
-    # another destination (D's own session) is still pushed to
-    got = complete(
-        d.url,
-        ids + prompt(40, seed=7351),
-        max_tokens=4,
-        logprobs=None,
-        timeout=300,
-        kv_transfer_params={"push_from": c.bootstrap_url},
-    )
-    assert got.cached_tokens == 2 * BLOCK, got.cached_tokens
+    assert_pushed_to_d(c, d, ids, seed=7351)  # another destination: still served
 
 
 HOSTILE = ["huge", "negative", "more", "mismatch", "ok_inconsistent", "ok_unwritten"]

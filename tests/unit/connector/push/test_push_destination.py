@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import C_SESSION, D_SESSION, KV, NBLK
+from helpers import C_SESSION, D_SESSION, KV, NBLK, wait_until
 from test_push_security import assert_push_ok, push_body, refused
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
@@ -61,14 +62,24 @@ def test_the_same_port_on_another_host_and_another_port_here_are_written(c_serve
 
 
 def test_a_zero_padded_port_is_the_same_destination_for_its_layout(c_server):
+    """While a push into D is being written, another layout is refused for D under
+    any spelling of its session (the layout is kept per canonical host:port)."""
     c = c_server()
     d = c.destination()
     assert_push_ok(c, d, c.post("/push_blocks", push_body(d)))
     host, port = D_SESSION.rsplit(":", 1)
     padded = f"{host}:0{port}"
     c.engine.register(padded, d)
-    out = refused(c, push_body(d, session=padded, dst_num_blocks=NBLK - 1), 409, d)
-    assert out["detail"]["field"] == "dst_session"
+    gate = c.engine.gate()
+    with ThreadPoolExecutor(1) as pool:
+        writing = pool.submit(c.post, "/push_blocks", push_body(d))
+        assert wait_until(lambda: c.engine.entered == 2), "the write never started"
+        body = push_body(d, session=padded, dst_num_blocks=NBLK - 1)
+        out = refused(c, body, 409)
+        assert out["detail"]["field"] == "dst_session"
+        assert "being written" in out["detail"]["message"]
+        gate.set()
+        assert writing.result(10).json()["status"] == "ok"
 
 
 # ---- OwnEngine alone ---------------------------------------------------------------------

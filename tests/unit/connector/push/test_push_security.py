@@ -57,6 +57,7 @@ from helpers import (
     d_request,
     push_job,
     serve,
+    wait_until,
 )
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import auth
@@ -1083,30 +1084,42 @@ def test_own_session_is_refused(c_servers):
     assert c.server.stats["refused"] == 1
 
 
-def test_a_known_session_cannot_change_its_layout(c_servers):
-    """Without authentication (an open C). An authenticated push signed later may
-    re-register a layout: tests/unit/connector/push/test_push_hygiene.py."""
+def test_a_known_session_cannot_change_its_layout_while_a_push_into_it_is_written(
+    c_servers,
+):
+    """Without authentication (an open C): while a push into a destination is
+    being written, no other layout is registered for it (409, nothing written);
+    once it has ended, a push with another layout re-registers the destination
+    (a restarted instance). An authenticated push signed earlier than the one
+    that registered a layout: tests/unit/connector/push/test_push_hygiene.py."""
     c = c_servers(ExtConfig(bootstrap_host="127.0.0.1", push_max_tokens=64))
     d = c.destination()
     assert_push_ok(c, d, c.post("/push_blocks", push_body(d)))
-    other = KV(fill=False)
-    c.engine.register("127.0.0.1:17003", other)
-    for over in [
-        {"dst_num_blocks": NBLK - 1},
-        {"dst_num_blocks": NBLK - 8},
-        {"dst_kv_base_addrs": other.bases},
-        {"dst_kv_base_addrs": d.bases[::-1]},
-    ]:
-        out = refused(c, push_body(d, **over), 409, d, other)
-        assert (
-            out["detail"]["field"] == "dst_session"
-            and D_SESSION in out["detail"]["message"]
-        )
-    # the first layout still works; a new session may have its own
-    assert c.post("/push_blocks", push_body(d)).json()["status"] == "ok"
+    gate = c.engine.gate()
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(c.post, "/push_blocks", push_body(d))
+        assert wait_until(lambda: c.engine.entered == 2), "the write never started"
+        other = KV(fill=False)
+        c.engine.register("127.0.0.1:17003", other)
+        for over in [
+            {"dst_num_blocks": NBLK - 1},
+            {"dst_kv_base_addrs": other.bases},
+            {"dst_kv_base_addrs": d.bases[::-1]},
+        ]:
+            out = refused(c, push_body(d, **over), 409, other)
+            assert out["detail"]["field"] == "dst_session"
+            assert D_SESSION in out["detail"]["message"]
+            assert "being written" in out["detail"]["message"]
+        gate.set()
+        assert first.result(10).json()["status"] == "ok"
+    # a new session may have its own layout at any time
     assert_push_ok(
         c, other, c.post("/push_blocks", push_body(other, "127.0.0.1:17003"))
     )
+    # nothing in flight: D restarted with new buffers on the same session
+    restarted = KV(fill=False)
+    c.engine.register(D_SESSION, restarted)
+    assert_push_ok(c, restarted, c.post("/push_blocks", push_body(restarted)))
 
 
 @pytest.mark.parametrize(
