@@ -40,7 +40,6 @@ class _Peer:
     failures: int = 0  # failed writes in a row
     refused_until: float = 0.0  # this clock; 0: not refused
     refusal_s: float = 0.0  # the last refusal's length (0: none yet)
-    refused_writes: int = 0  # writes refused in the current refusal
 
 
 class RefusedPeers:
@@ -75,7 +74,6 @@ class RefusedPeers:
             left = peer.refused_until - self._clock()
             if left <= 0:
                 return None
-            peer.refused_writes += 1
             self.refused_writes += 1
             return (
                 f"writes to {session} are refused for another {left:.0f} s: its last "
@@ -112,7 +110,6 @@ class RefusedPeers:
                 min(self.max_s, 2 * peer.refusal_s) if peer.refusal_s else self.first_s
             )
             peer.refused_until = now + peer.refusal_s
-            peer.refused_writes = 0
             self.refusals += 1
             logger.warning(
                 "the last %d transfer-engine writes to %s failed: writes to it are "

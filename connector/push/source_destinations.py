@@ -348,6 +348,8 @@ class Destinations:
         """Beyond ``kept`` destinations, forget the least recently pushed to that
         nothing is being written into. Caller holds _lock."""
         extra = len(self._layouts) - self.kept
+        if extra <= 0:
+            return
         for key in [k for k, v in self._layouts.items() if not v.writing][:extra]:
             del self._layouts[key]
 

@@ -57,6 +57,19 @@ def cluster(shared_cluster):
     return cl
 
 
+def assert_pd_byte_exact(p, d, ids: list[int]) -> None:
+    """A P->D request for ``ids``: D's answer equals P's own, from P's KV."""
+    pd = pd_generate(
+        p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120
+    )
+    check = compare(
+        pd.decode,
+        reference_completion(p.url, ids, max_tokens=3),
+        expected_cached_tokens=cached_tokens_of_whole_prompt(len(ids)),
+    )
+    assert check.ok, check.problems
+
+
 def worker_addr(bootstrap_url: str) -> str:
     """P's worker ZMQ address, as D learns it (GET /query on P's bootstrap server)."""
     q = httpx.get(bootstrap_url + "/query", timeout=10).json()
@@ -147,15 +160,7 @@ def test_a_forged_pull_for_a_future_transfer_id_leaves_its_request_unharmed(clus
     )
     # P keeps serving: a normal P->D request right after, byte-exact.
     other = prompt(300, seed=7100 + n)
-    pd = pd_generate(
-        p.url, p.bootstrap_url, d.url, other, max_tokens=3, logprobs=5, timeout=120
-    )
-    check = compare(
-        pd.decode,
-        reference_completion(p.url, other, max_tokens=3),
-        expected_cached_tokens=cached_tokens_of_whole_prompt(300),
-    )
-    assert check.ok, check.problems
+    assert_pd_byte_exact(p, d, other)
     assert httpx.get(p.url + "/health", timeout=10).status_code == 200
     usage = wait_no_blocks_in_use(p.url, d.url, timeout=60)
     assert usage == (0.0, 0.0), f"KV blocks still allocated (P, D usage): {usage}"
@@ -217,15 +222,7 @@ def test_a_decode_within_the_limits_is_served_and_real_decodes_send_their_limits
     with every pull; P accepts them and the transfer is byte-exact."""
     p, d = cluster["prefill"], cluster["decode"]
     ids = prompt(400, seed=7300)
-    pd = pd_generate(
-        p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=120
-    )
-    check = compare(
-        pd.decode,
-        reference_completion(p.url, ids, max_tokens=3),
-        expected_cached_tokens=cached_tokens_of_whole_prompt(400),
-    )
-    assert check.ok, check.problems
+    assert_pd_byte_exact(p, d, ids)
     # P warns once per decode session whose requests carry no limits: only the
     # forged requests of this module (session 127.0.0.1:1) may have none
     log = p.log_text().splitlines()
@@ -277,12 +274,4 @@ def test_two_prefill_requests_with_one_transfer_id_send_neither_and_free_both(cl
     assert "neither is sent" in (t["outcome"] or ""), t
     assert t["bytes_written"] == 0, t
     other = prompt(300, seed=7302)
-    pd = pd_generate(
-        p.url, p.bootstrap_url, d.url, other, max_tokens=3, logprobs=5, timeout=120
-    )
-    check = compare(
-        pd.decode,
-        reference_completion(p.url, other, max_tokens=3),
-        expected_cached_tokens=cached_tokens_of_whole_prompt(300),
-    )
-    assert check.ok, check.problems
+    assert_pd_byte_exact(p, d, other)
