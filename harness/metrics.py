@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 
-import httpx
+from harness.pd_client import CLIENT
 
 
 def scrape(url: str, timeout: float = 10.0) -> str:
     """The instance's /metrics text."""
-    return httpx.get(url + "/metrics", timeout=timeout).text
+    return CLIENT.get(url + "/metrics", timeout=timeout).text
 
 
 def samples(text: str, name: str) -> list[float]:

@@ -161,6 +161,20 @@ def _free_subnet(start: int) -> int:
     )
 
 
+# Mooncake's transfer-engine ports (its RPC and data listeners): MC_MIN_RPC_PORT ..
+# MC_MAX_RPC_PORT, 15000-17000 by default; the harness's own ports lie above them
+ENGINE_PORTS = range(15000, 17001)
+
+
+def _port_blocks(ports: range) -> list[tuple[int, int]]:
+    """(value, mask) pairs of 16-bit ports whose blocks together cover ``ports``
+    (and at most the rest of the aligned blocks they fall in)."""
+    mask_bits = 10  # blocks of 1024 ports
+    first, last = ports.start >> mask_bits, (ports.stop - 1) >> mask_bits
+    mask = 0xFFFF & ~((1 << mask_bits) - 1)
+    return [(b << mask_bits, mask) for b in range(first, last + 1)]
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -298,6 +312,30 @@ class Topology:
         lost on the way, while the host's eth0 keeps its carrier and its TCP
         stack retransmits as it would over a real network."""
         _run("ip", "link", "set", self.hosts[name].port_dev, "nomaster")
+
+    def data_link_down(self, name: str, ports: range = ENGINE_PORTS) -> None:
+        """Cut only the transfer engines' traffic into the host (TCP to or from
+        ``ports``), beyond its NIC, while its other traffic (HTTP, ZMQ) flows: as
+        when the data network (the RDMA fabric) fails and the front-end network
+        does not. Frames into the host on those ports are classified (u32) into an
+        HTB class whose queue holds none, so each is dropped on the way;
+        :meth:`clear` removes it. Cut both hosts of a pair for a cut both ways."""
+        dev = self.hosts[name].port_dev
+        tc = ["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:"]
+        _run(*tc, "htb", "default", "10")
+        cls = ["tc", "class", "add", "dev", dev, "parent", "1:", "classid"]
+        _run(*cls, "1:10", "htb", "rate", "10gbit")
+        _run(*cls, "1:20", "htb", "rate", "8bit", "ceil", "8bit")
+        _run(*f"tc qdisc add dev {dev} parent 1:20 handle 20: pfifo limit 0".split())
+        for value, mask in _port_blocks(ports):
+            for field in ("sport", "dport"):
+                match = ["match", "ip", field, str(value), hex(mask)]
+                _run(
+                    *f"tc filter add dev {dev} parent 1: protocol ip prio 1 u32".split(),
+                    *match,
+                    "flowid",
+                    "1:20",
+                )
 
     def nic_down(self, name: str) -> None:
         """Take away the carrier of the host's NIC (its bridge port down): the

@@ -22,6 +22,12 @@ from typing import Any
 import httpx
 
 DEFAULT_TIMEOUT_S = 600.0
+# One client for every call of the harness: CLIENT.get()/post() build a client, TLS
+# context included, per call (~45 ms on a 2-core machine, more than most calls to a
+# local instance take). Kept connections expire after 2 s idle, before the servers'
+# own idle close (uvicorn's 5 s), so a close lost while a link was cut is never
+# taken for a live connection.
+CLIENT = httpx.Client(limits=httpx.Limits(keepalive_expiry=2.0))
 
 
 class RequestFailed(RuntimeError):
@@ -52,7 +58,7 @@ def bootstrap_headers(
 
 def _post(url: str, body: dict, timeout: float, headers: dict | None = None) -> dict:
     try:
-        r = httpx.post(url, json=body, timeout=timeout, headers=headers)
+        r = CLIENT.post(url, json=body, timeout=timeout, headers=headers)
     except httpx.HTTPError as e:
         raise RequestFailed(f"POST {url} failed: {e!r}") from e
     if r.status_code != 200:
@@ -61,14 +67,14 @@ def _post(url: str, body: dict, timeout: float, headers: dict | None = None) -> 
 
 
 def model_name(base_url: str, timeout: float = 30.0) -> str:
-    r = httpx.get(base_url + "/v1/models", timeout=timeout)
+    r = CLIENT.get(base_url + "/v1/models", timeout=timeout)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 
 
 def engine_id(bootstrap_url: str, timeout: float = 30.0) -> str:
     """The engine id of the prefill instance, from its Mooncake bootstrap server."""
-    r = httpx.get(bootstrap_url + "/query", timeout=timeout)
+    r = CLIENT.get(bootstrap_url + "/query", timeout=timeout)
     r.raise_for_status()
     entries = r.json()
     if not entries:
@@ -214,7 +220,7 @@ def forwarded_match_claiming_every_block(
     """A test's push source: D's /match_blocks body forwarded to C as D sent it
     (D's authorization is valid at C too); C's answer, claiming every full block
     of the prompt (``block`` tokens each)."""
-    r = httpx.post(
+    r = CLIENT.post(
         bootstrap_url + "/match_blocks",
         content=raw,
         timeout=30,
@@ -240,7 +246,7 @@ def match_blocks(
     url = bootstrap_url + "/match_blocks"
     body = json.dumps({"token_ids": token_ids, "cache_salt": cache_salt}).encode()
     try:
-        r = httpx.post(
+        r = CLIENT.post(
             url,
             content=body,
             timeout=timeout,
@@ -278,7 +284,7 @@ def push_stats(bootstrap_url: str, timeout: float = 30.0) -> dict:
     """A push source's counters (GET /push/stats on its bootstrap server: pushes,
     ok, failed, bytes, write seconds, ...), with the cluster's token."""
     url = bootstrap_url + "/push/stats"
-    r = httpx.get(url, timeout=timeout, headers=bootstrap_headers())
+    r = CLIENT.get(url, timeout=timeout, headers=bootstrap_headers())
     if r.status_code != 200:
         raise RequestFailed(f"GET {url} returned {r.status_code}: {r.text[:500]}")
     return r.json()

@@ -55,6 +55,7 @@ RELEASE_INDEPENDENT_TESTS = (
 # answers). `scripts/test.sh --vllm V` runs them on V as well.
 PINNED_ONLY_TESTS = (
     "tests/integration/test_faults.py",
+    "tests/integration/test_faults_cut.py",
     "tests/integration/test_push_proxy_answers.py",
 )
 

@@ -75,3 +75,23 @@ def pytest_configure(config):
         "markers",
         "integration: starts real vLLM instances with the real Mooncake engine (slow)",
     )
+    config.addinivalue_line(
+        "markers",
+        "hosts: needs hosts of its own (network namespaces, harness/netns.py); "
+        "skipped, with the reason, where they cannot be made",
+    )
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked ``hosts`` are skipped, naming why, without network namespaces."""
+    if not any(item.get_closest_marker("hosts") for item in items):
+        return
+    from harness import netns
+
+    why = netns.available()
+    if why is None:
+        return
+    skip = pytest.mark.skip(reason=f"no network namespaces here: {why}")
+    for item in items:
+        if item.get_closest_marker("hosts"):
+            item.add_marker(skip)

@@ -17,28 +17,42 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .bench import SCENARIOS, FaultBench, Outcome, fault_cluster, run_fault
+from .bench import (
+    CUT_REQUEST_DEADLINE_S,
+    CUT_SCENARIOS,
+    SCENARIOS,
+    FaultBench,
+    Outcome,
+    fault_cluster,
+    run_fault,
+)
 
 
 def render(outcomes: list[Outcome]) -> str:
     head = (
-        f"{'fault':<24} {'runs':>4} {'reqs':>4} {'ok':>3} {'err':>3} {'lost':>4} "
+        f"{'fault':<36} {'runs':>4} {'reqs':>4} {'ok':>3} {'err':>3} {'lost':>4} "
         f"{'wrong':>5} {'stranded':>8}  recovery s (min/med/max)  holds"
     )
     lines = [head, "-" * len(head)]
     for o in outcomes:
         if o.skipped:
-            lines.append(f"{o.fault:<24} skipped: {o.skipped}")
+            lines.append(f"{o.fault:<36} skipped: {o.skipped}")
             continue
         rec = sorted(o.recovery_s)
         rec_s = (
             f"{rec[0]:.1f} / {rec[len(rec) // 2]:.1f} / {rec[-1]:.1f}" if rec else "-"
         )
         lines.append(
-            f"{o.fault:<24} {o.runs:>4} {o.requests:>4} {o.ok:>3} "
+            f"{o.fault:<36} {o.runs:>4} {o.requests:>4} {o.ok:>3} "
             f"{o.ended_with_error:>3} {o.lost:>4} {o.wrong:>5} {o.stranded_runs:>8}  "
             f"{rec_s:<24}  {'yes' if o.holds else 'NO'}"
         )
+        if o.reused_blocks_checked or o.reused_wrong or o.reused_unchecked:
+            lines.append(
+                f"{'':<36} reused blocks read back {o.reused_blocks_checked}, "
+                f"changed {o.reused_wrong}, not read back {o.reused_unchecked}; "
+                f"ended {o.ended_after_cut_s} s after the cut"
+            )
     return "\n".join(lines)
 
 
@@ -47,28 +61,44 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m microbench.faults", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--runs", type=int, default=3, help="runs per fault (default 3)")
-    ap.add_argument("--only", help="comma-separated faults: " + ", ".join(SCENARIOS))
+    known = [*SCENARIOS, *CUT_SCENARIOS]
+    ap.add_argument("--only", help="comma-separated faults: " + ", ".join(known))
     ap.add_argument("--out", type=Path, default=Path("results/faults.json"))
     args = ap.parse_args(argv)
-    names = args.only.split(",") if args.only else list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
+    names = args.only.split(",") if args.only else known
+    unknown = [n for n in names if n not in known]
     if unknown:
-        ap.error(f"unknown faults {unknown}; known: {', '.join(SCENARIOS)}")
+        ap.error(f"unknown faults {unknown}; known: {', '.join(known)}")
     outcomes: list[Outcome] = []
     t0 = time.monotonic()
-    with fault_cluster(args.out.parent / "faults-logs") as cluster:
-        bench = FaultBench(cluster)
-        try:
-            for i, name in enumerate(names, 1):
-                print(
-                    f"[faults {time.monotonic() - t0:5.0f}s] {i}/{len(names)} {name} "
-                    f"x{args.runs} ...",
-                    flush=True,
-                )
-                outcomes.append(run_fault(bench, name, args.runs))
-                print(render(outcomes[-1:]).splitlines()[-1], flush=True)
-        finally:
-            bench.close()
+    done = 0
+    # the rows of each cluster (the cut rows' hosts keep the kernel's defaults)
+    for kernel_defaults, group in ((False, SCENARIOS), (True, CUT_SCENARIOS)):
+        mine = [n for n in names if n in group]
+        if not mine:
+            continue
+        logs = args.out.parent / (
+            "faults-cut-logs" if kernel_defaults else "faults-logs"
+        )
+        print(
+            f"[faults {time.monotonic() - t0:5.0f}s] starting P and D ...", flush=True
+        )
+        with fault_cluster(logs, kernel_defaults) as cluster:
+            bench = FaultBench(
+                cluster, CUT_REQUEST_DEADLINE_S if kernel_defaults else None
+            )
+            try:
+                for name in mine:
+                    done += 1
+                    print(
+                        f"[faults {time.monotonic() - t0:5.0f}s] {done}/{len(names)} "
+                        f"{name} x{args.runs} ...",
+                        flush=True,
+                    )
+                    outcomes.append(run_fault(bench, name, args.runs))
+                    print("\n".join(render(outcomes[-1:]).splitlines()[2:]), flush=True)
+            finally:
+                bench.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

@@ -14,8 +14,19 @@ successful answer matches a from-scratch reference (KV-sensitive logprobs);
 KV usage of every surviving instance returns to 0; the cluster serves a new
 P->D request afterwards, a restarted peer without restarting the other side.
 
-The scenarios (``SCENARIOS``) run from ``python -m microbench.faults`` (the whole
-matrix) and from tests/integration/test_faults.py (the CI subset).
+The cut rows (``CUT_SCENARIOS``) also look at the blocks D reuses afterwards.
+They run on a cluster of their own whose hosts keep the kernel's default
+``net.ipv4.tcp_orphan_retries``: there a connection the transport dropped during a
+cut keeps retransmitting what it had queued once the link is back, so a failed
+write's bytes can still land (docs/results/2026-11-27-cut-for-good.md). Right
+after the faulted request ends, D is filled: local requests that together take
+every block D can hand out, once each, in the order D hands them out. After the
+late-byte window every filler is read back through D's prefix cache and compared
+with a from-scratch reference, so a late byte in any reused block shows up as a
+wrong answer.
+
+The scenarios run from ``python -m microbench.faults`` (the whole matrix) and
+from tests/integration/test_faults.py and test_faults_cut.py (the CI subset).
 """
 
 from __future__ import annotations
@@ -33,10 +44,12 @@ import httpx
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
+from harness.late_bytes import sockets
 from harness.launcher import BLOCK, Cluster, Instance, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.netns import netem_available
 from harness.pd_client import (
+    CLIENT,
     Completion,
     RequestFailed,
     bootstrap_headers,
@@ -74,6 +87,32 @@ PUSH_TIMEOUT_S = 10.0
 # the longest any request may take under these faults: D's pull socket gives up at
 # ABORT_TIMEOUT_S + 60 s (connector/common/config.py), plus a prefill and a decode
 REQUEST_DEADLINE_S = ABORT_TIMEOUT_S + 60 + 60
+# The cut rows' cluster: the kernel's default orphan retries (0, i.e. 8), so the bound
+# on a write is 5 + 5 + 205.4 s and D's pull must wait longer than P's timeout plus
+# that (20 + 215.4 s): its give-up is CUT_ABORT_TIMEOUT_S + 60.
+CUT_ABORT_TIMEOUT_S = 180
+CUT_REQUEST_DEADLINE_S = CUT_ABORT_TIMEOUT_S + 60 + 60
+# > the transport's 30 s no-progress watchdog (after the writer resumes): every
+# task of the write in flight turns FAILED while the data network is still cut
+CUT_PAST_S = 45.0
+# C's push write starts PUSH_DELAY_S into the cut and stalls; the transport's watchdog
+# drops its connections ~36 s into the cut, the kernel retransmits their queues until
+# ~57 s (51 s after the stall) and gives up on them after ~108 s. Measured here, the
+# engine reported the write FAILED only after the data network was back (12-19 s
+# after the watchdog), so on this stack the push's late bytes land before C answers
+# even without the fence (docs/results/2026-11-27-faults-cut.md).
+PUSH_CUT_PAST_S = 52.0
+# after the data network is back, a dropped connection retransmits what it had
+# queued at its next backed-off timer (up to ~50 s later after a cut this long):
+# fillers are read back once P's kernel holds no unsent byte for D (observed),
+# at least LATE_MIN_S and at most LATE_MAX_S after the cut ended
+LATE_MIN_S = 5.0
+LATE_MAX_S = 150.0
+# D's KV cache on the cut rows' cluster: small, so that the fillers take every block
+CUT_D_BLOCKS = 80
+FIRST_FILLER_BLOCKS = 16  # not read back: its blocks are taken by the read-backs
+FILLER_BLOCKS = 8
+IDLE_GAPS_S = (5.0, 30.0, 100.0)  # tcp_idle_gap: transfers after this long idle
 SHORT_DOWN_S = 4.0  # < ENGINE_TIMEOUT_S: the writes resume where they stopped
 LONG_DOWN_S = 30.0  # > ENGINE_TIMEOUT_S and > LAYERWISE_TIMEOUT_S: the transfer fails
 # > ENGINE_TIMEOUT_S, < the transport's 30 s no-progress watchdog, and short enough that
@@ -95,24 +134,42 @@ FAULT_ENV = {
 }
 
 
-def cluster_specs(model: str) -> list[InstanceSpec]:
+def cluster_specs(model: str, kernel_defaults: bool = False) -> list[InstanceSpec]:
+    """P and D, armed with the fault hooks above. ``kernel_defaults``: the cut rows'
+    cluster (the kernel's own orphan retries, D's pull waiting accordingly, and a
+    small KV cache on D)."""
+    args = ["--enable-prompt-tokens-details"]
     common = dict(
         model=model,
         kv_cache_gib=2,
         max_model_len=4096,
         env=dict(FAULT_ENV),
         sysctls={"net.ipv4.tcp_orphan_retries": ORPHAN_RETRIES},
-        extra_args=["--enable-prompt-tokens-details"],
+        extra_args=args,
     )
+    decode_args = args
+    if kernel_defaults:
+        common["env"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(CUT_ABORT_TIMEOUT_S)
+        common["sysctls"] = {}
+        decode_args = [*args, "--num-gpu-blocks-override", str(CUT_D_BLOCKS)]
     return [
         InstanceSpec("prefill", role="kv_producer", cores="0", **common),
-        InstanceSpec("decode", role="kv_consumer", cores="1", **common),
+        InstanceSpec(
+            "decode",
+            role="kv_consumer",
+            cores="1",
+            **{**common, "extra_args": decode_args},
+        ),
     ]
 
 
-def fault_cluster(log_dir: Path) -> Cluster:
+def fault_cluster(log_dir: Path, kernel_defaults: bool = False) -> Cluster:
     """P and D, each on a host of its own, armed with the fault hooks above."""
-    return Cluster(cluster_specs(str(ensure_model(ModelShape()))), log_dir, hosts=True)
+    return Cluster(
+        cluster_specs(str(ensure_model(ModelShape())), kernel_defaults),
+        log_dir,
+        hosts=True,
+    )
 
 
 @dataclass
@@ -131,6 +188,12 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
     skipped: str | None = None
     must_succeed: bool = False  # no request of this fault may end with an error
+    # the cut rows: D's blocks reused after the fault, read back after the
+    # late-byte window
+    reused_blocks_checked: int = 0
+    reused_wrong: int = 0  # read-backs that differ from the reference
+    reused_unchecked: int = 0  # read-backs that did not come from the fillers' blocks
+    ended_after_cut_s: list[float] = field(default_factory=list)
 
     def record(self, status: str, detail: str = "") -> None:
         self.requests += 1
@@ -153,6 +216,8 @@ class Outcome:
             self.lost == 0
             and self.wrong == 0
             and self.stranded_runs == 0
+            and self.reused_wrong == 0
+            and self.reused_unchecked == 0
             and len(self.recovery_s) == self.runs
             and self.requests > 0
             and (not self.must_succeed or self.ok == self.requests)
@@ -162,8 +227,12 @@ class Outcome:
 class FaultBench:
     """Runs fault scenarios on one two-host cluster; owns the cluster's recovery."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(
+        self, cluster: Cluster, request_deadline_s: float | None = None
+    ) -> None:
         self.cluster = cluster
+        # the longest a request may take on this cluster (REQUEST_DEADLINE_S by default)
+        self.deadline_s = request_deadline_s or REQUEST_DEADLINE_S
         self.p: Instance = cluster["prefill"]
         self.d: Instance = cluster["decode"]
         self.topology = cluster.topology
@@ -178,7 +247,7 @@ class FaultBench:
     # -- measurements -----------------------------------------------------------
 
     def layerwise_transfers(self) -> dict[str, dict]:
-        r = httpx.get(
+        r = CLIENT.get(
             self.p.bootstrap_url + "/layerwise/transfers",
             timeout=5,
             headers=bootstrap_headers(),
@@ -211,7 +280,7 @@ class FaultBench:
             max_tokens=4,
             logprobs=5,
             transfer_id=transfer_id,
-            timeout=REQUEST_DEADLINE_S,
+            timeout=self.deadline_s,
         )
 
     def settle(
@@ -221,9 +290,9 @@ class FaultBench:
         ``from_peer``: ok also needs D's KV to have come from P (all but the last
         token cached on D, and P's transfer completed), not from a local recompute."""
         try:
-            res = fut.result(timeout=REQUEST_DEADLINE_S + 10)
+            res = fut.result(timeout=self.deadline_s + 10)
         except cf.TimeoutError:
-            out.record("lost", f"no answer within {REQUEST_DEADLINE_S + 10:.0f} s")
+            out.record("lost", f"no answer within {self.deadline_s + 10:.0f} s")
             return
         except RequestFailed as exc:
             out.record("error", str(exc))
@@ -397,7 +466,7 @@ class FaultBench:
         self.wait_writes(xfer, HOLD_AFTER)
         self.d.kill()
         try:  # D's client connection dies with D: a clear error, never an answer
-            fut.result(timeout=REQUEST_DEADLINE_S)
+            fut.result(timeout=self.deadline_s)
             out.record("wrong", "D answered although it was killed")
         except RequestFailed as exc:
             out.record("error", str(exc))
@@ -438,7 +507,7 @@ class FaultBench:
             turn2,
             max_tokens=4,
             logprobs=5,
-            timeout=REQUEST_DEADLINE_S,
+            timeout=self.deadline_s,
             kv_transfer_params={"push_from": self.p.bootstrap_url},
         )
         deadline = time.monotonic() + PUSH_DELAY_S
@@ -455,7 +524,7 @@ class FaultBench:
         """D's answer to the pushed turn, or None once its end was recorded (lost
         past the deadline, or a clear error)."""
         try:
-            return fut.result(timeout=REQUEST_DEADLINE_S + 10)
+            return fut.result(timeout=self.deadline_s + 10)
         except cf.TimeoutError:
             out.record("lost", f"D's push request never ended {when}")
         except RequestFailed as exc:
@@ -516,7 +585,7 @@ class FaultBench:
                 ids,
                 max_tokens=1,
                 logprobs=None,
-                timeout=REQUEST_DEADLINE_S,
+                timeout=self.deadline_s,
                 kv_transfer_params={"do_remote_decode": True, "transfer_id": xfer},
             )
             body = json.dumps(
@@ -532,9 +601,7 @@ class FaultBench:
                     },
                 }
             )
-            conn = http.client.HTTPConnection(
-                d_host, d_port, timeout=REQUEST_DEADLINE_S
-            )
+            conn = http.client.HTTPConnection(d_host, d_port, timeout=self.deadline_s)
             conn.request(
                 "POST", "/v1/completions", body, {"Content-Type": "application/json"}
             )
@@ -542,7 +609,7 @@ class FaultBench:
             conn.sock.close()  # the client disconnects: vLLM aborts D's request
             conn.close()
             try:
-                p_fut.result(timeout=REQUEST_DEADLINE_S)
+                p_fut.result(timeout=self.deadline_s)
                 out.record(
                     "error", ""
                 )  # aborted on purpose: it ended, no answer wanted
@@ -572,6 +639,155 @@ class FaultBench:
             out, lambda: self.topology.netem("prefill", "delay", "20ms")
         )
 
+    # -- the cut rows: D's reused blocks, read back after the late-byte window -----
+
+    def fill_decode(self) -> list[list[int]]:
+        """Local requests on D, one after another, that together take CUT_D_BLOCKS - 1
+        blocks (all D can hand out) in the order D hands them out: every free block
+        once, the ones freed last (the faulted request's) by the last fillers. Each
+        is a whole number of blocks, so all its blocks are cached. Returns the
+        prompts, the first (FIRST_FILLER_BLOCKS, never read back) first."""
+        left = CUT_D_BLOCKS - 1
+        fillers = []
+        while left > 0:
+            n = min(left, FIRST_FILLER_BLOCKS if not fillers else FILLER_BLOCKS)
+            ids = self.prompt(n * BLOCK)
+            complete(self.d.url, ids, max_tokens=1, logprobs=None, timeout=120)
+            fillers.append(ids)
+            left -= n
+        return fillers
+
+    def read_back(self, out: Outcome, fillers: list[list[int]]) -> None:
+        """Every filler but the first, newest first, read through D's prefix cache (one
+        token more, so D reads all its blocks), against a from-scratch reference.
+        Each read-back takes one new block: the oldest free ones, the first
+        filler's."""
+        extra = self.prompt(1)
+        got = {}
+        for i in range(len(fillers) - 1, 0, -1):
+            got[i] = complete(
+                self.d.url, fillers[i] + extra, max_tokens=2, logprobs=5, timeout=120
+            )
+        for i, answer in got.items():
+            ids = fillers[i] + extra
+            if (answer.cached_tokens or 0) != len(fillers[i]):
+                out.reused_unchecked += 1
+                out.errors.append(
+                    f"filler {i} was not read from D's cache ({answer.cached_tokens} of "
+                    f"{len(fillers[i])} tokens cached): its blocks were not checked"
+                )
+                continue
+            ref = reference_completion(self.d.url, ids, max_tokens=2)
+            verdict = compare(answer, ref, expected_cached_tokens=None)
+            out.reused_blocks_checked += len(fillers[i]) // BLOCK
+            if not verdict.ok:
+                out.reused_wrong += 1
+                out.errors.append(
+                    f"reused blocks of filler {i} changed after the fault: "
+                    + "; ".join(verdict.problems)
+                )
+
+    def _cut_data_network(self) -> float:
+        """The transfer engines' traffic between P and D cut both ways (HTTP and ZMQ
+        still flow, as when the RDMA fabric fails and the front-end network does
+        not: the end of a failed write reaches the peer while the write's bytes
+        cannot). Returns when (monotonic)."""
+        self.topology.data_link_down("prefill")
+        self.topology.data_link_down("decode")
+        return time.monotonic()
+
+    def _cut(
+        self, out: Outcome, fut: cf.Future, cut: float, cut_s: float = CUT_PAST_S
+    ) -> tuple[list, float]:
+        """Until ``cut_s`` after ``cut``, then the data network restored. D is
+        filled as soon as the faulted request ended (during the cut, or after
+        it). Returns (the fillers, when the data network came back)."""
+        fillers = None
+        while time.monotonic() - cut < cut_s:
+            if fillers is None and fut.done():
+                out.ended_after_cut_s.append(round(time.monotonic() - cut, 1))
+                fillers = self.fill_decode()
+            time.sleep(0.1)
+        self.topology.clear("prefill")
+        self.topology.clear("decode")
+        up = time.monotonic()
+        if fillers is None:
+            cf.wait([fut], timeout=self.deadline_s + 10)  # settled by the caller
+            if fut.done():
+                out.ended_after_cut_s.append(round(time.monotonic() - cut, 1))
+                fillers = self.fill_decode()
+        return fillers or [], up
+
+    def wait_nothing_queued_for_d(self, out: Outcome, up: float) -> None:
+        """Until P's kernel holds no unsent byte on any connection to D (sampled
+        with ss in P's namespace), LATE_MIN_S after ``up`` at the earliest."""
+        p_host, d_ip = self.topology.host("prefill"), self.topology.host("decode").ip
+        time.sleep(max(0.0, up + LATE_MIN_S - time.monotonic()))
+        while time.monotonic() - up < LATE_MAX_S:
+            if sum(s["send_q"] for s in sockets(p_host, d_ip)) == 0:
+                return
+            time.sleep(0.5)
+        out.errors.append(
+            f"P still held unsent bytes for D {LATE_MAX_S:.0f} s after the cut"
+        )
+
+    def _after_cut(self, out: Outcome, fillers: list, up: float) -> None:
+        self.wait_nothing_queued_for_d(out, up)
+        if fillers:
+            self.read_back(out, fillers)
+        self.baseline(out, self.p, self.d)
+        self.recover(out, up)
+
+    def link_cut_past_progress_deadline(self, out: Outcome) -> None:
+        """The data network between P and D cut for CUT_PAST_S while P writes a
+        layer-wise transfer: past the transport's no-progress watchdog, so every
+        task in flight turns FAILED while bytes of it are still queued in P's
+        kernel. The request ends (an error, or D recomputes); the blocks D reuses
+        afterwards hold no byte of it."""
+        ids, xfer = self.prompt(HOLD_LEN), f"xfer-{uuid.uuid4().hex}"
+        fut = self.start_pd(ids, xfer)
+        self.wait_writes(xfer, HOLD_AFTER)
+        fillers, up = self._cut(out, fut, self._cut_data_network())
+        self.settle(out, fut, ids)
+        t = self.layerwise_transfers().get(xfer, {})
+        if t.get("ended_at") is None or (t.get("last_write_end") or 0) > t["ended_at"]:
+            out.record(
+                "wrong", f"P reported the transfer's end before its last write: {t}"
+            )
+        self._after_cut(out, fillers, up)
+
+    def push_link_cut_past_progress_deadline(self, out: Outcome) -> None:
+        """The data network between C (= P) and D cut for PUSH_CUT_PAST_S from inside
+        C's /push_blocks write: the write turns FAILED while it is cut. D's request
+        ends (prefilled locally when C answers failed); the blocks D reuses hold no
+        byte of it."""
+        self.push_turn2()  # C's engine connected to D before the cut
+        turn2, fut = self._push_in_delayed_write()
+        fillers, up = self._cut(out, fut, self._cut_data_network(), PUSH_CUT_PAST_S)
+        got = self._push_answer(out, fut, "after C's link came back")
+        if got is not None:
+            self.check(out, got, turn2, self.d)
+        self._after_cut(out, fillers, up)
+
+    def tcp_idle_gap(self, out: Outcome, gaps: tuple[float, ...] = IDLE_GAPS_S) -> None:
+        """A layer-wise P->D transfer after each idle gap on the engines' TCP
+        connections (kvcache-ai/Mooncake#4209: after ~5 s idle, slices rejected as
+        queue-full for ~90 s): each ends within its deadline, correct or with a
+        clear error."""
+        ids = self.prompt(NORMAL_LEN)  # the connections exist before the first gap
+        self.settle(out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids)
+        for gap in gaps:
+            time.sleep(gap)
+            ids = self.prompt(NORMAL_LEN)
+            t0 = time.monotonic()
+            self.settle(
+                out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids, from_peer=True
+            )
+            out.ended_after_cut_s.append(round(time.monotonic() - t0, 1))
+        up = time.monotonic()
+        self.baseline(out, self.p, self.d)
+        self.recover(out, up)
+
 
 NEEDS_NETEM = {"packet_loss", "link_delay"}
 SCENARIOS: dict[str, Callable[[FaultBench, Outcome], None]] = {
@@ -588,6 +804,14 @@ SCENARIOS: dict[str, Callable[[FaultBench, Outcome], None]] = {
     "kill_push_source": FaultBench.kill_push_source,
     "push_link_down_engine_timeout": FaultBench.push_link_down_engine_timeout,
     "abort_decode_x20": FaultBench.abort_decode,
+    "tcp_idle_gap": FaultBench.tcp_idle_gap,
+}
+# on the cluster with the kernel's own orphan retries (fault_cluster(kernel_defaults=True))
+CUT_SCENARIOS: dict[str, Callable[[FaultBench, Outcome], None]] = {
+    "link_cut_past_progress_deadline": FaultBench.link_cut_past_progress_deadline,
+    "push_link_cut_past_progress_deadline": (
+        FaultBench.push_link_cut_past_progress_deadline
+    ),
 }
 
 
@@ -596,7 +820,8 @@ def run_fault(bench: FaultBench, name: str, runs: int = 1) -> Outcome:
     if name in NEEDS_NETEM and (why := netem_available()):
         out.skipped = why
         return out
+    scenario = SCENARIOS.get(name) or CUT_SCENARIOS[name]
     for _ in range(runs):
         out.runs += 1
-        SCENARIOS[name](bench, out)
+        scenario(bench, out)
     return out

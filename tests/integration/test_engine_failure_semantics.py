@@ -23,7 +23,6 @@ import time
 
 import pytest
 
-from harness import netns
 from harness.engine_peer import EnginePeer, landed, terminal_write_on_two_hosts
 
 pytestmark = pytest.mark.integration
@@ -128,10 +127,7 @@ def write_across_a_link_cut() -> dict:
         }
 
 
-@pytest.mark.skipif(
-    netns.available() is not None,
-    reason=f"no network namespaces here: {netns.available()}",
-)
+@pytest.mark.hosts
 def test_a_failed_write_returns_only_once_the_kernel_holds_none_of_its_bytes():
     """The transport drops the stalled connections after 30 s and the engine
     reports their tasks FAILED, but their bytes stay in the kernel's send queues
@@ -154,10 +150,7 @@ def test_a_failed_write_returns_only_once_the_kernel_holds_none_of_its_bytes():
 ORPHAN_RETRIES = 7
 
 
-@pytest.mark.skipif(
-    netns.available() is not None,
-    reason=f"no network namespaces here: {netns.available()}",
-)
+@pytest.mark.hosts
 def test_a_write_cut_off_for_good_ends_within_the_bound_peers_hold_for():
     """The receiver's link is cut 80 ms into the write and not restored until the
     write has returned. Peers hold blocks for a write for the writer's bound

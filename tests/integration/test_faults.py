@@ -13,17 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness import netns
 from harness.model import ModelShape, ensure_model
-from microbench.faults.bench import FaultBench, cluster_specs, run_fault
+from microbench.faults.bench import FaultBench, Outcome, cluster_specs, run_fault
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        netns.available() is not None,
-        reason=f"no network namespaces here: {netns.available()}",
-    ),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.hosts]
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +71,17 @@ def test_push_source_link_down_past_the_engines_call_timeout_is_not_an_end(bench
 def test_link_down_longer_than_the_timeouts(bench):
     out = run_fault(bench, "link_down_long")
     assert out.requests == 1, out  # ended: recomputed on D (ok) or a clear error
+    assert_held(out, errors_allowed=True)
+
+
+def test_transfers_after_idle_gaps_end_within_their_deadline(bench):
+    """Layer-wise transfers after 5 s and 30 s with no traffic on the engines' TCP
+    connections (the full row adds 100 s): each ends within its deadline, from P's
+    KV or with a clear error, never stuck."""
+    out = Outcome("tcp_idle_gap")
+    out.runs = 1
+    bench.tcp_idle_gap(out, gaps=(5.0, 30.0))
+    assert out.requests == 3, out
     assert_held(out, errors_allowed=True)
 
 

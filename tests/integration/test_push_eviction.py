@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from harness import netns
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK
@@ -27,13 +26,7 @@ from harness.pd_client import (
 )
 from harness.prompts import random_prompt as prompt
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        netns.available() is not None,
-        reason=f"no network namespaces here: {netns.available()}",
-    ),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.hosts]
 
 C_BLOCKS = 16
 TURN1, TURN2 = 5 * BLOCK, 5 * BLOCK + 60

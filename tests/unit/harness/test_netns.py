@@ -12,10 +12,7 @@ import pytest
 
 from harness import netns
 
-pytestmark = pytest.mark.skipif(
-    netns.available() is not None,
-    reason=f"no network namespaces here: {netns.available()}",
-)
+pytestmark = pytest.mark.hosts
 
 
 def reachable(url: str, timeout: float = 2.0) -> bool:
@@ -120,3 +117,45 @@ def test_netem_is_probed_and_refused_clearly_when_missing():
         else:
             with pytest.raises(netns.TopologyError, match="netem is not available"):
                 topo.netem("a", "delay", "1ms")
+
+
+def test_data_link_down_cuts_the_engine_ports_only():
+    """An HTTP server on an engine port (15500) and one above the range (18080) on
+    P: with the data network cut, D reaches the second only; cleared, both."""
+    assert netns._port_blocks(range(15000, 17001)) == [
+        (14336, 0xFC00),
+        (15360, 0xFC00),
+        (16384, 0xFC00),
+    ]
+    topo = netns.Topology(["prefill", "decode"])
+    with topo:
+        p, d = topo.host("prefill"), topo.host("decode")
+        servers = [
+            subprocess.Popen(
+                [*p.exec_prefix(), sys.executable, "-m", "http.server", str(port)]
+                + ["--bind", p.ip],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for port in (15500, 18080)
+        ]
+
+        def from_decode(port: int) -> bool:
+            code = f"import urllib.request; urllib.request.urlopen('http://{p.ip}:{port}/', timeout=2)"
+            run = [*d.exec_prefix(), sys.executable, "-c", code]
+            return subprocess.run(run, capture_output=True).returncode == 0
+
+        deadline = time.monotonic() + 10
+        while not (from_decode(15500) and from_decode(18080)):
+            assert time.monotonic() < deadline, "servers never answered"
+            time.sleep(0.1)
+        topo.data_link_down("prefill")
+        topo.data_link_down("decode")
+        assert not from_decode(15500)
+        assert from_decode(18080)
+        topo.clear("prefill")
+        topo.clear("decode")
+        assert from_decode(15500) and from_decode(18080)
+    assert topo.leftovers() == []
+    for server in servers:
+        assert server.wait(timeout=10) is not None

@@ -1,0 +1,58 @@
+"""A link cut past the transport's no-progress watchdog, with real instances and the
+real engine, on hosts that keep the kernel's default orphan retries: there a
+connection the transport dropped retransmits what it had queued once the link is
+back, so bytes of a write the engine reported FAILED can still land.
+
+After each cut: the faulted request ended (an error, or D recomputed) within its
+deadline; D, filled right after that end with requests that take every block it
+can hand out, still answers each of them from its prefix cache exactly as a
+from-scratch reference after the late-byte window (a late byte in any reused block
+changes an answer); no KV block is left allocated; a fresh P->D request is served.
+The full rows, 3 runs each: ``python -m microbench.faults --only
+link_cut_past_progress_deadline,push_link_cut_past_progress_deadline``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.model import ModelShape, ensure_model
+from microbench.faults.bench import (
+    CUT_D_BLOCKS,
+    CUT_REQUEST_DEADLINE_S,
+    FIRST_FILLER_BLOCKS,
+    FaultBench,
+    cluster_specs,
+    run_fault,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.hosts]
+
+
+@pytest.fixture(scope="module")
+def bench(pd_cluster):
+    specs = cluster_specs(str(ensure_model(ModelShape())), kernel_defaults=True)
+    bench = FaultBench(pd_cluster(specs=specs, hosts=True), CUT_REQUEST_DEADLINE_S)
+    yield bench
+    bench.close()
+
+
+def assert_reused_blocks_intact(out) -> None:
+    assert out.holds, out
+    assert out.lost == 0 and out.wrong == 0 and out.stranded_runs == 0, out
+    # every block D hands out but the first filler's was read back, unchanged
+    assert out.reused_unchecked == 0 and out.reused_wrong == 0, out
+    assert out.reused_blocks_checked == CUT_D_BLOCKS - 1 - FIRST_FILLER_BLOCKS, out
+    assert len(out.recovery_s) == out.runs, out
+
+
+def test_layerwise_write_cut_past_the_watchdog_lands_nothing_in_reused_blocks(bench):
+    out = run_fault(bench, "link_cut_past_progress_deadline")
+    assert out.requests == 1, out  # ended: an error, or recomputed on D
+    assert_reused_blocks_intact(out)
+
+
+def test_push_write_cut_past_the_watchdog_lands_nothing_in_reused_blocks(bench):
+    out = run_fault(bench, "push_link_cut_past_progress_deadline")
+    assert_reused_blocks_intact(out)
+    assert out.requests == 1 and out.ok == 1, out  # D answered the turn, from right KV
