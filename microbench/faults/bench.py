@@ -758,9 +758,10 @@ class FaultBench:
 
     def push_link_cut_past_progress_deadline(self, out: Outcome) -> None:
         """The data network between C (= P) and D cut for PUSH_CUT_PAST_S from inside
-        C's /push_blocks write: the write turns FAILED while it is cut. D's request
-        ends (prefilled locally when C answers failed); the blocks D reuses hold no
-        byte of it."""
+        C's /push_blocks write, past the transport's watchdog (the engine reports
+        the write FAILED, here once the network is back). D's request ends
+        (prefilled locally when C answers failed); the blocks D reuses hold no byte
+        of it."""
         self.push_turn2()  # C's engine connected to D before the cut
         turn2, fut = self._push_in_delayed_write()
         fillers, up = self._cut(out, fut, self._cut_data_network(), PUSH_CUT_PAST_S)

@@ -1,9 +1,10 @@
 """Faults on two hosts (network namespaces), with real instances and the real engine.
 
 The CI subset of the fault matrix (microbench/faults): each capability across the
-link, P's link down for less and for more than the transfer timeout and past the
-engine's call timeout, P killed mid-transfer and restarted, and 20 client
-disconnects mid layer-wise transfer. After each: every request ended within its
+link, P's link down for less than the transfer timeout and past the engine's call
+timeout (a cut past every timeout: test_faults_cut.py), transfers after idle gaps,
+P killed mid-transfer and restarted, and 20 client disconnects mid layer-wise
+transfer. After each: every request ended within its
 deadline, no wrong answer, no KV block left allocated on a surviving instance, and a
 fresh P->D request served (the restarted peer too, D never restarted). The full
 matrix: ``python -m microbench.faults``.
@@ -66,12 +67,6 @@ def test_push_source_link_down_past_the_engines_call_timeout_is_not_an_end(bench
     out = run_fault(bench, "push_link_down_engine_timeout")
     assert out.requests == 1 and out.ok == 1, out
     assert_held(out, errors_allowed=False)
-
-
-def test_link_down_longer_than_the_timeouts(bench):
-    out = run_fault(bench, "link_down_long")
-    assert out.requests == 1, out  # ended: recomputed on D (ok) or a clear error
-    assert_held(out, errors_allowed=True)
 
 
 def test_transfers_after_idle_gaps_end_within_their_deadline(bench):
