@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 DEFAULT_TIMEOUT_S = 600.0
-# One client for every call of the harness: CLIENT.get()/post() build a client, TLS
+# One client for every call of the harness: httpx.get()/post() build a client, TLS
 # context included, per call (~45 ms on a 2-core machine, more than most calls to a
 # local instance take). Kept connections expire after 2 s idle, before the servers'
 # own idle close (uvicorn's 5 s), so a close lost while a link was cut is never

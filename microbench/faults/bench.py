@@ -702,11 +702,15 @@ class FaultBench:
         """Until ``cut_s`` after ``cut``, then the data network restored. D is
         filled as soon as the faulted request ended (during the cut, or after
         it). Returns (the fillers, when the data network came back)."""
+
+        def ended() -> list[list[int]]:
+            out.ended_after_cut_s.append(round(time.monotonic() - cut, 1))
+            return self.fill_decode()
+
         fillers = None
         while time.monotonic() - cut < cut_s:
             if fillers is None and fut.done():
-                out.ended_after_cut_s.append(round(time.monotonic() - cut, 1))
-                fillers = self.fill_decode()
+                fillers = ended()
             time.sleep(0.1)
         self.topology.clear("prefill")
         self.topology.clear("decode")
@@ -714,8 +718,7 @@ class FaultBench:
         if fillers is None:
             cf.wait([fut], timeout=self.deadline_s + 10)  # settled by the caller
             if fut.done():
-                out.ended_after_cut_s.append(round(time.monotonic() - cut, 1))
-                fillers = self.fill_decode()
+                fillers = ended()
         return fillers or [], up
 
     def wait_nothing_queued_for_d(self, out: Outcome, up: float) -> None:
@@ -780,11 +783,9 @@ class FaultBench:
         for gap in gaps:
             time.sleep(gap)
             ids = self.prompt(NORMAL_LEN)
-            t0 = time.monotonic()
             self.settle(
                 out, self.start_pd(ids, f"xfer-{uuid.uuid4().hex}"), ids, from_peer=True
             )
-            out.ended_after_cut_s.append(round(time.monotonic() - t0, 1))
         up = time.monotonic()
         self.baseline(out, self.p, self.d)
         self.recover(out, up)

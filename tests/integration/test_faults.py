@@ -4,10 +4,10 @@ The CI subset of the fault matrix (microbench/faults): each capability across th
 link, P's link down for less than the transfer timeout and past the engine's call
 timeout (a cut past every timeout: test_faults_cut.py), transfers after idle gaps,
 P killed mid-transfer and restarted, and 20 client disconnects mid layer-wise
-transfer. After each: every request ended within its
-deadline, no wrong answer, no KV block left allocated on a surviving instance, and a
-fresh P->D request served (the restarted peer too, D never restarted). The full
-matrix: ``python -m microbench.faults``.
+transfer. After each: every request ended within its deadline, no wrong answer, no
+KV block left allocated on a surviving instance, and a fresh P->D request served
+(the restarted peer too, D never restarted). The full matrix:
+``python -m microbench.faults``.
 """
 
 from __future__ import annotations
