@@ -63,10 +63,28 @@ WRITES = {
 }
 PUSH_OUTCOMES = ("ok", "failed", "no_match", "refused", "busy")
 LAYERWISE = {
-    "transfers_completed": ("layerwise_transfers_completed_total", "counter"),
-    "transfers_failed": ("layerwise_transfers_failed_total", "counter"),
-    "bytes": ("layerwise_bytes_total", "counter"),
-    "writes_dropped": ("layerwise_writes_dropped_total", "counter"),
+    "transfers_completed": (
+        "layerwise_transfers_completed_total",
+        "counter",
+        "Layer-wise transfers completed.",
+    ),
+    "transfers_failed": (
+        "layerwise_transfers_failed_total",
+        "counter",
+        "Layer-wise transfers failed.",
+    ),
+    "bytes": ("layerwise_bytes_total", "counter", "Layer-wise bytes written."),
+    "writes_dropped": (
+        "layerwise_writes_dropped_total",
+        "counter",
+        "Queued layer-wise writes of an ended transfer that never ran.",
+    ),
+    "destination_after_prefill": (
+        "layerwise_destination_after_prefill_total",
+        "counter",
+        "Layer-wise transfers whose decode request arrived after the prefill ended "
+        "(nothing overlapped: a dispatcher that sends P and D one after the other).",
+    ),
 }
 
 
@@ -116,10 +134,8 @@ def exposition(
             "Layer-wise writers whose write is past the engine's bound now.",
             [("", snap["overdue_writers"])],
         )
-        for key, (name, kind) in LAYERWISE.items():
-            lines += _family(
-                name, kind, f"Layer-wise {key.replace('_', ' ')}.", [("", totals[key])]
-            )
+        for key, (name, kind, help_text) in LAYERWISE.items():
+            lines += _family(name, kind, help_text, [("", totals[key])])
     return "\n".join(lines) + "\n"
 
 

@@ -8,6 +8,8 @@ token) as the difference of a histogram's sum and count around that request.
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 
 from harness.pd_client import CLIENT
 
@@ -21,6 +23,28 @@ def samples(text: str, name: str) -> list[float]:
     """The values of metric ``name`` in a /metrics text, one per label set."""
     pat = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", re.M)
     return [float(v) for v in pat.findall(text)]
+
+
+def counter(url: str, name: str, timeout: float = 10.0) -> float:
+    """Counter ``name`` (e.g. "vllm:external_prefix_cache_hits_total") added over
+    its label sets."""
+    found = samples(scrape(url, timeout), name)
+    if not found:
+        raise RuntimeError(f"{name} not in {url}/metrics")
+    return sum(found)
+
+
+def counter_when(
+    url: str, name: str, done: Callable[[float], bool], timeout: float = 10.0
+) -> float:
+    """Counter ``name`` once ``done(value)`` holds, or its value at the timeout:
+    vLLM updates its counters just after it answers a request."""
+    end = time.monotonic() + timeout
+    while True:
+        value = counter(url, name)
+        if done(value) or time.monotonic() > end:
+            return value
+        time.sleep(0.05)
 
 
 def histogram(url: str, name: str, timeout: float = 10.0) -> tuple[float, float]:

@@ -111,6 +111,8 @@ MAX_REFUSED_IDS = 4096
 # How often D's answer, waiting for an in-flight write, checks it against the
 # engine's bound (only to log; the answer itself comes when the write returns).
 OVERDUE_CHECK_S = 1.0
+# decode instances named in the "arrived after prefill" warning (once each)
+MAX_LATE_PEERS = 64
 
 
 def slots_by_layer(
@@ -214,6 +216,8 @@ class LayerwiseSender:
         self._layers_this_step = 0
         self._finished_sending: set[str] = set()
         self.log = TransferLog()  # changed under self._lock
+        # decode sessions warned of a pull that arrived after the prefill
+        self._late_peers: set[str] = set()
 
     @classmethod
     def for_kv_caches(
@@ -294,7 +298,7 @@ class LayerwiseSender:
                 s.transfer_id for s in meta.steps if s.computed_tokens >= s.prompt_len
             ]
             for s in meta.steps:
-                self.log.of(s.transfer_id, s.prompt_len)
+                self.log.of(s.transfer_id, s.prompt_len).layerwise = True
             self._layers_this_step = 0
         self._submit(ops, None)
         self._dispatch()
@@ -392,7 +396,23 @@ class LayerwiseSender:
                     "refusing more"
                 )
             self._waiters[transfer_id] = (loop, fut)
+            late = self._note_destination(transfer_id, dest.session)
             ops = self.tracker.set_destination(transfer_id, dest)
+        if late:
+            logger.warning(
+                "Layer-wise push to the decode instance whose transfer engine is %s: "
+                "the decode request arrived after prefill "
+                "(transfer %s): the dispatcher sends P and D one after the other "
+                "(vllm-router with --kv-connector mooncake does; a decode instance "
+                "too busy to ask sooner looks the same), so layer-wise "
+                "cannot overlap the prefill and the KV is sent after it, as "
+                "post-hoc would. Counted in /metrics (vllm_mooncake_ext_layerwise_"
+                "destination_after_prefill_total) and /layerwise/transfers; "
+                "docs/routers.md names dispatchers that send both at once. Warned "
+                "once per decode instance.",
+                dest.session,
+                transfer_id,
+            )
         self._submit(ops, None)
         self._dispatch()
         try:
@@ -416,6 +436,22 @@ class LayerwiseSender:
         finally:
             with self._lock:
                 self._waiters.pop(transfer_id, None)
+
+    def _note_destination(self, transfer_id: str, session: str) -> bool:
+        """Record when D's pull arrived (under the lock); True the first time a
+        peer's pull for a layer-wise transfer arrives after P's prefill ended."""
+        st = self.log.get(transfer_id)  # None: P has not scheduled it yet (early)
+        if st is None or st.destination_at is not None:
+            return False
+        st.destination_at = self._clock()
+        if not st.layerwise or st.prefill_end is None:
+            return False
+        st.destination_after_prefill = True
+        self.log.totals.destination_after_prefill += 1
+        if session in self._late_peers or len(self._late_peers) >= MAX_LATE_PEERS:
+            return False
+        self._late_peers.add(session)
+        return True
 
     async def _answer_when_written(
         self, transfer_id: str, session: str, fut: asyncio.Future

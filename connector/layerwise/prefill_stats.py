@@ -27,6 +27,12 @@ class TransferStats:
     prefill_end: float | None = (
         None  # P's last layer of the prompt's last chunk computed
     )
+    # computed per layer (steps seen); a post-hoc transfer is sent whole by design
+    layerwise: bool = False
+    destination_at: float | None = None  # D's addresses (its pull) arrived
+    # layer-wise, and D's pull arrived after P's prefill had ended: nothing could
+    # overlap the prefill (a dispatcher that sends D's request after P's answer)
+    destination_after_prefill: bool = False
     bytes_written: int = 0
     bytes_before_prefill_end: int = 0
     writes: int = 0
@@ -44,6 +50,8 @@ class TransferTotals:
     writes_dropped: int = 0
     transfers_completed: int = 0
     transfers_failed: int = 0
+    # layer-wise transfers whose destination arrived after P's prefill ended
+    destination_after_prefill: int = 0
 
 
 class TransferLog:

@@ -258,9 +258,9 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
         ),
     ),
     # layer-wise P -> D in chunks of 256 tokens; P fails the writes of one prompt
-    # length (777 tokens)
+    # length (777 tokens); test_routers puts dispatchers in front of it
     "layerwise": SharedCluster(
-        ("test_layerwise.py", "test_layerwise_unknown_ids.py"),
+        ("test_layerwise.py", "test_layerwise_unknown_ids.py", "test_routers.py"),
         lambda _: dict(
             max_num_batched_tokens=256,
             env={

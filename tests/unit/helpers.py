@@ -8,7 +8,10 @@
   serve_push),
   and all of it together over real HTTP (CServer);
 - prefix push, D's side: a request (d_request), a match asked until answered
-  (ask), a clock a test moves by hand (Clock).
+  (ask), a clock a test moves by hand (Clock);
+- layer-wise push, P's side: a sender on a write counter (make_layerwise_sender,
+  LayerwiseEngine), D's addresses, steps and ends (lw_dest, lw_step,
+  lw_finished), and what poll() reports (poll_finished_sending).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from types import SimpleNamespace
 
 import httpx
 import numpy as np
+import torch
 from fastapi import FastAPI
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
@@ -45,6 +49,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.schedule
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
     WorkerHashSync,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
+    LayerwiseSender,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_tracker import (
+    Destination,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    ComputedStep,
+    FinishedRequest,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
     PushScheduler,
@@ -337,3 +351,73 @@ class Clock:
 
     def __call__(self):
         return self.now
+
+
+# ---- layer-wise push, P's side ----------------------------------------------
+
+LW_BS = 4
+LW_TENSOR = torch.zeros(1)  # layer_saved only needs a tensor (CPU: no event)
+LW_D_BASES = [1_000_000, 2_000_000]
+
+
+class LayerwiseEngine:
+    """write_fn stub: counts writes per session; a gated session blocks in the engine."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.writes: dict[str, int] = {}
+        self.gates: dict[str, threading.Event] = {}
+        self.entered: dict[str, threading.Event] = {}
+
+    def gate(self, session):
+        self.entered[session] = threading.Event()
+        self.gates[session] = threading.Event()
+        return self.gates[session]
+
+    def __call__(self, session, src, dst, lens):
+        if session in self.gates:
+            self.entered[session].set()
+            assert self.gates[session].wait(10), "test gate never opened"
+        with self.lock:
+            self.writes[session] = self.writes.get(session, 0) + 1
+        return 0
+
+
+def make_layerwise_sender(engine=None, timeout_s=30.0, unknown_s=60.0):
+    cfg = ExtConfig(
+        layerwise=True,
+        layerwise_timeout_s=timeout_s,
+        layerwise_unknown_timeout_s=unknown_s,
+        engine_transfer_timeout_s=5,
+    )
+    return LayerwiseSender(
+        engine or LayerwiseEngine(),
+        {"l0": [0, 1]},
+        [10_000, 20_000],
+        64,
+        LW_BS,
+        cfg,
+        event_factory=lambda t: None,
+    )
+
+
+def lw_dest(session="d:1", first=100):
+    return Destination(session, LW_D_BASES, [first, first + 1])
+
+
+def lw_step(tid, p_req_id=None, blocks=(1, 2), tokens=8):
+    return ComputedStep(tid, p_req_id or "p" + tid, tuple(blocks), tokens, tokens)
+
+
+def lw_finished(tid, p_req_id=None, blocks=(1, 2), tokens=8, aborted=False):
+    return FinishedRequest(tid, p_req_id or "p" + tid, tuple(blocks), tokens, aborted)
+
+
+def poll_finished_sending(sender, want, timeout=5.0) -> set[str]:
+    """Everything poll() reports until ``want`` was seen (or the timeout)."""
+    seen: set[str] = set()
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not want <= seen:
+        seen |= sender.poll()
+        time.sleep(0.01)
+    return seen

@@ -17,96 +17,28 @@ from __future__ import annotations
 import threading
 import time
 
-import torch
-from helpers import wait_until
-
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
+from helpers import (
+    LW_D_BASES,
+    LW_TENSOR,
+    LayerwiseEngine,
+    lw_dest,
+    lw_finished,
+    lw_step,
+    make_layerwise_sender,
+    poll_finished_sending,
+    wait_until,
 )
+
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
     decode_pulls,
     prefill_sender,
     prefill_tracker,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
-    LayerwiseSender,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_tracker import (
-    Destination,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
-    ComputedStep,
-    FinishedRequest,
     LayerwiseMetadata,
 )
 
-BS = 4
-KV = torch.zeros(1)  # layer_saved only needs a tensor (CPU: no event)
-D_BASES = [1_000_000, 2_000_000]
 WRITER_PREFIX = "vllm-mooncake-layerwise-"
-
-
-class Engine:
-    """write_fn stub: counts writes per session; a gated session blocks in the engine."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.writes: dict[str, int] = {}
-        self.gates: dict[str, threading.Event] = {}
-        self.entered: dict[str, threading.Event] = {}
-
-    def gate(self, session):
-        self.entered[session] = threading.Event()
-        self.gates[session] = threading.Event()
-        return self.gates[session]
-
-    def __call__(self, session, src, dst, lens):
-        if session in self.gates:
-            self.entered[session].set()
-            assert self.gates[session].wait(10), "test gate never opened"
-        with self.lock:
-            self.writes[session] = self.writes.get(session, 0) + 1
-        return 0
-
-
-def make_sender(engine=None, timeout_s=30.0, unknown_s=60.0):
-    cfg = ExtConfig(
-        layerwise=True,
-        layerwise_timeout_s=timeout_s,
-        layerwise_unknown_timeout_s=unknown_s,
-        engine_transfer_timeout_s=5,
-    )
-    return LayerwiseSender(
-        engine or Engine(),
-        {"l0": [0, 1]},
-        [10_000, 20_000],
-        64,
-        BS,
-        cfg,
-        event_factory=lambda t: None,
-    )
-
-
-def dest(session="d:1", first=100):
-    return Destination(session, D_BASES, [first, first + 1])
-
-
-def step(tid, p_req_id=None, blocks=(1, 2), tokens=8):
-    return ComputedStep(tid, p_req_id or "p" + tid, tuple(blocks), tokens, tokens)
-
-
-def finished(tid, p_req_id=None, blocks=(1, 2), tokens=8, aborted=False):
-    return FinishedRequest(tid, p_req_id or "p" + tid, tuple(blocks), tokens, aborted)
-
-
-def poll_until(sender, want, timeout=5.0) -> set[str]:
-    """Everything poll() reports until ``want`` was seen (or the timeout)."""
-    seen: set[str] = set()
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and not want <= seen:
-        seen |= sender.poll()
-        time.sleep(0.01)
-    return seen
 
 
 def state_sizes(sender) -> dict[str, int]:
@@ -139,13 +71,13 @@ def test_an_unknown_id_that_timed_out_is_later_reported_under_the_real_request_i
     and is answered with an error after the unknown timeout. When P then runs X
     and D never asks again, X expires the normal way and its blocks are freed
     under X's real P request id; the empty id never reaches vLLM's scheduler."""
-    sender = make_sender(timeout_s=0.5, unknown_s=0.2)
-    err = loop.submit(sender.push("X", dest())).result(5)
+    sender = make_layerwise_sender(timeout_s=0.5, unknown_s=0.2)
+    err = loop.submit(sender.push("X", lw_dest())).result(5)
     assert err and "never scheduled" in err
-    sender.on_metadata(LayerwiseMetadata(steps=[step("X", "req-X")]))
-    sender.layer_saved("l0", KV)
-    sender.on_metadata(LayerwiseMetadata(finished=[finished("X", "req-X")]))
-    reported = poll_until(sender, {"req-X"})
+    sender.on_metadata(LayerwiseMetadata(steps=[lw_step("X", "req-X")]))
+    sender.layer_saved("l0", LW_TENSOR)
+    sender.on_metadata(LayerwiseMetadata(finished=[lw_finished("X", "req-X")]))
+    reported = poll_finished_sending(sender, {"req-X"})
     assert "" not in reported, "an empty request id reached finished_sending"
     assert reported == {"req-X"}
     assert wait_until(lambda: state_sizes(sender)["transfers"] == 0)
@@ -156,43 +88,45 @@ def test_a_request_whose_decode_was_told_never_scheduled_frees_its_blocks_early(
     """D asked for X before P scheduled it and was answered "never scheduled"
     (D gave up and prefills locally). When P later runs X and nobody asks again,
     its blocks are freed after the unknown timeout, not the transfer timeout."""
-    sender = make_sender(timeout_s=30.0, unknown_s=0.3)
-    err = loop.submit(sender.push("X", dest())).result(5)
+    sender = make_layerwise_sender(timeout_s=30.0, unknown_s=0.3)
+    err = loop.submit(sender.push("X", lw_dest())).result(5)
     assert err and "never scheduled" in err
-    sender.on_metadata(LayerwiseMetadata(steps=[step("X", "req-X")]))
-    sender.layer_saved("l0", KV)
-    sender.on_metadata(LayerwiseMetadata(finished=[finished("X", "req-X")]))
-    assert poll_until(sender, {"req-X"}, timeout=3) == {"req-X"}
+    sender.on_metadata(LayerwiseMetadata(steps=[lw_step("X", "req-X")]))
+    sender.layer_saved("l0", LW_TENSOR)
+    sender.on_metadata(LayerwiseMetadata(finished=[lw_finished("X", "req-X")]))
+    assert poll_finished_sending(sender, {"req-X"}, timeout=3) == {"req-X"}
     assert "never scheduled" in sender._results["X"][1]
     # an id nobody was refused keeps the whole transfer timeout
-    sender.on_metadata(LayerwiseMetadata(steps=[step("Y", "req-Y")]))
-    sender.layer_saved("l0", KV)
-    sender.on_metadata(LayerwiseMetadata(finished=[finished("Y", "req-Y")]))
-    assert poll_until(sender, {"req-Y"}, timeout=1) == set()
+    sender.on_metadata(LayerwiseMetadata(steps=[lw_step("Y", "req-Y")]))
+    sender.layer_saved("l0", LW_TENSOR)
+    sender.on_metadata(LayerwiseMetadata(finished=[lw_finished("Y", "req-Y")]))
+    assert poll_finished_sending(sender, {"req-Y"}, timeout=1) == set()
     sender.shutdown()
 
 
 def test_refused_ids_are_remembered_up_to_a_bound(loop, monkeypatch):
     monkeypatch.setattr(prefill_sender, "MAX_REFUSED_IDS", 3)
-    sender = make_sender(unknown_s=0.05)
+    sender = make_layerwise_sender(unknown_s=0.05)
     for i in range(5):
-        assert "never scheduled" in loop.submit(sender.push(f"X{i}", dest())).result(5)
+        assert "never scheduled" in loop.submit(sender.push(f"X{i}", lw_dest())).result(
+            5
+        )
     assert list(sender._refused_ids) == ["X2", "X3", "X4"]
     sender.shutdown()
 
 
 def test_a_refused_id_does_not_stop_the_real_decode_from_pulling_it_later(loop):
-    sender = make_sender(unknown_s=0.2)
+    sender = make_layerwise_sender(unknown_s=0.2)
     assert "never scheduled" in loop.submit(
-        sender.push("X", dest("forged:1", 500))
+        sender.push("X", lw_dest("forged:1", 500))
     ).result(5)
-    sender.on_metadata(LayerwiseMetadata(steps=[step("X", "req-X")]))
-    real = loop.submit(sender.push("X", dest("d:1", 100)))  # the real D asks now
-    sender.layer_saved("l0", KV)
+    sender.on_metadata(LayerwiseMetadata(steps=[lw_step("X", "req-X")]))
+    real = loop.submit(sender.push("X", lw_dest("d:1", 100)))  # the real D asks now
+    sender.layer_saved("l0", LW_TENSOR)
     assert real.result(5) is None
     assert sender.write_fn.writes == {"d:1": 1}
-    sender.on_metadata(LayerwiseMetadata(finished=[finished("X", "req-X")]))
-    assert poll_until(sender, {"req-X"}) == {"req-X"}
+    sender.on_metadata(LayerwiseMetadata(finished=[lw_finished("X", "req-X")]))
+    assert poll_finished_sending(sender, {"req-X"}) == {"req-X"}
     sender.shutdown()
 
 
@@ -200,22 +134,22 @@ def test_an_aborted_request_whose_decode_asked_early_is_released_under_its_id(lo
     """A post-hoc request (never stepped) is aborted on P while D's request for
     it waits: D hears of the abort, and P frees the blocks under the request's
     own id."""
-    sender = make_sender()
-    fut = loop.submit(sender.push("X", dest()))
+    sender = make_layerwise_sender()
+    fut = loop.submit(sender.push("X", lw_dest()))
     assert wait_until(lambda: sender.tracker.num_unannounced() == 1)
     sender.on_metadata(
-        LayerwiseMetadata(finished=[finished("X", "req-X", aborted=True)])
+        LayerwiseMetadata(finished=[lw_finished("X", "req-X", aborted=True)])
     )
     assert "aborted" in fut.result(5)
-    reported = poll_until(sender, {"req-X"}, timeout=1)
+    reported = poll_finished_sending(sender, {"req-X"}, timeout=1)
     assert reported == {"req-X"}, reported
     sender.shutdown()
 
 
 def test_poll_reports_only_requests_the_scheduler_handed_over():
-    sender = make_sender()
+    sender = make_layerwise_sender()
     sender.on_metadata(
-        LayerwiseMetadata(finished=[finished("A", "req-A", aborted=True)])
+        LayerwiseMetadata(finished=[lw_finished("A", "req-A", aborted=True)])
     )
     with sender._lock:  # an id nobody handed over, by whatever way
         sender._finished_sending |= {"", "req-stray"}
@@ -244,10 +178,12 @@ def test_ten_thousand_forged_transfer_ids_leave_the_sender_at_baseline(loop):
     """Ten thousand transfer ids P never scheduled, in ten requests (forged on
     P's unauthenticated socket): each is answered with an error, and once they
     are answered the sender holds nothing of them."""
-    sender = make_sender(unknown_s=0.3)
+    sender = make_layerwise_sender(unknown_s=0.3)
     replies = Replies()
     futs = [
-        loop.submit(sender.serve("forged:1", D_BASES, forged(f"m{k}", 1000), replies))
+        loop.submit(
+            sender.serve("forged:1", LW_D_BASES, forged(f"m{k}", 1000), replies)
+        )
         for k in range(10)
     ]
     for f in futs:
@@ -264,9 +200,11 @@ def test_one_request_holds_at_most_max_transfers_per_request_waiters(loop, monke
     """The transfers of one request beyond MAX_TRANSFERS_PER_REQUEST are refused
     in its first reply, before anything is created for them."""
     monkeypatch.setattr(prefill_sender, "MAX_TRANSFERS_PER_REQUEST", 100, raising=False)
-    sender = make_sender(unknown_s=0.3)
+    sender = make_layerwise_sender(unknown_s=0.3)
     replies = Replies()
-    fut = loop.submit(sender.serve("forged:1", D_BASES, forged("big", 5000), replies))
+    fut = loop.submit(
+        sender.serve("forged:1", LW_D_BASES, forged("big", 5000), replies)
+    )
     assert wait_until(lambda: len(replies.answers) >= 1)
     first_ok, first_errs, last = replies.answers[0]
     assert (first_ok, len(first_errs), last) == ([], 4900, False)
@@ -283,10 +221,10 @@ def test_waiting_pulls_are_bounded_by_the_block_ids_they_name(loop, monkeypatch)
     a few pulls naming many blocks each are refused once the ids waiting in all
     would pass MAX_UNKNOWN_BLOCK_IDS."""
     monkeypatch.setattr(prefill_sender, "MAX_UNKNOWN_BLOCK_IDS", 10_000)
-    sender = make_sender(unknown_s=5.0)
+    sender = make_layerwise_sender(unknown_s=5.0)
     replies = Replies()
     big = {f"b-r{i}": (f"b-t{i}", list(range(3_000))) for i in range(5)}
-    fut = loop.submit(sender.serve("forged:1", D_BASES, big, replies))
+    fut = loop.submit(sender.serve("forged:1", LW_D_BASES, big, replies))
 
     def errs():
         return {d: e for _, es, _ in list(replies.answers) for d, e in es.items()}
@@ -301,11 +239,11 @@ def test_waiting_pulls_are_bounded_by_the_block_ids_they_name(loop, monkeypatch)
 
 
 def test_a_pull_naming_more_blocks_than_max_model_len_allows_is_refused(loop):
-    sender = make_sender(unknown_s=0.3)
+    sender = make_layerwise_sender(unknown_s=0.3)
     sender.max_blocks_per_request = 64
     replies = Replies()
     pulls = {"ok-r": ("ok-t", list(range(64))), "long-r": ("long-t", list(range(65)))}
-    loop.submit(sender.serve("d:1", D_BASES, pulls, replies)).result(10)
+    loop.submit(sender.serve("d:1", LW_D_BASES, pulls, replies)).result(10)
     first_ok, first_errs, _ = replies.answers[0]
     assert list(first_errs) == ["long-r"] and "at most 64" in first_errs["long-r"]
     assert sorted(replies.answered()) == ["long-r", "ok-r"]
@@ -331,16 +269,18 @@ def test_per_step_calls_touch_only_the_transfers_they_concern():
     """30,000 transfers in progress (10,000 of them finished on P, waiting for D):
     a step with no layer-wise work and poll() touch none of them; a transfer
     that ends is collected without scanning the rest."""
-    sender = make_sender()
+    sender = make_layerwise_sender()
     n = 30_000
     sender.on_metadata(
         LayerwiseMetadata(
-            steps=[step(f"t{i}", blocks=(i,), tokens=4) for i in range(n)]
+            steps=[lw_step(f"t{i}", blocks=(i,), tokens=4) for i in range(n)]
         )
     )
     sender.on_metadata(
         LayerwiseMetadata(
-            finished=[finished(f"t{i}", blocks=(i,), tokens=4) for i in range(10_000)]
+            finished=[
+                lw_finished(f"t{i}", blocks=(i,), tokens=4) for i in range(10_000)
+            ]
         )
     )
     assert sender.poll() == set()
@@ -350,13 +290,13 @@ def test_per_step_calls_touch_only_the_transfers_they_concern():
     rounds = 20
     for _ in range(rounds):
         sender.on_metadata(LayerwiseMetadata())
-        sender.layer_saved("l0", KV)
+        sender.layer_saved("l0", LW_TENSOR)
         assert sender.poll() == set()
     idle_touches = _Touches.n
     # one request P finished (its transfer expires without D) is collected alone
     sender.on_metadata(
         LayerwiseMetadata(
-            finished=[finished(f"t{n - 1}", blocks=(n - 1,), tokens=4, aborted=True)]
+            finished=[lw_finished(f"t{n - 1}", blocks=(n - 1,), tokens=4, aborted=True)]
         )
     )
     assert sender.poll() == {f"pt{n - 1}"}
@@ -379,12 +319,12 @@ def writer_threads() -> int:
 
 
 def one_transfer(sender, loop, tid, session):
-    fut = loop.submit(sender.push(tid, dest(session)))
+    fut = loop.submit(sender.push(tid, lw_dest(session)))
     assert wait_until(lambda: sender.tracker.num_unannounced() == 1 or fut.done())
-    sender.on_metadata(LayerwiseMetadata(steps=[step(tid)]))
-    sender.layer_saved("l0", KV)
+    sender.on_metadata(LayerwiseMetadata(steps=[lw_step(tid)]))
+    sender.layer_saved("l0", LW_TENSOR)
     err = fut.result(5)
-    sender.on_metadata(LayerwiseMetadata(finished=[finished(tid)]))
+    sender.on_metadata(LayerwiseMetadata(finished=[lw_finished(tid)]))
     sender.poll()
     return err
 
@@ -392,7 +332,7 @@ def one_transfer(sender, loop, tid, session):
 def test_a_hundred_decode_sessions_one_after_another_all_succeed(loop):
     """Each restart of D has a new transfer-engine session: P must not count
     every session it ever served against MAX_PEERS."""
-    sender = make_sender()
+    sender = make_layerwise_sender()
     errors = [
         one_transfer(sender, loop, f"t{i}", f"d{i}:{9000 + i}") for i in range(100)
     ]
@@ -411,14 +351,14 @@ def test_a_transfer_to_a_refused_decode_session_fails_with_why_and_writes_nothin
     (peer_refusal.py): its transfer ends at once with that reason, which D is
     answered, and nothing is written; other sessions are served."""
 
-    class RefusingEngine(Engine):
+    class RefusingEngine(LayerwiseEngine):
         def refusal(self, session):
             if session == "d:bad":
                 return "writes to d:bad are refused for another 30 s: ..."
             return None
 
     engine = RefusingEngine()
-    sender = make_sender(engine)
+    sender = make_layerwise_sender(engine)
     err = one_transfer(sender, loop, "t1", "d:bad")
     assert err is not None and "d:bad are refused" in err, err
     assert engine.writes.get("d:bad", 0) == 0
@@ -431,24 +371,24 @@ def test_two_live_requests_with_one_transfer_id_both_free_their_blocks(loop):
     """A client gave two requests on P one transfer_id: D's pull for it is
     answered with an error naming both, and P reports both requests in
     finished_sending (before, the second one's blocks were never freed)."""
-    engine = Engine()
-    sender = make_sender(engine)
-    fut = loop.submit(sender.push("x", dest("d:1")))
+    engine = LayerwiseEngine()
+    sender = make_layerwise_sender(engine)
+    fut = loop.submit(sender.push("x", lw_dest("d:1")))
     assert wait_until(lambda: sender.tracker.num_unannounced() == 1)
     sender.on_metadata(
         LayerwiseMetadata(
-            steps=[step("x", "pa", (1, 2)), step("x", "pb", (3, 4))],
+            steps=[lw_step("x", "pa", (1, 2)), lw_step("x", "pb", (3, 4))],
         )
     )
-    sender.layer_saved("l0", KV)
+    sender.layer_saved("l0", LW_TENSOR)
     err = fut.result(5)
     assert err is not None and "(pa and pb)" in err, err
     sender.on_metadata(
         LayerwiseMetadata(
-            finished=[finished("x", "pa", (1, 2)), finished("x", "pb", (3, 4))]
+            finished=[lw_finished("x", "pa", (1, 2)), lw_finished("x", "pb", (3, 4))]
         )
     )
-    assert poll_until(sender, {"pa", "pb"}) == {"pa", "pb"}
+    assert poll_finished_sending(sender, {"pa", "pb"}) == {"pa", "pb"}
     assert sender.tracker.num_duplicates() == 0
     sender.shutdown()
 
@@ -457,8 +397,8 @@ def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(
     loop, monkeypatch
 ):
     before = writer_threads()
-    engine = Engine()
-    sender = make_sender(engine)
+    engine = LayerwiseEngine()
+    sender = make_layerwise_sender(engine)
     sender.writer_idle_s = 0.1
     for i in range(5):
         assert one_transfer(sender, loop, f"t{i}", f"d{i}:1") is None
@@ -468,10 +408,10 @@ def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(
     assert sender.num_writers() == 0
     # a writer busy in the engine is not retired, however long its write takes
     gate = engine.gate("slow:1")
-    fut = loop.submit(sender.push("S", dest("slow:1")))
+    fut = loop.submit(sender.push("S", lw_dest("slow:1")))
     assert wait_until(lambda: sender.tracker.num_unannounced() == 1)
-    sender.on_metadata(LayerwiseMetadata(steps=[step("S")]))
-    sender.layer_saved("l0", KV)
+    sender.on_metadata(LayerwiseMetadata(steps=[lw_step("S")]))
+    sender.layer_saved("l0", LW_TENSOR)
     assert engine.entered["slow:1"].wait(5)
     time.sleep(0.5)
     assert sender.num_writers() == 1

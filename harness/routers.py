@@ -1,0 +1,168 @@
+"""Dispatchers in front of a prefill/decode pair, as deployments run them.
+
+- ``vllm_router``: the vLLM project's Rust router (``vllm-router``, pinned in
+  requirements/tools.txt, installed from the package index by the set-up) in PD
+  mode with ``--kv-connector mooncake``. It sends P's request, waits for P's
+  answer, then sends D's.
+- ``upstream_proxy``: the Mooncake proxy that ships in the release's own source
+  tree (``mooncake_connector_proxy.py``, in one of PROXIES_IN_TREE). It sends P's
+  and D's requests at once.
+
+Each runs as a process bound to 127.0.0.1 on a free port, its output in a log
+file; ``Dispatcher.stop`` (or leaving its ``with`` block) ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.launcher import Instance, free_port, log_tail
+from harness.pd_client import CLIENT
+from harness.vllm_series import selected
+
+READY_TIMEOUT_S = 60.0
+VLLM_ROUTER = Path(sys.executable).parent / "vllm-router"
+# where releases keep it (0.18.1; 0.32.0 moved it), the same script in both
+PROXIES_IN_TREE = (
+    "examples/online_serving/disaggregated_serving/mooncake_connector/"
+    "mooncake_connector_proxy.py",
+    "examples/disaggregated/mooncake_connector/mooncake_connector_proxy.py",
+)
+# what upstream's proxy prints once it has every prefill instance's engine id
+PROXY_READY = "All prefiller instances are ready."
+
+
+@dataclass
+class Dispatcher:
+    name: str
+    url: str  # OpenAI-compatible front: POST {url}/v1/completions
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _start(name: str, cmd: list[str], port: int, log_dir: Path) -> Dispatcher:
+    log_path = Path(log_dir) / f"{name}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # the proxy's ready line
+        )
+    return Dispatcher(name, f"http://127.0.0.1:{port}", proc, log_path)
+
+
+def _wait(d: Dispatcher, ready, what: str) -> Dispatcher:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if d.proc.poll() is not None:
+            raise RuntimeError(
+                f"{d.name} exited ({d.proc.returncode}) before it was ready; its log "
+                f"({d.log_path}):\n{d.log_tail()}"
+            )
+        try:
+            if ready():
+                return d
+        except Exception:
+            pass
+        time.sleep(0.2)
+    d.stop()
+    raise RuntimeError(
+        f"{d.name} was not {what} within {READY_TIMEOUT_S:.0f}s; its log "
+        f"({d.log_path}):\n{d.log_tail()}"
+    )
+
+
+def vllm_router(
+    prefill: Instance, decode: Instance, log_dir: Path, policy: str = "round_robin"
+) -> Dispatcher:
+    """vllm-router in PD mode with the Mooncake connector in front of P and D."""
+    if not VLLM_ROUTER.exists():
+        raise RuntimeError(
+            f"{VLLM_ROUTER} is missing: run scripts/setup.sh (it installs "
+            "vllm-router from requirements/tools.txt)"
+        )
+    port = free_port()
+    cmd = [
+        str(VLLM_ROUTER),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--vllm-pd-disaggregation",
+        "--kv-connector",
+        "mooncake",
+        "--prefill",
+        prefill.url,
+        str(prefill.bootstrap_port),
+        "--decode",
+        decode.url,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "info",
+    ]
+    d = _start("vllm-router", cmd, port, log_dir)
+    return _wait(
+        d, lambda: CLIENT.get(d.url + "/health", timeout=2).is_success, "healthy"
+    )
+
+
+def upstream_proxy(prefill: Instance, decode: Instance, log_dir: Path) -> Dispatcher:
+    """Upstream's example Mooncake proxy (from the selected release's tree)."""
+    tree = selected().tree
+    found = [tree / p for p in PROXIES_IN_TREE if (tree / p).exists()]
+    if not found:
+        raise RuntimeError(
+            f"no mooncake_connector_proxy.py in {tree} (looked in "
+            f"{', '.join(PROXIES_IN_TREE)}): run `python build.py apply`"
+        )
+    script = found[0]
+    port = free_port()
+    cmd = [
+        sys.executable,
+        str(script),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill",
+        prefill.url,
+        str(prefill.bootstrap_port),
+        "--decode",
+        decode.url,
+    ]
+    d = _start("mooncake-proxy", cmd, port, log_dir)
+    return _wait(
+        d, lambda: PROXY_READY in d.log_path.read_text(errors="replace"), "ready"
+    )
+
+
+__all__ = ["Dispatcher", "upstream_proxy", "vllm_router"]
