@@ -121,7 +121,16 @@ LONG_DOWN_S = 30.0  # > ENGINE_TIMEOUT_S and > LAYERWISE_TIMEOUT_S: the transfer
 # returned -1 while its bytes were still on their way.
 ENGINE_TIMEOUT_DOWN_S = 9.0
 
+# vLLM's API server closes a keep-alive connection idle for this long (its default
+# is 5 s). An answer it "sent" during a cut is still queued in P's kernel then, and
+# closing the socket makes it an orphan, which ORPHAN_RETRIES=1 kills at once: the
+# client never gets P's answer (seen on link_down_engine_timeout: P's one-token
+# answer queued 4 s into the 9 s cut, the socket closed 5 s later and was gone a
+# second after). Kept open, the socket retransmits until the link is back.
+HTTP_KEEP_ALIVE_S = 300
+
 FAULT_ENV = {
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(HTTP_KEEP_ALIVE_S),
     "MOONCAKE_LAYERWISE": "1",
     "MOONCAKE_LAYERWISE_MIN_TOKENS": str(LAYERWISE_MIN_TOKENS),
     "MOONCAKE_FAULT_HOLD_WRITE": f"{HOLD_LEN}:{HOLD_AFTER}:{HOLD_S}",
