@@ -10,8 +10,11 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from harness.pd_client import CLIENT
+
+T = TypeVar("T")
 
 
 def scrape(url: str, timeout: float = 10.0) -> str:
@@ -34,17 +37,24 @@ def counter(url: str, name: str, timeout: float = 10.0) -> float:
     return sum(found)
 
 
-def counter_when(
-    url: str, name: str, done: Callable[[float], bool], timeout: float = 10.0
-) -> float:
-    """Counter ``name`` once ``done(value)`` holds, or its value at the timeout:
-    vLLM updates its counters just after it answers a request."""
+def read_when(
+    read: Callable[[], T], done: Callable[[T], bool], timeout: float = 10.0
+) -> T:
+    """``read()`` once ``done`` holds for its value, or its value at the timeout:
+    vLLM updates its counters and histograms just after it answers a request."""
     end = time.monotonic() + timeout
     while True:
-        value = counter(url, name)
+        value = read()
         if done(value) or time.monotonic() > end:
             return value
         time.sleep(0.05)
+
+
+def counter_when(
+    url: str, name: str, done: Callable[[float], bool], timeout: float = 10.0
+) -> float:
+    """Counter ``name`` once ``done(value)`` holds, or its value at the timeout."""
+    return read_when(lambda: counter(url, name), done, timeout)
 
 
 def histogram(url: str, name: str, timeout: float = 10.0) -> tuple[float, float]:

@@ -280,6 +280,19 @@ def wait_for_matched_blocks(
         time.sleep(0.1)
 
 
+def layerwise_transfers(bootstrap_url: str, timeout: float = 30.0) -> dict:
+    """P's layer-wise totals and timelines (GET /layerwise/transfers on its
+    bootstrap server: ``totals``, ``transfers``), with the cluster's token; an
+    answer other than 2xx raises httpx.HTTPStatusError."""
+    r = CLIENT.get(
+        bootstrap_url + "/layerwise/transfers",
+        timeout=timeout,
+        headers=bootstrap_headers(),
+    )
+    r.raise_for_status()
+    return r.json()
+
+
 def push_stats(bootstrap_url: str, timeout: float = 30.0) -> dict:
     """A push source's counters (GET /push/stats on its bootstrap server: pushes,
     ok, failed, bytes, write seconds, ...), with the cluster's token."""

@@ -49,12 +49,11 @@ from harness.launcher import BLOCK, Cluster, Instance, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.netns import netem_available
 from harness.pd_client import (
-    CLIENT,
     Completion,
     RequestFailed,
-    bootstrap_headers,
     complete,
     engine_id,
+    layerwise_transfers,
     model_name,
     pd_generate,
     push_stats,
@@ -256,13 +255,8 @@ class FaultBench:
     # -- measurements -----------------------------------------------------------
 
     def layerwise_transfers(self) -> dict[str, dict]:
-        r = CLIENT.get(
-            self.p.bootstrap_url + "/layerwise/transfers",
-            timeout=5,
-            headers=bootstrap_headers(),
-        )
-        r.raise_for_status()
-        return {t["transfer_id"]: t for t in r.json()["transfers"]}
+        got = layerwise_transfers(self.p.bootstrap_url, timeout=5)
+        return {t["transfer_id"]: t for t in got["transfers"]}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -44,8 +44,8 @@ from harness.launcher import BLOCK, Cluster, InstanceSpec
 from harness.model import ModelShape, ensure_model
 from harness.pd_client import (
     RequestFailed,
-    bootstrap_headers,
     complete,
+    layerwise_transfers,
     model_name,
     pd_generate,
 )
@@ -154,13 +154,8 @@ def warm_up(
 def transfer_timelines(p_bootstrap_url: str) -> dict[str, dict]:
     """transfer id -> P's timeline of it (time.monotonic() of P's worker, the same
     clock as this process's on one host; connector/layerwise/prefill_sender.py TransferStats)."""
-    r = httpx.get(
-        p_bootstrap_url + "/layerwise/transfers",
-        headers=bootstrap_headers(),
-        timeout=30,
-    )
-    r.raise_for_status()
-    return {t["transfer_id"]: t for t in r.json()["transfers"]}
+    got = layerwise_transfers(p_bootstrap_url)
+    return {t["transfer_id"]: t for t in got["transfers"]}
 
 
 def where_the_tail_goes(sample: dict, t: dict | None) -> dict:

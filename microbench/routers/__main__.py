@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 from harness.correctness import compare, reference_completion
 from harness.launcher import BLOCK, Cluster, InstanceSpec
-from harness.metrics import counter, counter_when, histogram
+from harness.metrics import counter, counter_when, histogram, read_when
 from harness.model import ModelShape, ensure_model
-from harness.pd_client import CLIENT, bootstrap_headers, complete, model_name
+from harness.pd_client import complete, layerwise_transfers, model_name
 from harness.prompts import PromptSource
 from harness.routers import upstream_proxy, vllm_router
 from microbench.common import (
@@ -47,11 +46,7 @@ LAYERWISE_ENV = {"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "25
 
 
 def p_transfers(p) -> list[dict]:
-    return CLIENT.get(
-        p.bootstrap_url + "/layerwise/transfers",
-        timeout=10,
-        headers=bootstrap_headers(),
-    ).json()["transfers"]
+    return layerwise_transfers(p.bootstrap_url)["transfers"]
 
 
 def spread(xs: list[float]) -> dict:
@@ -88,11 +83,9 @@ def run_dispatcher(name, start, p, d, prompts, warm_up, log_dir, model) -> dict:
             loaded_ok += len(ids) - 1 <= loaded <= len(ids)
             loaded_all.append(loaded)
             ttft.append(got.latency_s)
-            end = time.monotonic() + 10  # vLLM counts just after it answers
-            while (p_after := histogram(p.url, P_E2E))[1] == p_count:
-                if time.monotonic() > end:
-                    break
-                time.sleep(0.05)
+            p_after = read_when(
+                lambda: histogram(p.url, P_E2E), lambda h, c=p_count: h[1] != c
+            )
             if p_after[1] - p_count == 1:  # P's own latency of this one request
                 tail.append(got.latency_s - (p_after[0] - p_sum))
             answers.append(got)

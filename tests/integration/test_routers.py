@@ -16,8 +16,13 @@ import httpx
 import pytest
 
 from harness.correctness import compare, reference_completion
-from harness.metrics import counter, counter_when
-from harness.pd_client import bootstrap_headers, complete, model_name
+from harness.metrics import counter, counter_when, samples
+from harness.pd_client import (
+    bootstrap_headers,
+    complete,
+    layerwise_transfers,
+    model_name,
+)
 from harness.prompts import random_prompt as prompt
 from harness.routers import upstream_proxy, vllm_router
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
@@ -45,19 +50,15 @@ def cluster(shared_cluster):
 
 
 def transfers(p) -> dict:
-    return httpx.get(
-        p.bootstrap_url + "/layerwise/transfers",
-        timeout=10,
-        headers=bootstrap_headers(),
-    ).json()
+    return layerwise_transfers(p.bootstrap_url)
 
 
 def late_metric(p) -> float:
     text = httpx.get(
         p.bootstrap_url + "/metrics", timeout=10, headers=bootstrap_headers()
     ).text
-    (line,) = [ln for ln in text.splitlines() if ln.startswith(LATE_METRIC + " ")]
-    return float(line.split()[1])
+    (value,) = samples(text, LATE_METRIC)
+    return value
 
 
 def through(dispatcher, p, d, prompts: list[list[int]]) -> list[dict]:

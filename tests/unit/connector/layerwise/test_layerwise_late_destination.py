@@ -21,6 +21,7 @@ from helpers import (
     wait_until,
 )
 
+from harness.metrics import samples
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
     prefill_sender,
@@ -46,10 +47,8 @@ def late_warnings(caplog) -> list[str]:
 
 
 def metric(sender, name: str) -> float:
-    for line in metrics.exposition(None, layerwise=sender).splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
+    (value,) = samples(metrics.exposition(None, layerwise=sender), name)
+    return value
 
 
 def test_a_pull_after_prefill_is_counted_marked_and_warned_once_per_peer(loop, caplog):
