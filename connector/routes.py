@@ -9,6 +9,7 @@ upstream's own ``/register`` and ``/query``, which are left as upstream has them
   POST /push_proof           C: the source bytes at D's probes (proof of write)
   GET  /push/stats           C: push counters
   GET  /hashsync             the block-hash mirror: size, algorithm, a sample
+  POST /hashsync/feed        the mirror's changes, for peers' holder indexes
   GET  /layerwise/transfers  P: layer-wise totals and the last transfers' timelines
   GET  /metrics              all of these counters in Prometheus' text format (metrics.py)
 
@@ -40,6 +41,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth impor
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+    FEED_PATH,
+    FeedRequest,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
     WorkerHashSync,
 )
@@ -61,6 +66,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_serve
 
 NOT_READY = "KV caches not registered yet; retry"
 MAX_SAMPLE = 256  # GET /hashsync?sample=N
+FEED_CHECK_S = 0.02  # a waiting feed request looks for changes this often
+NO_MIRROR = (
+    "no block-hash mirror on this instance (a decode-only instance, or prefix "
+    "caching is off)"
+)
 
 
 @dataclass(frozen=True)
@@ -168,6 +178,14 @@ def bootstrap_router(
     # need what it found name the same callable (FastAPI runs it once per request)
     router = APIRouter(dependencies=[Depends(authenticate)])
 
+    def mirror() -> WorkerHashSync:
+        sync = served.hashsync()
+        if sync is None:
+            if not served.hashsync_here:
+                raise refusal(404, NO_MIRROR)
+            raise refusal(503, NOT_READY)
+        return sync
+
     def push_server() -> PushServer:
         server = served.push()
         if server is None:
@@ -230,18 +248,28 @@ def bootstrap_router(
             raise HTTPException(
                 status_code=422, detail=f"sample: a whole number 0..{MAX_SAMPLE}"
             )
-        sync = served.hashsync()
-        if sync is None:
-            if not served.hashsync_here:
-                raise HTTPException(
-                    status_code=404,
-                    detail=(
-                        "no block-hash mirror on this instance (a decode-only instance, or "
-                        "prefix caching is off)"
-                    ),
-                )
-            raise HTTPException(status_code=503, detail=NOT_READY)
-        return sync.debug(min(int(sample), MAX_SAMPLE))
+        return mirror().debug(min(int(sample), MAX_SAMPLE))
+
+    @router.post(FEED_PATH)
+    async def hashsync_feed(
+        request: Request, caller: Caller = Depends(authenticate)
+    ) -> JSONResponse:
+        sync = mirror()
+        try:
+            req = FeedRequest.model_validate_json(caller.body)
+        except ValueError as e:
+            raise refusal(422, f"not a feed request: {str(e)[:300]}") from None
+        end = clock() + req.wait_ms / 1000
+        while True:
+            # a snapshot (up to 65,536 keys) is encoded off the event loop
+            page = await asyncio.to_thread(sync.feed, req)
+            if page is None:
+                raise refusal(503, "no engine step has run yet; retry")
+            if page.reset or page.events or clock() >= end:
+                return JSONResponse(page.model_dump())
+            if await request.is_disconnected():  # the peer gave up: stop looking
+                return JSONResponse(page.model_dump())
+            await asyncio.sleep(min(FEED_CHECK_S, max(0.0, end - clock())))
 
     @router.get("/layerwise/transfers")
     async def layerwise_transfers() -> dict[str, Any]:

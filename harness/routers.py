@@ -4,6 +4,9 @@
   requirements/tools.txt, installed from the package index by the set-up) in PD
   mode with ``--kv-connector mooncake``. It sends P's request, waits for P's
   answer, then sends D's.
+- ``vllm_router_workers``: the same router in its plain mode, balancing whole
+  requests over instances that each serve them (kv_both instances with prefix
+  push ``auto``).
 - ``upstream_proxy``: the Mooncake proxy that ships in the release's own source
   tree (``mooncake_connector_proxy.py``, in one of PROXIES_IN_TREE). It sends P's
   and D's requests at once.
@@ -96,15 +99,16 @@ def _wait(d: Dispatcher, ready, what: str) -> Dispatcher:
     )
 
 
-def vllm_router(
-    prefill: Instance, decode: Instance, log_dir: Path, policy: str = "round_robin"
-) -> Dispatcher:
-    """vllm-router in PD mode with the Mooncake connector in front of P and D."""
+def _router_installed() -> None:
     if not VLLM_ROUTER.exists():
         raise RuntimeError(
             f"{VLLM_ROUTER} is missing: run scripts/setup.sh (it installs "
             "vllm-router from requirements/tools.txt)"
         )
+
+
+def _router(cmd_args: list[str], log_dir: Path) -> Dispatcher:
+    _router_installed()
     port = free_port()
     cmd = [
         str(VLLM_ROUTER),
@@ -112,16 +116,7 @@ def vllm_router(
         "127.0.0.1",
         "--port",
         str(port),
-        "--vllm-pd-disaggregation",
-        "--kv-connector",
-        "mooncake",
-        "--prefill",
-        prefill.url,
-        str(prefill.bootstrap_port),
-        "--decode",
-        decode.url,
-        "--policy",
-        policy,
+        *cmd_args,
         "--prometheus-host",
         "127.0.0.1",
         "--prometheus-port",
@@ -132,6 +127,36 @@ def vllm_router(
     d = _start("vllm-router", cmd, port, log_dir)
     return _wait(
         d, lambda: CLIENT.get(d.url + "/health", timeout=2).is_success, "healthy"
+    )
+
+
+def vllm_router_workers(
+    workers: list[Instance], log_dir: Path, policy: str = "round_robin"
+) -> Dispatcher:
+    """vllm-router in its plain mode: each request to one of ``workers``."""
+    return _router(
+        ["--worker-urls", *(w.url for w in workers), "--policy", policy], log_dir
+    )
+
+
+def vllm_router(
+    prefill: Instance, decode: Instance, log_dir: Path, policy: str = "round_robin"
+) -> Dispatcher:
+    """vllm-router in PD mode with the Mooncake connector in front of P and D."""
+    return _router(
+        [
+            "--vllm-pd-disaggregation",
+            "--kv-connector",
+            "mooncake",
+            "--prefill",
+            prefill.url,
+            str(prefill.bootstrap_port),
+            "--decode",
+            decode.url,
+            "--policy",
+            policy,
+        ],
+        log_dir,
     )
 
 

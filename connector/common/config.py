@@ -38,6 +38,10 @@ MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S     120      D: the largest engine timeout (i
                                                 blocks that much longer)
 MOONCAKE_PUSH_SOURCES=URL,...          empty    D: the only push_from sources D pushes from
                                                 (empty: no prefix push; local prefill)
+MOONCAKE_PUSH_AUTO=1                   off      D: every request without push_from is treated
+                                                as push_from "auto" (D picks the source from
+                                                its index of the sources' feeds)
+MOONCAKE_PUSH_INDEX_MAX_BLOCKS         1048576  D: blocks that index keeps, over all sources
 MOONCAKE_PUSH_MAX_TOKENS               131072   C and D: longest prompt a push may name
 MOONCAKE_PUSH_MAX_CONCURRENT           4        C: pushes served at once (429 beyond)
 MOONCAKE_BOOTSTRAP_HOST                0.0.0.0  bind address of the bootstrap server
@@ -192,6 +196,8 @@ class ExtConfig:
     # empty engine steps while finished requests hold blocks: at most one per this
     idle_step_interval_s: float = 0.001
     push_sources: tuple[str, ...] = ()
+    push_auto: bool = False
+    push_index_max_blocks: int = 1 << 20
     push_max_tokens: int = 131072
     push_max_concurrent: int = 4
     bootstrap_host: str = "0.0.0.0"
@@ -385,6 +391,16 @@ class ExtConfig:
                 normalize_source(u)
                 for u in env.get("MOONCAKE_PUSH_SOURCES", "").split(",")
                 if u.strip()
+            ),
+            push_auto=_flag(env, "MOONCAKE_PUSH_AUTO"),
+            push_index_max_blocks=int(
+                _number(
+                    env,
+                    "MOONCAKE_PUSH_INDEX_MAX_BLOCKS",
+                    1 << 20,
+                    minimum=0,
+                    integer=True,
+                )
             ),
             push_max_tokens=int(
                 _number(

@@ -4,7 +4,12 @@
 Stdlib only, so that the recorder (imported by ``block_pool.py``) stays light.
 """
 
+import secrets
 from dataclasses import dataclass
+
+# this process's scheduler, as peers' holder indexes see it: an instance that
+# follows its own feed knows itself by it (push/decode_index.py)
+SCHEDULER_ID = secrets.token_hex(8)
 
 
 class HashConfigMismatchError(RuntimeError):
@@ -17,6 +22,7 @@ class HashConfig:
 
     hash_algo: str  # cache_config.prefix_caching_hash_algo
     none_hash: bytes  # kv_cache_utils.NONE_HASH of the scheduler process
+    scheduler_id: str = ""  # SCHEDULER_ID of the scheduler process
 
     def check_same(self, other: "HashConfig") -> None:
         if self != other:

@@ -17,11 +17,12 @@ The block pool keys ``cached_block_hash_to_block`` by ``BlockHashWithGroupId``
 convert between the two.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    SCHEDULER_ID,
     HashConfig,
     HashConfigMismatchError,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "HashConfigMismatchError",
     "from_pool_key",
     "hash_prompt_blocks",
+    "iter_prompt_block_hashes",
     "scheduler_hash_config",
     "to_pool_key",
 ]
@@ -64,7 +66,9 @@ def scheduler_hash_config(hash_algo: str) -> HashConfig:
             "(init_none_hash has not run yet)"
         )
     get_hash_fn_by_name(hash_algo)  # raise early on an unknown name
-    return HashConfig(hash_algo=hash_algo, none_hash=bytes(none_hash))
+    return HashConfig(
+        hash_algo=hash_algo, none_hash=bytes(none_hash), scheduler_id=SCHEDULER_ID
+    )
 
 
 def to_pool_key(block_hash: BlockHash, group_id: int = 0) -> BlockHashWithGroupId:
@@ -88,6 +92,23 @@ def hash_prompt_blocks(
     """Block hashes of the full blocks of ``token_ids`` (a partial tail block
     is not hashed), equal to ``Request.block_hashes`` in the scheduler whose
     ``NONE_HASH`` is ``none_hash`` for a text-only request."""
+    return list(
+        iter_prompt_block_hashes(
+            token_ids, block_size, hash_algo, none_hash, cache_salt, lora_name
+        )
+    )
+
+
+def iter_prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    hash_algo: str,
+    none_hash: bytes,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+) -> Iterator[BlockHash]:
+    """:func:`hash_prompt_blocks` one block at a time (a caller that stops early
+    hashes no further)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if not none_hash:
@@ -111,10 +132,8 @@ def hash_prompt_blocks(
         ),
     )
     parent = BlockHash(bytes(none_hash))
-    hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
         extra_keys, _ = generate_block_hash_extra_keys(key_source, start, end, 0)
         parent = hash_block_tokens(hash_fn, parent, token_ids[start:end], extra_keys)
-        hashes.append(parent)
-    return hashes
+        yield parent

@@ -10,13 +10,18 @@ completed (after an event recorded after its forward on CUDA, worker_table.py).
 Answers lookups: which of a prompt's full blocks this instance holds, hashed exactly as
 its scheduler hashes them (same algorithm, NONE_HASH, cache_salt, LoRA), so a
 block is never matched for a request with another cache_salt. Read by prefix
-push (push/source_server.py) and served as ``GET /hashsync`` (routes.py).
+push (push/source_server.py), served as ``GET /hashsync`` and, for peers'
+holder indexes, as the feed ``POST /hashsync/feed`` (routes.py).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+    FeedPage,
+    FeedRequest,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
     hash_prompt_blocks,
 )
@@ -79,10 +84,17 @@ class WorkerHashSync:
         block_ids, gens = self.table.match_and_snapshot(hashes)
         return block_ids, gens, len(hashes)
 
+    def feed(self, req: FeedRequest) -> FeedPage | None:
+        """The page for a peer at ``req``'s position (None: no step has run yet)."""
+        self.table.commit_ready()
+        return self.table.feed_page(req.epoch, req.since, self.block_size)
+
     def debug(self, sample: int = 8) -> dict[str, Any]:
         cfg = self.table.hash_config
         return {
             "size": self.table.size(),
+            "feed_epoch": self.table.feed_epoch,
+            "feed_seq": self.table.feed_position(),
             "pending": self.table.num_pending(),
             "hash_algo": cfg.hash_algo if cfg else None,
             "block_size": self.block_size,

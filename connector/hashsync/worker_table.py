@@ -26,13 +26,26 @@ publishes each sealed step once its event has completed. On CUDA,
 ``get_finished`` runs when the kernels are launched, not done: publishing
 then would let a push read KV that is not computed yet. Removals always take
 effect at once (also on stores not yet published).
+
+The table also keeps the feed peers follow (hashsync/feed_protocol.py): each
+key it begins to hold (its first published block) and stops holding (its last
+block dropped), numbered in order, the last FEED_LOG_MAX of them; a reset of
+the prefix cache ends the log (a peer then takes a snapshot). Published keys
+only: a peer never learns of a block before a push could read it.
 """
 
 import itertools
+import secrets
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+    FEED_LOG_MAX,
+    FEED_PAGE_MAX_EVENTS,
+    FEED_SNAPSHOT_MAX_KEYS,
+    FeedPage,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
     HashConfig,
 )
@@ -51,7 +64,7 @@ logger = init_logger(__name__)
 
 
 class BlockHashTable:
-    def __init__(self, defer_stores: bool = False) -> None:
+    def __init__(self, defer_stores: bool = False, feed_log_max: int = FEED_LOG_MAX):
         self.defer_stores = defer_stores
         self.hash_config: HashConfig | None = None
         self._lock = threading.Lock()
@@ -62,6 +75,13 @@ class BlockHashTable:
         # steps whose forward was launched, oldest first: (event, their stores)
         self._sealed: list[tuple[Any, dict[int, bytes]]] = []
         self._gen: dict[int, int] = {}
+        # the feed: this process's epoch, the last change's number, the kept changes
+        # ("+"/"-" + key hex; numbered _feed_first .. _feed_seq) since the last reset
+        self.feed_epoch = secrets.token_hex(8)
+        self._feed_seq = 0
+        self._feed_first = 1
+        self._feed: list[str] = []
+        self._feed_max = feed_log_max
 
     # ---- updates (worker thread) -------------------------------------------
     def apply(self, delta: HashDelta) -> None:
@@ -123,9 +143,20 @@ class BlockHashTable:
     def _bump(self, block_id: int) -> None:
         self._gen[block_id] = self._gen.get(block_id, 0) + 1
 
+    def _log(self, event: str) -> None:
+        self._feed_seq += 1
+        self._feed.append(event)
+        if len(self._feed) > self._feed_max:  # trim by half: amortised O(1)
+            cut = len(self._feed) - self._feed_max // 2
+            del self._feed[:cut]
+            self._feed_first += cut
+
     def _insert(self, key: bytes, block_id: int) -> None:
         self._by_block[block_id] = key
-        self._by_key.setdefault(key, {})[block_id] = None
+        holders = self._by_key.setdefault(key, {})
+        if not holders:
+            self._log("+" + key.hex())
+        holders[block_id] = None
 
     def _drop(self, block_id: int) -> None:
         key = self._by_block.pop(block_id)
@@ -133,6 +164,7 @@ class BlockHashTable:
         del holders[block_id]
         if not holders:
             del self._by_key[key]
+            self._log("-" + key.hex())
 
     def _store(self, key: bytes, block_id: int) -> None:
         unpublished = self._unpublished(block_id)
@@ -172,6 +204,10 @@ class BlockHashTable:
         self._by_block.clear()
         self._pending.clear()
         self._sealed = [(event, {}) for event, _ in self._sealed]
+        # nothing before a reset can be continued from: peers take a snapshot
+        self._feed_seq += 1
+        self._feed = []
+        self._feed_first = self._feed_seq + 1
 
     # ---- reads (bootstrap-server thread) -----------------------------------
     def _match(self, hashes: Sequence[BlockHash], group_id: int) -> list[int]:
@@ -196,6 +232,49 @@ class BlockHashTable:
         with self._lock:
             block_ids = self._match(hashes, group_id)
             return block_ids, [self._gen.get(b, 0) for b in block_ids]
+
+    def feed_page(
+        self, epoch: str | None, since: int, block_size: int
+    ) -> FeedPage | None:
+        """The changes after ``since`` for a peer that followed ``epoch``, or a reset
+        page if it cannot continue from there; None before the hash configuration is
+        known (no step has run)."""
+        with self._lock:
+            cfg = self.hash_config
+            if cfg is None:
+                return None
+            continues = (
+                epoch == self.feed_epoch
+                and self._feed_first - 1 <= since <= self._feed_seq
+            )
+            if continues:
+                start = since - (self._feed_first - 1)
+                events = self._feed[start : start + FEED_PAGE_MAX_EVENTS]
+                seq, more = since + len(events), since + len(events) < self._feed_seq
+                keys: list[bytes] = []
+            else:  # the most recently cached keys first
+                keys = list(
+                    itertools.islice(reversed(self._by_key), FEED_SNAPSHOT_MAX_KEYS)
+                )
+                seq, more = self._feed_seq, False
+        if not continues:  # encoded outside the lock the worker's step takes
+            events = ["+" + k.hex() for k in keys]
+        # built from this table's own state: no validation (the peer validates)
+        return FeedPage.model_construct(
+            epoch=self.feed_epoch,
+            seq=seq,
+            reset=not continues,
+            events=events,
+            more=more,
+            hash_algo=cfg.hash_algo,
+            none_hash=cfg.none_hash.hex(),
+            scheduler_id=cfg.scheduler_id,
+            block_size=block_size,
+        )
+
+    def feed_position(self) -> int:
+        with self._lock:
+            return self._feed_seq
 
     def generations(self, block_ids: Sequence[int]) -> list[int]:
         with self._lock:

@@ -28,6 +28,16 @@ worker's hold is computed with them (config.ExtConfig.push_hold_for_s).
 Each source has its own threads and connections and every call one deadline
 (client.py): a slow source delays only its own requests.
 
+``push_from: "auto"`` (or any request without push_from on an instance with
+MOONCAKE_PUSH_AUTO=1): D picks the source itself, from its index of the
+allowed sources' feeds (decode_index.py): the one whose feed says it holds the
+longest run of the prompt's leading blocks beyond D's own hit. No source holds
+more: local prefill with no call at all. Then as above: that source's
+``/match_blocks`` is the truth. A source that holds less than it advertised, or
+whose push lands less, counts a miss against it (a few in a row demote it).
+The index follows the feeds from the start with MOONCAKE_PUSH_AUTO=1, else from
+the first request that asks for "auto".
+
 A request that finishes while its push is in flight keeps its blocks until
 the worker reports the push ended, which it does only once C can no longer
 write into them (receiver.py); one that finishes before its job reached the
@@ -56,6 +66,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_clien
     SourceLanes,
     source_origin,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_index import (
+    FeedFollower,
+    HeldPrefix,
+    HolderIndex,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
     MatchBlocksRequest,
@@ -72,6 +87,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 PARAM_PUSH_FROM = "push_from"
+AUTO = "auto"  # push_from: D picks the source (decode_index.py)
 MATCH_THREADS_PER_SOURCE = 4
 
 
@@ -130,6 +146,7 @@ class _Inflight:
     matched: float  # /match_blocks answered
     allocated: float = field(default_factory=time.monotonic)
     finished: bool = False  # request_finished while the push was in flight
+    auto: bool = False  # the source was picked from the index
 
 
 class PushScheduler:
@@ -159,6 +176,9 @@ class PushScheduler:
         self._ended: set[str] = set()
         self._ended_finished: list[str] = []
         self._jobs: list[PushJob] = []
+        self._auto: dict[str, HeldPrefix] = {}  # req id -> the source picked for it
+        self.index: HolderIndex | None = None
+        self._follower: FeedFollower | None = None
         self.stats = {
             "requests": 0,
             "pushed_blocks": 0,
@@ -166,8 +186,67 @@ class PushScheduler:
             "match_failed": 0,
             "refused_sources": 0,
             "refused_clock_skew": 0,
+            "auto_asked": 0,
+            "auto_no_holder": 0,
+            "auto_picked": 0,
+            "auto_missed": 0,
         }
         self._warnings = WarnLimiter(logger)
+        if config.push_auto:
+            if config.push_sources:
+                self._holder_index()
+            else:
+                logger.warning(
+                    "MOONCAKE_PUSH_AUTO=1 but MOONCAKE_PUSH_SOURCES is empty: no source "
+                    "to push from; every request is prefilled locally"
+                )
+
+    def _holder_index(self) -> HolderIndex | None:
+        """The index of the allowed sources' feeds, started on first use."""
+        if self.index is None and self.config.push_sources:
+            self.index = HolderIndex(
+                self.config.push_sources,
+                self.block_size,
+                self.config.push_index_max_blocks,
+            )
+            self._follower = FeedFollower(self.index, self.config)
+            logger.info(
+                'Prefix push: following the feeds of %s for push_from "auto"',
+                ", ".join(self.config.push_sources),
+            )
+        return self.index
+
+    def source_of(self, request: Request) -> str | None:
+        """The source a request names, AUTO, or None (no push)."""
+        src = push_source(request)
+        if src is None and self.config.push_auto:
+            params = request.kv_transfer_params or {}
+            if not params.get("do_remote_prefill"):
+                return AUTO
+        return src
+
+    def _pick(self, request: Request, num_computed_tokens: int) -> HeldPrefix | None:
+        """The allowed source whose feed holds the longest run of the prompt's leading
+        blocks beyond this instance's own hit (None: none)."""
+        self.stats["auto_asked"] += 1
+        index = self._holder_index()
+        if index is None:
+            self._warnings.warn(
+                "auto:no-sources",
+                "Prefix push for %s (and every request asking for it): push_from "
+                '"auto" but MOONCAKE_PUSH_SOURCES is empty; prefilling locally',
+                request.request_id,
+            )
+            held = None
+        else:
+            held = index.best(
+                request.prompt_token_ids or [],
+                request.cache_salt,
+                lora_name(request),
+                num_computed_tokens // self.block_size,
+            )
+        self.stats["auto_picked" if held is not None else "auto_no_holder"] += 1
+        return held
 
     def handles(self, request: Request) -> bool:
         """A request naming a push source, unless it belongs to upstream's P/D path
@@ -176,11 +255,13 @@ class PushScheduler:
         params = getattr(request, "kv_transfer_params", None) or {}
         if params.get("do_remote_decode") or params.get("do_remote_prefill"):
             return False
-        return push_source(request) is not None
+        return self.source_of(request) is not None
 
     def shutdown(self) -> None:
         """Cancel queued queries, abort running ones, close the connections."""
         self._lanes.shutdown()
+        if self._follower is not None:
+            self._follower.shutdown()
 
     # ---- get_num_new_matched_tokens ----------------------------------------------
     def _query(self, source: str, request: Request, deadline: float) -> _Match:
@@ -271,7 +352,7 @@ class PushScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        rid, source = request.request_id, push_source(request)
+        rid, source = request.request_id, self.source_of(request)
         assert source is not None
         if rid in self._inflight or rid in self._ended:
             return 0, False
@@ -287,6 +368,13 @@ class PushScheduler:
             )
             self._ended.add(rid)
             return 0, False
+        if source == AUTO:
+            held = self._auto.get(rid) or self._pick(request, num_computed_tokens)
+            if held is None:
+                self._ended.add(rid)
+                return 0, False
+            self._auto[rid] = held
+            source = held.origin
         if fut is None and not self._allowed(rid, source):
             self._ended.add(rid)
             return 0, False
@@ -318,6 +406,15 @@ class PushScheduler:
             self.stats["match_failed"] += 1
         else:
             match = self._match_result(fut, rid, source)
+        held = self._auto.get(rid)
+        if held is not None and (match is None or match.blocks < held.blocks):
+            # judged once: vLLM may ask again (a preempted request)
+            self._auto[rid] = HeldPrefix(held.origin, match.blocks if match else 0)
+            self._missed(
+                held.origin,
+                f"its feed advertised {held.blocks} blocks of a prompt, /match_blocks "
+                f"{'failed' if match is None else f'found {match.blocks}'}",
+            )
         full_blocks = len(request.prompt_token_ids or []) // self.block_size
         # never more than the prompt holds
         matched = max(0, min(match.blocks, full_blocks)) if match is not None else 0
@@ -365,6 +462,11 @@ class PushScheduler:
             self.stats["match_failed"] += 1
         return None
 
+    def _missed(self, origin: str, why: str) -> None:
+        self.stats["auto_missed"] += 1
+        if self.index is not None:
+            self.index.missed(origin, why)
+
     # ---- allocation -> job ---------------------------------------------------------
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -380,7 +482,15 @@ class PushScheduler:
         dst = list(block_ids[first : first + n])
         assert len(dst) == n, f"{len(dst)} blocks allocated for {n} pushed blocks"
         asked, matched_at = self._times.pop(rid, (time.monotonic(), time.monotonic()))
-        self._inflight[rid] = _Inflight(request, source, first, n, asked, matched_at)
+        self._inflight[rid] = _Inflight(
+            request,
+            source,
+            first,
+            n,
+            asked,
+            matched_at,
+            auto=self._auto.pop(rid, None) is not None,
+        )
         self._jobs.append(
             PushJob(
                 rid,
@@ -430,6 +540,13 @@ class PushScheduler:
                 1e3 * (inf.allocated - inf.matched),
                 1e3 * (now - inf.allocated),
             )
+            if inf.auto and self.index is not None:
+                if landed < inf.n_blocks:
+                    self._missed(
+                        inf.source, f"{landed} of {inf.n_blocks} pushed blocks landed"
+                    )
+                else:
+                    self.index.confirmed(inf.source)
             if landed < inf.n_blocks:
                 missing = inf.n_blocks - landed
                 self.stats["fallback_blocks"] += missing
@@ -452,6 +569,7 @@ class PushScheduler:
         rid = request.request_id
         self._planned.pop(rid, None)
         self._times.pop(rid, None)
+        self._auto.pop(rid, None)
         self._ended.discard(rid)
         fut = self._matches.pop(rid, None)
         if fut is not None:

@@ -240,6 +240,7 @@ class PushServer:
         # never into this instance's own engine, by address; each destination's layout
         self.destinations = Destinations(OwnEngine(local_session))
         self.stats = Counters(
+            matches=0,  # /match_blocks answered
             pushes=0,
             ok=0,
             failed=0,
@@ -282,6 +283,7 @@ class PushServer:
 
     def match(self, payload: Any) -> tuple[int, dict[str, Any]]:
         """Serve one /match_blocks body; returns (HTTP status, JSON body)."""
+        self.stats.add(matches=1)
         try:
             req = parse_match_request(payload)
         except PushRequestError as e:

@@ -235,6 +235,7 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
             "test_push.py",
             "test_push_partial_writer.py",
             "test_push_exposed.py",
+            "test_push_auto.py",
             "test_posthoc_write_failure.py",
         ),
         lambda source: dict(
@@ -255,6 +256,17 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
                 "d": {"extra_push_sources": [UNREACHABLE_SOURCE, source.url]},
                 "x64": {"block_size": 64},
             },
+        ),
+    ),
+    # two kv_both instances, every request push_from "auto" (MOONCAKE_PUSH_AUTO):
+    # each follows the other's feed and finds itself among its push sources;
+    # test_push_auto_router puts vllm-router in front of them
+    "push_auto": SharedCluster(
+        ("test_push_auto_router.py",),
+        lambda _: dict(
+            roles={"a": "kv_both", "b": "kv_both"},
+            token=PUSH_TOKEN,
+            env={"MOONCAKE_PUSH_AUTO": "1"},
         ),
     ),
     # layer-wise P -> D in chunks of 256 tokens; P fails the writes of one prompt

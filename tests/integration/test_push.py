@@ -167,12 +167,12 @@ def test_source_outside_the_allowlist_is_never_asked(cluster):
 
 def test_malformed_push_is_422_naming_the_field(cluster):
     c = cluster["c"]
-    before = push_stats(c.bootstrap_url)
     ids = prompt(2 * BLOCK, seed=5006)
     turn_on_c(
         c, ids
     )  # C has stepped: /match_blocks answers (503 before the first step)
     match = match_blocks(c.bootstrap_url, ids)
+    before = push_stats(c.bootstrap_url)
     body = {
         "token_ids": ids,
         "block_size": BLOCK,

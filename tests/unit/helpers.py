@@ -322,16 +322,35 @@ def push_job(rid: str, source: str, dst_blocks=DST_BLOCKS, tokens=TOKENS) -> Pus
     )
 
 
-def d_request(rid="r1", n_tokens=5 * BS + 3, source="http://c:9000"):
+def d_request(
+    rid="r1",
+    n_tokens=5 * BS + 3,
+    source="http://c:9000",
+    tokens=None,
+    params=None,
+    salt=None,
+):
+    """A request as D's PushScheduler reads it: ``n_tokens`` tokens (or ``tokens``),
+    naming ``source`` (or with ``params`` as its kv_transfer_params)."""
     return SimpleNamespace(
         request_id=rid,
-        prompt_token_ids=list(range(n_tokens)),
-        kv_transfer_params={"push_from": source},
-        cache_salt=None,
+        prompt_token_ids=list(range(n_tokens) if tokens is None else tokens),
+        kv_transfer_params={"push_from": source} if params is None else params,
+        cache_salt=salt,
         lora_request=None,
         num_computed_tokens=0,
         num_external_computed_tokens=0,
     )
+
+
+class Blocks:
+    """What vLLM allocated for a request (KVCacheBlocks, one group)."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
 
 
 def ask(sched: PushScheduler, r, local_tokens=0, timeout=10):

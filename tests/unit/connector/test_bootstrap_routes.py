@@ -63,6 +63,7 @@ def test_upstreams_and_our_routes_are_still_served():
         "/push_proof",
         "/push/stats",
         "/hashsync",
+        "/hashsync/feed",
         "/layerwise/transfers",
         "/metrics",
     } <= paths
@@ -76,7 +77,7 @@ TOKEN = "tok-5d1e0c2b"
 def test_every_route_of_this_series_answers_401_without_credentials():
     app = bootstrap_app(ExtConfig(bootstrap_host="0.0.0.0", bootstrap_token=TOKEN))
     ours = [r for r in app.routes if isinstance(r, APIRoute) and r.path != "/query"]
-    assert len(ours) == 7
+    assert len(ours) == 8
     client = TestClient(app)
     for route in ours:
         for method in route.methods:

@@ -6,6 +6,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync import (
     scheduler_recorder,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    SCHEDULER_ID,
     HashConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
@@ -201,7 +202,7 @@ def test_blocks_cached_before_the_first_build_reach_the_worker(
     tokens = list(range(1, 1 + 2 * BS))
     ids = run_request(pool, make_request("first", tokens))
     delta = sync.build()
-    assert delta.hash_config == HashConfig("sha256", none_hash)
+    assert delta.hash_config == HashConfig("sha256", none_hash, SCHEDULER_ID)
     table = BlockHashTable()
     table.apply(delta)
     assert (

@@ -5,10 +5,9 @@ path runs in tests/integration/test_push.py."""
 import json
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
-from helpers import C_SOURCE
+from helpers import C_SOURCE, Blocks, d_request
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
@@ -44,23 +43,7 @@ def scheduler():
 
 
 def req(rid="r1", n_tokens=5 * BS + 3, params=None, salt=None):
-    return SimpleNamespace(
-        request_id=rid,
-        prompt_token_ids=list(range(n_tokens)),
-        kv_transfer_params={"push_from": SRC + "/"} if params is None else params,
-        cache_salt=salt,
-        lora_request=None,
-        num_computed_tokens=0,
-        num_external_computed_tokens=0,
-    )
-
-
-class Blocks:
-    def __init__(self, ids):
-        self.ids = ids
-
-    def get_block_ids(self):
-        return (self.ids,)
+    return d_request(rid, n_tokens, SRC + "/", params=params, salt=salt)
 
 
 def http_answer(code, body, headers=None):
@@ -167,6 +150,10 @@ def test_blocks_that_did_not_land_are_prefilled_locally():
         "match_failed": 0,
         "refused_sources": 0,
         "refused_clock_skew": 0,
+        "auto_asked": 0,
+        "auto_no_holder": 0,
+        "auto_picked": 0,
+        "auto_missed": 0,
     }
 
 

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The messages of the prefix-cache feed, one model each for both sides.
+
+``POST /hashsync/feed`` (signed like every POST of this series, common/auth.py):
+a peer's holder index (push/decode_index.py) asks a source what changed in its
+block-hash mirror since the position it holds; the source answers with the
+keys it began or stopped holding, in order, or, when the peer's position is
+not one it can continue from (another process of the source: its ``epoch``
+changed; fell behind the kept log; the prefix cache was reset), with a
+``reset`` page that lists the keys it holds now (the most recently cached
+first, at most FEED_SNAPSHOT_MAX_KEYS). A request waits up to ``wait_ms`` for
+something to change.
+
+Keys are the mirror's: ``BlockHashWithGroupId`` bytes (block hash + 4-byte
+group id), hex in the messages. The page carries the source's hash
+configuration (algorithm, NONE_HASH, its scheduler's id) and block size, so a
+peer hashes a prompt as the source does without sharing PYTHONHASHSEED.
+
+Everything here is untrusted on the receiving side: the models are strict and
+bounded (unknown fields, coercions, oversize lists and strings are refused).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+FEED_PATH = "/hashsync/feed"
+FEED_MAX_WAIT_MS = 10_000  # the longest a feed request waits for a change
+FEED_PAGE_MAX_EVENTS = 32_768  # keys a page of changes lists at most
+FEED_SNAPSHOT_MAX_KEYS = 65_536  # keys a reset page lists at most
+FEED_LOG_MAX = 1 << 18  # changes a source keeps for peers that fall behind
+# hex of a BlockHashWithGroupId: an 8..64-byte hash and its 4-byte group id
+KEY_HEX_MIN, KEY_HEX_MAX = 2 * (8 + 4), 2 * (64 + 4)
+# "+<hex>" a key the source began to hold, "-<hex>" one it stopped holding
+Event = Annotated[
+    StrictStr, Field(min_length=1 + KEY_HEX_MIN, max_length=1 + KEY_HEX_MAX)
+]
+Token = Annotated[StrictStr, Field(min_length=1, max_length=64)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FeedRequest(_Strict):
+    """A peer's position: the source process it has followed (None: none yet) and
+    the last change it applied."""
+
+    epoch: Token | None = None
+    since: Annotated[StrictInt, Field(ge=0, le=2**62)] = 0
+    wait_ms: Annotated[StrictInt, Field(ge=0, le=FEED_MAX_WAIT_MS)] = 0
+
+
+class FeedPage(_Strict):
+    """What changed since the peer's position, or (``reset``) the keys held now."""
+
+    epoch: Token  # this source process's
+    seq: Annotated[StrictInt, Field(ge=0, le=2**62)]  # the position after this page
+    reset: StrictBool  # forget this source's keys, then apply ``events``
+    events: Annotated[
+        list[Event], Field(max_length=max(FEED_PAGE_MAX_EVENTS, FEED_SNAPSHOT_MAX_KEYS))
+    ]
+    more: StrictBool  # more changes are waiting: ask again at once
+    hash_algo: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    none_hash: Annotated[StrictStr, Field(min_length=2, max_length=256)]  # hex
+    scheduler_id: Annotated[StrictStr, Field(max_length=64)]
+    block_size: Annotated[StrictInt, Field(ge=1, le=1 << 16)]
+
+
+def decode_event(event: str) -> tuple[bool, bytes]:
+    """(stored?, key) of one event; ValueError on anything else."""
+    sign, hexkey = event[:1], event[1:]
+    if sign not in ("+", "-") or len(hexkey) % 2:
+        raise ValueError(f"not a feed event: {event[:24]!r}")
+    return sign == "+", bytes.fromhex(hexkey)
+
+
+__all__ = [
+    "FEED_LOG_MAX",
+    "FEED_MAX_WAIT_MS",
+    "FEED_PAGE_MAX_EVENTS",
+    "FEED_PATH",
+    "FEED_SNAPSHOT_MAX_KEYS",
+    "FeedPage",
+    "KEY_HEX_MAX",
+    "FeedRequest",
+    "decode_event",
+]

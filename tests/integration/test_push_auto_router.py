@@ -1,0 +1,117 @@
+"""Prefix push behind vllm-router's round robin, with no client naming anything.
+
+Two kv_both instances run with MOONCAKE_PUSH_AUTO=1 behind ``vllm-router
+--worker-urls A B --policy round_robin`` (its plain mode). A three-turn
+session goes through the router, each turn the previous one plus new tokens;
+round robin sends consecutive turns to alternate instances, so every turn
+after the first lands where the previous one did not run. Each such turn must
+be pushed from the other instance: the instance that served it loads exactly
+the blocks the other holds beyond its own prefix hit (counted by vLLM's own
+external prefix-cache counter, since the router drops the usage details), the
+holder counts the push, and the answer matches a from-scratch reference
+(logprobs). Turn 3 runs where turn 1 did: only the blocks beyond turn 1 come
+over. Without MOONCAKE_PUSH_AUTO nothing is pushed and the first check fails.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from harness.correctness import compare, reference_completion
+from harness.kv_usage import wait_no_blocks_in_use
+from harness.launcher import BLOCK
+from harness.metrics import counter, counter_when
+from harness.pd_client import complete, match_blocks, model_name, push_stats
+from harness.prompts import random_prompt as prompt
+from harness.routers import vllm_router_workers
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_index import (
+    FEED_BACKOFF_MAX_S,
+)
+
+pytestmark = pytest.mark.integration
+
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+SERVED = "vllm:request_success_total"
+FEED_S = 1.0  # a turn's blocks reach the other instance's index (a long poll)
+
+
+@pytest.fixture(scope="module")
+def cluster(shared_cluster):
+    cl = shared_cluster("push_auto")
+    for seed, name in enumerate(("a", "b"), start=6000):
+        assert cl[name].spec.env.get("MOONCAKE_PUSH_AUTO") == "1"
+        # a step has run: its mirror answers and its feed serves
+        complete(cl[name].url, prompt(BLOCK + 3, seed=seed), max_tokens=1, timeout=300)
+    # each follower asks a source that had not run a step yet again within this
+    time.sleep(FEED_BACKOFF_MAX_S + 2)
+    return cl
+
+
+def held(inst, ids) -> int:
+    return match_blocks(inst.bootstrap_url, ids)["matched_blocks"]
+
+
+def served(before, *instances, timeout=10.0):
+    """The instance whose count of answered requests grew (vLLM updates it just
+    after it answers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        grew = [i for i in instances if counter(i.url, SERVED) > before[i.spec.name][0]]
+        if len(grew) == 1:
+            return grew[0]
+        assert not grew and time.monotonic() < deadline, f"served by {grew}"
+        time.sleep(0.2)
+
+
+def test_each_turn_on_the_other_instance_is_pushed_from_the_holder(cluster, tmp_path):
+    a, b = cluster["a"], cluster["b"]
+    model = model_name(a.url)
+    turns = [prompt(6 * BLOCK + 20, seed=6100)]
+    turns.append(turns[0] + prompt(3 * BLOCK + 5, seed=6101))
+    turns.append(turns[1] + prompt(2 * BLOCK + 9, seed=6102))
+    served_by = []
+    with vllm_router_workers([a, b], tmp_path) as router:
+        for k, ids in enumerate(turns, start=1):
+            own = {inst.spec.name: held(inst, ids) for inst in (a, b)}
+            before = {
+                inst.spec.name: (
+                    counter(inst.url, SERVED),
+                    counter(inst.url, EXTERNAL_HITS),
+                    push_stats(inst.bootstrap_url)["ok"],
+                )
+                for inst in (a, b)
+            }
+            got = complete(router.url, ids, max_tokens=4, logprobs=5, model=model)
+            inst = served(before, a, b)
+            other = b if inst is a else a
+            served_by.append(inst.spec.name)
+            check = compare(
+                got,
+                reference_completion(inst.url, ids, max_tokens=4),
+                expected_cached_tokens=None,
+            )
+            assert check.ok, (k, check.problems, router.log_tail())
+            want = max(0, own[other.spec.name] - own[inst.spec.name]) * BLOCK
+            hits = before[inst.spec.name][1]
+            loaded = (
+                counter_when(inst.url, EXTERNAL_HITS, lambda v, h=hits: v > h)
+                if want
+                else counter(inst.url, EXTERNAL_HITS)
+            ) - hits
+            pushes = push_stats(other.bootstrap_url)["ok"] - before[other.spec.name][2]
+            if k == 1:
+                assert (want, loaded, pushes) == (0, 0, 0), (k, own, loaded, pushes)
+            else:
+                assert want > 0, f"turn {k} went where its prefix was: {served_by}"
+                assert (loaded, pushes) == (want, 1), (k, own, want, loaded, pushes)
+            time.sleep(FEED_S)
+    assert served_by[0] == served_by[2] != served_by[1], served_by
+    assert wait_no_blocks_in_use(a.url, b.url) == (0.0, 0.0)
+
+
+def test_each_instance_knows_itself_among_its_sources(cluster):
+    for name in ("a", "b"):
+        log = cluster[name].log_text()
+        assert "is this instance; not following it" in log, name
