@@ -107,6 +107,7 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
+        self.ext.seen_alloc(request, num_external_tokens)
         if self.ext.owns(request):
             return self.ext.update_state_after_alloc(
                 request, blocks, num_external_tokens
@@ -131,6 +132,7 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self.ext.seen_finished(request)
         if self.ext.owns(request):
             return self.ext.request_finished(request)
         params = request.kv_transfer_params or {}

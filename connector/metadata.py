@@ -29,3 +29,5 @@ class ExtMetadata:
     layerwise: LayerwiseMetadata = field(default_factory=LayerwiseMetadata)
     hash_delta: HashDelta | None = None
     push_jobs: list[PushJob] = field(default_factory=list)
+    # D's push decisions by reason, when they changed (served on /metrics)
+    push_decisions: dict[str, int] | None = None

@@ -5,7 +5,10 @@ The same numbers the stats routes serve as JSON, in Prometheus' text format
 (version 0.0.4), for the worker whose bootstrap server answers (the first
 worker): its writes on every path (failed writes waiting for the kernel's send
 queues, writes past the engine's bound, refused peers; engine_write.py), its
-pushes as a source and its layer-wise transfers as a prefill instance. vLLM's
+pushes as a source, its layer-wise transfers as a prefill instance and, as a
+push destination, its scheduler's push decisions (sent to the worker with the
+step's metadata when they change; a kv_consumer runs no bootstrap server, so
+its decisions are not served). vLLM's
 own ``/metrics`` (the API server's port) is left as it is. The route takes the
 GET routes' bearer key like the others (a scrape config's ``authorization``).
 """
@@ -17,6 +20,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
     write_stats,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    Decision,
 )
 
 PREFIX = "vllm_mooncake_ext_"
@@ -98,12 +104,16 @@ def _family(
 
 
 def exposition(
-    write_fn: Any, push: Any | None = None, layerwise: Any | None = None
+    write_fn: Any,
+    push: Any | None = None,
+    layerwise: Any | None = None,
+    push_decisions: dict[str, int] | None = None,
 ) -> str:
     """The text of ``GET /metrics``: the writes of ``write_fn`` (the worker's
     terminal write function; None before its KV caches are registered), the push
-    source's counters (``push``: a PushServer) and the layer-wise sender's
-    totals (``layerwise``: a LayerwiseSender), each when present."""
+    source's counters (``push``: a PushServer), the layer-wise sender's
+    totals (``layerwise``: a LayerwiseSender) and, on a push destination, its
+    scheduler's push decisions by reason, each when present."""
     lines: list[str] = []
     stats = write_stats(write_fn) if write_fn is not None else {}
     for key, (name, kind, help_text) in WRITES.items():
@@ -124,6 +134,20 @@ def exposition(
             "gauge",
             "Pushes whose write is past its bound now (they hold no push slot).",
             [("", push.num_overdue())],
+        )
+    if push_decisions is not None:
+        lines += _family(
+            "push_decisions_total",
+            "counter",
+            "Requests this instance considered for a prefix push, by what became of "
+            "them: pushed (every block landed), no_holder, below_minimum "
+            "(MOONCAKE_PUSH_MIN_TOKENS), not_worth_it (expected transfer >= expected "
+            "local prefill), refused (by the source, busy, or of the source), "
+            "fell_back (the match failed or fewer blocks landed: prefilled locally).",
+            [
+                (f'{{reason="{d.value}"}}', push_decisions.get(d.value, 0))
+                for d in Decision
+            ],
         )
     if layerwise is not None:
         snap = layerwise.snapshot()

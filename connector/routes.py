@@ -88,6 +88,8 @@ class Served:
     )
     # the worker's write function, every path (engine_write.TerminalWriter)
     writes: Callable[[], Any] = lambda: None
+    # D: its push decisions by reason (decode_cost.Decision; None: not a destination)
+    push_decisions: Callable[[], dict[str, int] | None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -284,7 +286,12 @@ def bootstrap_router(
 
     @router.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = exposition(served.writes(), served.push(), served.layerwise())
+        text = exposition(
+            served.writes(),
+            served.push(),
+            served.layerwise(),
+            served.push_decisions(),
+        )
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     return router

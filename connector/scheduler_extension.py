@@ -91,6 +91,17 @@ class SchedulerExtension:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         return self.push.request_finished(request), None
 
+    # ---- every request ------------------------------------------------------------------
+    def seen_alloc(self, request: Request, num_external_tokens: int) -> None:
+        """Any request was allocated: D times its local prefills (what a push
+        competes with, decode_cost.py)."""
+        if self.push.prefill_timer is not None:
+            self.push.prefill_timer.allocated(request, num_external_tokens)
+
+    def seen_finished(self, request: Request) -> None:
+        if self.push.prefill_timer is not None:
+            self.push.prefill_timer.finished(request)
+
     # ---- upstream's P/D requests ------------------------------------------------------
     def takes_send(self, request: Request, transfer_id: str) -> bool:
         """P: a do_remote_decode request was allocated. True: layer-wise sends it
@@ -129,7 +140,12 @@ class SchedulerExtension:
 
     # ---- every step -----------------------------------------------------------------
     def build_metadata(self, scheduler_output: SchedulerOutput) -> ExtMetadata:
-        meta = ExtMetadata(push_jobs=self.push.take_jobs())
+        meta = ExtMetadata(
+            push_jobs=self.push.take_jobs(),
+            push_decisions=self.push.decisions_changed(),
+        )
+        if self.push.prefill_timer is not None:
+            self.push.prefill_timer.step()
         if self.layerwise is not None:
             meta.layerwise = self.layerwise.build(scheduler_output)
         if self.hashsync is not None:

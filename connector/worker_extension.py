@@ -217,6 +217,8 @@ class PushDestinationStep(WorkerFeature):
 
     def start_load_kv(self, meta: ExtMetadata) -> None:
         self.receiver.start(meta.push_jobs)
+        if meta.push_decisions is not None:
+            self.receiver.decisions = meta.push_decisions
 
     def finished(self, sending: set[str], recving: set[str]) -> None:
         recving |= self.receiver.merge_finished(None) or set()
@@ -380,6 +382,9 @@ class WorkerExtension(UpstreamHooks):
                 push_here=self.roles.push_source,
                 layerwise_here=self.roles.layerwise_prefill,
                 writes=lambda: self._write,
+                push_decisions=lambda: (
+                    self.push_receiver.decisions if self.push_receiver else None
+                ),
             ),
         )
 

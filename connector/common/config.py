@@ -42,6 +42,10 @@ MOONCAKE_PUSH_AUTO=1                   off      D: every request without push_fr
                                                 as push_from "auto" (D picks the source from
                                                 its index of the sources' feeds)
 MOONCAKE_PUSH_INDEX_MAX_BLOCKS         1048576  D: blocks that index keeps, over all sources
+MOONCAKE_PUSH_MIN_TOKENS               256      D: fewer held tokens beyond D's own hit are
+                                                prefilled locally; more are pushed when the
+                                                measured transfer beats the measured local
+                                                prefill (push/decode_cost.py)
 MOONCAKE_PUSH_MAX_TOKENS               131072   C and D: longest prompt a push may name
 MOONCAKE_PUSH_MAX_CONCURRENT           4        C: pushes served at once (429 beyond)
 MOONCAKE_BOOTSTRAP_HOST                0.0.0.0  bind address of the bootstrap server
@@ -198,6 +202,7 @@ class ExtConfig:
     push_sources: tuple[str, ...] = ()
     push_auto: bool = False
     push_index_max_blocks: int = 1 << 20
+    push_min_tokens: int = 256
     push_max_tokens: int = 131072
     push_max_concurrent: int = 4
     bootstrap_host: str = "0.0.0.0"
@@ -401,6 +406,9 @@ class ExtConfig:
                     minimum=0,
                     integer=True,
                 )
+            ),
+            push_min_tokens=int(
+                _number(env, "MOONCAKE_PUSH_MIN_TOKENS", 256, minimum=0, integer=True)
             ),
             push_max_tokens=int(
                 _number(

@@ -193,6 +193,9 @@ class PushReceiver:
         self._outcome: dict[
             str, int
         ] = {}  # reported in finished_recving, not yet in meta
+        self._refused: set[str] = set()  # pushes the source refused, not yet in meta
+        # the scheduler's push decisions by reason, as it last sent them (/metrics)
+        self.decisions: dict[str, int] = {}
 
     def hold_s(self, job: PushJob) -> float:
         """How long this push's blocks are kept if C never answers."""
@@ -344,6 +347,8 @@ class PushReceiver:
                         resp.message,
                     )
             elif is_source_refusal(r.status, r.headers):
+                with self._lock:
+                    self._refused.add(job.req_id)
                 logger.warning(
                     "push for %s from %s: refused, nothing written: HTTP %d %s",
                     job.req_id,
@@ -484,7 +489,10 @@ class PushReceiver:
     def take_outcome(self) -> PushOutcome | None:
         if not self._outcome:
             return None
-        out, self._outcome = PushOutcome(self._outcome), {}
+        with self._lock:
+            refused = frozenset(r for r in self._refused if r in self._outcome)
+            self._refused -= refused
+        out, self._outcome = PushOutcome(self._outcome, refused), {}
         return out
 
     def in_flight(self) -> int:

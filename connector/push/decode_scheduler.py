@@ -66,6 +66,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_clien
     SourceLanes,
     source_origin,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    Decision,
+    PrefillTimer,
+    PushCostModel,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_index import (
     FeedFollower,
     HeldPrefix,
@@ -121,6 +126,7 @@ class _Match:
     engine_timeout_s: int  # the source's
     source_id: str  # the source's name, sent back in the push request
     tcp_orphan_retries: int | None = None  # the source's kernel's (None: ours)
+    round_trip_s: float = 0.0  # the /match_blocks call, as D timed it
 
 
 def push_source(request: Request) -> str | None:
@@ -191,6 +197,14 @@ class PushScheduler:
             "auto_picked": 0,
             "auto_missed": 0,
         }
+        # every request this instance considered for a push, once, by what became
+        # of it (decode_cost.Decision); the worker serves them on /metrics
+        self.decisions = {d.value: 0 for d in Decision}
+        self._decided: set[str] = set()  # req ids counted (a preempted one asks again)
+        self._decisions_sent: dict[str, int] | None = None
+        self.cost = PushCostModel(config.push_min_tokens)
+        # local prefills are timed only where a push could replace one
+        self.prefill_timer = PrefillTimer(self.cost) if config.push_sources else None
         self._warnings = WarnLimiter(logger)
         if config.push_auto:
             if config.push_sources:
@@ -270,7 +284,7 @@ class PushScheduler:
             cache_salt=request.cache_salt,
             lora_name=lora_name(request),
         )
-        sent = self._wall_clock()
+        sent, started = self._wall_clock(), time.monotonic()
         content = body.model_dump_json().encode()
         r = self._lanes.post(
             source,
@@ -279,7 +293,7 @@ class PushScheduler:
             request_headers(self.config, "POST", "/match_blocks", content),
             deadline,
         )
-        received = self._wall_clock()
+        received, round_trip = self._wall_clock(), time.monotonic() - started
         if r.status != 200:
             raise RuntimeError(f"{source}/match_blocks answered {r.status}: {r.text()}")
         resp = MatchBlocksResponse.model_validate_json(r.body)
@@ -323,7 +337,11 @@ class PushScheduler:
                 "source's setting or raise this instance's"
             )
         return _Match(
-            resp.matched_blocks, resp.engine_timeout_s, resp.source_id, retries
+            resp.matched_blocks,
+            resp.engine_timeout_s,
+            resp.source_id,
+            retries,
+            round_trip,
         )
 
     def _allowed(self, rid: str, source: str) -> bool:
@@ -367,16 +385,23 @@ class PushScheduler:
                 why,
             )
             self._ended.add(rid)
+            self._decide(rid, Decision.REFUSED)
             return 0, False
         if source == AUTO:
             held = self._auto.get(rid) or self._pick(request, num_computed_tokens)
             if held is None:
                 self._ended.add(rid)
+                self._decide(rid, Decision.NO_HOLDER)
                 return 0, False
             self._auto[rid] = held
             source = held.origin
+            first = num_computed_tokens // self.block_size
+            if fut is None and not self.pays(rid, source, held.blocks - first):
+                self._ended.add(rid)  # judged before asking the source anything
+                return 0, False
         if fut is None and not self._allowed(rid, source):
             self._ended.add(rid)
+            self._decide(rid, Decision.REFUSED)
             return 0, False
         if fut is None:
             asked = time.monotonic()
@@ -387,6 +412,7 @@ class PushScheduler:
             except RuntimeError as e:  # shut down
                 logger.warning("Prefix push for %s: %s; prefilling locally", rid, e)
                 self._ended.add(rid)
+                self._decide(rid, Decision.FELL_BACK)
                 return 0, False
             self._times[rid] = (asked, 0.0)
             return None, False  # asked again next step
@@ -404,8 +430,11 @@ class PushScheduler:
                 self.match_timeout_s,
             )
             self.stats["match_failed"] += 1
+            self._decide(rid, Decision.FELL_BACK)
         else:
             match = self._match_result(fut, rid, source)
+            if match is not None:
+                self.cost.observe_round_trip(source, match.round_trip_s)
         held = self._auto.get(rid)
         if held is not None and (match is None or match.blocks < held.blocks):
             # judged once: vLLM may ask again (a preempted request)
@@ -422,7 +451,8 @@ class PushScheduler:
         self._times[rid] = (asked, time.monotonic())
         first = num_computed_tokens // self.block_size
         n = matched - first
-        if n <= 0:
+        if n <= 0 or not self.pays(rid, source, n):
+            self._decide(rid, Decision.NO_HOLDER)  # unless counted already
             self._planned.pop(rid, None)
             self._times.pop(rid, None)
             return 0, False
@@ -441,6 +471,7 @@ class PushScheduler:
                 e,
             )
             self.stats["refused_clock_skew"] += 1
+            self._decide(rid, Decision.REFUSED)
         except IncompatibleSourceError as e:
             # every request from this source meets it: one warning per interval
             self._warnings.warn(
@@ -452,6 +483,7 @@ class PushScheduler:
                 e,
             )
             self.stats["match_failed"] += 1
+            self._decide(rid, Decision.REFUSED)
         except Exception as e:
             logger.warning(
                 "Prefix push for %s: no match from %s (%s); prefilling locally",
@@ -460,7 +492,41 @@ class PushScheduler:
                 e,
             )
             self.stats["match_failed"] += 1
+            self._decide(rid, Decision.FELL_BACK)
         return None
+
+    def _decide(self, rid: str, decision: Decision) -> None:
+        """Count what became of a request's push, once per request."""
+        if rid not in self._decided:
+            self._decided.add(rid)
+            self.decisions[decision.value] += 1
+
+    def decisions_changed(self) -> dict[str, int] | None:
+        """The decision counters, when they changed since the last call (the
+        worker's /metrics serves the last ones it got)."""
+        if self.decisions == self._decisions_sent:
+            return None
+        self._decisions_sent = dict(self.decisions)
+        return self._decisions_sent
+
+    def pays(self, rid: str, source: str, blocks: int) -> bool:
+        """Whether pushing ``blocks`` from ``source`` is expected to beat prefilling
+        them here; counts the reason when not."""
+        est = self.cost.decide(source, blocks, self.block_size)
+        if est.decision is None:
+            return True
+        self._decide(rid, est.decision)
+        if est.decision is Decision.NOT_WORTH_IT:
+            logger.debug(
+                "Prefix push for %s from %s: %d blocks would take %.1f ms, their local "
+                "prefill %.1f ms; prefilling locally",
+                rid,
+                source,
+                blocks,
+                1e3 * (est.transfer_s or 0.0),
+                1e3 * (est.prefill_s or 0.0),
+            )
+        return False
 
     def _missed(self, origin: str, why: str) -> None:
         self.stats["auto_missed"] += 1
@@ -529,9 +595,21 @@ class PushScheduler:
             landed = max(0, min(landed, inf.n_blocks))
             self.stats["pushed_blocks"] += landed
             now = time.monotonic()
+            # what D expected (before this push is measured), for the log
+            expected = self.cost.transfer_s(inf.source, inf.n_blocks)
+            local = self.cost.prefill_s(inf.n_blocks * self.block_size)
+            if landed == inf.n_blocks:
+                self._decide(rid, Decision.PUSHED)
+                self.cost.observe_push(inf.source, landed, now - inf.allocated)
+            elif rid in meta.refused:
+                self._decide(rid, Decision.REFUSED)
+            else:
+                self._decide(rid, Decision.FELL_BACK)
+            if inf.finished:
+                self._decided.discard(rid)
             logger.info(
                 "Prefix push for %s from %s: %d/%d blocks; match %.0f ms, scheduled "
-                "after %.0f ms, push %.0f ms",
+                "after %.0f ms, push %.0f ms (expected %s, their local prefill %s)",
                 rid,
                 inf.source,
                 landed,
@@ -539,6 +617,8 @@ class PushScheduler:
                 1e3 * (inf.matched - inf.asked),
                 1e3 * (inf.allocated - inf.matched),
                 1e3 * (now - inf.allocated),
+                "unmeasured" if expected is None else f"{1e3 * expected:.0f} ms",
+                "unmeasured" if local is None else f"{1e3 * local:.0f} ms",
             )
             if inf.auto and self.index is not None:
                 if landed < inf.n_blocks:
@@ -571,6 +651,7 @@ class PushScheduler:
         self._times.pop(rid, None)
         self._auto.pop(rid, None)
         self._ended.discard(rid)
+        self._decided.discard(rid)
         fut = self._matches.pop(rid, None)
         if fut is not None:
             fut.cancel()

@@ -396,6 +396,8 @@ class PushOutcome(KVConnectorWorkerMetadata):
     """D's worker -> D's scheduler: leading blocks that landed, per ended push."""
 
     landed: dict[str, int] = field(default_factory=dict)
+    # of those, the pushes the source refused (or was busy for), nothing written
+    refused: frozenset[str] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PushOutcome)
@@ -405,4 +407,4 @@ class PushOutcome(KVConnectorWorkerMetadata):
             n,
         ) in other.landed.items():  # several workers: a block is valid on all or none
             merged[rid] = min(n, merged.get(rid, n))
-        return PushOutcome(merged)
+        return PushOutcome(merged, self.refused | other.refused)

@@ -11,10 +11,14 @@ external prefix-cache counter, since the router drops the usage details), the
 holder counts the push, and the answer matches a from-scratch reference
 (logprobs). Turn 3 runs where turn 1 did: only the blocks beyond turn 1 come
 over. Without MOONCAKE_PUSH_AUTO nothing is pushed and the first check fails.
+Each instance counts what became of every request it considered for a push on
+its /metrics (push_decisions_total by reason), and a prefix shorter than
+MOONCAKE_PUSH_MIN_TOKENS beyond an instance's own hit is prefilled locally.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -22,10 +26,20 @@ import pytest
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK
-from harness.metrics import counter, counter_when
-from harness.pd_client import complete, match_blocks, model_name, push_stats
+from harness.metrics import counter, counter_when, read_when
+from harness.pd_client import (
+    CLIENT,
+    bootstrap_headers,
+    complete,
+    match_blocks,
+    model_name,
+    push_stats,
+)
 from harness.prompts import random_prompt as prompt
 from harness.routers import vllm_router_workers
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    Decision,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_index import (
     FEED_BACKOFF_MAX_S,
 )
@@ -47,6 +61,25 @@ def cluster(shared_cluster):
     # each follower asks a source that had not run a step yet again within this
     time.sleep(FEED_BACKOFF_MAX_S + 2)
     return cl
+
+
+def decisions(inst) -> dict[str, float]:
+    """The instance's push decisions by reason, from its bootstrap server's /metrics."""
+    r = CLIENT.get(inst.bootstrap_url + "/metrics", headers=bootstrap_headers())
+    assert r.status_code == 200, (r.status_code, r.text[:300])
+    text = r.text
+    name = "vllm_mooncake_ext_push_decisions_total"
+    found = {}
+    for d in Decision:
+        (value,) = re.findall(rf'^{name}{{reason="{d.value}"}} (\S+)$', text, re.M)
+        found[d.value] = float(value)
+    return found
+
+
+def grown(inst, before, timeout=10.0) -> dict[str, float]:
+    """The decisions counted since ``before`` (the worker learns them a step later)."""
+    after = read_when(lambda: decisions(inst), lambda d: d != before, timeout)
+    return {k: v - before[k] for k, v in after.items() if v != before[k]}
 
 
 def held(inst, ids) -> int:
@@ -72,6 +105,7 @@ def test_each_turn_on_the_other_instance_is_pushed_from_the_holder(cluster, tmp_
     turns.append(turns[0] + prompt(3 * BLOCK + 5, seed=6101))
     turns.append(turns[1] + prompt(2 * BLOCK + 9, seed=6102))
     served_by = []
+    counted = {inst.spec.name: decisions(inst) for inst in (a, b)}
     with vllm_router_workers([a, b], tmp_path) as router:
         for k, ids in enumerate(turns, start=1):
             own = {inst.spec.name: held(inst, ids) for inst in (a, b)}
@@ -109,6 +143,33 @@ def test_each_turn_on_the_other_instance_is_pushed_from_the_holder(cluster, tmp_
             time.sleep(FEED_S)
     assert served_by[0] == served_by[2] != served_by[1], served_by
     assert wait_no_blocks_in_use(a.url, b.url) == (0.0, 0.0)
+    # every request each instance served (turns, references) was considered once;
+    # turns 2 and 3 were pushed, the rest had no holder beyond the own hit
+    for inst in (a, b):
+        got = grown(inst, counted[inst.spec.name])
+        assert got.get("pushed") == 1, (inst.spec.name, got)
+        assert set(got) <= {"pushed", "no_holder"}, (inst.spec.name, got)
+
+
+def test_a_prefix_below_the_minimum_is_prefilled_locally(cluster):
+    """One held block (128 tokens) beyond B's own hit, MOONCAKE_PUSH_MIN_TOKENS 256
+    (the default): B prefills it itself, asks A nothing, and counts why."""
+    a, b = cluster["a"], cluster["b"]
+    assert b.spec.env.get("MOONCAKE_PUSH_MIN_TOKENS") is None  # the default, 256
+    ids = prompt(BLOCK + 7, seed=6200)
+    complete(a.url, ids, max_tokens=1)
+    assert held(a, ids) == 1 and held(b, ids) == 0
+    time.sleep(FEED_S)
+    before = decisions(b), counter(b.url, EXTERNAL_HITS), push_stats(a.bootstrap_url)
+    got = complete(b.url, ids, max_tokens=4, logprobs=5)
+    check = compare(
+        got, reference_completion(a.url, ids, max_tokens=4), expected_cached_tokens=None
+    )
+    assert check.ok, check.problems
+    assert grown(b, before[0]) == {Decision.BELOW_MINIMUM.value: 1}
+    assert counter(b.url, EXTERNAL_HITS) == before[1]
+    after = push_stats(a.bootstrap_url)
+    assert (after["ok"], after["matches"]) == (before[2]["ok"], before[2]["matches"])
 
 
 def test_each_instance_knows_itself_among_its_sources(cluster):

@@ -115,6 +115,12 @@ class _SchedulerExt:
     def request_finished(self, request):
         return "ours", None
 
+    def seen_alloc(self, request, num_external_tokens):
+        pass
+
+    def seen_finished(self, request):
+        pass
+
 
 def _scheduler(ext) -> ExtMooncakeConnectorScheduler:
     s = ExtMooncakeConnectorScheduler.__new__(ExtMooncakeConnectorScheduler)

@@ -75,3 +75,14 @@ def test_the_push_sources_metrics_are_served_behind_the_key(c_server):
     assert got["vllm_mooncake_ext_push_requests_total{outcome=ok}"] == 0
     assert got["vllm_mooncake_ext_push_overdue"] == 0
     assert "vllm_mooncake_ext_layerwise_bytes_total" not in got  # no sender here
+
+
+def test_a_destinations_push_decisions_are_exposed_by_reason():
+    got = samples(exposition(None, push_decisions={"pushed": 3, "not_worth_it": 2}))
+    assert got["vllm_mooncake_ext_push_decisions_total{reason=pushed}"] == 3
+    assert got["vllm_mooncake_ext_push_decisions_total{reason=not_worth_it}"] == 2
+    reasons = {k for k in got if k.startswith("vllm_mooncake_ext_push_decisions")}
+    assert len(reasons) == 6  # every reason, zeros included
+    assert "vllm_mooncake_ext_push_decisions_total" not in str(
+        samples(exposition(None))
+    )

@@ -134,7 +134,9 @@ def scheduler_extension(interval_s: float) -> SchedulerExtension:
     ext = SchedulerExtension.__new__(SchedulerExtension)
     ext.config = ExtConfig(idle_step_interval_s=interval_s)
     ext.layerwise, ext.hashsync = None, None
-    ext.push = SimpleNamespace(take_jobs=lambda: [])
+    ext.push = SimpleNamespace(
+        take_jobs=lambda: [], decisions_changed=lambda: None, prefill_timer=None
+    )
     return ext
 
 

@@ -131,7 +131,12 @@ def test_the_legitimate_match_is_signed_and_answered(c_server):
     c = c_server(ExtConfig(**C_CONFIG))
     sched = PushScheduler(
         BS,
-        ExtConfig(bootstrap_token=TOKEN, push_sources=(c.url,), push_match_timeout_s=5),
+        ExtConfig(
+            push_min_tokens=0,
+            bootstrap_token=TOKEN,
+            push_sources=(c.url,),
+            push_match_timeout_s=5,
+        ),
         SCHED_FP,
     )
     seen = []

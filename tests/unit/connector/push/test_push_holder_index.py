@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -76,7 +77,7 @@ FP = KVFingerprint(
     model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1
 )
 C_FP = FP.model_copy(update={"block_len": 64, "num_kv_tensors": 2})
-AUTO_CONFIG = ExtConfig(push_match_timeout_s=1, push_sources=(SRC,))
+AUTO_CONFIG = ExtConfig(push_min_tokens=0, push_match_timeout_s=1, push_sources=(SRC,))
 
 
 def keys(tokens=PROMPT, cfg=CFG, cache_salt=None) -> list[bytes]:
@@ -639,7 +640,12 @@ def test_with_push_auto_every_request_but_upstreams_pd_is_handled(monkeypatch):
     StartedFollower.started = []
     s = PushScheduler(
         BS,
-        ExtConfig(push_auto=True, push_match_timeout_s=1, push_sources=(SRC,)),
+        ExtConfig(
+            push_min_tokens=0,
+            push_auto=True,
+            push_match_timeout_s=1,
+            push_sources=(SRC,),
+        ),
         FP,
     )
     # the feeds are followed from the start
@@ -673,7 +679,9 @@ def test_push_auto_without_sources_warns_once_and_prefills_locally(monkeypatch):
     rec = Recorded()
     decode_scheduler.logger.addHandler(rec)
     try:
-        s = PushScheduler(BS, ExtConfig(push_auto=True, push_match_timeout_s=1), FP)
+        s = PushScheduler(
+            BS, ExtConfig(push_min_tokens=0, push_auto=True, push_match_timeout_s=1), FP
+        )
         at_start = [r for r in rec.records if r.levelno == logging.WARNING]
         calls = []
         s._lanes.post = lambda *a: calls.append(a)
@@ -688,4 +696,57 @@ def test_push_auto_without_sources_warns_once_and_prefills_locally(monkeypatch):
     assert results == [(0, False)] * 3
     assert calls == [] and s.index is None and StartedFollower.started == []
     assert s.stats["auto_no_holder"] == 3
+    s.shutdown()
+
+
+# ---- PushScheduler: push only when it pays, every decision counted ---------------------
+
+
+def decided(s: PushScheduler) -> dict[str, int]:
+    return {k: v for k, v in s.decisions.items() if v}
+
+
+def test_a_push_below_the_minimum_is_not_asked_for():
+    s = auto_scheduler(held=4, config=replace(AUTO_CONFIG, push_min_tokens=5 * BS))
+    calls = []
+    s._lanes.post = lambda *a: calls.append(a)
+    assert s.get_num_new_matched_tokens(auto_request(), 0) == (0, False)
+    assert calls == [] and decided(s) == {"below_minimum": 1}
+    s.shutdown()
+
+
+def test_a_push_dearer_than_the_measured_local_prefill_is_not_asked_for():
+    s = auto_scheduler(held=4)
+    s.cost.observe_round_trip(SRC, 0.01)
+    s.cost.observe_push(SRC, 4, 1.0)  # 4 blocks took a second
+    s.cost.observe_prefill(4 * BS, 0.001)  # their prefill a millisecond
+    calls = []
+    s._lanes.post = lambda *a: calls.append(a)
+    r = auto_request()
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # asked again: once
+    assert calls == [] and decided(s) == {"not_worth_it": 1}
+    s.cost.observe_prefill(4 * BS, 10.0)  # the prefill is dear after all
+    s.cost.observe_prefill(4 * BS, 10.0)
+    s._lanes.post = MatchStub(4)
+    assert asked(s, auto_request("r2")) == (4 * BS, True)
+    s.shutdown()
+
+
+def test_every_request_is_counted_once_by_what_became_of_its_push():
+    s = auto_scheduler(held=4)
+    s._lanes.post = MatchStub(4)
+    reqs = [auto_request(f"r{i}") for i in range(3)]
+    for i, r in enumerate(reqs):
+        assert asked(s, r) == (4 * BS, True)
+        s.update_state_after_alloc(r, Blocks([10 * i + b for b in range(5)]), 4 * BS)
+    s.take_jobs()
+    s.on_worker_meta(PushOutcome({"r0": 4, "r1": 1, "r2": 0}, frozenset({"r2"})))
+    nobody = auto_request("r9", tokens=range(7, 7 + 5 * BS))
+    assert s.get_num_new_matched_tokens(nobody, 0) == (0, False)
+    assert decided(s) == {"pushed": 1, "fell_back": 1, "refused": 1, "no_holder": 1}
+    assert s.decisions_changed() == s.decisions
+    assert s.decisions_changed() is None  # sent once until it changes
+    # a pushed request measured the source: round trip and time per block
+    assert s.cost.transfer_s(SRC, 4) is not None
     s.shutdown()

@@ -73,7 +73,9 @@ def test_a_source_whose_clock_is_a_minute_off_is_refused_and_nothing_is_written(
     c = c_server()
     c.server._now_ms = lambda: int((time.time() + offset_s) * 1000)
     d = c.destination()
-    sched = PushScheduler(BS, ExtConfig(push_sources=(c.url,)), SCHED_FP)
+    sched = PushScheduler(
+        BS, ExtConfig(push_min_tokens=0, push_sources=(c.url,)), SCHED_FP
+    )
     r = c_request(c.url)
     with caplog.at_level(logging.WARNING):
         got = ask(sched, r)
@@ -89,7 +91,9 @@ def test_a_source_whose_clock_is_a_minute_off_is_refused_and_nothing_is_written(
 def test_a_source_within_the_allowance_is_pushed_from(c_server):
     c = c_server()
     c.server._now_ms = lambda: int((time.time() + 3) * 1000)
-    sched = PushScheduler(BS, ExtConfig(push_sources=(c.url,)), SCHED_FP)
+    sched = PushScheduler(
+        BS, ExtConfig(push_min_tokens=0, push_sources=(c.url,)), SCHED_FP
+    )
     assert ask(sched, c_request(c.url)) == (3 * BS, True)
     assert sched.stats["refused_clock_skew"] == 0
 
@@ -107,7 +111,9 @@ def test_the_round_trip_counts_against_the_allowance():
     def ask_with_round_trip(round_trip_s):
         sched = PushScheduler(
             BS,
-            ExtConfig(push_sources=("http://c:9000",), push_clock_skew_s=5),
+            ExtConfig(
+                push_min_tokens=0, push_sources=("http://c:9000",), push_clock_skew_s=5
+            ),
             SCHED_FP,
             wall_clock=lambda: wall[0],
         )
@@ -213,6 +219,7 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
     )
     url, stop = serve_push(server)
     d_cfg = ExtConfig(
+        push_min_tokens=0,
         push_timeout_s=2,
         push_clock_skew_s=1,
         engine_transfer_timeout_s=5,
@@ -311,7 +318,9 @@ def test_a_source_reporting_a_longer_engine_timeout_than_d_accepts_is_not_pushed
     default) D prefills locally and says why, naming both values."""
     c = c_server()
     c.server.engine_timeout_s = reported
-    d_cfg = ExtConfig.from_env({"MOONCAKE_PUSH_SOURCES": c.url})
+    d_cfg = ExtConfig.from_env(
+        {"MOONCAKE_PUSH_SOURCES": c.url, "MOONCAKE_PUSH_MIN_TOKENS": "0"}
+    )
     assert d_cfg.push_source_timeout_max_s == 120
     sched = PushScheduler(BS, d_cfg, SCHED_FP)
     with caplog.at_level(logging.WARNING):
@@ -348,7 +357,10 @@ def test_the_hold_follows_the_sources_kernel_and_refuses_one_beyond_what_d_accep
     c = c_server()
     c.server.config = replace(c.server.config, tcp_orphan_retries=reported)
     d_cfg = replace(
-        ExtConfig.from_env({"MOONCAKE_PUSH_SOURCES": c.url}), tcp_orphan_retries=8
+        ExtConfig.from_env(
+            {"MOONCAKE_PUSH_SOURCES": c.url, "MOONCAKE_PUSH_MIN_TOKENS": "0"}
+        ),
+        tcp_orphan_retries=8,
     )
     sched = PushScheduler(BS, d_cfg, SCHED_FP)
     r = c_request(c.url)

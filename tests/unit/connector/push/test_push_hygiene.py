@@ -78,7 +78,9 @@ def recorder():
 
 def scheduler_for(*sources: str) -> PushScheduler:
     return PushScheduler(
-        BS, ExtConfig(push_match_timeout_s=2, push_sources=sources), SCHED_FP
+        BS,
+        ExtConfig(push_min_tokens=0, push_match_timeout_s=2, push_sources=sources),
+        SCHED_FP,
     )
 
 

@@ -37,7 +37,11 @@ FP = KVFingerprint(
 def scheduler() -> tuple[PushScheduler, list[str]]:
     """D's push scheduler whose source is never asked: each /match_blocks it would
     post is recorded and answered with a transport error."""
-    s = PushScheduler(BS, ExtConfig(push_match_timeout_s=1, push_sources=(SRC,)), FP)
+    s = PushScheduler(
+        BS,
+        ExtConfig(push_min_tokens=0, push_match_timeout_s=1, push_sources=(SRC,)),
+        FP,
+    )
     asked: list[str] = []
 
     def post(source, path, content, headers, deadline):

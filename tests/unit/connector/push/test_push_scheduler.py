@@ -35,7 +35,7 @@ FP = KVFingerprint(
     model="Arch:0123456789abcdef", dtype="bfloat16/auto", block_size=BS, tp_size=1
 )
 C_FP = FP.model_copy(update={"block_len": 64, "num_kv_tensors": 2})
-SCHED_CONFIG = ExtConfig(push_match_timeout_s=1, push_sources=(SRC,))
+SCHED_CONFIG = ExtConfig(push_min_tokens=0, push_match_timeout_s=1, push_sources=(SRC,))
 
 
 def scheduler():

@@ -1500,7 +1500,10 @@ def test_hostile_match_answer_is_clamped_or_ignored(
     sched = PushScheduler(
         BS,
         ExtConfig(
-            push_match_timeout_s=5, push_sources=(hostile.url,), bootstrap_token=TOKEN
+            push_min_tokens=0,
+            push_match_timeout_s=5,
+            push_sources=(hostile.url,),
+            bootstrap_token=TOKEN,
         ),
         SCHED_FP,
     )
@@ -1649,7 +1652,11 @@ ALLOWED = "http://c:9000"
 
 def allowlist_scheduler(sources=(ALLOWED,)):
     sched = PushScheduler(
-        BS, ExtConfig(push_match_timeout_s=2, push_sources=tuple(sources)), SCHED_FP
+        BS,
+        ExtConfig(
+            push_min_tokens=0, push_match_timeout_s=2, push_sources=tuple(sources)
+        ),
+        SCHED_FP,
     )
     calls = []
 

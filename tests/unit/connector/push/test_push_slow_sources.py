@@ -187,7 +187,11 @@ def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(
     slow = sources()
     sched = PushScheduler(
         BS,
-        ExtConfig(push_match_timeout_s=3, push_sources=(slow.url, healthy.url)),
+        ExtConfig(
+            push_min_tokens=0,
+            push_match_timeout_s=3,
+            push_sources=(slow.url, healthy.url),
+        ),
         SCHED_FP,
     )
     try:
@@ -207,7 +211,9 @@ def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(
         assert wait_until(
             lambda: all(sched._matches[q.request_id].done() for q in slow_reqs), 3 + 2
         ), "slow /match_blocks calls outlived their deadline"
-        assert wait_until(lambda: slow.open == 0, 2)
+        # the source notices a closed connection on its second send after it (a
+        # byte every 0.5 s): about 1 s, more on a loaded machine
+        assert wait_until(lambda: slow.open == 0, 5)
         for q in slow_reqs:
             assert sched.get_num_new_matched_tokens(q, 0) == (0, False)
     finally:
@@ -262,7 +268,7 @@ def test_the_process_exits_while_calls_to_a_slow_source_are_in_flight(sources):
             PushScheduler)
         fp = KVFingerprint(model="m", dtype="d", block_size=4, tp_size=1)
         url = {slow.url!r}
-        s = PushScheduler(4, ExtConfig(push_match_timeout_s=600, push_sources=(url,)), fp)
+        s = PushScheduler(4, ExtConfig(push_min_tokens=0, push_match_timeout_s=600, push_sources=(url,)), fp)
         r = SimpleNamespace(request_id="r", prompt_token_ids=list(range(9)), cache_salt=None,
                             kv_transfer_params={{"push_from": url}}, lora_request=None)
         s.get_num_new_matched_tokens(r, 0)
@@ -384,7 +390,11 @@ def test_a_400_mib_answer_is_not_read(sources, phase, declared):
     t0 = time.monotonic()
     if phase == "match":
         sched = PushScheduler(
-            BS, ExtConfig(push_match_timeout_s=20, push_sources=(src.url,)), SCHED_FP
+            BS,
+            ExtConfig(
+                push_min_tokens=0, push_match_timeout_s=20, push_sources=(src.url,)
+            ),
+            SCHED_FP,
         )
         try:
             assert ask(sched, d_request(source=src.url), timeout=30) == (0, False)
@@ -431,7 +441,11 @@ def test_d_ignores_proxies_from_its_environment(monkeypatch, sources, healthy):
     for var in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(var, raising=False)
     sched = PushScheduler(
-        BS, ExtConfig(push_match_timeout_s=3, push_sources=(healthy.url,)), SCHED_FP
+        BS,
+        ExtConfig(
+            push_min_tokens=0, push_match_timeout_s=3, push_sources=(healthy.url,)
+        ),
+        SCHED_FP,
     )
     d = healthy.destination()
     rec = PushReceiver(

@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D decides whether a prefix push pays: its expected transfer against the local
+prefill of the same tokens, both measured on D.
+
+- **A push**, per source: the round trip of its ``/match_blocks`` (one HTTP call,
+  the source's hashing included) and, from every push that landed whole, the
+  time from D's allocation of the blocks to the worker's report that they
+  landed, less that round trip, per block. Expected: one round trip (the push
+  call) plus the blocks times the time per block.
+- **A local prefill**: every request D prefills itself from its own hit (nothing
+  pulled or pushed) is timed from its allocation to its first output token, per
+  token, in buckets by the number of tokens computed (powers of two: attention
+  makes a token of a long prefill dearer). Expected for N tokens: N times the
+  time per token of N's bucket, or of the nearest measured one.
+
+Both are moving averages (the last few dozen observations weigh most), measured
+on whatever else the instance runs meanwhile, which is what a push competes
+with. Until both sides are measured for a source, a push goes ahead (it is how
+they get measured); a source judged not worth it is tried again once its
+measurement is older than PROBE_AFTER_S, so a better link is noticed. Fewer
+tokens than MOONCAKE_PUSH_MIN_TOKENS beyond D's own hit are never pushed.
+
+Pure logic with an injected clock: the scheduler (decode_scheduler.py) feeds it
+and asks it; nothing here talks to anything.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+ALPHA = 0.2  # weight of a new observation in a moving average
+PROBE_AFTER_S = 60.0  # a source's transfer measurement older than this is tried again
+MIN_BUCKET = 6  # 64 tokens: shorter prefills share this bucket
+MAX_BUCKET = 20  # 1,048,576 tokens
+MAX_TRACKED = 4096  # local prefills timed at once (more are not timed)
+
+
+class Decision(str, Enum):
+    """Why a request was or was not pushed: the ``reason`` label of D's
+    ``push_decisions_total`` (metrics.py)."""
+
+    PUSHED = "pushed"  # every promised block landed
+    NO_HOLDER = "no_holder"  # no source holds more than D's own hit
+    BELOW_MINIMUM = "below_minimum"  # fewer tokens than MOONCAKE_PUSH_MIN_TOKENS
+    NOT_WORTH_IT = "not_worth_it"  # expected transfer >= expected local prefill
+    REFUSED = "refused"  # the source refused or was busy, or D refused the source
+    FELL_BACK = "fell_back"  # match failed, or fewer blocks landed: local prefill
+
+
+class _Average:
+    __slots__ = ("value", "at", "n")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.at = 0.0
+        self.n = 0
+
+    def add(self, x: float, now: float) -> None:
+        self.value = x if self.n == 0 else self.value + ALPHA * (x - self.value)
+        self.n += 1
+        self.at = now
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One decision's figures (seconds; None: not measured yet)."""
+
+    decision: Decision | None  # None: push
+    transfer_s: float | None
+    prefill_s: float | None
+
+
+def bucket(tokens: int) -> int:
+    return min(MAX_BUCKET, max(MIN_BUCKET, math.ceil(math.log2(max(1, tokens)))))
+
+
+class PushCostModel:
+    """D's measured costs of a push (per source) and of a local prefill (per length)."""
+
+    def __init__(
+        self, min_tokens: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.min_tokens = min_tokens
+        self._clock = clock
+        self._round_trip: dict[str, _Average] = {}
+        self._per_block: dict[str, _Average] = {}
+        self._per_token: dict[int, _Average] = {}
+
+    # ---- observations ------------------------------------------------------------
+    def observe_round_trip(self, source: str, seconds: float) -> None:
+        self._round_trip.setdefault(source, _Average()).add(
+            max(0.0, seconds), self._clock()
+        )
+
+    def observe_push(self, source: str, blocks: int, seconds: float) -> None:
+        """A push of ``blocks`` that landed whole, ``seconds`` from allocation to
+        the worker's report."""
+        if blocks <= 0:
+            return
+        rtt = self._round_trip.get(source)
+        fixed = rtt.value if rtt is not None else 0.0
+        self._per_block.setdefault(source, _Average()).add(
+            max(0.0, seconds - fixed) / blocks, self._clock()
+        )
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A local prefill of ``tokens`` that took ``seconds`` to its first token."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        self._per_token.setdefault(bucket(tokens), _Average()).add(
+            seconds / tokens, self._clock()
+        )
+
+    # ---- estimates ---------------------------------------------------------------
+    def transfer_s(self, source: str, blocks: int) -> float | None:
+        rtt, per_block = self._round_trip.get(source), self._per_block.get(source)
+        if rtt is None or per_block is None:
+            return None
+        return rtt.value + blocks * per_block.value
+
+    def prefill_s(self, tokens: int) -> float | None:
+        if not self._per_token:
+            return None
+        want = bucket(tokens)
+        nearest = min(self._per_token, key=lambda b: (abs(b - want), -b))
+        return tokens * self._per_token[nearest].value
+
+    def decide(self, source: str, blocks: int, block_size: int) -> Estimate:
+        """Whether to push ``blocks`` full blocks from ``source``."""
+        tokens = blocks * block_size
+        if tokens < max(1, self.min_tokens):
+            return Estimate(Decision.BELOW_MINIMUM, None, None)
+        transfer, prefill = self.transfer_s(source, blocks), self.prefill_s(tokens)
+        if transfer is None or prefill is None or transfer < prefill:
+            return Estimate(None, transfer, prefill)
+        measured = self._per_block[source].at
+        if self._clock() - measured >= PROBE_AFTER_S:
+            # measured long ago: push once more, which measures it again
+            self._per_block[source].at = self._clock()
+            return Estimate(None, transfer, prefill)
+        return Estimate(Decision.NOT_WORTH_IT, transfer, prefill)
+
+    def snapshot(self) -> dict[str, object]:
+        """The current figures (GET-free: logged, and read by tests)."""
+        return {
+            "round_trip_ms": {s: a.value * 1e3 for s, a in self._round_trip.items()},
+            "ms_per_block": {s: a.value * 1e3 for s, a in self._per_block.items()},
+            "us_per_prefill_token": {
+                2**b: a.value * 1e6 for b, a in sorted(self._per_token.items())
+            },
+        }
+
+
+class PrefillTimer:
+    """Times D's local prefills: from a request's allocation (nothing external
+    loaded) to its first output token, seen at the next step or at its end."""
+
+    def __init__(
+        self, model: PushCostModel, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._model = model
+        self._clock = clock
+        # req id -> (request, allocated at, computed tokens then)
+        self._running: dict[str, tuple[object, float, int]] = {}
+
+    def allocated(self, request: object, num_external_tokens: int) -> None:
+        rid = request.request_id  # type: ignore[attr-defined]
+        if num_external_tokens or rid in self._running:
+            self._running.pop(rid, None)  # loaded from elsewhere: not a local prefill
+            return
+        if len(self._running) < MAX_TRACKED:
+            computed = int(request.num_computed_tokens)  # type: ignore[attr-defined]
+            self._running[rid] = (request, self._clock(), computed)
+
+    def step(self) -> None:
+        """Once a step: record the prefills that produced their first token."""
+        if not self._running:
+            return
+        for rid, (request, _, _) in list(self._running.items()):
+            self._check(rid, request)
+
+    def finished(self, request: object) -> None:
+        rid = request.request_id  # type: ignore[attr-defined]
+        if rid in self._running:
+            self._check(rid, request)
+            self._running.pop(rid, None)
+
+    def _check(self, rid: str, request: object) -> None:
+        _, started, computed = self._running[rid]
+        if getattr(request, "num_output_tokens", 0) < 1:
+            if request.num_computed_tokens < computed:  # type: ignore[attr-defined]
+                del self._running[rid]  # preempted: its timing means nothing
+            return
+        del self._running[rid]
+        prompt = len(getattr(request, "prompt_token_ids", None) or ())
+        self._model.observe_prefill(prompt - computed, self._clock() - started)
+
+
+__all__ = ["Decision", "Estimate", "PrefillTimer", "PushCostModel", "bucket"]

@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's judgement of whether a push pays (push/decode_cost.py): pure logic, a fake clock."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    PROBE_AFTER_S,
+    Decision,
+    PrefillTimer,
+    PushCostModel,
+    bucket,
+)
+
+SRC = "http://c:9000"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def model(min_tokens=0):
+    clock = Clock()
+    return PushCostModel(min_tokens, clock), clock
+
+
+def measured(push_s=0.05, blocks=4, rtt_s=0.01, prefill_s=0.2, tokens=1024):
+    m, clock = model()
+    m.observe_round_trip(SRC, rtt_s)
+    m.observe_push(SRC, blocks, push_s)
+    m.observe_prefill(tokens, prefill_s)
+    return m, clock
+
+
+def test_fewer_tokens_than_the_minimum_are_never_pushed():
+    m, _ = model(min_tokens=256)
+    assert m.decide(SRC, 1, 128).decision is Decision.BELOW_MINIMUM
+    assert m.decide(SRC, 2, 128).decision is None  # 256: pushed (unmeasured)
+
+
+def test_unmeasured_sides_push_so_that_they_get_measured():
+    m, _ = model()
+    assert m.decide(SRC, 8, 128).decision is None
+    m.observe_prefill(1024, 0.001)  # prefill measured, the source not
+    assert m.decide(SRC, 8, 128).decision is None
+    m.observe_round_trip("http://other:1", 10.0)  # another source's figures
+    m.observe_push("http://other:1", 8, 100.0)
+    assert m.decide(SRC, 8, 128).decision is None
+
+
+def test_a_push_cheaper_than_the_local_prefill_goes_ahead():
+    m, _ = measured(push_s=0.05, blocks=8, rtt_s=0.01, prefill_s=0.2, tokens=1024)
+    est = m.decide(SRC, 8, 128)
+    assert est.decision is None
+    assert est.transfer_s == pytest.approx(0.05)  # rtt + 8 x (0.04 / 8)
+    assert est.prefill_s == pytest.approx(0.2)
+
+
+def test_a_push_dearer_than_the_local_prefill_is_not_worth_it():
+    m, _ = measured(push_s=0.5, blocks=8, rtt_s=0.01, prefill_s=0.2, tokens=1024)
+    est = m.decide(SRC, 8, 128)
+    assert est.decision is Decision.NOT_WORTH_IT
+    assert est.transfer_s == pytest.approx(0.5) and est.prefill_s == pytest.approx(0.2)
+    # the round trip does not scale with blocks: 1 block costs 0.01 + 0.06125
+    assert m.transfer_s(SRC, 1) == pytest.approx(0.01 + 0.49 / 8)
+
+
+def test_a_source_judged_not_worth_it_is_tried_again_later():
+    m, clock = measured(push_s=0.5, blocks=8, prefill_s=0.2)
+    assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT
+    clock.now += PROBE_AFTER_S
+    assert m.decide(SRC, 8, 128).decision is None  # one probe
+    assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT  # not two
+    m.observe_push(SRC, 8, 0.02)  # the probe found a fast link
+    for _ in range(20):
+        m.observe_push(SRC, 8, 0.02)
+    assert m.decide(SRC, 8, 128).decision is None
+
+
+def test_prefill_cost_comes_from_the_nearest_length_measured():
+    m, _ = model()
+    m.observe_prefill(128, 0.0128)  # 100 us a token
+    m.observe_prefill(8192, 1.6384)  # 200 us a token
+    assert m.prefill_s(100) == pytest.approx(100 * 1e-4)
+    assert m.prefill_s(6000) == pytest.approx(6000 * 2e-4)
+    assert m.prefill_s(512) == pytest.approx(512 * 1e-4)  # bucket 9: nearer 7
+    assert m.prefill_s(1024) == pytest.approx(1024 * 2e-4)  # a tie: the longer
+    assert bucket(1) == bucket(64) and bucket(65) == 7
+
+
+def test_observations_are_a_moving_average_not_the_last_one():
+    m, _ = model()
+    m.observe_prefill(1024, 1.024)
+    m.observe_prefill(1024, 0.0)  # ignored: no time is not a measurement
+    m.observe_prefill(1024, 10.24)
+    assert 1024 * 1e-3 < m.prefill_s(1024) < 1024 * 1e-2
+
+
+def req(rid="r1", computed=0, prompt=1024, outputs=0):
+    return SimpleNamespace(
+        request_id=rid,
+        num_computed_tokens=computed,
+        prompt_token_ids=list(range(prompt)),
+        num_output_tokens=outputs,
+    )
+
+
+def test_the_timer_measures_a_local_prefill_to_its_first_token():
+    m, clock = model()
+    timer = PrefillTimer(m, clock)
+    r = req(computed=256)
+    timer.allocated(r, 0)
+    clock.now += 0.3
+    timer.step()  # still prefilling
+    assert m.prefill_s(768) is None
+    r.num_computed_tokens, r.num_output_tokens = 1024, 1
+    clock.now += 0.1
+    timer.step()
+    assert m.prefill_s(768) == pytest.approx(0.4)  # 768 tokens in 0.4 s
+
+
+def test_the_timer_skips_loaded_and_preempted_requests_and_times_a_finished_one():
+    m, clock = model()
+    timer = PrefillTimer(m, clock)
+    loaded = req("pushed")
+    timer.allocated(loaded, 512)  # KV came from elsewhere: not a local prefill
+    pre = req("preempted", computed=512)
+    timer.allocated(pre, 0)
+    pre.num_computed_tokens = 0  # preempted, its blocks freed
+    clock.now += 1.0
+    loaded.num_output_tokens = 1
+    timer.step()
+    timer.finished(pre)
+    assert m.prefill_s(1024) is None
+    one = req("max_tokens=1")
+    timer.allocated(one, 0)
+    clock.now += 0.5
+    one.num_output_tokens = 1
+    timer.finished(one)  # finished at its first token, before any later step
+    assert m.prefill_s(1024) == pytest.approx(0.5)
