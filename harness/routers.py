@@ -20,7 +20,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,7 +124,7 @@ def _router(cmd_args: list[str], log_dir: Path) -> Dispatcher:
         "--prometheus-port",
         str(free_port()),
         "--log-level",
-        "info",
+        os.environ.get("VMP_ROUTER_LOG_LEVEL", "info"),
     ]
     d = _start("vllm-router", cmd, port, log_dir)
     return _wait(
@@ -131,11 +133,15 @@ def _router(cmd_args: list[str], log_dir: Path) -> Dispatcher:
 
 
 def vllm_router_workers(
-    workers: list[Instance], log_dir: Path, policy: str = "round_robin"
+    workers: list[Instance],
+    log_dir: Path,
+    policy: str = "round_robin",
+    extra: Sequence[str] = (),
 ) -> Dispatcher:
     """vllm-router in its plain mode: each request to one of ``workers``."""
     return _router(
-        ["--worker-urls", *(w.url for w in workers), "--policy", policy], log_dir
+        ["--worker-urls", *(w.url for w in workers), "--policy", policy, *extra],
+        log_dir,
     )
 
 
@@ -191,3 +197,55 @@ def upstream_proxy(prefill: Instance, decode: Instance, log_dir: Path) -> Dispat
 
 
 __all__ = ["Dispatcher", "upstream_proxy", "vllm_router"]
+
+
+class KVEventForwarder:
+    """A ZMQ forwarder on loopback between one instance's KV-event publisher and
+    vllm-router's subscriber.
+
+    vLLM's publisher binds only a wildcard endpoint (``tcp://*:PORT``: every
+    interface) and connects to any other; vllm-router's kv_aware subscriber
+    connects too. This binds both ends on 127.0.0.1 instead: the instance's PUB
+    connects to ``inbound`` (its ``--kv-events-config`` endpoint), the router's
+    SUB to ``outbound``, and every frame (and the subscription) is passed on
+    unchanged. Events published before a subscriber is connected are lost (as
+    with any ZMQ PUB)."""
+
+    def __init__(self, inbound_port: int):
+        import zmq
+
+        self._zmq = zmq
+        self.inbound_port = inbound_port
+        self.outbound_port = free_port()
+        self._ctx = zmq.Context()
+        self._xsub = self._ctx.socket(zmq.XSUB)
+        self._xpub = self._ctx.socket(zmq.XPUB)
+        self._xsub.bind(f"tcp://127.0.0.1:{inbound_port}")
+        self._xpub.bind(f"tcp://127.0.0.1:{self.outbound_port}")
+        self._thread = threading.Thread(
+            target=self._run, name="kv-event-forwarder", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def outbound(self) -> str:
+        return f"tcp://127.0.0.1:{self.outbound_port}"
+
+    def _run(self) -> None:
+        try:
+            self._zmq.proxy(self._xsub, self._xpub)
+        except self._zmq.ContextTerminated:
+            pass
+        finally:
+            self._xsub.close(linger=0)
+            self._xpub.close(linger=0)
+
+    def close(self) -> None:
+        self._ctx.term()
+        self._thread.join(5)
+
+    def __enter__(self) -> KVEventForwarder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

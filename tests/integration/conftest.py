@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from harness.cluster_pool import ClusterPool, run_order
-from harness.launcher import BLOCK, Cluster, InstanceSpec
+from harness.launcher import BLOCK, Cluster, InstanceSpec, free_port
 from harness.model import ModelShape, ensure_model
 
 PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -224,6 +224,20 @@ class SharedCluster:
     config: Callable[[SourceServer], dict[str, Any]]  # make_cluster's arguments
 
 
+def kv_events_args(port: int) -> list[str]:
+    """vLLM publishes its KV events (BlockStored, BlockRemoved) on a ZMQ PUB socket
+    that connects to 127.0.0.1:port (an endpoint without a wildcard: vLLM connects,
+    not binds), where a test binds a forwarder to vllm-router's kv_aware policy
+    (harness.routers.KVEventForwarder); with no forwarder, nothing is sent."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "topic": "",
+    }
+    return ["--kv-events-config", json.dumps(config)]
+
+
 LAYERWISE_FROM_256 = {"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256"}
 SHARED_CLUSTERS: dict[str, SharedCluster] = {
     # C and D share a token; C fails the push of one prompt length; D takes pushes
@@ -259,7 +273,8 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
         ),
     ),
     # two kv_both instances, every request push_from "auto" (MOONCAKE_PUSH_AUTO):
-    # each follows the other's feed and finds itself among its push sources;
+    # each follows the other's feed and finds itself among its push sources, and
+    # sends vLLM's KV events to a loopback port (kv_events_args);
     # test_push_auto_router puts vllm-router in front of them
     "push_auto": SharedCluster(
         ("test_push_auto_router.py",),
@@ -267,6 +282,10 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
             roles={"a": "kv_both", "b": "kv_both"},
             token=PUSH_TOKEN,
             env={"MOONCAKE_PUSH_AUTO": "1"},
+            instances={
+                "a": {"extra_args": kv_events_args(free_port())},
+                "b": {"extra_args": kv_events_args(free_port())},
+            },
         ),
     ),
     # layer-wise P -> D in chunks of 256 tokens; P fails the writes of one prompt

@@ -18,9 +18,12 @@ MOONCAKE_PUSH_MIN_TOKENS beyond an instance's own hit is prefilled locally.
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import time
 
+import httpx
 import pytest
 
 from harness.correctness import compare, reference_completion
@@ -36,7 +39,8 @@ from harness.pd_client import (
     push_stats,
 )
 from harness.prompts import random_prompt as prompt
-from harness.routers import vllm_router_workers
+from harness.routers import KVEventForwarder, vllm_router_workers
+from harness.vllm_series import selected
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     Decision,
 )
@@ -176,3 +180,145 @@ def test_each_instance_knows_itself_among_its_sources(cluster):
     for name in ("a", "b"):
         log = cluster[name].log_text()
         assert "is this instance; not following it" in log, name
+
+
+# ---- behind kv_aware: a turn sent away from its holder ---------------------------------
+
+FILLERS = 8  # streams held open on the holder: kv_aware then prices it above the other
+# (the holder's cost: the turn's tokens beyond its hit x (streams + 1); the other's:
+# all of the turn's tokens; vllm-router 0.1.17, src/policies/kv_aware.rs)
+EVENTS_S = 2.0  # a turn's KV events reach the router's index
+
+
+class HeldStreams:
+    """Streaming completions through the router, each held open (one decode slot on
+    the instance the router picked) until ``close``: load the router counts."""
+
+    def __init__(self, url: str, model: str, ids: list[int]):
+        self.url, self.model, self.ids = url, model, ids
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.errors: list[str] = []
+
+    def open_one(self, timeout: float = 120.0) -> None:
+        """One more stream; returns once its first token came back."""
+        first = threading.Event()
+        t = threading.Thread(target=self._run, args=(first,), daemon=True)
+        t.start()
+        self.threads.append(t)
+        assert first.wait(timeout), f"no first token within {timeout} s: {self.errors}"
+
+    def _run(self, first: threading.Event) -> None:
+        body = {
+            "model": self.model,
+            "prompt": self.ids,
+            "max_tokens": 1024,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        try:
+            timeout = httpx.Timeout(600.0, connect=10.0)
+            with (
+                httpx.Client(timeout=timeout) as client,
+                client.stream("POST", self.url + "/v1/completions", json=body) as r,
+            ):
+                if r.status_code != 200:
+                    self.errors.append(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+                    first.set()
+                    return
+                for _ in r.iter_bytes():
+                    first.set()
+                    if self.stop.is_set():
+                        return
+        except Exception as e:  # reported by open_one / close
+            self.errors.append(repr(e))
+            first.set()
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def kv_event_port(inst) -> int:
+    args = inst.spec.extra_args
+    config = json.loads(args[args.index("--kv-events-config") + 1])
+    return int(config["endpoint"].rsplit(":", 1)[1])
+
+
+def test_behind_kv_aware_a_turn_sent_away_from_its_holder_is_pushed(cluster, tmp_path):
+    """vllm-router's kv_aware policy routes by the KV events both instances publish
+    (through a loopback forwarder each). The holder of turn 2 carries 8 long
+    streams of turn 2 (the router credits them its prefix and sends them there),
+    so kv_aware prices it above the idle instance and sends turn 3 to the other:
+    it is pushed from the holder, exactly the blocks beyond its own hit, and the
+    answer matches a from-scratch reference."""
+    if selected().version == "0.18.1":
+        pytest.skip(
+            "vllm-router 0.1.17 decodes a KV event only as a map; vLLM 0.18.1 "
+            "sends each as an array (msgspec array_like), so kv_aware gets no "
+            "prefix from it (docs/routers.md)"
+        )
+    a, b = cluster["a"], cluster["b"]
+    model = model_name(a.url)
+    extra = ["--router-temperature", "0", "--kv-event-block-size", str(BLOCK)]
+    extra += ["--kv-event-model", model]
+    forwarders = {i.spec.name: KVEventForwarder(kv_event_port(i)) for i in (a, b)}
+    for inst in (a, b):
+        extra += [
+            "--kv-event-source",
+            f"{inst.url}={forwarders[inst.spec.name].outbound}",
+        ]
+    turns = [prompt(6 * BLOCK + 20, seed=6300)]
+    turns.append(turns[0] + prompt(3 * BLOCK + 5, seed=6301))
+    turns.append(turns[1] + prompt(2 * BLOCK + 9, seed=6302))
+    with (
+        forwarders["a"],
+        forwarders["b"],
+        vllm_router_workers([a, b], tmp_path, "kv_aware", extra) as router,
+    ):
+        time.sleep(2)  # the router's subscriptions are up (ZMQ drops earlier events)
+
+        def turn(ids):
+            before = {i.spec.name: counter(i.url, SERVED) for i in (a, b)}
+            got = complete(router.url, ids, max_tokens=4, logprobs=5, model=model)
+            return got, served({k: (v,) for k, v in before.items()}, a, b)
+
+        # turns 1 and 2: wherever the router sends them (turn 2, if sent away from
+        # turn 1, is pushed); the instance that served turn 2 holds the session
+        turn(turns[0])
+        time.sleep(EVENTS_S)  # its events reached the router, its feed the other
+        _, holder = turn(turns[1])
+        other = b if holder is a else a
+        time.sleep(EVENTS_S)
+        own = {i.spec.name: held(i, turns[2]) for i in (a, b)}
+        assert own[holder.spec.name] > own[other.spec.name]
+        hits = counter(other.url, EXTERNAL_HITS)
+        pushes = push_stats(holder.bootstrap_url)["ok"]
+        counted = decisions(other)
+        streams = HeldStreams(router.url, model, turns[1])
+        try:
+            for _ in range(FILLERS):
+                streams.open_one()
+            assert not streams.errors, streams.errors
+            got, went = turn(turns[2])
+        finally:
+            streams.close()
+        assert went is other, (
+            f"with {FILLERS} streams on {holder.spec.name}, kv_aware still sent turn 3 "
+            f"there: {router.log_tail()}"
+        )
+    want = (own[holder.spec.name] - own[other.spec.name]) * BLOCK
+    loaded = counter_when(other.url, EXTERNAL_HITS, lambda v: v > hits) - hits
+    assert loaded == want, (own, loaded)
+    assert push_stats(holder.bootstrap_url)["ok"] - pushes == 1
+    assert grown(other, counted).get("pushed") == 1
+    # references last: a salted request's events make the router drop its index
+    check = compare(
+        got,
+        reference_completion(other.url, turns[2], max_tokens=4),
+        expected_cached_tokens=None,
+    )
+    assert check.ok, check.problems
+    assert wait_no_blocks_in_use(a.url, b.url, timeout=120) == (0.0, 0.0)
