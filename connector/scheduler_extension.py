@@ -145,7 +145,7 @@ class SchedulerExtension:
             push_decisions=self.push.decisions_changed(),
         )
         if self.push.prefill_timer is not None:
-            self.push.prefill_timer.step()
+            self.push.prefill_timer.step(scheduler_output)
         if self.layerwise is not None:
             meta.layerwise = self.layerwise.build(scheduler_output)
         if self.hashsync is not None:

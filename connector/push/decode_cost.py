@@ -8,17 +8,24 @@ prefill of the same tokens, both measured on D.
   landed, less that round trip, per block. Expected: one round trip (the push
   call) plus the blocks times the time per block.
 - **A local prefill**: every request D prefills itself from its own hit (nothing
-  pulled or pushed) is timed from its allocation to its first output token, per
+  pulled or pushed, at least MIN_BUCKET's tokens, not resumed after a
+  preemption) is timed from its allocation to its first output token, per
   token, in buckets by the number of tokens computed (powers of two: attention
-  makes a token of a long prefill dearer). Expected for N tokens: N times the
-  time per token of N's bucket, or of the nearest measured one.
+  makes a token of a long prefill dearer). Its own hit is read from the step's
+  scheduler output (NewRequestData.num_computed_tokens), which both supported
+  releases fill before the step's tokens are counted. Expected for N tokens: N
+  times the time per token of N's bucket, or of the nearest measured one.
 
 Both are moving averages (the last few dozen observations weigh most), measured
 on whatever else the instance runs meanwhile, which is what a push competes
 with. Until both sides are measured for a source, a push goes ahead (it is how
 they get measured); a source judged not worth it is tried again once its
-measurement is older than PROBE_AFTER_S, so a better link is noticed. Fewer
-tokens than MOONCAKE_PUSH_MIN_TOKENS beyond D's own hit are never pushed.
+measurement is older than PROBE_AFTER_S, so a better link is noticed (the
+scheduler judges a request once: a push granted before its /match_blocks is
+not judged again on the answer, only held to the minimum). Fewer tokens than
+MOONCAKE_PUSH_MIN_TOKENS beyond D's own hit are never pushed. Sources are keyed
+by their origin (decode_client.SourceLanes.key), so spellings of one source share
+its figures and a client cannot add entries.
 
 Pure logic with an injected clock: the scheduler (decode_scheduler.py) feeds it
 and asks it; nothing here talks to anything.
@@ -129,11 +136,16 @@ class PushCostModel:
         nearest = min(self._per_token, key=lambda b: (abs(b - want), -b))
         return tokens * self._per_token[nearest].value
 
-    def decide(self, source: str, blocks: int, block_size: int) -> Estimate:
-        """Whether to push ``blocks`` full blocks from ``source``."""
+    def decide(
+        self, source: str, blocks: int, block_size: int, judge: bool = True
+    ) -> Estimate:
+        """Whether to push ``blocks`` full blocks from ``source`` (``judge``
+        False: only the minimum applies, the push was granted already)."""
         tokens = blocks * block_size
         if tokens < max(1, self.min_tokens):
             return Estimate(Decision.BELOW_MINIMUM, None, None)
+        if not judge:
+            return Estimate(None, None, None)
         transfer, prefill = self.transfer_s(source, blocks), self.prefill_s(tokens)
         if transfer is None or prefill is None or transfer < prefill:
             return Estimate(None, transfer, prefill)
@@ -157,31 +169,48 @@ class PushCostModel:
 
 class PrefillTimer:
     """Times D's local prefills: from a request's allocation (nothing external
-    loaded) to its first output token, seen at the next step or at its end."""
+    loaded) to its first output token, seen at a later step or at its end."""
 
     def __init__(
         self, model: PushCostModel, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._model = model
         self._clock = clock
-        # req id -> (request, allocated at, computed tokens then)
-        self._running: dict[str, tuple[object, float, int]] = {}
+        # req id -> (request, allocated at, its own hit: None until the step's
+        # scheduler output says it)
+        self._running: dict[str, tuple[object, float, int | None]] = {}
 
     def allocated(self, request: object, num_external_tokens: int) -> None:
         rid = request.request_id  # type: ignore[attr-defined]
-        if num_external_tokens or rid in self._running:
-            self._running.pop(rid, None)  # loaded from elsewhere: not a local prefill
+        if (
+            num_external_tokens  # loaded from elsewhere: not a local prefill
+            or rid in self._running  # allocated again: preempted before its token
+            or getattr(request, "num_output_tokens", 0) > 0  # resumed
+        ):
+            self._running.pop(rid, None)
             return
         if len(self._running) < MAX_TRACKED:
-            computed = int(request.num_computed_tokens)  # type: ignore[attr-defined]
-            self._running[rid] = (request, self._clock(), computed)
+            self._running[rid] = (request, self._clock(), None)
 
-    def step(self) -> None:
-        """Once a step: record the prefills that produced their first token."""
+    def step(self, scheduler_output: object) -> None:
+        """Once a step, from its scheduler output: the new requests' own hits, and
+        the prefills that produced their first token."""
         if not self._running:
             return
-        for rid, (request, _, _) in list(self._running.items()):
-            self._check(rid, request)
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            entry = self._running.get(new.req_id)
+            if entry is not None and entry[2] is None:
+                hit = int(new.num_computed_tokens)
+                prompt = len(getattr(entry[0], "prompt_token_ids", None) or ())
+                if prompt - hit < 2**MIN_BUCKET:
+                    del self._running[new.req_id]  # too short to say much
+                else:
+                    self._running[new.req_id] = (entry[0], entry[1], hit)
+        for rid, (request, _, hit) in list(self._running.items()):
+            if hit is None:
+                del self._running[rid]  # not scheduled as a new request
+            else:
+                self._check(rid, request)
 
     def finished(self, request: object) -> None:
         rid = request.request_id  # type: ignore[attr-defined]
@@ -191,9 +220,9 @@ class PrefillTimer:
 
     def _check(self, rid: str, request: object) -> None:
         _, started, computed = self._running[rid]
+        if computed is None:
+            return
         if getattr(request, "num_output_tokens", 0) < 1:
-            if request.num_computed_tokens < computed:  # type: ignore[attr-defined]
-                del self._running[rid]  # preempted: its timing means nothing
             return
         del self._running[rid]
         prompt = len(getattr(request, "prompt_token_ids", None) or ())

@@ -491,7 +491,9 @@ class PushReceiver:
             return None
         with self._lock:
             refused = frozenset(r for r in self._refused if r in self._outcome)
-            self._refused -= refused
+            # only pushes still running may yet be reported (a refusal recorded
+            # after its push ended at its hold is dropped here)
+            self._refused &= set(self._transfers)
         out, self._outcome = PushOutcome(self._outcome, refused), {}
         return out
 

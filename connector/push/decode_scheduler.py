@@ -104,6 +104,11 @@ class IncompatibleSourceError(RuntimeError):
     """The source's KV cache differs from this instance's (its fingerprint)."""
 
 
+class SourceRefusedError(RuntimeError):
+    """The source refused the match or was busy (an answer other than 200), or
+    this instance refuses the source (its engine timeout or orphan retries)."""
+
+
 def unpushable(request: Request) -> str | None:
     """What makes a request's KV depend on more than its token ids, which are all a
     source matches by (its hashes carry no image, audio or embeddings, and a LoRA
@@ -201,6 +206,7 @@ class PushScheduler:
         # of it (decode_cost.Decision); the worker serves them on /metrics
         self.decisions = {d.value: 0 for d in Decision}
         self._decided: set[str] = set()  # req ids counted (a preempted one asks again)
+        self._granted: set[str] = set()  # req ids judged worth a push (judged once)
         self._decisions_sent: dict[str, int] | None = None
         self.cost = PushCostModel(config.push_min_tokens)
         # local prefills are timed only where a push could replace one
@@ -295,7 +301,9 @@ class PushScheduler:
         )
         received, round_trip = self._wall_clock(), time.monotonic() - started
         if r.status != 200:
-            raise RuntimeError(f"{source}/match_blocks answered {r.status}: {r.text()}")
+            raise SourceRefusedError(
+                f"{source}/match_blocks answered {r.status}: {r.text()}"
+            )
         resp = MatchBlocksResponse.model_validate_json(r.body)
         diff = self.fingerprint.differences(resp.fingerprint, "this instance", source)
         if diff:
@@ -319,7 +327,7 @@ class PushScheduler:
             )
         accepted = self.config.push_source_timeout_max_s
         if not 0 < resp.engine_timeout_s <= accepted:
-            raise RuntimeError(
+            raise SourceRefusedError(
                 f"it reports an engine timeout (its MC_TRANSFER_TIMEOUT) of "
                 f"{resp.engine_timeout_s} s; this instance accepts 1 .. {accepted} s "
                 "(MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S): a push from it could hold this "
@@ -329,7 +337,7 @@ class PushScheduler:
         retries = resp.tcp_orphan_retries
         most = max(LINUX_ORPHAN_RETRIES, self.config.tcp_orphan_retries)
         if retries is not None and not 0 < retries <= most:
-            raise RuntimeError(
+            raise SourceRefusedError(
                 f"it reports net.ipv4.tcp_orphan_retries={retries} (as its kernel applies "
                 f"it); this instance accepts 1 .. {most} (the kernel's default, or its "
                 "own if larger): a write of it cut off mid-way could land in this "
@@ -434,7 +442,9 @@ class PushScheduler:
         else:
             match = self._match_result(fut, rid, source)
             if match is not None:
-                self.cost.observe_round_trip(source, match.round_trip_s)
+                self.cost.observe_round_trip(
+                    SourceLanes.key(source), match.round_trip_s
+                )
         held = self._auto.get(rid)
         if held is not None and (match is None or match.blocks < held.blocks):
             # judged once: vLLM may ask again (a preempted request)
@@ -484,6 +494,15 @@ class PushScheduler:
             )
             self.stats["match_failed"] += 1
             self._decide(rid, Decision.REFUSED)
+        except SourceRefusedError as e:
+            logger.warning(
+                "Prefix push for %s: %s refused (%s); prefilling locally",
+                rid,
+                source,
+                e,
+            )
+            self.stats["match_failed"] += 1
+            self._decide(rid, Decision.REFUSED)
         except Exception as e:
             logger.warning(
                 "Prefix push for %s: no match from %s (%s); prefilling locally",
@@ -511,9 +530,12 @@ class PushScheduler:
 
     def pays(self, rid: str, source: str, blocks: int) -> bool:
         """Whether pushing ``blocks`` from ``source`` is expected to beat prefilling
-        them here; counts the reason when not."""
-        est = self.cost.decide(source, blocks, self.block_size)
+        them here; counts the reason when not. A request is judged once (a push
+        granted before the source's answer is then held only to the minimum)."""
+        judge = rid not in self._granted
+        est = self.cost.decide(SourceLanes.key(source), blocks, self.block_size, judge)
         if est.decision is None:
+            self._granted.add(rid)
             return True
         self._decide(rid, est.decision)
         if est.decision is Decision.NOT_WORTH_IT:
@@ -540,6 +562,7 @@ class PushScheduler:
         rid = request.request_id
         plan = self._planned.pop(rid, None)
         self._matches.pop(rid, None)
+        self._granted.discard(rid)
         if plan is None or num_external_tokens == 0:
             return
         source, first, n, match = plan
@@ -596,11 +619,12 @@ class PushScheduler:
             self.stats["pushed_blocks"] += landed
             now = time.monotonic()
             # what D expected (before this push is measured), for the log
-            expected = self.cost.transfer_s(inf.source, inf.n_blocks)
+            key = SourceLanes.key(inf.source)
+            expected = self.cost.transfer_s(key, inf.n_blocks)
             local = self.cost.prefill_s(inf.n_blocks * self.block_size)
             if landed == inf.n_blocks:
                 self._decide(rid, Decision.PUSHED)
-                self.cost.observe_push(inf.source, landed, now - inf.allocated)
+                self.cost.observe_push(key, landed, now - inf.allocated)
             elif rid in meta.refused:
                 self._decide(rid, Decision.REFUSED)
             else:
@@ -652,6 +676,7 @@ class PushScheduler:
         self._auto.pop(rid, None)
         self._ended.discard(rid)
         self._decided.discard(rid)
+        self._granted.discard(rid)
         fut = self._matches.pop(rid, None)
         if fut is not None:
             fut.cancel()

@@ -110,36 +110,81 @@ def req(rid="r1", computed=0, prompt=1024, outputs=0):
     )
 
 
-def test_the_timer_measures_a_local_prefill_to_its_first_token():
+def scheduled(*new):
+    """A step's scheduler output: the new requests and their own hits."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r.request_id, num_computed_tokens=hit)
+            for r, hit in new
+        ]
+    )
+
+
+def test_the_timer_measures_a_local_prefill_from_its_own_hit_to_its_first_token():
     m, clock = model()
     timer = PrefillTimer(m, clock)
-    r = req(computed=256)
+    r = req()  # vLLM sets num_computed_tokens only after the allocation
     timer.allocated(r, 0)
+    timer.step(scheduled((r, 256)))  # its own hit, from the scheduler output
+    r.num_computed_tokens = 1024  # ahead of the forward (0.32's order)
     clock.now += 0.3
-    timer.step()  # still prefilling
+    timer.step(scheduled())  # still prefilling: no token yet
     assert m.prefill_s(768) is None
-    r.num_computed_tokens, r.num_output_tokens = 1024, 1
+    r.num_output_tokens = 1
     clock.now += 0.1
-    timer.step()
+    timer.step(scheduled())
     assert m.prefill_s(768) == pytest.approx(0.4)  # 768 tokens in 0.4 s
 
 
-def test_the_timer_skips_loaded_and_preempted_requests_and_times_a_finished_one():
+def test_the_timer_skips_loaded_resumed_preempted_and_short_requests():
     m, clock = model()
     timer = PrefillTimer(m, clock)
     loaded = req("pushed")
     timer.allocated(loaded, 512)  # KV came from elsewhere: not a local prefill
-    pre = req("preempted", computed=512)
+    resumed = req("resumed", outputs=3)  # preempted after its first token
+    timer.allocated(resumed, 0)
+    pre = req("preempted")
     timer.allocated(pre, 0)
-    pre.num_computed_tokens = 0  # preempted, its blocks freed
+    short = req("tail")  # the last tokens after a load: a step's overhead, mostly
+    timer.allocated(short, 0)
+    timer.step(scheduled((loaded, 512), (resumed, 0), (pre, 0), (short, 1000)))
+    timer.allocated(pre, 0)  # preempted and allocated again before its token
+    timer.step(scheduled((pre, 0)))
     clock.now += 1.0
-    loaded.num_output_tokens = 1
-    timer.step()
+    for r in (loaded, resumed, pre, short):
+        r.num_output_tokens = max(1, r.num_output_tokens)
+    timer.step(scheduled())
     timer.finished(pre)
     assert m.prefill_s(1024) is None
+
+
+def test_a_request_not_scheduled_as_new_is_not_timed():
+    m, clock = model()
+    timer = PrefillTimer(m, clock)
+    r = req()
+    timer.allocated(r, 0)
+    timer.step(scheduled())  # no own hit known: dropped
+    r.num_output_tokens = 1
+    clock.now += 1.0
+    timer.step(scheduled())
+    assert m.prefill_s(1024) is None
+
+
+def test_the_timer_times_a_request_that_finished_at_its_first_token():
+    m, clock = model()
+    timer = PrefillTimer(m, clock)
     one = req("max_tokens=1")
     timer.allocated(one, 0)
+    timer.step(scheduled((one, 0)))
     clock.now += 0.5
     one.num_output_tokens = 1
     timer.finished(one)  # finished at its first token, before any later step
     assert m.prefill_s(1024) == pytest.approx(0.5)
+
+
+def test_a_granted_push_is_held_only_to_the_minimum():
+    m, _ = measured(push_s=0.5, blocks=8, prefill_s=0.2)
+    assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT
+    assert m.decide(SRC, 8, 128, judge=False).decision is None
+    m.min_tokens = 256
+    assert m.decide(SRC, 1, 128, judge=False).decision is Decision.BELOW_MINIMUM

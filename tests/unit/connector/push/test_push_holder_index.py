@@ -50,6 +50,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
     Answer,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    PROBE_AFTER_S,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_index import (
     DEMOTE_AFTER,
     DEMOTE_S,
@@ -749,4 +752,41 @@ def test_every_request_is_counted_once_by_what_became_of_its_push():
     assert s.decisions_changed() is None  # sent once until it changes
     # a pushed request measured the source: round trip and time per block
     assert s.cost.transfer_s(SRC, 4) is not None
+    s.shutdown()
+
+
+def test_a_probe_granted_before_the_match_is_not_refused_on_its_answer():
+    """A source judged not worth it is tried again after PROBE_AFTER_S: the grant
+    made before asking the source holds when its answer comes."""
+    s = auto_scheduler(held=4)
+    s.cost.observe_round_trip(SRC, 0.01)
+    s.cost.observe_push(SRC, 4, 1.0)
+    s.cost.observe_prefill(4 * BS, 0.001)
+    s._lanes.post = MatchStub(4)
+    assert s.get_num_new_matched_tokens(auto_request("r1"), 0) == (0, False)
+    s.cost._per_block[SRC].at -= PROBE_AFTER_S  # measured long ago
+    assert asked(s, auto_request("r2")) == (4 * BS, True)
+    assert decided(s) == {"not_worth_it": 1}
+    s.shutdown()
+
+
+def test_spellings_of_one_source_share_its_figures():
+    s = PushScheduler(BS, replace(AUTO_CONFIG, push_auto=False), FP)
+    s._lanes.post = MatchStub(4)
+    s.cost.observe_round_trip(SRC, 0.01)
+    s.cost.observe_push(SRC, 4, 1.0)  # SRC measured slow
+    s.cost.observe_prefill(4 * BS, 0.001)
+    for k, spelling in enumerate((SRC.upper(), SRC + "/", SRC.replace("http", "HTTP"))):
+        r = d_request(f"r{k}", source=spelling, tokens=PROMPT)
+        assert asked(s, r) == (0, False), spelling
+    assert decided(s) == {"not_worth_it": 3}
+    assert list(s.cost._round_trip) == [SRC]  # no entry per spelling
+    s.shutdown()
+
+
+def test_a_source_refusing_the_match_is_counted_as_refused():
+    s = auto_scheduler(held=4)
+    s._lanes.post = lambda *a: Answer(429, b"busy", {})
+    assert asked(s, auto_request()) == (0, False)
+    assert decided(s) == {"refused": 1}
     s.shutdown()
