@@ -46,6 +46,10 @@ MOONCAKE_PUSH_MIN_TOKENS               256      D: fewer held tokens beyond D's 
                                                 prefilled locally; more are pushed when the
                                                 measured transfer beats the measured local
                                                 prefill (push/decode_cost.py)
+MOONCAKE_PUSH_POLICY=always            measured D: "always" pushes whenever a source holds
+                                                at least MOONCAKE_PUSH_MIN_TOKENS beyond D's
+                                                hit, slower or not (it saves D's compute,
+                                                not its time); "measured": only when faster
 MOONCAKE_PUSH_MAX_TOKENS               131072   C and D: longest prompt a push may name
 MOONCAKE_PUSH_MAX_CONCURRENT           4        C: pushes served at once (429 beyond)
 MOONCAKE_BOOTSTRAP_HOST                0.0.0.0  bind address of the bootstrap server
@@ -105,6 +109,17 @@ ENGINE_NS_PER_BYTE = 1
 
 class ConfigError(ValueError):
     """A variable of ours has a value we cannot use; the message names it."""
+
+
+PUSH_POLICIES = ("measured", "always")  # the first is the default
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (the first when unset); ConfigError naming them else."""
+    raw = env.get(name, "").strip().lower() or choices[0]
+    if raw not in choices:
+        raise ConfigError(f"{name}={env.get(name)!r}: one of {', '.join(choices)}")
+    return raw
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -203,6 +218,7 @@ class ExtConfig:
     push_auto: bool = False
     push_index_max_blocks: int = 1 << 20
     push_min_tokens: int = 256
+    push_policy: str = "measured"  # or "always" (PUSH_POLICIES)
     push_max_tokens: int = 131072
     push_max_concurrent: int = 4
     bootstrap_host: str = "0.0.0.0"
@@ -410,6 +426,7 @@ class ExtConfig:
             push_min_tokens=int(
                 _number(env, "MOONCAKE_PUSH_MIN_TOKENS", 256, minimum=0, integer=True)
             ),
+            push_policy=_choice(env, "MOONCAKE_PUSH_POLICY", PUSH_POLICIES),
             push_max_tokens=int(
                 _number(
                     env, "MOONCAKE_PUSH_MAX_TOKENS", 131072, minimum=1, integer=True

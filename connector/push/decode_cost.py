@@ -23,7 +23,9 @@ they get measured); a source judged not worth it is tried again once its
 measurement is older than PROBE_AFTER_S, so a better link is noticed (the
 scheduler judges a request once: a push granted before its /match_blocks is
 not judged again on the answer, only held to the minimum). Fewer tokens than
-MOONCAKE_PUSH_MIN_TOKENS beyond D's own hit are never pushed. Sources are keyed
+MOONCAKE_PUSH_MIN_TOKENS beyond D's own hit are never pushed. With
+MOONCAKE_PUSH_POLICY=always the minimum is the only rule (a push then saves D's
+compute even where it is not faster). Sources are keyed
 by their origin (decode_client.SourceLanes.key), so spellings of one source share
 its figures and a client cannot add entries.
 
@@ -89,9 +91,13 @@ class PushCostModel:
     """D's measured costs of a push (per source) and of a local prefill (per length)."""
 
     def __init__(
-        self, min_tokens: int, clock: Callable[[], float] = time.monotonic
+        self,
+        min_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+        always: bool = False,
     ) -> None:
         self.min_tokens = min_tokens
+        self.always = always  # MOONCAKE_PUSH_POLICY=always: the minimum only
         self._clock = clock
         self._round_trip: dict[str, _Average] = {}
         self._per_block: dict[str, _Average] = {}
@@ -144,7 +150,7 @@ class PushCostModel:
         tokens = blocks * block_size
         if tokens < max(1, self.min_tokens):
             return Estimate(Decision.BELOW_MINIMUM, None, None)
-        if not judge:
+        if not judge or self.always:
             return Estimate(None, None, None)
         transfer, prefill = self.transfer_s(source, blocks), self.prefill_s(tokens)
         if transfer is None or prefill is None or transfer < prefill:

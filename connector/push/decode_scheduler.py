@@ -208,7 +208,9 @@ class PushScheduler:
         self._decided: set[str] = set()  # req ids counted (a preempted one asks again)
         self._granted: set[str] = set()  # req ids judged worth a push (judged once)
         self._decisions_sent: dict[str, int] | None = None
-        self.cost = PushCostModel(config.push_min_tokens)
+        self.cost = PushCostModel(
+            config.push_min_tokens, always=config.push_policy == "always"
+        )
         # local prefills are timed only where a push could replace one
         self.prefill_timer = PrefillTimer(self.cost) if config.push_sources else None
         self._warnings = WarnLimiter(logger)

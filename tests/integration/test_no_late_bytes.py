@@ -62,6 +62,8 @@ def cluster(pd_cluster):
             "MOONCAKE_PUSH_TIMEOUT_S": str(PUSH_TIMEOUT_S),
             "MC_TRANSFER_TIMEOUT": "15",
             "MOONCAKE_PUSH_CLOCK_SKEW_S": "1",
+            # every push held back DELAY_S: measured, the next would not be worth it
+            "MOONCAKE_PUSH_POLICY": "always",
         },
         instances={
             "decode": {"extra_args": ["--num-gpu-blocks-override", str(D_BLOCKS)]}

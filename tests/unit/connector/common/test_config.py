@@ -193,3 +193,11 @@ def test_the_orphan_retries_are_read_as_the_kernel_applies_them(
     if text is not None:
         path.write_text(text)
     assert tcp_orphan_retries(str(path)) == applied
+
+
+def test_the_push_policy_is_one_of_two_words():
+    assert ExtConfig.from_env({}).push_policy == "measured"
+    got = ExtConfig.from_env({"MOONCAKE_PUSH_POLICY": " Always "}).push_policy
+    assert got == "always"
+    with pytest.raises(ConfigError, match="MOONCAKE_PUSH_POLICY.*measured, always"):
+        ExtConfig.from_env({"MOONCAKE_PUSH_POLICY": "sometimes"})

@@ -188,3 +188,11 @@ def test_a_granted_push_is_held_only_to_the_minimum():
     assert m.decide(SRC, 8, 128, judge=False).decision is None
     m.min_tokens = 256
     assert m.decide(SRC, 1, 128, judge=False).decision is Decision.BELOW_MINIMUM
+
+
+def test_the_always_policy_keeps_only_the_minimum():
+    m, _ = measured(push_s=5.0, blocks=8, prefill_s=0.2)
+    m.always = True
+    assert m.decide(SRC, 8, 128).decision is None  # slower, pushed all the same
+    m.min_tokens = 2048
+    assert m.decide(SRC, 8, 128).decision is Decision.BELOW_MINIMUM
