@@ -496,24 +496,17 @@ class PushScheduler:
             )
             self.stats["match_failed"] += 1
             self._decide(rid, Decision.REFUSED)
-        except SourceRefusedError as e:
+        except Exception as e:  # SourceRefusedError: refused; anything else: failed
+            refused = isinstance(e, SourceRefusedError)
             logger.warning(
-                "Prefix push for %s: %s refused (%s); prefilling locally",
+                "Prefix push for %s: %s %s (%s); prefilling locally",
                 rid,
                 source,
+                "refused" if refused else "gave no match",
                 e,
             )
             self.stats["match_failed"] += 1
-            self._decide(rid, Decision.REFUSED)
-        except Exception as e:
-            logger.warning(
-                "Prefix push for %s: no match from %s (%s); prefilling locally",
-                rid,
-                source,
-                e,
-            )
-            self.stats["match_failed"] += 1
-            self._decide(rid, Decision.FELL_BACK)
+            self._decide(rid, Decision.REFUSED if refused else Decision.FELL_BACK)
         return None
 
     def _decide(self, rid: str, decision: Decision) -> None:
