@@ -220,8 +220,17 @@ class KVEventForwarder:
         self._ctx = zmq.Context()
         self._xsub = self._ctx.socket(zmq.XSUB)
         self._xpub = self._ctx.socket(zmq.XPUB)
-        self._xsub.bind(f"tcp://127.0.0.1:{inbound_port}")
-        self._xpub.bind(f"tcp://127.0.0.1:{self.outbound_port}")
+        try:
+            self._xsub.bind(f"tcp://127.0.0.1:{inbound_port}")
+            self._xpub.bind(f"tcp://127.0.0.1:{self.outbound_port}")
+        except zmq.ZMQError as e:  # a port taken: nothing of this is left open
+            self._xsub.close(linger=0)
+            self._xpub.close(linger=0)
+            self._ctx.term()
+            raise RuntimeError(
+                f"KV-event forwarder: cannot bind 127.0.0.1:{inbound_port} or "
+                f"127.0.0.1:{self.outbound_port} ({e})"
+            ) from e
         self._thread = threading.Thread(
             target=self._run, name="kv-event-forwarder", daemon=True
         )

@@ -18,6 +18,7 @@ MOONCAKE_PUSH_MIN_TOKENS beyond an instance's own hit is prefilled locally.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -264,20 +265,16 @@ def test_behind_kv_aware_a_turn_sent_away_from_its_holder_is_pushed(cluster, tmp
     model = model_name(a.url)
     extra = ["--router-temperature", "0", "--kv-event-block-size", str(BLOCK)]
     extra += ["--kv-event-model", model]
-    forwarders = {i.spec.name: KVEventForwarder(kv_event_port(i)) for i in (a, b)}
-    for inst in (a, b):
-        extra += [
-            "--kv-event-source",
-            f"{inst.url}={forwarders[inst.spec.name].outbound}",
-        ]
     turns = [prompt(6 * BLOCK + 20, seed=6300)]
     turns.append(turns[0] + prompt(3 * BLOCK + 5, seed=6301))
     turns.append(turns[1] + prompt(2 * BLOCK + 9, seed=6302))
-    with (
-        forwarders["a"],
-        forwarders["b"],
-        vllm_router_workers([a, b], tmp_path, "kv_aware", extra) as router,
-    ):
+    with contextlib.ExitStack() as stack:
+        for inst in (a, b):
+            fwd = stack.enter_context(KVEventForwarder(kv_event_port(inst)))
+            extra += ["--kv-event-source", f"{inst.url}={fwd.outbound}"]
+        router = stack.enter_context(
+            vllm_router_workers([a, b], tmp_path, "kv_aware", extra)
+        )
         time.sleep(2)  # the router's subscriptions are up (ZMQ drops earlier events)
 
         def turn(ids):
