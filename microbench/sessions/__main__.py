@@ -1,0 +1,595 @@
+"""Sessions: what prefix push buys on a production trace, through vllm-router.
+
+A window of whole conversations from a Mooncake-format trace (by default the
+production conversation trace in ../shared/traces, see microbench/sessions/
+trace.py for the window and the scaling) is replayed on its own clock, three
+ways, on two ``kv_both`` instances (core 0 and core 1):
+
+  sticky       each session's turns sent straight to one instance (by session):
+               every turn after the first finds its prefix in the local cache;
+               the best a session-affine router could do
+  rr           vllm-router --policy round_robin in front: a turn lands on the
+               instance that served the previous one only by chance
+  rr+push      the same, with prefix push on both instances (MOONCAKE_PUSH_AUTO=1):
+               a turn sent to the instance without the session's prefix has it
+               pushed from the holder when D judges that pays
+
+rr and sticky run on one start of the instances (rr first, on empty caches;
+sticky's requests carry a cache_salt of their own, so they reuse nothing of rr's);
+rr+push on a second start. Per arm: TTFT p50/p90/p99 (client, streamed),
+end-to-end p50/p90, TPOT p90, prefix reuse (vLLM's prompt tokens by source:
+local cache hits + tokens from the connector) against the reuse one instance with
+an unbounded cache would get on the same requests, prefill tokens computed and
+"recomputed" (computed beyond what the unbounded cache could not save), push
+decisions by reason and pushes by outcome, errors, a correctness check of
+sampled requests (first tokens' top-5 logprobs against a from-scratch reference),
+and the KV blocks still held after the run.
+
+    python -m microbench.sessions [--requests 40] [--rate 0.5] [--trace FILE]
+
+Any Mooncake-format trace replays with --trace (and --source-block-tokens if its
+blocks are not 512 tokens). Writes results/sessions-<time>.json, .png and the
+scaled trace (.trace.jsonl: replayable with vLLM 0.32's
+``vllm bench serve --dataset-name timed_trace --timed-trace-chunk-hash-size 128``);
+prints a table and the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from harness.correctness import compare, reference_completion
+from harness.kv_usage import wait_no_blocks_in_use
+from harness.launcher import BLOCK, Cluster, InstanceSpec
+from harness.metrics import read_when, scrape
+from harness.model import ModelShape, ensure_model
+from harness.pd_client import bootstrap_headers, complete, model_name, push_stats
+from harness.prompts import PromptSource
+from harness.routers import vllm_router_workers
+from microbench.common import (
+    DEFAULT_RESULTS_DIR,
+    finish,
+    machine_info,
+    model_facts,
+    stamp,
+)
+from microbench.sessions import trace
+from microbench.sessions.replay import replay
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    Decision,
+)
+
+PROJECT = Path(__file__).resolve().parents[2]
+DEFAULT_TRACE = (
+    PROJECT.parent / "shared" / "traces" / "mooncake-fast25-conversation.jsonl"
+)
+TOKEN = uuid.uuid4().hex
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+PUSH_REASONS = tuple(d.value for d in Decision)
+TTFT_VS_LOCAL = 1.5  # turn >= 2 TTFT p50 with push, against sticky's
+REUSE_OF_UNBOUNDED = 0.9
+RECOMPUTE_CUT = 3.0
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def by_source(url: str) -> dict[str, float]:
+    text = scrape(url)
+    out = {}
+    for s in SOURCES:
+        pat = (
+            rf'^vllm:prompt_tokens_by_source_total\{{[^}}]*source="{s}"[^}}]*\}} (\S+)$'
+        )
+        out[s] = sum(float(v) for v in re.findall(pat, text, re.M))
+    return out
+
+
+def decisions(inst) -> dict[str, float]:
+    text = httpx.get(
+        inst.bootstrap_url + "/metrics", headers=bootstrap_headers(), timeout=10
+    ).text
+    name = "vllm_mooncake_ext_push_decisions_total"
+    return {
+        r: sum(
+            float(v) for v in re.findall(rf'^{name}{{reason="{r}"}} (\S+)$', text, re.M)
+        )
+        for r in PUSH_REASONS
+    }
+
+
+def snapshot(insts) -> dict:
+    snap = {}
+    for i in insts:
+        push = push_stats(i.bootstrap_url)
+        snap[i.spec.name] = {
+            "tokens": by_source(i.url),
+            "decisions": decisions(i),
+            "push_ok": push.get("ok", 0),
+            "push_failed": push.get("failed", 0),
+        }
+    return snap
+
+
+def grown(before: dict, after: dict) -> dict:
+    out = {
+        "tokens": dict.fromkeys(SOURCES, 0.0),
+        "decisions": dict.fromkeys(PUSH_REASONS, 0.0),
+    }
+    out["push_ok"] = out["push_failed"] = 0
+    for name in before:
+        for s in SOURCES:
+            out["tokens"][s] += after[name]["tokens"][s] - before[name]["tokens"][s]
+        for r in PUSH_REASONS:
+            out["decisions"][r] += (
+                after[name]["decisions"][r] - before[name]["decisions"][r]
+            )
+        for k in ("push_ok", "push_failed"):
+            out[k] += after[name][k] - before[name][k]
+    return out
+
+
+def turns_of(reqs: list[trace.TraceRequest]) -> list[int]:
+    """Each request's turn in its session (1: the first)."""
+    seen: dict[tuple[int, ...], int] = {}
+    out = []
+    for r in reqs:
+        k = trace.session_key(r)
+        seen[k] = seen.get(k, 0) + 1
+        out.append(seen[k])
+    return out
+
+
+def run_arm(name, url_of, reqs, prompts, insts, model, sampled, salt, deadline_s):
+    """One replay; its row (token counts and push figures from the instances,
+    latencies from the client)."""
+    span = reqs[-1].timestamp_ms / 1e3
+    print(f"[sessions] {name}: {len(reqs)} requests over {span:.0f} s", flush=True)
+    before = snapshot(insts)
+    t0 = time.monotonic()
+    last = [0.0]
+
+    def progress(done: int, total: int, errors: int) -> None:
+        now = time.monotonic()
+        if done == total or now - last[0] > 15:
+            last[0] = now
+            print(
+                f"[sessions] {name}: {done}/{total} answered, {errors} errors, "
+                f"{now - t0:.0f} s (the replay lasts about {span:.0f} s)",
+                flush=True,
+            )
+
+    outcomes = replay(
+        url_of,
+        model,
+        reqs,
+        prompts,
+        sampled=sampled,
+        cache_salt=salt,
+        deadline_s=deadline_s,
+        progress=progress,
+    )
+    wall = time.monotonic() - t0
+    errors = [o.error for o in outcomes if o.error]
+    answered = sum(o.prompt_len for o in outcomes if not o.error)
+
+    def counted(snap: dict) -> float:  # computed + cache hits + connector >= prompts
+        return sum(
+            sum(v["tokens"].values()) - sum(before[k]["tokens"].values())
+            for k, v in snap.items()
+        )
+
+    # vLLM counts a request's tokens (and our worker its decisions) just after
+    # the request ends
+    after = read_when(lambda: snapshot(insts), lambda s: counted(s) >= answered, 15)
+    time.sleep(1)
+    after = snapshot(insts)
+    diff = grown(before, after)
+    checks = []
+    for i in sorted(sampled):
+        o = outcomes[i]
+        if o.sampled is None:
+            checks.append(
+                {"index": i, "ok": False, "problems": [o.error or "no sample"]}
+            )
+            continue
+        ref = reference_completion(
+            insts[0].url, prompts[i], max_tokens=max(1, len(o.sampled.token_ids))
+        )
+        checks.append(
+            {
+                "index": i,
+                **compare(o.sampled, ref, expected_cached_tokens=None).as_dict(),
+            }
+        )
+    held = wait_no_blocks_in_use(*(i.url for i in insts), timeout=120)
+    turns = turns_of(reqs)
+    ok = [(o, t) for o, t in zip(outcomes, turns) if not o.error]
+    later = [o.ttft_s for o, t in ok if t >= 2]
+    return {
+        "arm": name,
+        "requests": len(reqs),
+        "errors": len(errors),
+        "error_samples": errors[:5],
+        "wall_s": wall,
+        "ttft_p50_s": pct([o.ttft_s for o, _ in ok], 0.5),
+        "ttft_p90_s": pct([o.ttft_s for o, _ in ok], 0.9),
+        "ttft_p99_s": pct([o.ttft_s for o, _ in ok], 0.99),
+        "ttft_turn1_p50_s": pct([o.ttft_s for o, t in ok if t == 1], 0.5),
+        "ttft_later_p50_s": pct(later, 0.5),
+        "ttft_later_p90_s": pct(later, 0.9),
+        "e2e_p50_s": pct([o.e2e_s for o, _ in ok], 0.5),
+        "e2e_p90_s": pct([o.e2e_s for o, _ in ok], 0.9),
+        "tpot_p90_s": pct([o.tpot_s for o, _ in ok], 0.9),
+        "send_late_max_s": max(o.late_s for o in outcomes),
+        "tokens": diff["tokens"],
+        "decisions": diff["decisions"],
+        "pushes_ok": diff["push_ok"],
+        "pushes_failed": diff["push_failed"],
+        "checks": checks,
+        "correct": all(c["ok"] for c in checks) and not errors,
+        "blocks_held_after": list(held),
+        "outcomes": [
+            {k: v for k, v in vars(o).items() if k != "sampled"} | {"turn": t}
+            for o, t in zip(outcomes, turns)
+        ],
+    }
+
+
+def add_reuse(row: dict, unbounded: dict) -> None:
+    t = row["tokens"]
+    prompt = unbounded["prompt_tokens"]
+    reused = t["local_cache_hit"] + t["external_kv_transfer"]
+    row["reuse"] = reused / prompt if prompt else 0.0
+    row["reuse_of_unbounded"] = (
+        reused / unbounded["hit_tokens"] if unbounded["hit_tokens"] else None
+    )
+    row["computed_tokens"] = t["local_compute"]
+    # computed beyond what no cache could have saved (the unbounded cache's misses)
+    row["recomputed_tokens"] = max(
+        0.0, t["local_compute"] - (prompt - unbounded["hit_tokens"])
+    )
+
+
+def where_the_time_goes(row: dict) -> str:
+    """Turn >= 2 TTFT split by whether the request's prefix came cached (a local
+    hit or a push: vLLM's cached tokens for the request) or was prefilled."""
+    later = [o for o in row["outcomes"] if o["turn"] >= 2 and o["ttft_s"] is not None]
+    hit = [o["ttft_s"] for o in later if (o["cached_tokens"] or 0) > 0]
+    miss = [o["ttft_s"] for o in later if not o["cached_tokens"]]
+    p = lambda xs: "-" if not xs else f"{pct(xs, 0.5) * 1e3:.0f} ms"  # noqa: E731
+    return (
+        f"turns >= 2 with a cached prefix: {len(hit)}, TTFT p50 {p(hit)}; without: "
+        f"{len(miss)}, p50 {p(miss)}; decisions {int(row['decisions']['pushed'])} "
+        f"pushed, {int(row['decisions']['not_worth_it'])} not worth it"
+    )
+
+
+def targets(rows: dict[str, dict]) -> list[dict]:
+    rr, push, sticky = rows.get("rr"), rows.get("rr+push"), rows.get("sticky")
+    out = []
+
+    def add(name, value, met, why=""):
+        out.append({"target": name, "value": value, "met": bool(met), "why": why})
+
+    if push:
+        add(
+            f"rr+push reuse >= {REUSE_OF_UNBOUNDED:.0%} of the unbounded cache's",
+            f"{push['reuse_of_unbounded']:.1%}"
+            if push["reuse_of_unbounded"] is not None
+            else "-",
+            (push["reuse_of_unbounded"] or 0) >= REUSE_OF_UNBOUNDED,
+            "turns pushed: {:.0f}, not pushed: {}".format(
+                push["decisions"]["pushed"],
+                {
+                    k: int(v)
+                    for k, v in push["decisions"].items()
+                    if v and k != "pushed"
+                },
+            ),
+        )
+    if push and rr:
+        a, b = rr["recomputed_tokens"], push["recomputed_tokens"]
+        add(
+            f"rr+push recomputes >= {RECOMPUTE_CUT:g}x fewer prefill tokens than rr",
+            f"{a:.0f} / {b:.0f} tokens",
+            b * RECOMPUTE_CUT <= a,
+        )
+    if push and sticky:
+        a, b = push["ttft_later_p50_s"], sticky["ttft_later_p50_s"]
+        add(
+            f"rr+push turn >= 2 TTFT p50 <= {TTFT_VS_LOCAL:g}x sticky's (local hits)",
+            f"{a * 1e3:.0f} / {b * 1e3:.0f} ms" if a and b else "-",
+            a is not None and b is not None and a <= TTFT_VS_LOCAL * b,
+            where_the_time_goes(push),
+        )
+    for name, r in rows.items():
+        add(
+            f"{name}: 0 errors, 0 wrong answers, 0 blocks held",
+            f"{r['errors']} errors, {sum(not c['ok'] for c in r['checks'])} wrong of "
+            f"{len(r['checks'])} checked, blocks held {r['blocks_held_after']}",
+            r["correct"] and not any(r["blocks_held_after"]),
+        )
+    return out
+
+
+TABLE = [
+    ("arm", "arm", ""),
+    ("errors", "err", "d"),
+    ("ttft_p50_ms", "TTFT p50", ".0f"),
+    ("ttft_p90_ms", "p90", ".0f"),
+    ("ttft_p99_ms", "p99", ".0f"),
+    ("ttft_later_p50_ms", "turn>=2 p50", ".0f"),
+    ("e2e_p50_ms", "e2e p50", ".0f"),
+    ("e2e_p90_ms", "e2e p90", ".0f"),
+    ("tpot_p90_ms", "TPOT p90", ".1f"),
+    ("reuse_pct", "reuse %", ".1f"),
+    ("of_unbounded_pct", "of unbounded %", ".1f"),
+    ("computed_tokens", "computed tok", ".0f"),
+    ("recomputed_tokens", "recomputed", ".0f"),
+    ("pushed", "pushed", ".0f"),
+    ("checked", "correct", ""),
+]
+
+
+def display(rows: list[dict]) -> list[dict]:
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    return [
+        {
+            "arm": r["arm"],
+            "errors": r["errors"],
+            "ttft_p50_ms": ms(r["ttft_p50_s"]),
+            "ttft_p90_ms": ms(r["ttft_p90_s"]),
+            "ttft_p99_ms": ms(r["ttft_p99_s"]),
+            "ttft_later_p50_ms": ms(r["ttft_later_p50_s"]),
+            "e2e_p50_ms": ms(r["e2e_p50_s"]),
+            "e2e_p90_ms": ms(r["e2e_p90_s"]),
+            "tpot_p90_ms": ms(r["tpot_p90_s"]),
+            "reuse_pct": 100 * r["reuse"],
+            "of_unbounded_pct": None
+            if r["reuse_of_unbounded"] is None
+            else 100 * r["reuse_of_unbounded"],
+            "computed_tokens": r["computed_tokens"],
+            "recomputed_tokens": r["recomputed_tokens"],
+            "pushed": r["decisions"]["pushed"],
+            "checked": f"{sum(c['ok'] for c in r['checks'])}/{len(r['checks'])}",
+        }
+        for r in rows
+    ]
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
+    names = [r["arm"] for r in rows]
+    ttft = lambda r, pick: [  # noqa: E731
+        o["ttft_s"] * 1e3 for o in r["outcomes"] if o["ttft_s"] is not None and pick(o)
+    ]
+    a.boxplot(
+        [ttft(r, lambda o: o["turn"] == 1) or [0] for r in rows], tick_labels=names
+    )
+    a.set_ylabel("TTFT, first turns (ms)")
+    b.boxplot(
+        [ttft(r, lambda o: o["turn"] >= 2) or [0] for r in rows], tick_labels=names
+    )
+    b.set_ylabel("TTFT, turns >= 2 (ms)")
+    bottom = [0.0] * len(rows)
+    for src, color in zip(SOURCES, ("tab:red", "tab:green", "tab:blue")):
+        vals = [r["tokens"][src] for r in rows]
+        c.bar(names, vals, bottom=bottom, label=src, color=color)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    c.set_ylabel("prompt tokens by source")
+    c.set_ylim(0, 1.35 * max(bottom + [1.0]))
+    c.legend(fontsize=8, loc="upper right")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m microbench.sessions", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument(
+        "--source-block-tokens", type=int, default=trace.SOURCE_BLOCK_TOKENS
+    )
+    ap.add_argument(
+        "--start-s",
+        type=float,
+        default=600.0,
+        help="the window's first session starts at or after this time of the trace",
+    )
+    ap.add_argument(
+        "--requests", type=int, default=None, help="default 40 (--full: 120)"
+    )
+    ap.add_argument("--min-turns", type=int, default=2)
+    ap.add_argument("--max-turns", type=int, default=6)
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=0.5,
+        help="mean requests per second after the time axis is shrunk",
+    )
+    ap.add_argument("--output-divisor", type=float, default=10.0)
+    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4, help="requests checked per arm")
+    ap.add_argument("--deadline-s", type=float, default=300.0)
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    n = args.requests or (120 if args.full else 40)
+    if not args.trace.exists():
+        print(
+            f"[sessions] no trace at {args.trace}: pass --trace FILE", file=sys.stderr
+        )
+        return 2
+    raw = trace.window(
+        trace.load(args.trace),
+        start_ms=1e3 * args.start_s,
+        max_requests=n,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+    )
+    if len(raw) < 2:
+        print(
+            f"[sessions] the window holds {len(raw)} request(s): try another --start-s",
+            file=sys.stderr,
+        )
+        return 2
+    span_ms = raw[-1].timestamp_ms - raw[0].timestamp_ms
+    time_scale = (len(raw) / args.rate) * 1e3 / span_ms if span_ms else 1.0
+    reqs = trace.scale(
+        raw,
+        block_tokens=BLOCK,
+        source_block_tokens=args.source_block_tokens,
+        time_scale=time_scale,
+        output_divisor=args.output_divisor,
+        max_output=args.max_output,
+    )
+    unbounded = trace.unbounded_reuse(reqs, BLOCK)
+    facts = model_facts(Path(ensure_model(ModelShape(num_layers=args.layers))))
+    builder = trace.PromptBuilder(BLOCK, facts["vocab_size"], seed=args.seed)
+    prompts = [builder.prompt(r) for r in reqs]
+    turns = turns_of(reqs)
+    later = [i for i, t in enumerate(turns) if t >= 2]
+    step = max(1, len(later) // max(1, args.samples))
+    sampled = set(later[::step][: args.samples])
+    run_id = stamp()
+    out = args.out or DEFAULT_RESULTS_DIR / f"sessions-{run_id}.json"
+    log_dir = out.parent / f"sessions-{run_id}-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    scaled_path = trace.write(out.with_suffix(".trace.jsonl"), reqs)
+    shape = trace.describe(reqs)
+    print(
+        f"[sessions] {shape['requests']} requests of {shape['sessions']} sessions from "
+        f"{args.trace.name} (from {args.start_s:.0f} s), {args.source_block_tokens} -> "
+        f"{BLOCK} tokens a block, time x{time_scale:.3f} ({shape['span_s']:.0f} s), "
+        f"input median {shape['input_median']}, output median {shape['output_median']}; "
+        f"unbounded-cache reuse {unbounded['fraction']:.1%}",
+        flush=True,
+    )
+    max_len = max(r.input_length + r.output_length for r in reqs) + BLOCK
+    common = dict(
+        model=facts["path"],
+        role="kv_both",
+        kv_cache_gib=args.kv_cache_gib,
+        max_model_len=max(2048, max_len),
+        dtype=facts["dtype"],
+        extra_args=["--enable-prompt-tokens-details"],
+    )
+    warm = PromptSource(facts["vocab_size"], seed=10_000 + args.seed)
+    rows: dict[str, dict] = {}
+    flush_note = (
+        "rr ran first on freshly started instances; sticky on the same instances "
+        "with a cache_salt of its own (it reuses nothing of rr's); rr+push on "
+        "instances started again"
+    )
+    for env, arms in (
+        ({}, ("rr", "sticky")),
+        ({"MOONCAKE_PUSH_AUTO": "1"}, ("rr+push",)),
+    ):
+        specs = [
+            InstanceSpec("a", cores="0", env=env, **common),
+            InstanceSpec("b", cores="1", env=env, **common),
+        ]
+        print(
+            f"[sessions] starting a (core 0) and b (core 1) for {', '.join(arms)}; logs in {log_dir}",
+            flush=True,
+        )
+        with Cluster(specs, log_dir, token=TOKEN) as cluster:
+            a, b = cluster["a"], cluster["b"]
+            model = model_name(a.url)
+            for inst in (a, b):  # compiled paths warm, on tokens the trace never has
+                complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=model)
+            for arm in arms:
+                if arm == "sticky":
+                    home = {}
+                    for r in reqs:
+                        home.setdefault(trace.session_key(r), (a, b)[len(home) % 2].url)
+
+                    def url_of(i: int, home: dict = home) -> str:
+                        return home[trace.session_key(reqs[i])]
+
+                    rows[arm] = run_arm(
+                        arm,
+                        url_of,
+                        reqs,
+                        prompts,
+                        [a, b],
+                        model,
+                        sampled,
+                        f"sticky-{run_id}",
+                        args.deadline_s,
+                    )
+                else:
+                    with vllm_router_workers([a, b], log_dir, "round_robin") as router:
+                        rows[arm] = run_arm(
+                            arm,
+                            lambda i: router.url,
+                            reqs,
+                            prompts,
+                            [a, b],
+                            model,
+                            sampled,
+                            None,
+                            args.deadline_s,
+                        )
+                add_reuse(rows[arm], unbounded)
+    ordered = [rows[k] for k in ("sticky", "rr", "rr+push")]
+    met = targets(rows)
+    lines = [
+        f"caches: {flush_note}",
+        "not run here: vllm-router's kv_aware policy with and without push, and P/D "
+        "layer-wise against post-hoc (microbench.routers measures those one at a time)",
+    ] + [
+        f"target {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {t['value']}"
+        + (f" ({t['why']})" if t["why"] else "")
+        for t in met
+    ]
+    result = {
+        "benchmark": "sessions",
+        "machine": machine_info(),
+        "model": facts,
+        "config": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+        }
+        | {"requests": n, "time_scale": time_scale, "block_tokens": BLOCK},
+        "trace": {"path": str(args.trace), "scaled": str(scaled_path), **shape},
+        "unbounded": {k: v for k, v in unbounded.items() if k != "per_request"},
+        "rows": ordered,
+        "targets": met,
+        "summary": {"lines": lines},
+    }
+    png = plot(
+        ordered,
+        out.with_suffix(".png"),
+        f"{shape['requests']} requests, {shape['sessions']} sessions of {args.trace.name}, "
+        f"{facts['layers']} layers, two kv_both instances ({run_id})",
+    )
+    return finish("sessions", out, result, TABLE, lambda r: r["arm"], png, display)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

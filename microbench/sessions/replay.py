@@ -1,0 +1,186 @@
+"""Replay scaled trace requests against an OpenAI-compatible endpoint, on the
+trace's clock: each request is sent at its timestamp (relative to the start) on a
+thread of its own, streamed, and timed as the client sees it.
+
+Per request: the time to the first token (the first streamed chunk that carries
+text), the end-to-end latency, the time per output token after the first, the
+prompt and output tokens vLLM reports (``stream_options.include_usage``), and
+either an error or, for the sampled requests, the generated token ids and
+top-k logprobs of the first tokens for a correctness check. Every request has a
+deadline; a request that misses it is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from harness.pd_client import Completion
+from microbench.sessions.trace import TraceRequest
+
+
+@dataclass
+class Outcome:
+    index: int
+    sent_at_s: float  # from the replay's start
+    late_s: float  # how far behind its timestamp it was sent
+    prompt_len: int
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    tpot_s: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    error: str | None = None
+    sampled: Completion | None = field(default=None, repr=False)
+
+
+def stream_completion(
+    client: httpx.Client,
+    url: str,
+    body: dict,
+    deadline_s: float,
+) -> tuple[float | None, float, dict, list[dict]]:
+    """POST a streamed completion; (ttft, e2e, usage, choices' chunks)."""
+    t0 = time.perf_counter()
+    ttft = None
+    usage: dict = {}
+    chunks: list[dict] = []
+    with client.stream(
+        "POST", url + "/v1/completions", json=body, timeout=deadline_s
+    ) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        for line in resp.iter_lines():
+            if time.perf_counter() - t0 > deadline_s:
+                raise TimeoutError(f"no end after {deadline_s:.0f} s")
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data.strip() == "[DONE]":
+                break
+            obj = json.loads(data)
+            if obj.get("error"):
+                raise RuntimeError(f"stream error: {obj['error']}")
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for ch in obj.get("choices") or []:
+                if ttft is None and (ch.get("text") or ch.get("token_ids")):
+                    ttft = time.perf_counter() - t0
+                chunks.append(ch)
+    return ttft, time.perf_counter() - t0, usage, chunks
+
+
+def completion_of(chunks: list[dict], usage: dict, latency: float) -> Completion:
+    """The streamed chunks as the non-streamed Completion the checks take."""
+    token_ids: list[int] = []
+    top: list[dict[str, float]] = []
+    token_lp: list[float] = []
+    for ch in chunks:
+        token_ids.extend(ch.get("token_ids") or [])
+        lp = ch.get("logprobs") or {}
+        top.extend(lp.get("top_logprobs") or [])
+        token_lp.extend(lp.get("token_logprobs") or [])
+    details = usage.get("prompt_tokens_details") or {}
+    return Completion(
+        token_ids=token_ids,
+        logprobs=top,
+        token_logprobs=token_lp,
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=details.get("cached_tokens"),
+        kv_transfer_params=None,
+        latency_s=latency,
+    )
+
+
+def replay(
+    url_of: Callable[[int], str],
+    model: str,
+    reqs: Sequence[TraceRequest],
+    prompts: Sequence[list[int]],
+    *,
+    sampled: set[int] = frozenset(),
+    check_tokens: int = 4,
+    cache_salt: str | None = None,
+    deadline_s: float = 300.0,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> list[Outcome]:
+    """Send request ``i`` (``prompts[i]``) to ``url_of(i)`` at its timestamp; wait
+    for all (each within ``deadline_s``); the outcomes in trace order.
+    ``sampled`` requests also ask for top-5 logprobs (the first ``check_tokens``
+    are kept for the correctness check)."""
+    outcomes: list[Outcome | None] = [None] * len(reqs)
+    lock = threading.Lock()
+    done = [0, 0]  # finished, errors
+    client = httpx.Client(limits=httpx.Limits(max_connections=len(reqs) + 4))
+    start = time.perf_counter()
+
+    def one(i: int, r: TraceRequest) -> None:
+        body = {
+            "model": model,
+            "prompt": prompts[i],
+            "max_tokens": r.output_length,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        if i in sampled:
+            body["logprobs"] = 5
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        sent = time.perf_counter() - start
+        out = Outcome(i, sent, max(0.0, sent - r.timestamp_ms / 1e3), len(prompts[i]))
+        try:
+            ttft, e2e, usage, chunks = stream_completion(
+                client, url_of(i), body, deadline_s
+            )
+            out.ttft_s, out.e2e_s = ttft, e2e
+            out.prompt_tokens = usage.get("prompt_tokens")
+            out.output_tokens = usage.get("completion_tokens")
+            out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                "cached_tokens"
+            )
+            if ttft is None:
+                out.error = "no token streamed"
+            elif out.output_tokens and out.output_tokens > 1:
+                out.tpot_s = (e2e - ttft) / (out.output_tokens - 1)
+            if i in sampled:
+                c = completion_of(chunks, usage, e2e)
+                c.token_ids = c.token_ids[:check_tokens]
+                c.logprobs = c.logprobs[:check_tokens]
+                c.token_logprobs = c.token_logprobs[:check_tokens]
+                out.sampled = c
+        except Exception as e:  # noqa: BLE001 - every failure is the request's outcome
+            out.error = f"{type(e).__name__}: {e}"
+        with lock:
+            outcomes[i] = out
+            done[0] += 1
+            done[1] += out.error is not None
+            if progress:
+                progress(done[0], len(reqs), done[1])
+
+    threads = []
+    try:
+        for i, r in enumerate(reqs):
+            wait = r.timestamp_ms / 1e3 - (time.perf_counter() - start)
+            if wait > 0:
+                time.sleep(wait)
+            t = threading.Thread(target=one, args=(i, r), daemon=True)
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(deadline_s + 30)
+    finally:
+        client.close()
+    return [
+        o if o is not None else Outcome(i, 0.0, 0.0, len(prompts[i]), error="no end")
+        for i, o in enumerate(outcomes)
+    ]

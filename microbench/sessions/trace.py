@@ -1,0 +1,267 @@
+"""Mooncake-format request traces, scaled to a small machine (pure: no I/O but
+reading and writing the JSONL).
+
+A trace line is one request: ``timestamp`` (ms from the start), ``input_length``
+and ``output_length`` (tokens) and ``hash_ids``: the prompt as a list of blocks of
+``source_block_tokens`` tokens (512 in Mooncake's FAST'25 release), where equal ids
+mean equal content. Scaling keeps that structure:
+
+- **blocks**: each id becomes ``block_tokens`` tokens (one vLLM KV block), and a
+  request's input length shrinks by the same factor (its last block may stay
+  partial, as in the trace); equal ids stay equal, so two prompts share exactly
+  the leading blocks the trace says they share;
+- **outputs**: divided by ``output_divisor`` and clamped to ``[1, max_output]``;
+- **time**: shifted to start at 0 and multiplied by ``time_scale``; order kept.
+
+A window is chosen by session, not by time slice: a run of a few dozen
+consecutive requests of a one-hour production trace shares almost nothing (4-8%
+prefix reuse in the conversation trace), because a conversation's turns lie
+minutes apart. ``sessions()`` groups requests by their first two ids (the shared
+system prompt is the first; the conversation's opening the second), and
+``window()`` takes whole sessions, in order of their first request, from a given
+time on. This grouping is a heuristic of ours, not a field of the trace.
+
+``unbounded_reuse()`` is the prefix reuse one instance with an unbounded prefix
+cache would get: per request, the leading full blocks whose whole prefix an
+earlier request already had, as vLLM's prefix cache counts them (a prompt's last
+token is always computed, so a prompt of exactly k blocks can hit k - 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.model import SPECIAL_TOKENS
+
+SOURCE_BLOCK_TOKENS = 512  # Mooncake's FAST'25 traces
+MAX_LINE_IDS = 100_000  # a line with more ids than this is refused
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def as_line(self) -> dict:
+        return {
+            "timestamp": self.timestamp_ms,
+            "input_length": self.input_length,
+            "output_length": self.output_length,
+            "hash_ids": list(self.hash_ids),
+        }
+
+
+class TraceError(ValueError):
+    pass
+
+
+def parse_line(line: str, where: str) -> TraceRequest:
+    try:
+        obj = json.loads(line)
+        ts = float(obj["timestamp"])
+        inp = int(obj["input_length"])
+        out = int(obj["output_length"])
+        ids = obj["hash_ids"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise TraceError(
+            f"{where}: not a Mooncake trace line (timestamp, input_length, "
+            f"output_length, hash_ids): {e}"
+        ) from e
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise TraceError(f"{where}: hash_ids must be a list of integers")
+    if len(ids) > MAX_LINE_IDS or inp < 1 or out < 0 or not math.isfinite(ts):
+        raise TraceError(
+            f"{where}: out of range (input_length {inp}, output_length {out}, "
+            f"{len(ids)} hash_ids, timestamp {ts})"
+        )
+    return TraceRequest(ts, inp, out, tuple(ids))
+
+
+def load(path: Path) -> list[TraceRequest]:
+    with open(path) as f:
+        return [
+            parse_line(line, f"{path}:{n}")
+            for n, line in enumerate(f, 1)
+            if line.strip()
+        ]
+
+
+def write(path: Path, reqs: Iterable[TraceRequest]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r.as_line()) + "\n" for r in reqs))
+    return path
+
+
+def session_key(r: TraceRequest) -> tuple[int, ...]:
+    return r.hash_ids[:2]
+
+
+def sessions(reqs: Sequence[TraceRequest]) -> list[list[TraceRequest]]:
+    """Requests grouped by their first two ids, each group in trace order, the
+    groups in order of their first request."""
+    groups: dict[tuple[int, ...], list[TraceRequest]] = {}
+    for r in sorted(reqs, key=lambda r: r.timestamp_ms):
+        groups.setdefault(session_key(r), []).append(r)
+    return list(groups.values())
+
+
+def window(
+    reqs: Sequence[TraceRequest],
+    *,
+    start_ms: float = 0.0,
+    max_requests: int,
+    min_turns: int = 1,
+    max_turns: int | None = None,
+) -> list[TraceRequest]:
+    """Whole sessions of at least ``min_turns`` requests (their first
+    ``max_turns``), starting at or after ``start_ms``, in order of their first
+    request, until ``max_requests`` would be exceeded; the requests in time
+    order."""
+    picked: list[TraceRequest] = []
+    for group in sessions(reqs):
+        if group[0].timestamp_ms < start_ms or len(group) < min_turns:
+            continue
+        group = group[:max_turns] if max_turns else group
+        if len(picked) + len(group) > max_requests:
+            if picked:
+                break
+            continue
+        picked.extend(group)
+    return sorted(picked, key=lambda r: r.timestamp_ms)
+
+
+def scale(
+    reqs: Sequence[TraceRequest],
+    *,
+    block_tokens: int,
+    source_block_tokens: int = SOURCE_BLOCK_TOKENS,
+    time_scale: float = 1.0,
+    output_divisor: float = 1.0,
+    max_output: int | None = None,
+) -> list[TraceRequest]:
+    """The requests with ``block_tokens`` tokens per id (see the module's doc)."""
+    if not reqs:
+        return []
+    t0 = min(r.timestamp_ms for r in reqs)
+    out = []
+    for r in sorted(reqs, key=lambda r: r.timestamp_ms):
+        n_ids = len(r.hash_ids)
+        length = math.ceil(r.input_length * block_tokens / source_block_tokens)
+        if n_ids:  # within the blocks the ids cover
+            length = min(
+                max(length, (n_ids - 1) * block_tokens + 1), n_ids * block_tokens
+            )
+        output = max(1, round(r.output_length / output_divisor))
+        if max_output is not None:
+            output = min(output, max_output)
+        out.append(
+            TraceRequest(
+                (r.timestamp_ms - t0) * time_scale, max(1, length), output, r.hash_ids
+            )
+        )
+    return out
+
+
+class PromptBuilder:
+    """Token ids for a scaled request: block ``i`` of every prompt is the same
+    ``block_tokens`` tokens for the same id (drawn from a generator seeded by the
+    id and ``seed``, the same in every process), cut at the input length."""
+
+    def __init__(self, block_tokens: int, vocab_size: int, seed: int = 0):
+        self.block_tokens, self.vocab_size, self.seed = block_tokens, vocab_size, seed
+        self._blocks: dict[int, list[int]] = {}
+
+    def block(self, hash_id: int) -> list[int]:
+        got = self._blocks.get(hash_id)
+        if got is None:
+            digest = hashlib.blake2b(
+                f"{self.seed}:{hash_id}".encode(), digest_size=8
+            ).digest()
+            rng = random.Random(int.from_bytes(digest, "little"))
+            # clear of the generated vocabulary's special tokens
+            low = len(SPECIAL_TOKENS)
+            got = [
+                rng.randrange(low, self.vocab_size) for _ in range(self.block_tokens)
+            ]
+            self._blocks[hash_id] = got
+        return got
+
+    def prompt(self, r: TraceRequest) -> list[int]:
+        ids: list[int] = []
+        for h in r.hash_ids:
+            if len(ids) >= r.input_length:
+                break
+            ids.extend(self.block(h))
+        if len(ids) < r.input_length:  # a trace line with too few ids: pad uniquely
+            pad = PromptBuilder(1, self.vocab_size, seed=hash((self.seed, r)))
+            ids.extend(pad.block(i)[0] for i in range(r.input_length - len(ids)))
+        return ids[: r.input_length]
+
+
+def cacheable_blocks(r: TraceRequest, block_tokens: int) -> int:
+    """Full blocks vLLM may take from a prefix cache for this prompt (its last
+    token is always computed)."""
+    return min(len(r.hash_ids), (r.input_length - 1) // block_tokens)
+
+
+def unbounded_reuse(reqs: Sequence[TraceRequest], block_tokens: int) -> dict:
+    """Prefix reuse on one instance with an unbounded cache, requests served in
+    time order: per request the leading full blocks whose prefix was seen."""
+    seen: set[tuple[int, ...]] = set()
+    hit_tokens = prompt_tokens = 0
+    per_request = []
+    for r in sorted(reqs, key=lambda r: r.timestamp_ms):
+        usable = cacheable_blocks(r, block_tokens)
+        k = 0
+        while k < usable and r.hash_ids[: k + 1] in seen:
+            k += 1
+        per_request.append(k * block_tokens)
+        hit_tokens += k * block_tokens
+        prompt_tokens += r.input_length
+        for i in range(1, min(len(r.hash_ids), r.input_length // block_tokens) + 1):
+            seen.add(r.hash_ids[:i])
+    return {
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hit_tokens,
+        "fraction": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "per_request": per_request,
+    }
+
+
+def describe(reqs: Sequence[TraceRequest]) -> dict:
+    """Counts, lengths and span of a (scaled) trace, for the result's JSON."""
+    if not reqs:
+        return {"requests": 0}
+    ins = sorted(r.input_length for r in reqs)
+    outs = sorted(r.output_length for r in reqs)
+    return {
+        "requests": len(reqs),
+        "sessions": len(sessions(reqs)),
+        "input_median": ins[len(ins) // 2],
+        "input_max": ins[-1],
+        "output_median": outs[len(outs) // 2],
+        "span_s": (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1e3,
+    }
+
+
+__all__ = [
+    "PromptBuilder",
+    "TraceError",
+    "TraceRequest",
+    "cacheable_blocks",
+    "describe",
+    "load",
+    "scale",
+    "sessions",
+    "unbounded_reuse",
+    "window",
+    "write",
+]

@@ -1,0 +1,140 @@
+"""microbench/sessions/trace.py: a Mooncake-format trace scaled to a small
+machine keeps what the benchmark measures (equal ids give equal tokens, lengths
+and arrival order kept), the window takes whole sessions, and the reuse an
+unbounded prefix cache would get is counted as vLLM counts hits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from microbench.sessions import trace
+from microbench.sessions.trace import PromptBuilder, TraceRequest
+
+B = 16  # tokens a block after scaling (small, to keep the numbers readable)
+
+
+def req(ts, length, ids, out=8):
+    return TraceRequest(float(ts), length, out, tuple(ids))
+
+
+def test_equal_ids_give_equal_tokens_and_nothing_else_is_shared():
+    build = PromptBuilder(B, vocab_size=4096, seed=3)
+    one = build.prompt(req(0, 3 * B, [0, 1, 2]))
+    two = build.prompt(req(1, 4 * B, [0, 1, 7, 8]))
+    assert one[: 2 * B] == two[: 2 * B]
+    assert one[2 * B : 3 * B] != two[2 * B : 3 * B]
+    # the same in another builder (another process) with the same seed, not another
+    assert PromptBuilder(B, 4096, seed=3).prompt(req(5, 3 * B, [0, 1, 2])) == one
+    assert PromptBuilder(B, 4096, seed=4).prompt(req(5, 3 * B, [0, 1, 2])) != one
+    assert all(4 <= t < 4096 for t in one + two)  # clear of the special tokens
+
+
+def test_a_partial_last_block_is_a_prefix_of_the_full_one():
+    build = PromptBuilder(B, vocab_size=4096)
+    full = build.prompt(req(0, 2 * B, [5, 6]))
+    part = build.prompt(req(0, B + 3, [5, 6]))
+    assert len(part) == B + 3 and part == full[: B + 3]
+
+
+def test_scaling_keeps_lengths_order_and_gaps():
+    raw = [
+        req(1000, 1500, [0, 1, 2], out=300),
+        req(4000, 2048, [0, 1, 2, 3], out=5),
+        req(2500, 100, [9], out=0),
+    ]
+    got = trace.scale(
+        raw,
+        block_tokens=B,
+        source_block_tokens=512,
+        time_scale=0.5,
+        output_divisor=10,
+        max_output=16,
+    )
+    assert [r.hash_ids for r in got] == [(0, 1, 2), (9,), (0, 1, 2, 3)]
+    assert [r.timestamp_ms for r in got] == [0.0, 750.0, 1500.0]
+    for r, src in zip(got, (raw[0], raw[2], raw[1])):
+        # the length shrinks by the block ratio, within one token of rounding
+        assert abs(r.input_length - src.input_length * B / 512) <= 1
+        assert (len(r.hash_ids) - 1) * B < r.input_length <= len(r.hash_ids) * B
+    assert [r.output_length for r in got] == [16, 1, 1]
+
+
+def test_window_takes_whole_sessions_from_the_start_time():
+    reqs = [
+        req(0, 64, [0, 1, 2]),  # session (0, 1) starts before the window
+        req(10, 64, [0, 5, 6]),  # (0, 5): three turns
+        req(11, 64, [0, 8]),  # (0, 8): one turn
+        req(20, 64, [0, 5, 6, 7]),
+        req(30, 64, [0, 1, 2, 3]),
+        req(40, 64, [0, 5, 6, 7, 9]),
+        req(50, 64, [0, 4, 4]),  # (0, 4): two turns
+        req(60, 64, [0, 4, 4, 4]),
+    ]
+    got = trace.window(reqs, start_ms=5, max_requests=10, min_turns=2)
+    assert [r.timestamp_ms for r in got] == [10, 20, 40, 50, 60]
+    # a session that does not fit is left out whole, not cut
+    assert [
+        r.timestamp_ms
+        for r in trace.window(reqs, start_ms=5, max_requests=4, min_turns=2)
+    ] == [10, 20, 40]
+    assert (
+        len(trace.window(reqs, start_ms=5, max_requests=10, min_turns=2, max_turns=2))
+        == 4
+    )
+
+
+def test_unbounded_reuse_counts_leading_full_blocks_as_vllm_hits():
+    reqs = [
+        req(0, 3 * B, [0, 1, 2]),  # nothing seen: 0
+        req(1, 4 * B + 5, [0, 1, 2, 3, 4]),  # 3 leading blocks seen: 3 * B
+        req(2, 3 * B, [0, 1, 2]),  # all 3 seen, but the last token is computed: 2 * B
+        req(3, 2 * B, [0, 9]),  # first block seen, second not: B
+        req(4, 4 * B, [7, 1, 2, 3]),  # block 1 seen only after another first: 0
+    ]
+    got = trace.unbounded_reuse(reqs, B)
+    assert got["per_request"] == [0, 3 * B, 2 * B, B, 0]
+    assert got["hit_tokens"] == 6 * B
+    assert got["prompt_tokens"] == sum(r.input_length for r in reqs)
+    assert got["fraction"] == pytest.approx(6 * B / got["prompt_tokens"])
+
+
+def test_a_partial_block_is_never_counted_as_seen():
+    reqs = [req(0, B + 4, [0, 1]), req(1, 3 * B, [0, 1, 2])]
+    assert trace.unbounded_reuse(reqs, B)["per_request"] == [0, B]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "not json",
+        json.dumps({"timestamp": 0, "input_length": 10}),
+        json.dumps(
+            {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}
+        ),
+        json.dumps(
+            {"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1]}
+        ),
+        json.dumps(
+            {"timestamp": "nan", "input_length": 5, "output_length": 1, "hash_ids": [1]}
+        ),
+        json.dumps(
+            {
+                "timestamp": 0,
+                "input_length": 5,
+                "output_length": 1,
+                "hash_ids": list(range(trace.MAX_LINE_IDS + 1)),
+            }
+        ),
+    ],
+)
+def test_a_bad_line_is_refused_with_its_place(line):
+    with pytest.raises(trace.TraceError, match="t.jsonl:7"):
+        trace.parse_line(line, "t.jsonl:7")
+
+
+def test_a_written_trace_loads_back_unchanged(tmp_path):
+    reqs = [req(0, 40, [0, 1, 2]), req(12.5, 20, [0, 3])]
+    path = trace.write(tmp_path / "s.jsonl", reqs)
+    assert trace.load(path) == reqs
