@@ -47,6 +47,33 @@ def machine_info() -> dict:
     return info
 
 
+def code_version() -> dict:
+    """The project's commit the run used, and whether the checkout had changes."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(PROJECT_ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(PROJECT_ROOT),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "changed": None}
+    return {"commit": head or None, "changed": bool(dirty)}
+
+
 def verbose() -> bool:
     """VMP_VERBOSE=1 (scripts/main.sh -v): show what normally goes to log files too."""
     return os.environ.get("VMP_VERBOSE", "") not in ("", "0")

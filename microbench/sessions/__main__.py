@@ -25,7 +25,7 @@ decisions by reason and pushes by outcome, errors, a correctness check of
 sampled requests (first tokens' top-5 logprobs against a from-scratch reference),
 and the KV blocks still held after the run.
 
-    python -m microbench.sessions [--requests 40] [--rate 0.5] [--trace FILE]
+    python -m microbench.sessions [--requests 40] [--session-interval-s 8] [--trace FILE]
 
 Any Mooncake-format trace replays with --trace (and --source-block-tokens if its
 blocks are not 512 tokens). Writes results/sessions-<time>.json, .png and the
@@ -55,6 +55,7 @@ from harness.prompts import PromptSource
 from harness.routers import vllm_router_workers
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
+    code_version,
     finish,
     machine_info,
     model_facts,
@@ -424,10 +425,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-turns", type=int, default=2)
     ap.add_argument("--max-turns", type=int, default=6)
     ap.add_argument(
-        "--rate",
+        "--max-input",
+        type=int,
+        default=6144,
+        help="leave out sessions with a turn longer than this (tokens, scaled)",
+    )
+    ap.add_argument(
+        "--session-interval-s",
         type=float,
-        default=0.5,
-        help="mean requests per second after the time axis is shrunk",
+        default=8.0,
+        help="one session starts every this many seconds",
+    )
+    ap.add_argument(
+        "--gap-scale",
+        type=float,
+        default=0.05,
+        help="the trace's gaps between a session's turns are multiplied by this",
+    )
+    ap.add_argument(
+        "--max-gap-s",
+        type=float,
+        default=15.0,
+        help="and held to at most this many seconds",
     )
     ap.add_argument("--output-divisor", type=float, default=10.0)
     ap.add_argument("--max-output", type=int, default=32)
@@ -451,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         max_requests=n,
         min_turns=args.min_turns,
         max_turns=args.max_turns,
+        max_input=args.max_input * args.source_block_tokens // BLOCK,
     )
     if len(raw) < 2:
         print(
@@ -458,13 +478,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    span_ms = raw[-1].timestamp_ms - raw[0].timestamp_ms
-    time_scale = (len(raw) / args.rate) * 1e3 / span_ms if span_ms else 1.0
-    reqs = trace.scale(
+    spaced = trace.space_sessions(
         raw,
+        interval_ms=1e3 * args.session_interval_s,
+        gap_scale=args.gap_scale,
+        max_gap_ms=1e3 * args.max_gap_s,
+    )
+    reqs = trace.scale(
+        spaced,
         block_tokens=BLOCK,
         source_block_tokens=args.source_block_tokens,
-        time_scale=time_scale,
         output_divisor=args.output_divisor,
         max_output=args.max_output,
     )
@@ -485,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"[sessions] {shape['requests']} requests of {shape['sessions']} sessions from "
         f"{args.trace.name} (from {args.start_s:.0f} s), {args.source_block_tokens} -> "
-        f"{BLOCK} tokens a block, time x{time_scale:.3f} ({shape['span_s']:.0f} s), "
+        f"{BLOCK} tokens a block, a session every {args.session_interval_s:g} s, turns' "
+        f"gaps x{args.gap_scale:g} up to {args.max_gap_s:g} s ({shape['span_s']:.0f} s), "
         f"input median {shape['input_median']}, output median {shape['output_median']}; "
         f"unbounded-cache reuse {unbounded['fraction']:.1%}",
         flush=True,
@@ -571,11 +595,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "sessions",
         "machine": machine_info(),
+        "code": code_version(),
         "model": facts,
         "config": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
         }
-        | {"requests": n, "time_scale": time_scale, "block_tokens": BLOCK},
+        | {"requests": n, "block_tokens": BLOCK},
         "trace": {"path": str(args.trace), "scaled": str(scaled_path), **shape},
         "unbounded": {k: v for k, v in unbounded.items() if k != "per_request"},
         "rows": ordered,

@@ -120,22 +120,52 @@ def window(
     max_requests: int,
     min_turns: int = 1,
     max_turns: int | None = None,
+    max_input: int | None = None,
 ) -> list[TraceRequest]:
     """Whole sessions of at least ``min_turns`` requests (their first
-    ``max_turns``), starting at or after ``start_ms``, in order of their first
-    request, until ``max_requests`` would be exceeded; the requests in time
-    order."""
+    ``max_turns``, none longer than ``max_input`` tokens), starting at or after
+    ``start_ms``, in order of their first request, until ``max_requests`` would
+    be exceeded; the requests in time order."""
     picked: list[TraceRequest] = []
     for group in sessions(reqs):
         if group[0].timestamp_ms < start_ms or len(group) < min_turns:
             continue
         group = group[:max_turns] if max_turns else group
+        if max_input is not None and max(r.input_length for r in group) > max_input:
+            continue
         if len(picked) + len(group) > max_requests:
             if picked:
                 break
             continue
         picked.extend(group)
     return sorted(picked, key=lambda r: r.timestamp_ms)
+
+
+def space_sessions(
+    reqs: Sequence[TraceRequest],
+    *,
+    interval_ms: float,
+    gap_scale: float,
+    max_gap_ms: float | None = None,
+) -> list[TraceRequest]:
+    """The sessions started ``interval_ms`` apart, in order of their first
+    request, each keeping its turns' order and the trace's gaps between them
+    multiplied by ``gap_scale`` (and held to ``max_gap_ms``); the requests in
+    time order.
+
+    Shrinking the whole time axis of a window of whole sessions would send every
+    session's first turn at once (in the trace they are seconds apart among
+    other sessions' requests, which the window leaves out), and the later turns
+    minutes after; this keeps the sessions' arrival even and their rhythm."""
+    out: list[TraceRequest] = []
+    for k, group in enumerate(sessions(reqs)):
+        at, prev = k * interval_ms, group[0].timestamp_ms
+        for r in group:
+            gap = (r.timestamp_ms - prev) * gap_scale
+            at += gap if max_gap_ms is None else min(gap, max_gap_ms)
+            prev = r.timestamp_ms
+            out.append(TraceRequest(at, r.input_length, r.output_length, r.hash_ids))
+    return sorted(out, key=lambda r: r.timestamp_ms)
 
 
 def scale(

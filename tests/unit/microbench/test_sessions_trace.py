@@ -85,6 +85,40 @@ def test_window_takes_whole_sessions_from_the_start_time():
     )
 
 
+def test_a_session_with_a_turn_over_the_limit_is_left_out():
+    reqs = [
+        req(0, 64, [0, 5]),
+        req(10, 900, [0, 5, 6]),
+        req(20, 64, [0, 8]),
+        req(30, 64, [0, 8, 9]),
+    ]
+    got = trace.window(reqs, max_requests=10, min_turns=2, max_input=500)
+    assert [r.timestamp_ms for r in got] == [20, 30]
+
+
+def test_sessions_are_spaced_evenly_and_keep_their_rhythm():
+    reqs = [
+        req(0, 64, [0, 1]),
+        req(100, 64, [0, 2]),
+        req(60_000, 64, [0, 1, 3]),  # session (0, 1): its turn 2 a minute later
+        req(60_500, 64, [0, 2, 4]),
+        req(200_000, 64, [0, 1, 3, 5]),
+    ]
+    got = trace.space_sessions(reqs, interval_ms=5_000, gap_scale=0.01)
+    times = {(r.hash_ids[:2], len(r.hash_ids)): r.timestamp_ms for r in got}
+    assert times[((0, 1), 2)] == 0 and times[((0, 2), 2)] == 5_000
+    assert times[((0, 1), 3)] == pytest.approx(600)
+    assert times[((0, 1), 4)] == pytest.approx(2_000)
+    assert times[((0, 2), 3)] == pytest.approx(5_000 + 604)
+    assert [r.timestamp_ms for r in got] == sorted(r.timestamp_ms for r in got)
+    held = trace.space_sessions(
+        reqs, interval_ms=5_000, gap_scale=0.01, max_gap_ms=1_000
+    )
+    times = {(r.hash_ids[:2], len(r.hash_ids)): r.timestamp_ms for r in held}
+    assert times[((0, 1), 3)] == pytest.approx(600)  # under the limit: kept
+    assert times[((0, 1), 4)] == pytest.approx(1_600)  # 1,400 ms held to 1,000
+
+
 def test_unbounded_reuse_counts_leading_full_blocks_as_vllm_hits():
     reqs = [
         req(0, 3 * B, [0, 1, 2]),  # nothing seen: 0
