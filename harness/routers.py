@@ -17,6 +17,7 @@ file; ``Dispatcher.stop`` (or leaving its ``with`` block) ends it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -197,6 +198,37 @@ def upstream_proxy(prefill: Instance, decode: Instance, log_dir: Path) -> Dispat
 
 
 __all__ = ["Dispatcher", "upstream_proxy", "vllm_router"]
+
+
+# releases whose KV events vllm-router 0.1.17's kv_aware policy cannot read, and why
+KV_EVENTS_UNREADABLE = {
+    "0.18.1": (
+        "vllm-router 0.1.17 decodes a KV event only as a map; vLLM 0.18.1 sends "
+        "each as an array (msgspec array_like), so kv_aware gets no prefix from it "
+        "(docs/routers.md)"
+    ),
+}
+
+
+def kv_events_args(port: int) -> list[str]:
+    """vLLM publishes its KV events (BlockStored, BlockRemoved) on a ZMQ PUB socket
+    that connects to 127.0.0.1:port (an endpoint without a wildcard: vLLM connects,
+    not binds), where a forwarder to vllm-router's kv_aware policy binds
+    (KVEventForwarder); with no forwarder, nothing is sent."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "topic": "",
+    }
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def kv_event_port(inst: Instance) -> int:
+    """The port an instance started with kv_events_args() publishes to."""
+    args = inst.spec.extra_args
+    config = json.loads(args[args.index("--kv-events-config") + 1])
+    return int(config["endpoint"].rsplit(":", 1)[1])
 
 
 class KVEventForwarder:

@@ -1,31 +1,34 @@
 """Sessions: what prefix push buys on a production trace, through vllm-router.
 
 A window of whole conversations from a Mooncake-format trace (by default the
-production conversation trace in ../shared/traces, see microbench/sessions/
-trace.py for the window and the scaling) is replayed on its own clock, three
-ways, on two ``kv_both`` instances (core 0 and core 1):
+production conversation trace in ../shared/traces; microbench/sessions/trace.py
+holds the window and the scaling) is replayed on its own clock on two
+``kv_both`` instances (core 0 and core 1), in arms:
 
-  sticky       each session's turns sent straight to one instance (by session):
-               every turn after the first finds its prefix in the local cache;
-               the best a session-affine router could do
-  rr           vllm-router --policy round_robin in front: a turn lands on the
-               instance that served the previous one only by chance
-  rr+push      the same, with prefix push on both instances (MOONCAKE_PUSH_AUTO=1):
-               a turn sent to the instance without the session's prefix has it
-               pushed from the holder when D judges that pays
+  sticky         each session's turns sent straight to one instance: every turn
+                 after the first finds its prefix in the local cache (the best a
+                 session-affine router could do)
+  rr             vllm-router --policy round_robin in front: a turn lands on the
+                 instance that served the previous one only by chance
+  rr+push        the same, with prefix push on both instances (MOONCAKE_PUSH_AUTO=1)
+  kv_aware       vllm-router --policy kv_aware, fed by both instances' KV events
+                 (through a loopback forwarder each; harness.routers)
+  kv_aware+push  the same with prefix push
 
-rr and sticky run on one start of the instances (rr first, on empty caches;
-sticky's requests carry a cache_salt of their own, so they reuse nothing of rr's);
-rr+push on a second start. Per arm: TTFT p50/p90/p99 (client, streamed),
-end-to-end p50/p90, TPOT p90, prefix reuse (vLLM's prompt tokens by source:
-local cache hits + tokens from the connector) against the reuse one instance with
-an unbounded cache would get on the same requests, prefill tokens computed and
-"recomputed" (computed beyond what the unbounded cache could not save), push
-decisions by reason and pushes by outcome, errors, a correctness check of
-sampled requests (first tokens' top-5 logprobs against a from-scratch reference),
-and the KV blocks still held after the run.
+The kv_aware arms run with --kv-aware (or --full), where vllm-router can read
+the release's KV events (not vLLM 0.18.1: harness.routers.KV_EVENTS_UNREADABLE). The arms without push run on one start of the instances, those with push
+on another; every arm starts on empty prefix caches (POST /reset_prefix_cache,
+vLLM's dev route, on both instances before it). Per arm: TTFT p50/p90/p99
+(client, streamed), end-to-end p50/p90, TPOT p90, prefix reuse (vLLM's prompt
+tokens by source: local cache hits + tokens from the connector) against the
+reuse one instance with an unbounded cache would get on the same requests,
+prefill tokens computed and "recomputed" (computed beyond what the unbounded
+cache could not save), push decisions by reason and pushes by outcome, errors,
+a correctness check of sampled requests (first tokens' top-5 logprobs against a
+from-scratch reference), and the KV blocks still held after the run.
 
-    python -m microbench.sessions [--requests 40] [--session-interval-s 8] [--trace FILE]
+    python -m microbench.sessions [--requests 40] [--session-interval-s 8] [--kv-aware]
+                                  [--full] [--trace FILE]
 
 Any Mooncake-format trace replays with --trace (and --source-block-tokens if its
 blocks are not 512 tokens). Writes results/sessions-<time>.json, .png and the
@@ -37,6 +40,8 @@ prints a table and the targets.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import random
 import re
 import sys
 import time
@@ -47,12 +52,19 @@ import httpx
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import BLOCK, Cluster, InstanceSpec
+from harness.launcher import BLOCK, Cluster, InstanceSpec, free_port
 from harness.metrics import read_when, scrape
 from harness.model import ModelShape, ensure_model
 from harness.pd_client import bootstrap_headers, complete, model_name, push_stats
 from harness.prompts import PromptSource
-from harness.routers import vllm_router_workers
+from harness.routers import (
+    KV_EVENTS_UNREADABLE,
+    KVEventForwarder,
+    kv_event_port,
+    kv_events_args,
+    vllm_router_workers,
+)
+from harness.vllm_series import selected
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
     code_version,
@@ -74,6 +86,7 @@ DEFAULT_TRACE = (
 TOKEN = uuid.uuid4().hex
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 PUSH_REASONS = tuple(d.value for d in Decision)
+ARMS = ("sticky", "rr", "rr+push", "kv_aware", "kv_aware+push")
 TTFT_VS_LOCAL = 1.5  # turn >= 2 TTFT p50 with push, against sticky's
 REUSE_OF_UNBOUNDED = 0.9
 RECOMPUTE_CUT = 3.0
@@ -152,7 +165,43 @@ def turns_of(reqs: list[trace.TraceRequest]) -> list[int]:
     return out
 
 
-def run_arm(name, url_of, reqs, prompts, insts, model, sampled, salt, deadline_s):
+def flush(*insts) -> None:
+    """Empty the instances' prefix caches (vLLM's dev route; nothing is running)."""
+    for inst in insts:
+        r = httpx.post(inst.url + "/reset_prefix_cache", timeout=60)
+        if r.status_code != 200:
+            raise RuntimeError(
+                f"POST {inst.url}/reset_prefix_cache: {r.status_code} {r.text[:200]}"
+            )
+
+
+@contextlib.contextmanager
+def dispatcher(arm: str, a, b, reqs, log_dir: Path, model: str):
+    """Where each request of ``arm`` goes: a function of its index."""
+    if arm == "sticky":  # each session to one instance, alternately
+        home: dict[tuple[int, ...], str] = {}
+        for r in reqs:
+            home.setdefault(trace.session_key(r), (a, b)[len(home) % 2].url)
+        yield lambda i: home[trace.session_key(reqs[i])]
+        return
+    if arm.startswith("rr"):
+        with vllm_router_workers([a, b], log_dir, "round_robin") as router:
+            yield lambda i: router.url
+        return
+    extra = ["--router-temperature", "0", "--kv-event-block-size", str(BLOCK)]
+    extra += ["--kv-event-model", model]
+    with contextlib.ExitStack() as stack:
+        for inst in (a, b):
+            fwd = stack.enter_context(KVEventForwarder(kv_event_port(inst)))
+            extra += ["--kv-event-source", f"{inst.url}={fwd.outbound}"]
+        router = stack.enter_context(
+            vllm_router_workers([a, b], log_dir, "kv_aware", extra)
+        )
+        time.sleep(2)  # the router's subscriptions are up (ZMQ drops earlier events)
+        yield lambda i: router.url
+
+
+def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s):
     """One replay; its row (token counts and push figures from the instances,
     latencies from the client)."""
     span = reqs[-1].timestamp_ms / 1e3
@@ -177,7 +226,6 @@ def run_arm(name, url_of, reqs, prompts, insts, model, sampled, salt, deadline_s
         reqs,
         prompts,
         sampled=sampled,
-        cache_salt=salt,
         deadline_s=deadline_s,
         progress=progress,
     )
@@ -277,6 +325,19 @@ def where_the_time_goes(row: dict) -> str:
     )
 
 
+def p90_difference(x: dict, y: dict, n: int = 2000, seed: int = 0):
+    """x's TTFT p90 minus y's, with a 95% bootstrap interval (requests resampled
+    within each arm)."""
+    rng = random.Random(seed)
+    xs = [o["ttft_s"] for o in x["outcomes"] if o["ttft_s"] is not None]
+    ys = [o["ttft_s"] for o in y["outcomes"] if o["ttft_s"] is not None]
+    diffs = sorted(
+        pct(rng.choices(xs, k=len(xs)), 0.9) - pct(rng.choices(ys, k=len(ys)), 0.9)
+        for _ in range(n)
+    )
+    return pct(xs, 0.9) - pct(ys, 0.9), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
+
+
 def targets(rows: dict[str, dict]) -> list[dict]:
     rr, push, sticky = rows.get("rr"), rows.get("rr+push"), rows.get("sticky")
     out = []
@@ -314,6 +375,18 @@ def targets(rows: dict[str, dict]) -> list[dict]:
             f"{a * 1e3:.0f} / {b * 1e3:.0f} ms" if a and b else "-",
             a is not None and b is not None and a <= TTFT_VS_LOCAL * b,
             where_the_time_goes(push),
+        )
+    aware, aware_push = rows.get("kv_aware"), rows.get("kv_aware+push")
+    if aware and aware_push:
+        d, lo, hi = p90_difference(aware_push, aware)
+        add(
+            "kv_aware+push TTFT p90 not worse than kv_aware's beyond the run's noise",
+            f"{aware_push['ttft_p90_s'] * 1e3:.0f} / {aware['ttft_p90_s'] * 1e3:.0f} ms "
+            f"(difference {d * 1e3:+.0f} ms, 95% interval {lo * 1e3:+.0f} to "
+            f"{hi * 1e3:+.0f} ms)",
+            lo <= 0,
+            "noise: the difference's 95% interval from 2,000 bootstrap resamples of "
+            "each arm's requests; met when it includes 0 or lies below",
         )
     for name, r in rows.items():
         add(
@@ -454,6 +527,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4, help="requests checked per arm")
     ap.add_argument("--deadline-s", type=float, default=300.0)
+    ap.add_argument(
+        "--kv-aware",
+        action="store_true",
+        help="add the arms behind vllm-router's kv_aware policy (about 5 min more; "
+        "on with --full)",
+    )
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -521,25 +600,46 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_gib=args.kv_cache_gib,
         max_model_len=max(2048, max_len),
         dtype=facts["dtype"],
-        extra_args=["--enable-prompt-tokens-details"],
     )
+    common_args = ["--enable-prompt-tokens-details"]
     warm = PromptSource(facts["vocab_size"], seed=10_000 + args.seed)
+    version = selected().version
+    asked = args.kv_aware or args.full
+    kv_aware = asked and version not in KV_EVENTS_UNREADABLE
+    if asked and not kv_aware:
+        print(
+            f"[sessions] no kv_aware arms on vLLM {version}: "
+            f"{KV_EVENTS_UNREADABLE[version]}",
+            flush=True,
+        )
+    plans = [
+        ({}, ["rr", "sticky"] + (["kv_aware"] if kv_aware else [])),
+        (
+            {"MOONCAKE_PUSH_AUTO": "1"},
+            ["rr+push"] + (["kv_aware+push"] if kv_aware else []),
+        ),
+    ]
     rows: dict[str, dict] = {}
     flush_note = (
-        "rr ran first on freshly started instances; sticky on the same instances "
-        "with a cache_salt of its own (it reuses nothing of rr's); rr+push on "
-        "instances started again"
+        f"{', '.join(plans[0][1])} ran on one start of the instances and "
+        f"{', '.join(plans[1][1])} on another; each arm's caches were emptied before "
+        "it (a fresh start, or POST /reset_prefix_cache on both instances)"
     )
-    for env, arms in (
-        ({}, ("rr", "sticky")),
-        ({"MOONCAKE_PUSH_AUTO": "1"}, ("rr+push",)),
-    ):
+    for env, arms in plans:
         specs = [
-            InstanceSpec("a", cores="0", env=env, **common),
-            InstanceSpec("b", cores="1", env=env, **common),
+            InstanceSpec(
+                name,
+                cores=core,
+                env={**env, "VLLM_SERVER_DEV_MODE": "1"},
+                extra_args=common_args
+                + (kv_events_args(free_port()) if kv_aware else []),
+                **common,
+            )
+            for name, core in (("a", "0"), ("b", "1"))
         ]
         print(
-            f"[sessions] starting a (core 0) and b (core 1) for {', '.join(arms)}; logs in {log_dir}",
+            f"[sessions] starting a (core 0) and b (core 1) for {', '.join(arms)}; "
+            f"logs in {log_dir}",
             flush=True,
         )
         with Cluster(specs, log_dir, token=TOKEN) as cluster:
@@ -548,14 +648,8 @@ def main(argv: list[str] | None = None) -> int:
             for inst in (a, b):  # compiled paths warm, on tokens the trace never has
                 complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=model)
             for arm in arms:
-                if arm == "sticky":
-                    home = {}
-                    for r in reqs:
-                        home.setdefault(trace.session_key(r), (a, b)[len(home) % 2].url)
-
-                    def url_of(i: int, home: dict = home) -> str:
-                        return home[trace.session_key(reqs[i])]
-
+                flush(a, b)
+                with dispatcher(arm, a, b, reqs, log_dir, model) as url_of:
                     rows[arm] = run_arm(
                         arm,
                         url_of,
@@ -564,29 +658,16 @@ def main(argv: list[str] | None = None) -> int:
                         [a, b],
                         model,
                         sampled,
-                        f"sticky-{run_id}",
                         args.deadline_s,
                     )
-                else:
-                    with vllm_router_workers([a, b], log_dir, "round_robin") as router:
-                        rows[arm] = run_arm(
-                            arm,
-                            lambda i: router.url,
-                            reqs,
-                            prompts,
-                            [a, b],
-                            model,
-                            sampled,
-                            None,
-                            args.deadline_s,
-                        )
                 add_reuse(rows[arm], unbounded)
-    ordered = [rows[k] for k in ("sticky", "rr", "rr+push")]
+    ordered = [rows[k] for k in ARMS if k in rows]
     met = targets(rows)
     lines = [
         f"caches: {flush_note}",
-        "not run here: vllm-router's kv_aware policy with and without push, and P/D "
-        "layer-wise against post-hoc (microbench.routers measures those one at a time)",
+        "not run here: P/D layer-wise against post-hoc (microbench.routers measures "
+        "those one request at a time)"
+        + ("" if kv_aware else "; vllm-router's kv_aware arms (--kv-aware)"),
     ] + [
         f"target {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {t['value']}"
         + (f" ({t['why']})" if t["why"] else "")

@@ -25,6 +25,7 @@ import pytest
 from harness.cluster_pool import ClusterPool, run_order
 from harness.launcher import BLOCK, Cluster, InstanceSpec, free_port
 from harness.model import ModelShape, ensure_model
+from harness.routers import kv_events_args
 
 PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 CD_ROLES = {"c": "kv_producer", "d": "kv_consumer"}
@@ -222,20 +223,6 @@ PUSH_FAIL_WRITE_PROMPT_LEN = 5 * BLOCK + 11  # C fails every push of a prompt th
 class SharedCluster:
     modules: tuple[str, ...]  # file names, in the order they run
     config: Callable[[SourceServer], dict[str, Any]]  # make_cluster's arguments
-
-
-def kv_events_args(port: int) -> list[str]:
-    """vLLM publishes its KV events (BlockStored, BlockRemoved) on a ZMQ PUB socket
-    that connects to 127.0.0.1:port (an endpoint without a wildcard: vLLM connects,
-    not binds), where a test binds a forwarder to vllm-router's kv_aware policy
-    (harness.routers.KVEventForwarder); with no forwarder, nothing is sent."""
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{port}",
-        "topic": "",
-    }
-    return ["--kv-events-config", json.dumps(config)]
 
 
 LAYERWISE_FROM_256 = {"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256"}

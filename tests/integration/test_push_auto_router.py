@@ -19,7 +19,6 @@ MOONCAKE_PUSH_MIN_TOKENS beyond an instance's own hit is prefilled locally.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import threading
 import time
@@ -40,7 +39,12 @@ from harness.pd_client import (
     push_stats,
 )
 from harness.prompts import random_prompt as prompt
-from harness.routers import KVEventForwarder, vllm_router_workers
+from harness.routers import (
+    KV_EVENTS_UNREADABLE,
+    KVEventForwarder,
+    kv_event_port,
+    vllm_router_workers,
+)
 from harness.vllm_series import selected
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     Decision,
@@ -242,12 +246,6 @@ class HeldStreams:
             t.join(30)
 
 
-def kv_event_port(inst) -> int:
-    args = inst.spec.extra_args
-    config = json.loads(args[args.index("--kv-events-config") + 1])
-    return int(config["endpoint"].rsplit(":", 1)[1])
-
-
 def test_behind_kv_aware_a_turn_sent_away_from_its_holder_is_pushed(cluster, tmp_path):
     """vllm-router's kv_aware policy routes by the KV events both instances publish
     (through a loopback forwarder each). The holder of turn 2 carries 8 long
@@ -255,12 +253,8 @@ def test_behind_kv_aware_a_turn_sent_away_from_its_holder_is_pushed(cluster, tmp
     so kv_aware prices it above the idle instance and sends turn 3 to the other:
     it is pushed from the holder, exactly the blocks beyond its own hit, and the
     answer matches a from-scratch reference."""
-    if selected().version == "0.18.1":
-        pytest.skip(
-            "vllm-router 0.1.17 decodes a KV event only as a map; vLLM 0.18.1 "
-            "sends each as an array (msgspec array_like), so kv_aware gets no "
-            "prefix from it (docs/routers.md)"
-        )
+    if selected().version in KV_EVENTS_UNREADABLE:
+        pytest.skip(KV_EVENTS_UNREADABLE[selected().version])
     a, b = cluster["a"], cluster["b"]
     model = model_name(a.url)
     extra = ["--router-temperature", "0", "--kv-event-block-size", str(BLOCK)]
