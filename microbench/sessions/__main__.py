@@ -55,7 +55,13 @@ from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK, Cluster, InstanceSpec, free_port
 from harness.metrics import read_when, scrape
 from harness.model import ModelShape, ensure_model
-from harness.pd_client import bootstrap_headers, complete, model_name, push_stats
+from harness.pd_client import (
+    bootstrap_headers,
+    complete,
+    match_blocks,
+    model_name,
+    push_stats,
+)
 from harness.prompts import PromptSource
 from harness.routers import (
     KV_EVENTS_UNREADABLE,
@@ -165,14 +171,32 @@ def turns_of(reqs: list[trace.TraceRequest]) -> list[int]:
     return out
 
 
-def flush(*insts) -> None:
-    """Empty the instances' prefix caches (vLLM's dev route; nothing is running)."""
+def flush(insts, prompts: list[list[int]], model: str, fresh: PromptSource) -> None:
+    """Empty the instances' prefix caches (vLLM's dev route; nothing is running),
+    and wait until none holds a block of the replay's prompts (each instance's
+    own POST /match_blocks, whose table learns of the reset with the next step's
+    metadata: one short request of tokens the trace never has runs that step)."""
     for inst in insts:
         r = httpx.post(inst.url + "/reset_prefix_cache", timeout=60)
         if r.status_code != 200:
             raise RuntimeError(
                 f"POST {inst.url}/reset_prefix_cache: {r.status_code} {r.text[:200]}"
             )
+        complete(inst.url, fresh(32), max_tokens=1, logprobs=None, model=model)
+
+    def held() -> int:
+        return sum(
+            match_blocks(i.bootstrap_url, p)["matched_blocks"]
+            for i in insts
+            for p in prompts
+        )
+
+    left = read_when(held, lambda n: n == 0, timeout=30)
+    if left:
+        raise RuntimeError(
+            f"after POST /reset_prefix_cache the instances still hold {left} blocks "
+            "of the replay's prompts: the arms would not start on empty caches"
+        )
 
 
 @contextlib.contextmanager
@@ -648,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             for inst in (a, b):  # compiled paths warm, on tokens the trace never has
                 complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=model)
             for arm in arms:
-                flush(a, b)
+                flush((a, b), prompts, model, warm)
                 with dispatcher(arm, a, b, reqs, log_dir, model) as url_of:
                     rows[arm] = run_arm(
                         arm,
