@@ -31,7 +31,7 @@ from-scratch reference), and the KV blocks still held after the run.
                                   [--full] [--trace FILE]
 
 Any Mooncake-format trace replays with --trace (and --source-block-tokens if its
-blocks are not 512 tokens). Writes results/sessions-<time>.json, .png and the
+blocks are not 512 tokens). Writes results/sessions-trace-<time>.json, .png and the
 scaled trace (.trace.jsonl: replayable with vLLM 0.32's
 ``vllm bench serve --dataset-name timed_trace --timed-trace-chunk-hash-size 128``);
 prints a table and the targets.
@@ -603,8 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     step = max(1, len(later) // max(1, args.samples))
     sampled = set(later[::step][: args.samples])
     run_id = stamp()
-    out = args.out or DEFAULT_RESULTS_DIR / f"sessions-{run_id}.json"
-    log_dir = out.parent / f"sessions-{run_id}-logs"
+    out = args.out or DEFAULT_RESULTS_DIR / f"sessions-trace-{run_id}.json"
+    log_dir = out.parent / f"sessions-trace-{run_id}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     scaled_path = trace.write(out.with_suffix(".trace.jsonl"), reqs)
     shape = trace.describe(reqs)
