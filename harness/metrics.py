@@ -22,10 +22,17 @@ def scrape(url: str, timeout: float = 10.0) -> str:
     return CLIENT.get(url + "/metrics", timeout=timeout).text
 
 
-def samples(text: str, name: str) -> list[float]:
-    """The values of metric ``name`` in a /metrics text, one per label set."""
-    pat = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", re.M)
-    return [float(v) for v in pat.findall(text)]
+def samples(text: str, name: str, labels: dict[str, str] | None = None) -> list[float]:
+    """The values of metric ``name`` in a /metrics text, one per label set (only
+    the label sets holding every ``labels`` pair, if given)."""
+    pat = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", re.M)
+    want = [
+        re.compile(rf'(?:\{{|,){re.escape(k)}="{re.escape(v)}"(?:,|\}})')
+        for k, v in (labels or {}).items()
+    ]
+    return [
+        float(v) for found, v in pat.findall(text) if all(w.search(found) for w in want)
+    ]
 
 
 def counter(url: str, name: str, timeout: float = 10.0) -> float:

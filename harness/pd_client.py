@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -301,3 +302,32 @@ def push_stats(bootstrap_url: str, timeout: float = 30.0) -> dict:
     if r.status_code != 200:
         raise RequestFailed(f"GET {url} returned {r.status_code}: {r.text[:500]}")
     return r.json()
+
+
+PUSH_DECISIONS = "vllm_mooncake_ext_push_decisions_total"
+
+
+def push_decisions(bootstrap_url: str, timeout: float = 30.0) -> dict[str, float]:
+    """A push destination's decisions by reason (its bootstrap server's GET
+    /metrics, with the cluster's token): each reason vLLM's connector counts
+    (decode_cost.Decision) must appear exactly once."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+        Decision,
+    )
+
+    url = bootstrap_url + "/metrics"
+    r = CLIENT.get(url, timeout=timeout, headers=bootstrap_headers())
+    if r.status_code != 200:
+        raise RequestFailed(f"GET {url} returned {r.status_code}: {r.text[:300]}")
+    found = {}
+    for d in Decision:
+        values = re.findall(
+            rf'^{PUSH_DECISIONS}{{reason="{d.value}"}} (\S+)$', r.text, re.M
+        )
+        if len(values) != 1:
+            raise RequestFailed(
+                f"GET {url}: {len(values)} samples of {PUSH_DECISIONS} for reason "
+                f"{d.value!r} (one expected): is the patch series applied?"
+            )
+        found[d.value] = float(values[0])
+    return found

@@ -17,17 +17,18 @@ file; ``Dispatcher.stop`` (or leaving its ``with`` block) ends it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.launcher import Instance, free_port, log_tail
+from harness.launcher import BLOCK, Instance, free_port, log_tail
 from harness.pd_client import CLIENT
 from harness.vllm_series import selected
 
@@ -290,3 +291,23 @@ class KVEventForwarder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def kv_aware_router(
+    workers: list[Instance], log_dir: Path, model: str
+) -> Iterator[Dispatcher]:
+    """vllm-router's kv_aware policy in front of ``workers`` (each started with
+    kv_events_args()), fed by their KV events through a loopback forwarder each;
+    yielded once its subscriptions are up (ZMQ drops earlier events)."""
+    extra = ["--router-temperature", "0", "--kv-event-block-size", str(BLOCK)]
+    extra += ["--kv-event-model", model]
+    with contextlib.ExitStack() as stack:
+        for inst in workers:
+            fwd = stack.enter_context(KVEventForwarder(kv_event_port(inst)))
+            extra += ["--kv-event-source", f"{inst.url}={fwd.outbound}"]
+        router = stack.enter_context(
+            vllm_router_workers(workers, log_dir, "kv_aware", extra)
+        )
+        time.sleep(2)
+        yield router

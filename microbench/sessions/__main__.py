@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import re
 import sys
 import time
 import uuid
@@ -53,20 +52,19 @@ import httpx
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK, Cluster, InstanceSpec, free_port
-from harness.metrics import read_when, scrape
+from harness.metrics import read_when, samples, scrape
 from harness.model import ModelShape, ensure_model
 from harness.pd_client import (
-    bootstrap_headers,
     complete,
     match_blocks,
     model_name,
+    push_decisions,
     push_stats,
 )
 from harness.prompts import PromptSource
 from harness.routers import (
     KV_EVENTS_UNREADABLE,
-    KVEventForwarder,
-    kv_event_port,
+    kv_aware_router,
     kv_events_args,
     vllm_router_workers,
 )
@@ -107,26 +105,8 @@ def pct(xs: list[float], q: float) -> float | None:
 
 def by_source(url: str) -> dict[str, float]:
     text = scrape(url)
-    out = {}
-    for s in SOURCES:
-        pat = (
-            rf'^vllm:prompt_tokens_by_source_total\{{[^}}]*source="{s}"[^}}]*\}} (\S+)$'
-        )
-        out[s] = sum(float(v) for v in re.findall(pat, text, re.M))
-    return out
-
-
-def decisions(inst) -> dict[str, float]:
-    text = httpx.get(
-        inst.bootstrap_url + "/metrics", headers=bootstrap_headers(), timeout=10
-    ).text
-    name = "vllm_mooncake_ext_push_decisions_total"
-    return {
-        r: sum(
-            float(v) for v in re.findall(rf'^{name}{{reason="{r}"}} (\S+)$', text, re.M)
-        )
-        for r in PUSH_REASONS
-    }
+    name = "vllm:prompt_tokens_by_source_total"
+    return {s: sum(samples(text, name, {"source": s})) for s in SOURCES}
 
 
 def snapshot(insts) -> dict:
@@ -135,7 +115,7 @@ def snapshot(insts) -> dict:
         push = push_stats(i.bootstrap_url)
         snap[i.spec.name] = {
             "tokens": by_source(i.url),
-            "decisions": decisions(i),
+            "decisions": push_decisions(i.bootstrap_url),
             "push_ok": push.get("ok", 0),
             "push_failed": push.get("failed", 0),
         }
@@ -212,16 +192,7 @@ def dispatcher(arm: str, a, b, reqs, log_dir: Path, model: str):
         with vllm_router_workers([a, b], log_dir, "round_robin") as router:
             yield lambda i: router.url
         return
-    extra = ["--router-temperature", "0", "--kv-event-block-size", str(BLOCK)]
-    extra += ["--kv-event-model", model]
-    with contextlib.ExitStack() as stack:
-        for inst in (a, b):
-            fwd = stack.enter_context(KVEventForwarder(kv_event_port(inst)))
-            extra += ["--kv-event-source", f"{inst.url}={fwd.outbound}"]
-        router = stack.enter_context(
-            vllm_router_workers([a, b], log_dir, "kv_aware", extra)
-        )
-        time.sleep(2)  # the router's subscriptions are up (ZMQ drops earlier events)
+    with kv_aware_router([a, b], log_dir, model) as router:
         yield lambda i: router.url
 
 
@@ -265,8 +236,8 @@ def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s):
 
     # vLLM counts a request's tokens (and our worker its decisions) just after
     # the request ends
-    after = read_when(lambda: snapshot(insts), lambda s: counted(s) >= answered, 15)
-    time.sleep(1)
+    read_when(lambda: snapshot(insts), lambda s: counted(s) >= answered, 15)
+    time.sleep(1)  # and the workers have the decisions of the last steps
     after = snapshot(insts)
     diff = grown(before, after)
     checks = []

@@ -18,8 +18,6 @@ MOONCAKE_PUSH_MIN_TOKENS beyond an instance's own hit is prefilled locally.
 
 from __future__ import annotations
 
-import contextlib
-import re
 import threading
 import time
 
@@ -31,20 +29,14 @@ from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK
 from harness.metrics import counter, counter_when, read_when
 from harness.pd_client import (
-    CLIENT,
-    bootstrap_headers,
     complete,
     match_blocks,
     model_name,
+    push_decisions,
     push_stats,
 )
 from harness.prompts import random_prompt as prompt
-from harness.routers import (
-    KV_EVENTS_UNREADABLE,
-    KVEventForwarder,
-    kv_event_port,
-    vllm_router_workers,
-)
+from harness.routers import KV_EVENTS_UNREADABLE, kv_aware_router, vllm_router_workers
 from harness.vllm_series import selected
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     Decision,
@@ -74,15 +66,7 @@ def cluster(shared_cluster):
 
 def decisions(inst) -> dict[str, float]:
     """The instance's push decisions by reason, from its bootstrap server's /metrics."""
-    r = CLIENT.get(inst.bootstrap_url + "/metrics", headers=bootstrap_headers())
-    assert r.status_code == 200, (r.status_code, r.text[:300])
-    text = r.text
-    name = "vllm_mooncake_ext_push_decisions_total"
-    found = {}
-    for d in Decision:
-        (value,) = re.findall(rf'^{name}{{reason="{d.value}"}} (\S+)$', text, re.M)
-        found[d.value] = float(value)
-    return found
+    return push_decisions(inst.bootstrap_url)
 
 
 def grown(inst, before, timeout=10.0) -> dict[str, float]:
@@ -257,19 +241,10 @@ def test_behind_kv_aware_a_turn_sent_away_from_its_holder_is_pushed(cluster, tmp
         pytest.skip(KV_EVENTS_UNREADABLE[selected().version])
     a, b = cluster["a"], cluster["b"]
     model = model_name(a.url)
-    extra = ["--router-temperature", "0", "--kv-event-block-size", str(BLOCK)]
-    extra += ["--kv-event-model", model]
     turns = [prompt(6 * BLOCK + 20, seed=6300)]
     turns.append(turns[0] + prompt(3 * BLOCK + 5, seed=6301))
     turns.append(turns[1] + prompt(2 * BLOCK + 9, seed=6302))
-    with contextlib.ExitStack() as stack:
-        for inst in (a, b):
-            fwd = stack.enter_context(KVEventForwarder(kv_event_port(inst)))
-            extra += ["--kv-event-source", f"{inst.url}={fwd.outbound}"]
-        router = stack.enter_context(
-            vllm_router_workers([a, b], tmp_path, "kv_aware", extra)
-        )
-        time.sleep(2)  # the router's subscriptions are up (ZMQ drops earlier events)
+    with kv_aware_router([a, b], tmp_path, model) as router:
 
         def turn(ids):
             before = {i.spec.name: counter(i.url, SERVED) for i in (a, b)}
