@@ -10,6 +10,7 @@ upstream's own ``/register`` and ``/query``, which are left as upstream has them
   GET  /push/stats           C: push counters
   GET  /hashsync             the block-hash mirror: size, algorithm, a sample
   POST /hashsync/feed        the mirror's changes, for peers' holder indexes
+  POST /hashsync/reset       the instance's own scheduler: its prefix cache was reset
   GET  /layerwise/transfers  P: layer-wise totals and the last transfers' timelines
   GET  /metrics              all of these counters in Prometheus' text format (metrics.py)
 
@@ -43,7 +44,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config imp
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
     FEED_PATH,
+    RESET_PATH,
     FeedRequest,
+    ResetNotice,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
     WorkerHashSync,
@@ -272,6 +275,18 @@ def bootstrap_router(
             if await request.is_disconnected():  # the peer gave up: stop looking
                 return JSONResponse(page.model_dump())
             await asyncio.sleep(min(FEED_CHECK_S, max(0.0, end - clock())))
+
+    @router.post(RESET_PATH)
+    async def hashsync_reset(caller: Caller = Depends(authenticate)) -> JSONResponse:
+        sync = mirror()
+        try:
+            notice = ResetNotice.model_validate_json(caller.body)
+        except ValueError as e:
+            raise refusal(422, f"not a reset notice: {str(e)[:300]}") from None
+        why = sync.on_reset_notice(notice)
+        if why is not None:
+            raise refusal(409, why)
+        return JSONResponse({"resets": notice.resets, "size": sync.table.size()})
 
     @router.get("/layerwise/transfers")
     async def layerwise_transfers() -> dict[str, Any]:

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprin
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_sync import (
     SchedulerHashSync,
+    WorkerResetNotifier,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_scheduler import (
     LayerwiseScheduler,
@@ -52,6 +53,17 @@ def is_consumer(vllm_config: VllmConfig) -> bool:
     return vllm_config.kv_transfer_config.kv_role == "kv_consumer"  # type: ignore[union-attr]
 
 
+def own_bootstrap_url(vllm_config: VllmConfig, config: ExtConfig) -> str:
+    """This instance's bootstrap server, as its own processes reach it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+        get_mooncake_bootstrap_addr,
+    )
+
+    host, port = get_mooncake_bootstrap_addr(vllm_config)
+    host = config.reachable_bootstrap_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class SchedulerExtension:
     """What this series adds in the scheduler process, built once from the
     configuration: layer-wise scheduling (P, MOONCAKE_LAYERWISE), prefix-push
@@ -69,7 +81,10 @@ class SchedulerExtension:
             cache.block_size, cfg, local_fingerprint(vllm_config, cfg)
         )
         self.hashsync = (
-            SchedulerHashSync(cache.prefix_caching_hash_algo)
+            SchedulerHashSync(
+                cache.prefix_caching_hash_algo,
+                WorkerResetNotifier(own_bootstrap_url(vllm_config, cfg), cfg),
+            )
             if not is_consumer(vllm_config) and cache.enable_prefix_caching
             else None
         )

@@ -32,7 +32,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth impor
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
-    is_loopback,
     load,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
@@ -176,6 +175,9 @@ class HashMirrorStep(WorkerFeature):
             else None
         )
         self.sync.after_step(event)
+
+    def shutdown(self) -> None:
+        self.sync.close()
 
 
 class LayerwisePrefillStep(WorkerFeature):
@@ -354,18 +356,8 @@ class WorkerExtension(UpstreamHooks):
         return with_ext(metadata, self.xfer_request_fields())
 
     def registration_host(self, upstream_host: str) -> str:
-        """Where this worker registers with the bootstrap server. Upstream uses the DP
-        master's address, 127.0.0.1 by default; a server bound by MOONCAKE_BOOTSTRAP_HOST
-        to one non-loopback address is not listening there (the worker then retried
-        for ever): register at the bind address instead."""
-        bind = self.config.bootstrap_host
-        if (
-            bind not in ("0.0.0.0", "::")
-            and is_loopback(upstream_host)
-            and not is_loopback(bind)
-        ):
-            return bind
-        return upstream_host
+        """Where this worker registers with the bootstrap server (ExtConfig)."""
+        return self.config.reachable_bootstrap_host(upstream_host)
 
     def register_routes(self, app: Any) -> None:
         """This series' routes on the bootstrap server (served by the first worker),

@@ -231,6 +231,20 @@ class ExtConfig:
     def bootstrap_loopback(self) -> bool:
         return is_loopback(self.bootstrap_host)
 
+    def reachable_bootstrap_host(self, upstream_host: str) -> str:
+        """Where this instance's own processes reach its bootstrap server. Upstream
+        uses the DP master's address, 127.0.0.1 by default; a server bound by
+        MOONCAKE_BOOTSTRAP_HOST to one non-loopback address is not listening there
+        (a worker registering there retried for ever): the bind address instead."""
+        bind = self.bootstrap_host
+        if (
+            bind not in ("0.0.0.0", "::")
+            and is_loopback(upstream_host)
+            and not is_loopback(bind)
+        ):
+            return bind
+        return upstream_host
+
     @property
     def push_max_body_bytes(self) -> int:
         """A push body: the prompt (<= 21 bytes a token in JSON) and D's block list."""

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The messages of the prefix-cache feed, one model each for both sides.
+"""The messages of the prefix-cache feed and of the scheduler's reset notice, one
+model each for both sides.
 
 ``POST /hashsync/feed`` (signed like every POST of this series, common/auth.py):
 a peer's holder index (push/decode_index.py) asks a source what changed in its
@@ -16,6 +17,11 @@ group id), hex in the messages. The page carries the source's hash
 configuration (algorithm, NONE_HASH, its scheduler's id) and block size, so a
 peer hashes a prompt as the source does without sharing PYTHONHASHSEED.
 
+``POST /hashsync/reset`` (signed): the instance's own scheduler, when it runs in
+another process than the worker, tells the worker's mirror at once that the
+prefix cache was reset (its ``resets``-th reset; scheduler_recorder.py), so an
+idle instance stops offering the forgotten blocks before the reset returns.
+
 Everything here is untrusted on the receiving side: the models are strict and
 bounded (unknown fields, coercions, oversize lists and strings are refused).
 """
@@ -27,6 +33,10 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 FEED_PATH = "/hashsync/feed"
+RESET_PATH = "/hashsync/reset"
+# a notice may run this far ahead of the resets the mirror applied (notices that
+# failed in between); beyond it, it is refused and the next step's delta clears
+RESET_NOTICE_MAX_AHEAD = 1024
 FEED_MAX_WAIT_MS = 10_000  # the longest a feed request waits for a change
 FEED_PAGE_MAX_EVENTS = 32_768  # keys a page of changes lists at most
 FEED_SNAPSHOT_MAX_KEYS = 65_536  # keys a reset page lists at most
@@ -69,6 +79,14 @@ class FeedPage(_Strict):
     block_size: Annotated[StrictInt, Field(ge=1, le=1 << 16)]
 
 
+class ResetNotice(_Strict):
+    """The scheduler process ``scheduler_id`` reset its prefix cache, for the
+    ``resets``-th time."""
+
+    scheduler_id: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    resets: Annotated[StrictInt, Field(ge=1, le=2**62)]
+
+
 def decode_event(event: str) -> tuple[bool, bytes]:
     """(stored?, key) of one event; ValueError on anything else."""
     sign, hexkey = event[:1], event[1:]
@@ -84,6 +102,9 @@ __all__ = [
     "FEED_PATH",
     "FEED_SNAPSHOT_MAX_KEYS",
     "FeedPage",
+    "RESET_NOTICE_MAX_AHEAD",
+    "RESET_PATH",
+    "ResetNotice",
     "KEY_HEX_MAX",
     "FeedRequest",
     "decode_event",

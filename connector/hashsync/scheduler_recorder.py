@@ -7,11 +7,24 @@ side calls :func:`get_recorder` ``.drain()`` once per step and ships the
 :class:`HashDelta` to the workers in its connector metadata. While disabled
 (the default) each hook is one global read and a return.
 
+A reset of the prefix cache is also told at once, before the reset returns: to
+the listeners registered in this process (:meth:`HashRecorder.add_reset_listener`:
+the worker's mirror, when the worker runs in the engine core's process, vLLM's
+"uni" executor), or, when there is none, to ``worker_notifier`` (the scheduler's
+``POST /hashsync/reset`` to its worker's bootstrap server; scheduler_sync.py). An
+idle instance takes
+no step, so a reset carried only by the next step's delta would leave the mirror
+offering blocks the cache has forgotten (after a weight update: the old
+weights' KV) for as long as the instance stays idle. Each delta carries the
+number of resets recorded before it was drained (``resets``), so a mirror that
+has applied a reset at once drops a delta drained before it.
+
 This module imports nothing heavy so that ``vllm/v1/core/block_pool.py`` can
 import it without an import cycle. Single-threaded by design: the block pool
 and ``build_connector_meta`` both run on the engine core's scheduler thread.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -46,6 +59,8 @@ class HashDelta:
     # The scheduler's hash configuration, carried with every delta so a worker
     # can hash pushes the same way (and fail loudly if it ever changes).
     hash_config: HashConfig | None = None
+    # prefix-cache resets recorded before this delta was drained
+    resets: int = 0
 
     def __len__(self) -> int:
         return len(self.events)
@@ -58,6 +73,19 @@ class HashRecorder:
         self.hash_config: HashConfig | None = None
         self._events: list[HashEvent] = []
         self._overflowed = False
+        self.resets = 0  # prefix-cache resets recorded so far
+        self._reset_listeners: list[Callable[[int], None]] = []
+        # told instead when no listener is in this process (the worker's own)
+        self.worker_notifier: Callable[[int], None] | None = None
+
+    def add_reset_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(resets)`` on every prefix-cache reset, on the thread that
+        resets (the engine core's), before the reset returns."""
+        self._reset_listeners.append(listener)
+
+    def remove_reset_listener(self, listener: Callable[[int], None]) -> None:
+        if listener in self._reset_listeners:
+            self._reset_listeners.remove(listener)
 
     def enable(self, hash_config: HashConfig | None = None) -> None:
         self.enabled = True
@@ -93,14 +121,29 @@ class HashRecorder:
             self._append((HashEventKind.REMOVED, key, block_id))
 
     def record_cleared(self) -> None:
-        if self.enabled:
-            # Everything before a reset is moot for the worker.
-            self._events = [(HashEventKind.CLEARED, b"", -1)]
+        if not self.enabled:
+            return
+        self.resets += 1
+        # Everything before a reset is moot for the worker.
+        self._events = [(HashEventKind.CLEARED, b"", -1)]
+        listeners = tuple(self._reset_listeners) or (
+            (self.worker_notifier,) if self.worker_notifier is not None else ()
+        )
+        for listener in listeners:
+            try:
+                listener(self.resets)
+            except Exception:  # the pool's reset has happened: it must not fail
+                logger.exception(
+                    "hashsync: a listener failed on a prefix-cache reset; the "
+                    "worker-side table forgets the cache with the next step"
+                )
 
     def drain(self) -> HashDelta:
         events, self._events = self._events, []
         self._overflowed = False
-        return HashDelta(events=events, hash_config=self.hash_config)
+        return HashDelta(
+            events=events, hash_config=self.hash_config, resets=self.resets
+        )
 
 
 _RECORDER = HashRecorder()

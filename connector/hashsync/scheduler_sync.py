@@ -6,10 +6,31 @@ block_pool.block_hash_observer); each step the drained delta, with the
 scheduler's hash configuration (algorithm and NONE_HASH, which is random per
 process unless PYTHONHASHSEED is set), rides in the connector metadata to the
 worker (worker_sync.py).
+
+A reset of the prefix cache reaches a worker in another process before the reset
+returns: :class:`WorkerResetNotifier` posts it to the worker's bootstrap server
+(signed like every POST; each phase of the call within RESET_NOTICE_TIMEOUT_S).
+If that fails, the worker forgets the cache with the next step, and the warning
+says so.
 """
 
 from __future__ import annotations
 
+import httpx
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    request_headers,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+    RESET_PATH,
+    ResetNotice,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    SCHEDULER_ID,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
     scheduler_hash_config,
 )
@@ -21,11 +42,45 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+RESET_NOTICE_TIMEOUT_S = 5.0  # connect, send, answer: each at most this long
+
+
+class WorkerResetNotifier:
+    """Scheduler side: tells the worker's mirror, over the worker's bootstrap
+    server (``base_url``), that the prefix cache was reset."""
+
+    def __init__(self, base_url: str, config: ExtConfig):
+        self.url = base_url + RESET_PATH
+        self.config = config
+
+    def __call__(self, resets: int) -> None:
+        body = ResetNotice(scheduler_id=SCHEDULER_ID, resets=resets)
+        content = body.model_dump_json().encode()
+        headers = request_headers(self.config, "POST", RESET_PATH, content)
+        try:
+            # no proxy: the instance's own server
+            with httpx.Client(trust_env=False, timeout=RESET_NOTICE_TIMEOUT_S) as c:
+                r = c.post(self.url, content=content, headers=headers)
+        except httpx.HTTPError as e:
+            why = repr(e)
+        else:
+            if r.status_code in (200, 404):  # 404: no mirror on this instance
+                return
+            why = f"{r.status_code} {r.text[:300]}"
+        logger.warning(
+            "Mooncake block-hash sync: the prefix cache was reset, but telling "
+            "the worker's mirror (POST %s) failed: %s. Until this instance's next "
+            "step its /match_blocks may offer blocks the cache has forgotten; "
+            "send it a request before it serves pushes again.",
+            self.url,
+            why,
+        )
+
 
 class SchedulerHashSync:
     """Scheduler side: turns BlockPool's cache/evict events into per-step deltas."""
 
-    def __init__(self, hash_algo: str):
+    def __init__(self, hash_algo: str, notifier: WorkerResetNotifier | None = None):
         from vllm.v1.core import block_pool
 
         self.hash_algo = hash_algo
@@ -33,6 +88,7 @@ class SchedulerHashSync:
         # before build() runs for that step.
         recorder = get_recorder()
         recorder.enable()
+        recorder.worker_notifier = notifier
         block_pool.block_hash_observer = recorder
         self._configured = False
 

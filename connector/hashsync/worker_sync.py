@@ -12,6 +12,13 @@ its scheduler hashes them (same algorithm, NONE_HASH, cache_salt, LoRA), so a
 block is never matched for a request with another cache_salt. Read by prefix
 push (push/source_server.py), served as ``GET /hashsync`` and, for peers'
 holder indexes, as the feed ``POST /hashsync/feed`` (routes.py).
+
+A reset of the prefix cache (``POST /reset_prefix_cache``, as after a weight
+update) empties the table before the reset returns: directly when the scheduler
+runs in this process (vLLM's "uni" executor: TP 1 on CUDA, vLLM 0.18.1's CPU
+backend), by ``POST /hashsync/reset`` from the scheduler when it does not
+(the "mp" executor: vLLM 0.32.0's CPU backend); both verified on the CPU backend
+(tests/integration/test_push.py). The next step's delta clears it too.
 """
 
 from __future__ import annotations
@@ -19,11 +26,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+    RESET_NOTICE_MAX_AHEAD,
     FeedPage,
     FeedRequest,
+    ResetNotice,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
     hash_prompt_blocks,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
+    get_recorder,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_table import (
     BlockHashTable,
@@ -41,12 +53,36 @@ class WorkerHashSync:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.table = BlockHashTable(defer_stores=True)
+        # the scheduler in this process (vLLM's "uni" executor) empties the table
+        # on a reset directly; from another process it posts /hashsync/reset
+        get_recorder().add_reset_listener(self.table.clear)
 
     def on_metadata(self, delta: HashDelta | None) -> None:
         """Before the forward pass: apply the step's delta (removals at once, stores
         pending until the step has completed)."""
         if delta is not None and (len(delta) or delta.hash_config is not None):
             self.table.apply(delta)
+
+    def on_reset_notice(self, notice: ResetNotice) -> str | None:
+        """The scheduler's reset, told over HTTP (``POST /hashsync/reset``): None once
+        the table is empty, else why the notice is refused."""
+        cfg = self.table.hash_config
+        if cfg is not None and notice.scheduler_id != cfg.scheduler_id:
+            return (
+                f"a reset of scheduler {notice.scheduler_id}; this mirror follows "
+                f"scheduler {cfg.scheduler_id}"
+            )
+        applied = self.table.resets_applied()
+        if notice.resets > applied + RESET_NOTICE_MAX_AHEAD:
+            return (
+                f"reset {notice.resets} is more than {RESET_NOTICE_MAX_AHEAD} ahead of "
+                f"the {applied} this mirror applied"
+            )
+        self.table.clear(notice.resets)
+        return None
+
+    def close(self) -> None:
+        get_recorder().remove_reset_listener(self.table.clear)
 
     def after_step(self, event: Any = None) -> None:
         """After the forward pass was launched: blocks stored this step hold their

@@ -27,6 +27,12 @@ publishes each sealed step once its event has completed. On CUDA,
 then would let a push read KV that is not computed yet. Removals always take
 effect at once (also on stores not yet published).
 
+A reset of the scheduler's prefix cache reaches the table at once when both run
+in one process (:meth:`clear`, a listener of the recorder's); a delta drained
+before the latest reset the table has applied is then dropped whole: its stores
+name blocks the cache has forgotten. Otherwise the reset arrives as the CLEARED
+event of the next step's delta.
+
 The table also keeps the feed peers follow (hashsync/feed_protocol.py): each
 key it begins to hold (its first published block) and stops holding (its last
 block dropped), numbered in order, the last FEED_LOG_MAX of them; a reset of
@@ -75,6 +81,7 @@ class BlockHashTable:
         # steps whose forward was launched, oldest first: (event, their stores)
         self._sealed: list[tuple[Any, dict[int, bytes]]] = []
         self._gen: dict[int, int] = {}
+        self._resets = 0  # the scheduler's prefix-cache resets applied so far
         # the feed: this process's epoch, the last change's number, the kept changes
         # ("+"/"-" + key hex; numbered _feed_first .. _feed_seq) since the last reset
         self.feed_epoch = secrets.token_hex(8)
@@ -93,6 +100,9 @@ class BlockHashTable:
                     self.hash_config = delta.hash_config
                 else:
                     self.hash_config.check_same(delta.hash_config)
+            if delta.resets < self._resets:
+                return  # drained before a reset this table has applied already
+            self._resets = delta.resets
             for kind, key, block_id in delta.events:
                 if kind == HashEventKind.STORED:
                     self._store(key, block_id)
@@ -102,6 +112,18 @@ class BlockHashTable:
                     self._clear()
                 else:
                     raise ValueError(f"unknown hash event kind {kind!r}")
+
+    def clear(self, resets: int) -> None:
+        """The scheduler's prefix cache was reset (its ``resets``-th reset): forget
+        every block now, on the resetting thread."""
+        with self._lock:
+            if resets > self._resets:
+                self._resets = resets
+                self._clear()
+
+    def resets_applied(self) -> int:
+        with self._lock:
+            return self._resets
 
     def seal_pending(self, event: Any = None) -> None:
         """The current step's forward was launched; ``event`` completes after it

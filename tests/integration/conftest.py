@@ -227,7 +227,8 @@ class SharedCluster:
 
 LAYERWISE_FROM_256 = {"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256"}
 SHARED_CLUSTERS: dict[str, SharedCluster] = {
-    # C and D share a token; C fails the push of one prompt length; D takes pushes
+    # C and D share a token; C fails the push of one prompt length (and serves
+    # POST /reset_prefix_cache); D takes pushes
     # from C, from an address where nothing listens, and from the source this
     # process serves (shared_source); x64, of another block size, never matches.
     # test_posthoc_write_failure kills D: it runs last.
@@ -251,7 +252,9 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
                     "env": {
                         "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": str(
                             PUSH_FAIL_WRITE_PROMPT_LEN
-                        )
+                        ),
+                        # POST /reset_prefix_cache (vLLM 0.32.0 serves it only so)
+                        "VLLM_SERVER_DEV_MODE": "1",
                     }
                 },
                 "d": {"extra_push_sources": [UNREACHABLE_SOURCE, source.url]},

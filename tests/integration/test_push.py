@@ -199,3 +199,28 @@ def test_malformed_push_is_422_naming_the_field(cluster):
         assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
     after = push_stats(c.bootstrap_url)
     assert after == before  # rejected before any match or write
+
+
+def reset_prefix_cache(inst, deadline_s: float = 60.0) -> None:
+    """POST /reset_prefix_cache until vLLM resets (it refuses while a request still
+    holds blocks; C's last request may be finishing)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        r = httpx.post(inst.url + "/reset_prefix_cache", timeout=30)
+        if r.status_code == 200:
+            return
+        assert time.monotonic() < end, f"{r.status_code} {r.text[:300]}"
+        time.sleep(0.5)
+
+
+def test_a_reset_of_an_idle_source_is_matched_by_nothing_at_once(cluster):
+    """After its prefix cache is reset (as after a weight update), an idle source
+    takes no step: its block-hash mirror must forget at once, not with the next
+    step, or D is pushed KV the source itself no longer serves from."""
+    c, d = cluster["c"], cluster["d"]
+    ids = prompt(4 * BLOCK + 3, seed=5008)
+    turn_on_c(c, ids)
+    reset_prefix_cache(c)
+    assert match_blocks(c.bootstrap_url, ids)["matched_blocks"] == 0
+    check_local(push_request(d, c, ids), ids, c)
+    turn_on_c(c, ids)  # the mirror follows the cache again after the reset

@@ -18,6 +18,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth impor
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
+    HashDelta,
+    HashEventKind,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
+    WorkerHashSync,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.routes import (
     Served,
     bootstrap_router,
@@ -64,6 +74,7 @@ def test_upstreams_and_our_routes_are_still_served():
         "/push/stats",
         "/hashsync",
         "/hashsync/feed",
+        "/hashsync/reset",
         "/layerwise/transfers",
         "/metrics",
     } <= paths
@@ -77,7 +88,7 @@ TOKEN = "tok-5d1e0c2b"
 def test_every_route_of_this_series_answers_401_without_credentials():
     app = bootstrap_app(ExtConfig(bootstrap_host="0.0.0.0", bootstrap_token=TOKEN))
     ours = [r for r in app.routes if isinstance(r, APIRoute) and r.path != "/query"]
-    assert len(ours) == 8
+    assert len(ours) == 9
     client = TestClient(app)
     for route in ours:
         for method in route.methods:
@@ -114,3 +125,51 @@ def test_a_feature_this_instance_never_runs_is_404_and_one_not_ready_yet_503():
     assert (
         client.get("/layerwise/transfers").status_code == 404
     )  # MOONCAKE_LAYERWISE unset
+
+
+def test_a_reset_notice_empties_the_mirror_only_from_its_own_scheduler():
+    """POST /hashsync/reset: the instance's scheduler in another process tells the
+    mirror of a reset; a notice naming another scheduler, running too far ahead,
+    or malformed is refused and leaves the mirror as it was."""
+    sync = WorkerHashSync(block_size=4)
+    cfg = HashConfig("sha256", b"\x01" * 32, scheduler_id="sched-a")
+    sync.on_metadata(
+        HashDelta(
+            events=[(HashEventKind.STORED, b"k" * 36, 3)], hash_config=cfg, resets=0
+        )
+    )
+    sync.after_step()
+    config = ExtConfig(bootstrap_host="127.0.0.1")
+    app = FastAPI()
+    app.router.routes.extend(
+        bootstrap_router(
+            EndpointGuard(config),
+            config,
+            Served(hashsync=lambda: sync, push=lambda: None, layerwise=lambda: None),
+        ).routes
+    )
+    client = TestClient(app)
+    try:
+        for body, status in (
+            (b'{"scheduler_id": "sched-b", "resets": 1}', 409),
+            (b'{"scheduler_id": "sched-a", "resets": 1025}', 409),
+            (b'{"scheduler_id": "sched-a", "resets": "1"}', 422),
+            (b'{"scheduler_id": "sched-a", "resets": 0}', 422),
+            (b"[]", 422),
+        ):
+            r = client.post("/hashsync/reset", content=body)
+            assert r.status_code == status, (body, r.text)
+            assert sync.table.size() == 1
+        r = client.post(
+            "/hashsync/reset", content=b'{"scheduler_id": "sched-a", "resets": 1}'
+        )
+        assert r.json() == {"resets": 1, "size": 0}
+        assert sync.table.size() == 0
+        # a delta drained before that reset (a step in flight) brings nothing back
+        sync.on_metadata(
+            HashDelta(events=[(HashEventKind.STORED, b"k" * 36, 3)], resets=0)
+        )
+        sync.after_step()
+        assert sync.table.size() == 0
+    finally:
+        sync.close()

@@ -18,6 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.schedule
     HashRecorder,
     get_recorder,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
+    WorkerHashSync,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_table import (
     BlockHashTable,
 )
@@ -35,9 +38,12 @@ S, R, C = HashEventKind.STORED, HashEventKind.REMOVED, HashEventKind.CLEARED
 def recorder():
     r = get_recorder()
     r.disable()
+    listeners, resets = r._reset_listeners[:], r.resets
+    r._reset_listeners.clear()
     yield r
     r.disable()
     r.hash_config = None
+    r._reset_listeners[:], r.resets = listeners, resets
 
 
 def test_disabled_is_noop(recorder):
@@ -68,6 +74,51 @@ def test_cleared_supersedes_earlier_events(recorder):
     scheduler_recorder.record_cleared()
     scheduler_recorder.record_stored(b"b", 2)
     assert recorder.drain().events == [(C, b"", -1), (S, b"b", 2)]
+
+
+def test_a_reset_is_told_to_listeners_before_it_returns_and_counted_in_deltas(
+    recorder,
+):
+    recorder.enable()
+    heard = []
+    recorder.add_reset_listener(heard.append)
+    assert recorder.drain().resets == 0
+    scheduler_recorder.record_cleared()
+    assert heard == [1]
+    assert recorder.drain().resets == 1
+    recorder.remove_reset_listener(heard.append)
+    scheduler_recorder.record_cleared()
+    assert heard == [1] and recorder.drain().resets == 2
+
+
+def test_a_failing_listener_does_not_fail_the_reset(recorder):
+    recorder.enable()
+    heard = []
+
+    def broken(resets):
+        raise RuntimeError("listener bug")
+
+    recorder.add_reset_listener(broken)
+    recorder.add_reset_listener(heard.append)
+    scheduler_recorder.record_cleared()
+    assert heard == [1]
+    assert recorder.drain().events == [(C, b"", -1)]
+
+
+def test_the_worker_notifier_is_told_only_when_no_listener_is_in_this_process(
+    recorder,
+):
+    recorder.enable()
+    told, heard = [], []
+    recorder.worker_notifier = told.append
+    try:
+        scheduler_recorder.record_cleared()
+        assert told == [1]
+        recorder.add_reset_listener(heard.append)
+        scheduler_recorder.record_cleared()
+        assert told == [1] and heard == [2]
+    finally:
+        recorder.worker_notifier = None
 
 
 def test_overflow_degrades_to_clear():
@@ -208,3 +259,43 @@ def test_blocks_cached_before_the_first_build_reach_the_worker(
     assert (
         table.match_prefix(hash_prompt_blocks(tokens, BS, "sha256", none_hash)) == ids
     )
+
+
+def test_a_reset_empties_the_mirror_before_it_returns_and_a_stale_delta_is_dropped(
+    recorder, none_hash, observed
+):
+    """An idle instance takes no step after a reset: the worker's mirror (same
+    process) must forget at once; a delta drained before the reset and applied
+    after it (a step in flight) must not bring the forgotten blocks back."""
+    cfg = HashConfig("sha256", none_hash)
+    recorder.enable(cfg)
+    pool = HookedPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BS)
+    sync = WorkerHashSync(BS)
+    try:
+        a_tokens = list(range(1, 1 + 2 * BS))
+        a_ids = run_request(pool, make_request("a", a_tokens))
+        sync.on_metadata(recorder.drain())
+        sync.after_step()
+        a_hashes = hash_prompt_blocks(a_tokens, BS, cfg.hash_algo, cfg.none_hash)
+        assert sync.table.match_prefix(a_hashes) == a_ids
+
+        b_tokens = list(range(300, 300 + 2 * BS))
+        run_request(pool, make_request("b", b_tokens))
+        in_flight = recorder.drain()  # B's stores, not applied yet
+        assert pool.reset_prefix_cache()
+        assert sync.table.match_prefix(a_hashes) == []  # no step in between
+        assert sync.table.size() == 0
+
+        sync.on_metadata(in_flight)
+        sync.after_step()
+        b_hashes = hash_prompt_blocks(b_tokens, BS, cfg.hash_algo, cfg.none_hash)
+        assert sync.table.match_prefix(b_hashes) == []
+
+        c_ids = run_request(pool, make_request("c", a_tokens))  # after the reset
+        sync.on_metadata(recorder.drain())
+        sync.after_step()
+        assert sync.table.match_prefix(a_hashes) == c_ids
+        assert_mirrors(pool, sync.table)
+    finally:
+        sync.close()
+    assert sync.table.clear not in recorder._reset_listeners

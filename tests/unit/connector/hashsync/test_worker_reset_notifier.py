@@ -1,0 +1,86 @@
+"""The scheduler's notice of a prefix-cache reset to a worker in another process
+(hashsync/scheduler_sync.py): one signed POST /hashsync/reset to the instance's
+own bootstrap server; a failure is a warning, never an error in the reset."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
+    EndpointGuard,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync import (
+    scheduler_sync,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    SCHEDULER_ID,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_sync import (
+    WorkerResetNotifier,
+)
+
+TOKEN = "tok-reset-notice"
+
+
+@pytest.fixture
+def server():
+    """A bootstrap server stand-in: records each POST, answers ``status``."""
+    seen: list[tuple[str, dict[str, str], bytes]] = []
+    state = {"status": 200}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["content-length"]))
+            seen.append((self.path, dict(self.headers), body))
+            out = b"{}"
+            self.send_response(state["status"])
+            self.send_header("content-length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", seen, state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_the_notice_is_signed_and_names_this_scheduler(server):
+    url, seen, _ = server
+    config = ExtConfig(bootstrap_host="0.0.0.0", bootstrap_token=TOKEN)
+    WorkerResetNotifier(url, config)(3)
+    ((path, headers, body),) = seen
+    assert path == "/hashsync/reset"
+    assert json.loads(body) == {"scheduler_id": SCHEDULER_ID, "resets": 3}
+    verified = EndpointGuard(config).verify(
+        "POST", path, headers.get("authorization") or headers.get("Authorization"), body
+    )
+    assert verified.denied is None, verified
+
+
+def test_a_failed_notice_warns_and_does_not_raise(server, monkeypatch):
+    url, _, state = server
+    warned: list[str] = []
+    monkeypatch.setattr(
+        scheduler_sync.logger, "warning", lambda msg, *a: warned.append(msg % a)
+    )
+    config = ExtConfig(bootstrap_host="127.0.0.1")
+    state["status"] = 409
+    WorkerResetNotifier(url, config)(1)
+    state["status"] = 404  # no mirror on this instance: nothing to tell
+    WorkerResetNotifier(url, config)(2)
+    WorkerResetNotifier("http://127.0.0.1:9", config)(3)  # nothing listens
+    assert len(warned) == 2, warned
+    assert "409" in warned[0] and "next step" in warned[0]
+    assert "http://127.0.0.1:9/hashsync/reset" in warned[1]
