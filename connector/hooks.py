@@ -4,11 +4,13 @@
 Everything this series changes in upstream's connector is an override in a
 subclass (connector.py), except five points in the middle of long upstream
 methods, where a whole-method override would copy upstream code. There the
-patched upstream file calls ``self.ext.<hook>(...)`` in one line. This module
-holds the default, :data:`UPSTREAM`, which does exactly what upstream did at
-that point, so upstream's worker class (and upstream's own tests, which build it
-directly) behave as without the patch. This series' worker subclass replaces
-``ext`` with its :class:`~.extension.WorkerExtension`, which overrides them.
+patched upstream file calls ``hooks_of(self).<hook>(...)`` in one line:
+:func:`hooks_of` gives the worker's ``ext`` where this series' worker subclass
+set one (its :class:`~.worker_extension.WorkerExtension`, which overrides the
+hooks), else :data:`UPSTREAM`, which does exactly what upstream did at that
+point. Upstream's worker class, and upstream's own tests, which call its methods
+on the class or on stand-ins for ``self`` that have no ``ext``, behave as
+without the patch.
 
 Imported by upstream's ``mooncake_connector.py`` (its one import of this
 series): it must not import that module back.
@@ -57,3 +59,8 @@ class UpstreamHooks:
 
 
 UPSTREAM = UpstreamHooks()
+
+
+def hooks_of(worker: Any) -> UpstreamHooks:
+    """The hooks ``worker`` runs: its ``ext`` if it has one, else upstream's."""
+    return getattr(worker, "ext", UPSTREAM)

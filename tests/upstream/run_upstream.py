@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Run upstream vLLM's own unit tests for the areas our patches touch, offline.
 
-    python tests/upstream/run_upstream.py [--tree PATH] [--list] [--timeout S]
+    python tests/upstream/run_upstream.py [--tree PATH] [--release V] [--list] [--timeout S]
                                           [--only SUBSTR ...] [--json OUT]
                                           [--hf-home DIR] [--full-cleanup]
                                           [-- PYTEST_ARGS...]
 
-Runs the SELECTION below with pytest in one subprocess (cwd = the vLLM tree,
+Runs the SELECTION below (the files the release ships: an entry may name the
+first release that has it, SINCE) with pytest in one subprocess (cwd = the vLLM tree,
 the CPU runtime environment of harness.runtime_env.vllm_env(), -p
 no:cacheprovider, a per-test timeout), offline: HF_HUB_OFFLINE=1 and a private
 HF_HOME holding local stand-ins (hub_standins.py) for the hub models the tests
@@ -43,6 +44,19 @@ REPO = HERE.parent.parent
 # KV cache manager; patch 0003 reads the attention backend's KV cache layout,
 # 0004 injects faults into received KV).
 SELECTION: list[tuple[str, str]] = [
+    (
+        "tests/v1/kv_connector/unit/test_mooncake_connector.py",
+        "upstream's own tests of the MooncakeConnector classes the hook patch changes "
+        "and this series subclasses (upstream's stand-ins for self included)",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_mooncake_connector_hma.py",
+        "MooncakeConnector with several KV cache groups (the hook patch's file)",
+    ),
+    (
+        "tests/v1/kv_connector/unit/test_mooncake_stats.py",
+        "MooncakeConnector's transfer statistics (the hook patch's file)",
+    ),
     (
         "tests/v1/core/test_prefix_caching.py",
         "KVCacheManager/BlockPool prefix-cache hits and block hashing: the local hits a "
@@ -93,6 +107,14 @@ SELECTION: list[tuple[str, str]] = [
     ),
 ]
 
+# file -> the first release that ships it (an older release runs without it; from
+# this release on, a missing file is an error)
+SINCE: dict[str, str] = {
+    "tests/v1/kv_connector/unit/test_mooncake_connector.py": "0.32.0",
+    "tests/v1/kv_connector/unit/test_mooncake_connector_hma.py": "0.32.0",
+    "tests/v1/kv_connector/unit/test_mooncake_stats.py": "0.32.0",
+}
+
 _LLAVA = (
     "builds its scheduler from llava-hf/llava-1.5-7b-hf (multimodal: vision "
     "config, image processor and processor); no offline stand-in provided"
@@ -115,6 +137,21 @@ DESELECT: dict[str, str] = {
         "test_eagle3_mm_encoder_cache_with_shift",
     )
 }
+_HTTPX2 = (
+    "patches httpx.AsyncClient, but upstream's module imports httpx as "
+    "huggingface_hub.utils.httpx, which with huggingface_hub 2.4.0 (the lock) is "
+    "httpx2: the stub is never called and the real client tries the test's host "
+    "(this series' one hook there returns the host as upstream has it)"
+)
+DESELECT.update(
+    {
+        f"tests/v1/kv_connector/unit/test_mooncake_connector.py::{name}": _HTTPX2
+        for name in (
+            "test_register_worker_retries_on_read_timeout",
+            "test_register_worker_raises_after_max_attempts",
+        )
+    }
+)
 
 LLAVA_MODEL = "llava-hf/llava-1.5-7b-hf"
 
@@ -304,12 +341,32 @@ def print_list(files: list[str]) -> None:
     for path, why in SELECTION:
         if path in files:
             print(f"  {path}\n      why: {why}")
+    later = [p for p, _ in SELECTION if p not in files and p in SINCE]
+    if later:
+        print("\nNot in this release (SINCE):")
+        for path in later:
+            print(f"  {path} (from {SINCE[path]})")
     print("\nDeselected (reported as DESELECTED, never as passed):")
     for key, reason in DESELECT.items():
         print(f"  {key}\n      reason: {reason}")
     print("\nOffline hub stand-ins (config from the real repo, small local tokenizer):")
     for name, (why, _f) in STANDINS.items():
         print(f"  {name}: {why}")
+
+
+def selected_release() -> str:
+    sys.path.insert(0, str(REPO))
+    from harness.vllm_series import selected  # noqa: PLC0415
+
+    return selected().version
+
+
+def shipped(path: str, release: str) -> bool:
+    """Whether ``release`` ships the selected test file ``path`` (SINCE)."""
+    from packaging.version import Version  # noqa: PLC0415
+
+    since = SINCE.get(path)
+    return since is None or Version(release) >= Version(since)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=REPO / "third_party" / "vllm",
         help="vLLM source tree holding tests/ (default: <repo>/third_party/vllm)",
+    )
+    ap.add_argument(
+        "--release",
+        help="the tree's vLLM release, for SINCE (default: the selected series', "
+        "harness/vllm_series.py)",
     )
     ap.add_argument("--list", action="store_true", help="print the selection and exit")
     ap.add_argument(
@@ -355,7 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    files = [p for p, _ in SELECTION if not args.only or any(s in p for s in args.only)]
+    release = args.release or selected_release()
+    files = [
+        p
+        for p, _ in SELECTION
+        if shipped(p, release) and (not args.only or any(s in p for s in args.only))
+    ]
     if not files:
         ap.error("--only matched no selected file")
     sys.path.insert(0, str(HERE))

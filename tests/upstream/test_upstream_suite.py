@@ -24,14 +24,24 @@ RUNNER = HERE / "run_upstream.py"
 @pytest.mark.upstream
 @pytest.mark.timeout(1800)
 def test_upstream_vllm_unit_tests(tmp_path):
-    tree = Path(os.environ.get("VMP_UPSTREAM_TREE") or selected().tree)
+    series = selected()
+    tree = Path(os.environ.get("VMP_UPSTREAM_TREE") or series.tree)
     if not (tree / "tests" / "v1" / "core").is_dir():
         pytest.skip(
             f"no vLLM source tree with upstream tests at {tree} (scripts/setup.sh builds it)"
         )
     out = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), "--tree", str(tree), "--json", str(out)],
+        [
+            sys.executable,
+            str(RUNNER),
+            "--tree",
+            str(tree),
+            "--release",
+            series.version,
+            "--json",
+            str(out),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -30,7 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import 
     ExtMooncakeConnectorScheduler,
     ExtMooncakeConnectorWorker,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hooks import UPSTREAM
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hooks import (
+    UPSTREAM,
+    hooks_of,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 SERIES = selected()  # the vLLM release under test
@@ -66,13 +69,13 @@ def test_the_hook_patch_adds_only_one_line_calls_of_one_shape():
         if ln.startswith("+") and not ln.startswith("+++")
     ]
     allowed = re.compile(
-        r"(.*\bself\.ext\.\w+\(.*|from .*\.ext\.hooks import UPSTREAM"
-        r"|ext = UPSTREAM\b.*|self\.engine, remote_session, .*"
+        r"(.*\bhooks_of\(self\)\.\w+\(.*|from .*\.ext\.hooks import hooks_of"
+        r"|self\.engine, remote_session, .*"
         # the formatter's wrap of a hook call's arguments (0.32.0's longer line)
         r'|vllm_config, "0\.0\.0\.0", port|\)|)$'
     )
     assert [ln for ln in added if not allowed.fullmatch(ln)] == []
-    assert sum("self.ext." in ln for ln in added) == 5
+    assert sum("hooks_of(self)." in ln for ln in added) == 5
 
 
 class _Engine:
@@ -92,7 +95,11 @@ def test_upstream_hooks_do_what_upstream_did():
     meta = object()
     assert UPSTREAM.xfer_metadata(meta) is meta
     assert UPSTREAM.send_failed(SimpleNamespace()) is None
-    assert up.MooncakeConnectorWorker.ext is UPSTREAM
+    # upstream's class, and upstream's tests' stand-ins for self, have no ext
+    assert not hasattr(up.MooncakeConnectorWorker, "ext")
+    assert hooks_of(SimpleNamespace()) is UPSTREAM
+    mine = object()
+    assert hooks_of(SimpleNamespace(ext=mine)) is mine
 
 
 # ---- scheduler -----------------------------------------------------------------------
