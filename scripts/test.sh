@@ -49,9 +49,12 @@ run_release() {
   # vLLM's CPU backend needs tcmalloc (and Intel OpenMP) preloaded, in pytest's process too.
   local preload
   preload="$("$py" -c 'from harness.runtime_env import preload_libs; print(":".join(preload_libs()))')"
-  vmp_say "vLLM $version: pytest -ra --durations=15${*:+ $*}"
+  # every test's time, for the slowest-first view of where CI's minutes go
+  local times="$ROOT/.cache/logs/pytest-$version.xml"
+  vmp_say "vLLM $version: pytest -ra --durations=15${*:+ $*} (each test's time: $times)"
   local rc=0
-  VMP_VLLM="$version" LD_PRELOAD="$preload" "$py" -m pytest -ra --durations=15 "$@" || rc=$?
+  VMP_VLLM="$version" LD_PRELOAD="$preload" "$py" -m pytest -ra --durations=15 \
+    --junitxml="$times" "$@" || rc=$?
   if [ "$rc" -eq 5 ]; then  # pytest: no test selected (e.g. by -m) in this release
     vmp_say "vLLM $version: no test selected"
     rc=0
