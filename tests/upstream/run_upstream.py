@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Run upstream vLLM's own unit tests for the areas our patches touch, offline.
 
-    python tests/upstream/run_upstream.py [--tree PATH] [--release V] [--list] [--timeout S]
+    python tests/upstream/run_upstream.py [--tree PATH] [--release V --patches DIR]
+                                          [--list] [--timeout S]
                                           [--only SUBSTR ...] [--json OUT]
                                           [--hf-home DIR] [--full-cleanup]
                                           [-- PYTEST_ARGS...]
 
-Runs the SELECTION below (the files the release ships: an entry may name the
-first release that has it, SINCE) with pytest in one subprocess (cwd = the vLLM tree,
+Runs the tests upstream ships for every file the release's series touches
+(selection.py, derived from the patches) and the hand-picked SELECTION below,
+with pytest in one subprocess (cwd = the vLLM tree,
 the CPU runtime environment of harness.runtime_env.vllm_env(), -p
 no:cacheprovider, a per-test timeout), offline: HF_HUB_OFFLINE=1 and a private
 HF_HOME holding local stand-ins (hub_standins.py) for the hub models the tests
@@ -35,28 +37,17 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
-# Upstream test files run, each with why it matters to our patch series (the
+# Upstream test files run in addition to those the series selects (selection.py),
+# each with why it matters to our patch series (the
 # MooncakeConnector extensions drive the scheduler's KV-connector paths and the
 # KV cache manager; patch 0003 reads the attention backend's KV cache layout,
 # 0004 injects faults into received KV).
 SELECTION: list[tuple[str, str]] = [
-    (
-        "tests/v1/kv_connector/unit/test_mooncake_connector.py",
-        "upstream's own tests of the MooncakeConnector classes the hook patch changes "
-        "and this series subclasses (upstream's stand-ins for self included)",
-    ),
-    (
-        "tests/v1/kv_connector/unit/test_mooncake_connector_hma.py",
-        "MooncakeConnector with several KV cache groups (the hook patch's file)",
-    ),
-    (
-        "tests/v1/kv_connector/unit/test_mooncake_stats.py",
-        "MooncakeConnector's transfer statistics (the hook patch's file)",
-    ),
     (
         "tests/v1/core/test_prefix_caching.py",
         "KVCacheManager/BlockPool prefix-cache hits and block hashing: the local hits a "
@@ -106,14 +97,6 @@ SELECTION: list[tuple[str, str]] = [
         "aggregation of finished_sending/finished_recving/invalid blocks across workers",
     ),
 ]
-
-# file -> the first release that ships it (an older release runs without it; from
-# this release on, a missing file is an error)
-SINCE: dict[str, str] = {
-    "tests/v1/kv_connector/unit/test_mooncake_connector.py": "0.32.0",
-    "tests/v1/kv_connector/unit/test_mooncake_connector_hma.py": "0.32.0",
-    "tests/v1/kv_connector/unit/test_mooncake_stats.py": "0.32.0",
-}
 
 _LLAVA = (
     "builds its scheduler from llava-hf/llava-1.5-7b-hf (multimodal: vision "
@@ -334,18 +317,20 @@ def summarize(
     )
 
 
-def print_list(files: list[str]) -> None:
+def print_list(files: list[str], sel: Any) -> None:
     from hub_standins import STANDINS  # noqa: PLC0415
 
     print("Selected upstream test files:")
-    for path, why in SELECTION:
-        if path in files:
+    for path in files:
+        print(f"  {path}\n      why: {sel.why[path]}")
+    if sel.not_shipped:
+        print("\nNot in this release:")
+        for path, since in sel.not_shipped.items():
+            print(f"  {path} (from {since})")
+    if sel.untested:
+        print("\nTouched by the series, no upstream test file selected:")
+        for path, why in sel.untested.items():
             print(f"  {path}\n      why: {why}")
-    later = [p for p, _ in SELECTION if p not in files and p in SINCE]
-    if later:
-        print("\nNot in this release (SINCE):")
-        for path in later:
-            print(f"  {path} (from {SINCE[path]})")
     print("\nDeselected (reported as DESELECTED, never as passed):")
     for key, reason in DESELECT.items():
         print(f"  {key}\n      reason: {reason}")
@@ -354,19 +339,13 @@ def print_list(files: list[str]) -> None:
         print(f"  {name}: {why}")
 
 
-def selected_release() -> str:
+def selected_series() -> tuple[str, Path]:
+    """(version, patches folder) of the selected release (harness/vllm_series.py)."""
     sys.path.insert(0, str(REPO))
     from harness.vllm_series import selected  # noqa: PLC0415
 
-    return selected().version
-
-
-def shipped(path: str, release: str) -> bool:
-    """Whether ``release`` ships the selected test file ``path`` (SINCE)."""
-    from packaging.version import Version  # noqa: PLC0415
-
-    since = SINCE.get(path)
-    return since is None or Version(release) >= Version(since)
+    series = selected()
+    return series.version, series.patches
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,8 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--release",
-        help="the tree's vLLM release, for SINCE (default: the selected series', "
+        help="the tree's vLLM release (default: the selected series', "
         "harness/vllm_series.py)",
+    )
+    ap.add_argument(
+        "--patches",
+        type=Path,
+        help="the release's series folder (default: the selected series')",
     )
     ap.add_argument("--list", action="store_true", help="print the selection and exit")
     ap.add_argument(
@@ -417,27 +401,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    release = args.release or selected_release()
-    files = [
-        p
-        for p, _ in SELECTION
-        if shipped(p, release) and (not args.only or any(s in p for s in args.only))
-    ]
-    if not files:
-        ap.error("--only matched no selected file")
     sys.path.insert(0, str(HERE))
-    if args.list:
-        print_list(files)
-        return 0
+    from selection import derive, touched_files  # noqa: PLC0415
 
+    release, patches = selected_series()
+    if args.release or args.patches:
+        if not (args.release and args.patches):
+            ap.error("--release and --patches go together")
+        release, patches = args.release, args.patches
     tree = args.tree.resolve()
-    missing = [f for f in files if not (tree / f).is_file()]
-    if missing:
+    sel = derive(touched_files(patches), SELECTION, tree, release)
+    if sel.errors:
         print(
-            f"run_upstream: not in the tree {tree}: {', '.join(missing)}",
+            "run_upstream: the selection of vLLM "
+            f"{release} ({patches}):\n  " + "\n  ".join(sel.errors),
             file=sys.stderr,
         )
         return 2
+    files = [f for f in sel.files if not args.only or any(s in f for s in args.only)]
+    if not files:
+        ap.error("--only matched no selected file")
+    if args.list:
+        print_list(files, sel)
+        return 0
 
     from hub_standins import build_hf_home  # noqa: PLC0415
 
@@ -487,12 +473,27 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n" + "=" * 30 + " upstream vLLM unit tests (offline) " + "=" * 30)
     print(summary)
+    print(f"\nselected from the series of vLLM {release} ({patches}) and by hand:")
+    for path in sel.not_shipped:
+        print(f"  not in this release: {path} (from {sel.not_shipped[path]})")
+    for path, why in sel.untested.items():
+        print(f"  touched, no upstream test file selected: {path}: {why}")
     print(
         f"\nwall time {elapsed:.0f} s; pytest exit code {proc.returncode}; "
         f"result: {'OK' if ok else 'FAILED'}"
     )
     if args.json:
-        data.update({"elapsed_s": round(elapsed, 1), "ok": ok, "tree": str(tree)})
+        data.update(
+            {
+                "elapsed_s": round(elapsed, 1),
+                "ok": ok,
+                "tree": str(tree),
+                "release": release,
+                "why": {f: sel.why[f] for f in files},
+                "untested": sel.untested,
+                "not_shipped": sel.not_shipped,
+            }
+        )
         args.json.write_text(json.dumps(data, indent=1))
     return 0 if ok else 1
 
