@@ -58,10 +58,11 @@ def own_bootstrap_url(vllm_config: VllmConfig, config: ExtConfig) -> str:
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
         get_mooncake_bootstrap_addr,
     )
+    from vllm.utils.network_utils import make_zmq_path
 
     host, port = get_mooncake_bootstrap_addr(vllm_config)
-    host = config.reachable_bootstrap_host(host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    # built as upstream's worker builds its registration URL
+    return make_zmq_path("http", config.reachable_bootstrap_host(host), port)
 
 
 class SchedulerExtension:

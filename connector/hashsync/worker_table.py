@@ -27,11 +27,12 @@ publishes each sealed step once its event has completed. On CUDA,
 then would let a push read KV that is not computed yet. Removals always take
 effect at once (also on stores not yet published).
 
-A reset of the scheduler's prefix cache reaches the table at once when both run
-in one process (:meth:`clear`, a listener of the recorder's); a delta drained
+A reset of the scheduler's prefix cache reaches the table at once through
+:meth:`clear`: called by the recorder when both run in one process, by the
+``POST /hashsync/reset`` route when they do not (worker_sync.py). A delta drained
 before the latest reset the table has applied is then dropped whole: its stores
-name blocks the cache has forgotten. Otherwise the reset arrives as the CLEARED
-event of the next step's delta.
+name blocks the cache has forgotten. The next step's delta carries the reset too
+(its CLEARED event), the backstop if the notice failed.
 
 The table also keeps the feed peers follow (hashsync/feed_protocol.py): each
 key it begins to hold (its first published block) and stops holding (its last
