@@ -85,8 +85,14 @@ PREFIX = "MOONCAKE_"
 MC_TRANSFER_TIMEOUT = "MC_TRANSFER_TIMEOUT"
 DEFAULT_ENGINE_TRANSFER_TIMEOUT_S = 30
 ENGINE_TIMEOUT_FLOOR_S = 5
-# Mooncake's TCP transport fails a connection's slices after about this long
-# without progress (its no-progress watchdog, separate from the call's timeout).
+# Mooncake's TCP transport (0.3.13, tcp_wire.h) drops a connection, failing its
+# slices, after MC_TCP_PROGRESS_TIMEOUT_SEC without payload progress (its
+# no-progress watchdog, separate from the call's timeout) and fails a slice whose
+# status frame has not come within MC_TCP_STATUS_TIMEOUT_SEC; each read as
+# atoi(value) when that is above 0, else 30. A connection can stall up to the
+# larger of the two before the transport lets it go (engine_no_progress_s).
+MC_TCP_PROGRESS_TIMEOUT_SEC = "MC_TCP_PROGRESS_TIMEOUT_SEC"
+MC_TCP_STATUS_TIMEOUT_SEC = "MC_TCP_STATUS_TIMEOUT_SEC"
 ENGINE_NO_PROGRESS_S = 30
 # Linux keeps a TCP connection that was closed with data still queued (an
 # orphan, FIN-WAIT-1) and retransmits that data until net.ipv4.tcp_orphan_retries
@@ -207,6 +213,10 @@ class ExtConfig:
     push_timeout_s: float = 30.0
     push_clock_skew_s: float = 5.0
     engine_transfer_timeout_s: int = DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
+    # how long the transport lets a connection stall before it drops it
+    # (engine_no_progress_s: MC_TCP_PROGRESS_TIMEOUT_SEC / MC_TCP_STATUS_TIMEOUT_SEC);
+    # a push source reports its own in /match_blocks
+    engine_no_progress_s: int = ENGINE_NO_PROGRESS_S
     # this host's net.ipv4.tcp_orphan_retries as the kernel applies it (0 -> 8);
     # a push source reports its own in /match_blocks (PushJob carries it to D's hold)
     tcp_orphan_retries: int = LINUX_ORPHAN_RETRIES
@@ -258,8 +268,8 @@ class ExtConfig:
         (``max(5, atoi(MC_TRANSFER_TIMEOUT))`` s + 1 ns per byte); then the
         kernel's: how long bytes queued on a connection that stalled can still
         be delivered (:func:`stalled_delivery_bound_s`, which covers the
-        transport's no-progress watchdog and the orphaned connections it
-        leaves). engine_write.py waits for every slice to be terminal and for
+        transport's no-progress watchdog, ``engine_no_progress_s``, and the
+        orphaned connections it leaves). engine_write.py waits for every slice to be terminal and for
         the kernel's queues (send_queues.py); past this bound it logs the write
         as overdue and keeps waiting (its blocks stay out of use). A peer that
         holds blocks for someone else's write uses this bound, computed with
@@ -268,7 +278,9 @@ class ExtConfig:
             ENGINE_HANDSHAKE_ALLOWANCE_S
             + self.engine_transfer_timeout_s
             + nbytes * ENGINE_NS_PER_BYTE * 1e-9
-            + stalled_delivery_bound_s(self.tcp_orphan_retries)
+            + stalled_delivery_bound_s(
+                self.tcp_orphan_retries, self.engine_no_progress_s
+            )
         )
 
     def push_hold_for_s(
@@ -276,20 +288,24 @@ class ExtConfig:
         nbytes: int,
         source_engine_timeout_s: int | None = None,
         source_tcp_orphan_retries: int | None = None,
+        source_engine_no_progress_s: int | None = None,
     ) -> float:
         """How long D keeps a push's blocks when C never answers. C starts no write
         once the push's budget (push_timeout_s, from when C received the request)
         or its deadline (D's wall clock + push_timeout_s, read on C's clock, which
         D measured within push_clock_skew_s) has passed; a write started by then
         ends within C's engine_write_bound_s for the ``nbytes`` asked for,
-        computed with C's MC_TRANSFER_TIMEOUT (``source_engine_timeout_s``) and
-        its kernel's orphan retries (``source_tcp_orphan_retries``), both from C's
+        computed with C's MC_TRANSFER_TIMEOUT (``source_engine_timeout_s``), its
+        kernel's orphan retries (``source_tcp_orphan_retries``) and its transport's
+        no-progress watchdog (``source_engine_no_progress_s``), all from C's
         /match_blocks answer (None: this instance's own)."""
         source = self
         if source_engine_timeout_s is not None:
             source = replace(source, engine_transfer_timeout_s=source_engine_timeout_s)
         if source_tcp_orphan_retries is not None:
             source = replace(source, tcp_orphan_retries=source_tcp_orphan_retries)
+        if source_engine_no_progress_s is not None:
+            source = replace(source, engine_no_progress_s=source_engine_no_progress_s)
         return (
             self.push_timeout_s
             + source.engine_write_bound_s(nbytes)
@@ -322,7 +338,8 @@ class ExtConfig:
                 f"this prefill instance may answer up to {needed:g} s after a pull "
                 f"(MOONCAKE_LAYERWISE_TIMEOUT_S={self.layerwise_timeout_s:g} + the bound on "
                 f"an in-flight write, {self.engine_write_bound_s(0):g} s from its "
-                f"MC_TRANSFER_TIMEOUT), but the decode instance gives up after "
+                f"MC_TRANSFER_TIMEOUT and its transport's {self.engine_no_progress_s} s "
+                "no-progress watchdog), but the decode instance gives up after "
                 f"{give_up:g} s (its VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower the "
                 "prefill's MOONCAKE_LAYERWISE_TIMEOUT_S or raise the decode's "
                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"
@@ -378,6 +395,7 @@ class ExtConfig:
         )
         engine_timeout = engine_timeout_s(env)
         orphan_retries = tcp_orphan_retries()
+        no_progress = engine_no_progress_s(env)
         # D's pull socket gives up after VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s
         # (upstream) and then frees the blocks; P must have answered by then. P
         # answers after its timeout once the in-flight write is terminal, which the
@@ -385,7 +403,9 @@ class ExtConfig:
         # write, small against the rest).
         d_gives_up = abort_timeout + 60
         write_bound = cls(
-            engine_transfer_timeout_s=engine_timeout, tcp_orphan_retries=orphan_retries
+            engine_transfer_timeout_s=engine_timeout,
+            tcp_orphan_retries=orphan_retries,
+            engine_no_progress_s=no_progress,
         ).engine_write_bound_s(0)
         default_layerwise_timeout = max(
             0.1, min(abort_timeout, math.floor(d_gives_up - write_bound - 5))
@@ -413,6 +433,7 @@ class ExtConfig:
             push_clock_skew_s=_number(env, "MOONCAKE_PUSH_CLOCK_SKEW_S", 5.0),
             engine_transfer_timeout_s=engine_timeout,
             tcp_orphan_retries=orphan_retries,
+            engine_no_progress_s=no_progress,
             push_source_timeout_max_s=int(
                 _number(
                     env,
@@ -458,7 +479,8 @@ class ExtConfig:
         if cfg.layerwise_timeout_s + write_bound >= d_gives_up:
             raise ConfigError(
                 f"MOONCAKE_LAYERWISE_TIMEOUT_S={cfg.layerwise_timeout_s:g} + the bound on an "
-                f"in-flight write ({write_bound:g} s, from MC_TRANSFER_TIMEOUT and "
+                f"in-flight write ({write_bound:g} s, from MC_TRANSFER_TIMEOUT, the "
+                f"transport's {no_progress} s no-progress watchdog and "
                 f"net.ipv4.tcp_orphan_retries={orphan_retries}) must "
                 f"stay below the decode side's {d_gives_up:g} s "
                 "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, or raise "
@@ -477,6 +499,25 @@ def engine_timeout_s(env: Mapping[str, str]) -> int:
     return max(ENGINE_TIMEOUT_FLOOR_S, int(m.group(1)) if m else 0)
 
 
+def _mooncake_timeout_s(env: Mapping[str, str], name: str, default: int) -> int:
+    """A TCP transport timeout as Mooncake reads it (tcp_wire.h,
+    parseTimeoutSecEnv): ``atoi(value)`` seconds when above 0, else ``default``."""
+    m = re.match(r"\s*([+-]?\d+)", env.get(name) or "")
+    value = int(m.group(1)) if m else 0
+    return value if value > 0 else default
+
+
+def engine_no_progress_s(env: Mapping[str, str]) -> int:
+    """How long Mooncake's TCP transport lets a connection stall before it drops
+    it: the larger of its no-progress watchdog (MC_TCP_PROGRESS_TIMEOUT_SEC) and
+    its status-frame deadline (MC_TCP_STATUS_TIMEOUT_SEC), 30 s each by default.
+    Until then the connection keeps its queued bytes, and may still deliver them."""
+    return max(
+        _mooncake_timeout_s(env, name, ENGINE_NO_PROGRESS_S)
+        for name in (MC_TCP_PROGRESS_TIMEOUT_SEC, MC_TCP_STATUS_TIMEOUT_SEC)
+    )
+
+
 def tcp_retransmission_span_s(retries: int) -> float:
     """The kernel's time model for ``retries`` retransmissions (tcp_model_timeout
     with TCP_RTO_MIN): a connection whose unacknowledged data has been
@@ -489,10 +530,12 @@ def tcp_retransmission_span_s(retries: int) -> float:
     ) * TCP_RTO_MAX_S
 
 
-def stalled_delivery_bound_s(orphan_retries: int) -> float:
+def stalled_delivery_bound_s(
+    orphan_retries: int, no_progress_s: int = ENGINE_NO_PROGRESS_S
+) -> float:
     """How long after a connection stalls the bytes it had queued can still be
-    delivered: the transport's watchdog closes it after ENGINE_NO_PROGRESS_S
-    without progress, the kernel keeps it as an orphan and gives up at the first
+    delivered: the transport's watchdog closes it after ``no_progress_s``
+    without progress (engine_no_progress_s), the kernel keeps it as an orphan and gives up at the first
     retransmission timer past the retransmission span of ``orphan_retries``
     (counted from the stall), which can fire up to one backed-off interval (no
     longer than the time so far, nor than TCP_RTO_MAX) after it; 1 s for the RTO
@@ -500,7 +543,7 @@ def stalled_delivery_bound_s(orphan_retries: int) -> float:
     the default (8: 102.2 s + 102.2 s + 1 s) the write returned 106.8 s after
     the cut; with 7 (51 s + 51 s + 1 s), 62.7 and 79.0 s.
     """
-    span = max(ENGINE_NO_PROGRESS_S, tcp_retransmission_span_s(orphan_retries))
+    span = max(no_progress_s, tcp_retransmission_span_s(orphan_retries))
     return span + min(span, TCP_RTO_MAX_S) + 1.0
 
 

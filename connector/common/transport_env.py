@@ -16,7 +16,9 @@ bytes; the admission timeout (20 s) is below a push's deadline
 (MOONCAKE_PUSH_TIMEOUT_S, 30 s). Every write of this series waits until the
 engine reports each of its entries done or failed (engine_write.py); the
 bound peers hold blocks for is ``ExtConfig.engine_write_bound_s``, computed
-from the writer's MC_TRANSFER_TIMEOUT (C reports it to D in /match_blocks).
+from the writer's MC_TRANSFER_TIMEOUT and its transport's no-progress watchdog
+(MC_TCP_PROGRESS_TIMEOUT_SEC, MC_TCP_STATUS_TIMEOUT_SEC); C reports both to D in
+/match_blocks.
 
 The defaults below apply only to the ``tcp`` protocol and only where the user
 has not set the variable: an explicit setting always wins. They must be in the
@@ -31,6 +33,9 @@ from collections.abc import Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     DEFAULT_ENGINE_TRANSFER_TIMEOUT_S,
+    ENGINE_NO_PROGRESS_S,
+    MC_TCP_PROGRESS_TIMEOUT_SEC,
+    MC_TCP_STATUS_TIMEOUT_SEC,
     MC_TRANSFER_TIMEOUT,
     is_loopback,
     load,
@@ -47,6 +52,10 @@ TCP_TRANSPORT_DEFAULTS: dict[str, str] = {
     "MC_TCP_ADMISSION_TIMEOUT_MS": "20000",
     # explicit, because config.ExtConfig.engine_write_bound_s is computed from it
     MC_TRANSFER_TIMEOUT: str(int(DEFAULT_ENGINE_TRANSFER_TIMEOUT_S)),
+    # explicit, because the same bound is computed from the transport's watchdog
+    # (config.engine_no_progress_s): a later engine's other default cannot slip in
+    MC_TCP_PROGRESS_TIMEOUT_SEC: str(ENGINE_NO_PROGRESS_S),
+    MC_TCP_STATUS_TIMEOUT_SEC: str(ENGINE_NO_PROGRESS_S),
 }
 
 

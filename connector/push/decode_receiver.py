@@ -201,7 +201,10 @@ class PushReceiver:
         """How long this push's blocks are kept if C never answers."""
         nbytes = len(job.dst_block_ids) * self.block_len * len(self.base_addrs)
         return self.config.push_hold_for_s(
-            nbytes, job.source_engine_timeout_s, job.source_tcp_orphan_retries
+            nbytes,
+            job.source_engine_timeout_s,
+            job.source_tcp_orphan_retries,
+            job.source_engine_no_progress_s,
         )
 
     def start(self, jobs: list[PushJob]) -> None:

@@ -132,6 +132,7 @@ class _Match:
     source_id: str  # the source's name, sent back in the push request
     tcp_orphan_retries: int | None = None  # the source's kernel's (None: ours)
     round_trip_s: float = 0.0  # the /match_blocks call, as D timed it
+    engine_no_progress_s: int | None = None  # the source's transport's (None: ours)
 
 
 def push_source(request: Request) -> str | None:
@@ -346,12 +347,26 @@ class PushScheduler:
                 "instance's blocks for longer than it would hold them. Lower the "
                 "source's setting or raise this instance's"
             )
+        stall = resp.engine_no_progress_s
+        stall_most = max(accepted, self.config.engine_no_progress_s)
+        if stall is not None and not 0 < stall <= stall_most:
+            raise SourceRefusedError(
+                f"it reports a transport no-progress watchdog (its "
+                f"MC_TCP_PROGRESS_TIMEOUT_SEC / MC_TCP_STATUS_TIMEOUT_SEC) of {stall} s; "
+                f"this instance accepts 1 .. {stall_most} s "
+                "(MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S, or its own if larger): a write of "
+                "it that stalls could "
+                "land in this instance's blocks for longer than it would hold them. "
+                "Lower the source's setting or raise MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S "
+                "here"
+            )
         return _Match(
             resp.matched_blocks,
             resp.engine_timeout_s,
             resp.source_id,
             retries,
             round_trip,
+            stall,
         )
 
     def _allowed(self, rid: str, source: str) -> bool:
@@ -587,6 +602,7 @@ class PushScheduler:
                 source_engine_timeout_s=match.engine_timeout_s,
                 source_id=match.source_id,
                 source_tcp_orphan_retries=match.tcp_orphan_retries,
+                source_engine_no_progress_s=match.engine_no_progress_s,
             )
         )
         self.stats["requests"] += 1

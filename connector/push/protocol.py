@@ -137,6 +137,9 @@ class MatchBlocksResponse(_Strict):
     # of a write cut off mid-way can still be delivered (config.stalled_delivery_bound_s);
     # None: D assumes its own kernel's
     tcp_orphan_retries: StrictInt | None = None
+    # how long C's transport lets a stalled connection keep its queued bytes before
+    # it drops it (config.engine_no_progress_s, s); None: D assumes its own
+    engine_no_progress_s: StrictInt | None = None
 
 
 class PushBlocksRequest(_Strict):
@@ -389,6 +392,8 @@ class PushJob:
     source_id: str = ""
     # C's kernel's orphan retries from the same answer (None: this instance's own)
     source_tcp_orphan_retries: int | None = None
+    # C's transport's no-progress watchdog from the same answer (None: ours)
+    source_engine_no_progress_s: int | None = None
 
 
 @dataclass

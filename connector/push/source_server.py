@@ -324,6 +324,7 @@ class PushServer:
             now_unix_ms=self._now_ms(),
             source_id=self.source_id,
             tcp_orphan_retries=self.config.tcp_orphan_retries,
+            engine_no_progress_s=self.config.engine_no_progress_s,
         ).model_dump()
 
     def push(

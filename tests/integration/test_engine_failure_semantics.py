@@ -150,15 +150,15 @@ def test_a_failed_write_returns_only_once_the_kernel_holds_none_of_its_bytes():
 ORPHAN_RETRIES = 7
 
 
-@pytest.mark.hosts
-def test_a_write_cut_off_for_good_ends_within_the_bound_peers_hold_for():
+def cut_off_for_good(env: dict[str, str], orphan_retries: int, stall_s: float) -> None:
     """The receiver's link is cut 80 ms into the write and not restored until the
     write has returned. Peers hold blocks for a write for the writer's bound
     (ExtConfig.engine_write_bound_s: D's push hold, D's pull give-up against P's
     timeout), so the write must end within it, and once it has ended no byte of
-    it may land, even when the link comes back."""
+    it may land, even when the link comes back. ``stall_s``: the write must have
+    stalled at least this long (else the cut was not seen)."""
     with terminal_write_on_two_hosts(
-        CUT_NBYTES, ENV, writer_sysctls={"net.ipv4.tcp_orphan_retries": ORPHAN_RETRIES}
+        CUT_NBYTES, env, writer_sysctls={"net.ipv4.tcp_orphan_retries": orphan_retries}
     ) as (topo, writer, recv):
         bound = writer.write_bound_s
         writer.send("go")
@@ -175,7 +175,9 @@ def test_a_write_cut_off_for_good_ends_within_the_bound_peers_hold_for():
         f"cut for good: the write returned {took:.1f} s after the cut (bound {bound:.1f} s)"
     )
     assert int(line.split()[1]) == -1, line
-    assert took > 30, f"the write ended {took:.1f} s after the cut: no stall was seen"
+    assert took > stall_s, (
+        f"the write ended {took:.1f} s after the cut: no stall of {stall_s:g} s was seen"
+    )
     assert took <= bound, (
         f"the write ended {took:.1f} s after the cut, past the {bound:.1f} s its "
         "peers hold blocks for: they would have freed them while its bytes could "
@@ -184,6 +186,30 @@ def test_a_write_cut_off_for_good_ends_within_the_bound_peers_hold_for():
     assert later == at_return, (
         f"bytes landed after the write had returned: {at_return} -> {later} chunks"
     )
+
+
+@pytest.mark.hosts
+def test_a_write_cut_off_for_good_ends_within_the_bound_peers_hold_for():
+    cut_off_for_good(ENV, ORPHAN_RETRIES, 30)
+
+
+# The transport's watchdog raised above what the bound once assumed (30 s): with one
+# orphan retry that bound was 5 + 5 + 61 s, and a write cut off for good outlived it
+# (it returned 106.9 s after the cut: the watchdog, then the orphan's next timer).
+RAISED_WATCHDOG_S = 80
+
+
+@pytest.mark.hosts
+def test_a_raised_transport_watchdog_raises_the_bound_peers_hold_for():
+    """The transport keeps a stalled connection, and its queued bytes, until its
+    watchdog (here RAISED_WATCHDOG_S) drops it: the write ends only after that,
+    and the bound its peers hold blocks for must cover it."""
+    env = {
+        **ENV,
+        "MC_TCP_PROGRESS_TIMEOUT_SEC": str(RAISED_WATCHDOG_S),
+        "MC_TCP_STATUS_TIMEOUT_SEC": str(RAISED_WATCHDOG_S),
+    }
+    cut_off_for_good(env, 1, RAISED_WATCHDOG_S - 5)
 
 
 # ---- a peer whose writes keep failing ----------------------------------------------

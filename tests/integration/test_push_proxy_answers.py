@@ -32,7 +32,9 @@ from harness.prompts import random_prompt as prompt
 pytestmark = pytest.mark.integration
 
 LATE_S = 3.0  # the write behind the proxy lands this long after its 504
-PUSH_TIMEOUT_S = 5  # D's MOONCAKE_PUSH_TIMEOUT_S: its hold is about 81 s here
+PUSH_TIMEOUT_S = 5  # D's MOONCAKE_PUSH_TIMEOUT_S: its hold is about 31 s here
+# the source's engine: its transport drops a connection stalled this long
+WATCHDOG_S = 5
 
 
 class SourceBehindAProxy:
@@ -43,8 +45,12 @@ class SourceBehindAProxy:
         from mooncake.engine import TransferEngine
 
         self.engine = TransferEngine()
-        if self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise RuntimeError("the test's transfer engine did not start")
+        # the transport reads its watchdog once, when it starts: only this engine's
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", str(WATCHDOG_S))
+            mp.setenv("MC_TCP_STATUS_TIMEOUT_SEC", str(WATCHDOG_S))
+            if self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+                raise RuntimeError("the test's transfer engine did not start")
         self.garbage: np.ndarray | None = None
         self.c_bootstrap = ""
         self.fingerprint: dict = {}
@@ -73,9 +79,15 @@ class SourceBehindAProxy:
             self.c_bootstrap, raw, authorization, BLOCK
         )
         self.fingerprint = out["fingerprint"]
-        # the engine's floor and a kernel that gives up on orphaned connections at
-        # once: D's hold for this source is as short as it can be
-        return {**out, "engine_timeout_s": 5, "tcp_orphan_retries": 1}
+        # the engine's floor, its short watchdog and a kernel that gives up on
+        # orphaned connections at once: D's hold for this source is as short as it
+        # can be (5 + 5 + 5 + 11 + 5 s)
+        return {
+            **out,
+            "engine_timeout_s": 5,
+            "tcp_orphan_retries": 1,
+            "engine_no_progress_s": WATCHDOG_S,
+        }
 
     def write_late(self, push: dict) -> None:
         time.sleep(LATE_S)

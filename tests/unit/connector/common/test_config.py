@@ -1,11 +1,14 @@
 """connector/common/config.py: every knob read once, bad values named, bounds that the
 "no byte after the end" invariant relies on refused."""
 
+from dataclasses import replace
+
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ConfigError,
     ExtConfig,
+    engine_no_progress_s,
     stalled_delivery_bound_s,
     tcp_orphan_retries,
     tcp_retransmission_span_s,
@@ -169,6 +172,40 @@ def test_the_write_bound_covers_what_a_cut_link_can_still_deliver():
     )
     assert ExtConfig.from_env({}).engine_write_bound_s(0) > 113.3
     assert ExtConfig.from_env({}).push_hold_for_s(0) > 30 + 113.3
+
+
+@pytest.mark.parametrize(
+    "env,watchdog",
+    [
+        ({}, 30),
+        ({"MC_TCP_PROGRESS_TIMEOUT_SEC": "120"}, 120),
+        ({"MC_TCP_STATUS_TIMEOUT_SEC": " 90s"}, 90),  # atoi: the leading digits
+        ({"MC_TCP_PROGRESS_TIMEOUT_SEC": "5", "MC_TCP_STATUS_TIMEOUT_SEC": "7"}, 7),
+        ({"MC_TCP_PROGRESS_TIMEOUT_SEC": "0"}, 30),  # not above 0: the engine's 30
+        ({"MC_TCP_PROGRESS_TIMEOUT_SEC": "-4"}, 30),
+        ({"MC_TCP_PROGRESS_TIMEOUT_SEC": "abc"}, 30),
+    ],
+)
+def test_the_transports_watchdog_is_read_as_the_engine_reads_it(env, watchdog):
+    assert engine_no_progress_s(env) == watchdog
+    assert ExtConfig.from_env(env).engine_no_progress_s == watchdog
+
+
+def test_the_write_bound_follows_a_raised_transport_watchdog():
+    """MC_TCP_PROGRESS_TIMEOUT_SEC=200: the transport keeps a stalled connection,
+    and the bytes it had queued, for 200 s before it drops it; they can land until
+    the kernel gives up on the orphan after that. The bound peers hold blocks for
+    must cover it (with the 30 s it assumed before, it was 5 + 5 + 61 s with one
+    orphan retry: blocks freed while the write could still land)."""
+    env = {"MC_TRANSFER_TIMEOUT": "5", "MC_TCP_PROGRESS_TIMEOUT_SEC": "200"}
+    cfg = replace(ExtConfig.from_env(env), tcp_orphan_retries=1)
+    assert cfg.engine_write_bound_s(0) == pytest.approx(5 + 5 + 200 + 120 + 1)
+    # D's hold for a push of a source that reports it, whatever D's own setting
+    d = replace(ExtConfig.from_env({}), tcp_orphan_retries=1)
+    assert d.push_hold_for_s(0, 5, 1, 200) > 200 + 120 + 1
+    assert d.push_hold_for_s(0, 5, 1) < 200
+    assert stalled_delivery_bound_s(1, 200) == pytest.approx(200 + 120 + 1)
+    assert stalled_delivery_bound_s(1, 5) == pytest.approx(5 + 5 + 1)  # lowered too
 
 
 def test_the_kernels_retransmission_model():

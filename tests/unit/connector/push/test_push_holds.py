@@ -47,6 +47,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_recei
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
     PushScheduler,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    PushJob,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
     PushServer,
 )
@@ -344,6 +347,30 @@ def test_d_accepts_a_source_with_its_own_engine_timeout_when_that_is_longer():
     )
 
 
+def push_job_from(c, caplog, **d_env: str) -> tuple[tuple, PushJob | None, ExtConfig]:
+    """D (its kernel's default orphan retries, ``d_env`` added) asks C for a
+    prompt of 3 full blocks: (what the scheduler answered, the push job it made or
+    None, D's configuration)."""
+    d_cfg = replace(
+        ExtConfig.from_env(
+            {"MOONCAKE_PUSH_SOURCES": c.url, "MOONCAKE_PUSH_MIN_TOKENS": "0", **d_env}
+        ),
+        tcp_orphan_retries=8,
+    )
+    sched = PushScheduler(BS, d_cfg, SCHED_FP)
+    r = c_request(c.url)
+    with caplog.at_level(logging.WARNING):
+        got = ask(sched, r)
+    if got[0] == 0:
+        assert sched.take_jobs() == [] and c.engine.log == []
+        return got, None, d_cfg
+    sched.update_state_after_alloc(
+        r, SimpleNamespace(get_block_ids=lambda: ([3, 4, 7],)), 3 * BS
+    )
+    (job,) = sched.take_jobs()
+    return got, job, d_cfg
+
+
 @pytest.mark.parametrize(
     ("reported", "pushed"), [(1, True), (8, True), (9, False), (255, False)]
 )
@@ -356,22 +383,9 @@ def test_the_hold_follows_the_sources_kernel_and_refuses_one_beyond_what_d_accep
     larger) D prefills locally and says why."""
     c = c_server()
     c.server.config = replace(c.server.config, tcp_orphan_retries=reported)
-    d_cfg = replace(
-        ExtConfig.from_env(
-            {"MOONCAKE_PUSH_SOURCES": c.url, "MOONCAKE_PUSH_MIN_TOKENS": "0"}
-        ),
-        tcp_orphan_retries=8,
-    )
-    sched = PushScheduler(BS, d_cfg, SCHED_FP)
-    r = c_request(c.url)
-    with caplog.at_level(logging.WARNING):
-        got = ask(sched, r)
+    got, job, d_cfg = push_job_from(c, caplog)
     assert got == ((3 * BS, True) if pushed else (0, False))
     if pushed:
-        sched.update_state_after_alloc(
-            r, SimpleNamespace(get_block_ids=lambda: ([3, 4, 7],)), 3 * BS
-        )
-        (job,) = sched.take_jobs()
         assert job.source_tcp_orphan_retries == reported
         rec = PushReceiver(D_SESSION, [3 << 40], 1 << 20, BS, NBLK, FP, d_cfg)
         try:
@@ -390,6 +404,46 @@ def test_the_hold_follows_the_sources_kernel_and_refuses_one_beyond_what_d_accep
         finally:
             rec.shutdown()
     else:
-        assert sched.take_jobs() == [] and c.engine.log == []
         (warning,) = [w for w in warnings_of(caplog) if "tcp_orphan_retries" in w]
         assert f"={reported}" in warning and "1 .. 8" in warning, warning
+
+
+@pytest.mark.parametrize(
+    ("reported", "pushed"), [(5, True), (200, True), (300, True), (301, False)]
+)
+def test_the_hold_follows_the_sources_transport_watchdog(
+    c_server, caplog, reported, pushed
+):
+    """C's transport keeps a stalled connection, and what it had queued, for
+    ``reported`` s (its MC_TCP_PROGRESS_TIMEOUT_SEC / MC_TCP_STATUS_TIMEOUT_SEC)
+    before it drops it: a write of C's can land in D's blocks that much later, so
+    D's hold for the push is computed with it; beyond what D accepts (here 300 s)
+    D prefills locally and says why."""
+    c = c_server()
+    c.server.config = replace(
+        c.server.config, engine_no_progress_s=reported, tcp_orphan_retries=1
+    )
+    got, job, d_cfg = push_job_from(c, caplog, MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S="300")
+    assert got == ((3 * BS, True) if pushed else (0, False))
+    if not pushed:
+        (warning,) = [w for w in warnings_of(caplog) if "no-progress watchdog" in w]
+        assert f"{reported} s" in warning and "1 .. 300 s" in warning, warning
+        return
+    assert job.source_engine_no_progress_s == reported
+    rec = PushReceiver(D_SESSION, [3 << 40], 1 << 20, BS, NBLK, FP, d_cfg)
+    try:
+        nbytes = 3 * (1 << 20)
+        assert rec.hold_s(job) == pytest.approx(
+            d_cfg.push_timeout_s
+            + 5
+            + job.source_engine_timeout_s
+            + nbytes * 1e-9
+            + stalled_delivery_bound_s(1, reported)
+            + d_cfg.push_clock_skew_s
+        )
+        if reported > 30:  # what D held for before: C's write could outlive it
+            assert rec.hold_s(job) > d_cfg.push_timeout_s + reported + min(
+                reported, 120
+            )
+    finally:
+        rec.shutdown()
