@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,13 @@ DEFAULT_SPEC = dict(kv_cache_gib=2, max_model_len=4096)
 COMMON_ARGS = ["--enable-prompt-tokens-details"]  # D's cached tokens in every answer
 PUSH_TOKEN = "s3cret-token-for-tests"
 SPEC_FIELDS = {f.name for f in fields(InstanceSpec)}
+
+# vLLM's CPU backend compiles two sampler helpers with torch.compile (Inductor) at
+# start-up (patch 0012's warm-up): ~22 s of each instance's ~50 s start on this
+# machine. The instances of these tests run them eagerly (the same arithmetic),
+# unless a cluster asks for compile (torch_compile=True): test_cold_start's, which
+# checks that warm-up, and the README recipe's, which runs as a user does.
+EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 
 ClusterFactory = Callable[..., Cluster]
 # (request handler, path, body) -> a JSON answer, or None once it answered itself
@@ -86,9 +93,12 @@ def make_cluster(
     token: str | None = None,
     instances: Mapping[str, Mapping[str, Any]] | None = None,
     specs: list[InstanceSpec] | None = None,
+    torch_compile: bool = False,
     **spec: Any,
 ) -> Cluster:
     """A cluster (not started) as pd_cluster describes it, logging to ``log_dir``."""
+    if specs is not None and not torch_compile:
+        specs = eager(specs)
     if specs is None:
         specs = instance_specs(
             roles,
@@ -98,7 +108,15 @@ def make_cluster(
             instances=instances or {},
             spec=spec,
         )
+        if not torch_compile:
+            specs = eager(specs)
     return Cluster(specs, log_dir, hosts=hosts, token=token)
+
+
+def eager(specs: Sequence[InstanceSpec]) -> list[InstanceSpec]:
+    """``specs`` running vLLM's torch.compile'd code eagerly (EAGER_ENV), where
+    their own environment does not say otherwise."""
+    return [replace(s, env={**EAGER_ENV, **s.env}) for s in specs]
 
 
 def assert_torn_down(clusters: Sequence[Cluster]) -> None:
@@ -124,7 +142,9 @@ def pd_cluster(tmp_path_factory) -> Iterator[ClusterFactory]:
     - ``model``: a model directory (default: the project's generated model);
     - ``hosts``, ``token``: Cluster's (a host of its own per instance; the
       cluster's bootstrap token, in this process's environment while it runs);
-    - ``specs``: instances built elsewhere (a benchmark's own), started as they are.
+    - ``specs``: instances built elsewhere (a benchmark's own);
+    - ``torch_compile``: vLLM's torch.compile'd code compiled at start-up as a user's
+      instance does (else run eagerly: EAGER_ENV).
     """
     started: list[Cluster] = []
 
@@ -298,6 +318,7 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
     "layerwise_io_on_decode_core": SharedCluster(
         ("test_cold_start.py", "test_io_cpus.py"),
         lambda _: dict(
+            torch_compile=True,  # test_cold_start checks the start-up's warm-up
             max_num_batched_tokens=2048,
             env={**LAYERWISE_FROM_256, "MOONCAKE_IO_CPUS": "1"},
         ),
