@@ -106,12 +106,14 @@ def selected(root: Path = ROOT) -> VllmSeries:
 
 def release_assignments() -> dict[str, str]:
     """What scripts/test.sh runs: the pinned release, the rolls it runs, the patch
-    folders of the rolls it checks only, the tests it runs once (space-separated)."""
+    folders of the rolls it checks only, the tests it runs once, and of those the
+    engine-only ones, which it runs beside the rolls (space-separated)."""
     return {
         "VMP_PINNED": PINNED,
         "VMP_ROLLS": " ".join(v for v in SUPPORTED if v != PINNED),
         "VMP_CHECKED_ONLY": " ".join(CHECKED_ONLY.values()),
         "VMP_ONCE": " ".join(RELEASE_INDEPENDENT_TESTS + PINNED_ONLY_TESTS),
+        "VMP_ENGINE_ONLY": " ".join(RELEASE_INDEPENDENT_TESTS),
     }
 
 

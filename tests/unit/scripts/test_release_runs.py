@@ -14,19 +14,24 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def stand_in_project(
-    tmp_path: Path, setup_status: int, checked_only: dict[str, str] | None = None
+    tmp_path: Path,
+    setup_status: int,
+    checked_only: dict[str, str] | None = None,
+    engine_only: str = "",
 ) -> Path:
     """A project with the real scripts/test.sh, a scripts/setup.sh that defines the
     real output functions when sourced and exits ``setup_status`` when run, one
-    supported release (and ``checked_only`` rolls), and a build.py that records
-    each call's arguments."""
+    supported release (and ``checked_only`` rolls; ``engine_only``: the engine-only
+    test paths), and a build.py that records each call's arguments."""
     root = tmp_path / "project"
     (root / "scripts").mkdir(parents=True)
     (root / "harness").mkdir()
     shutil.copy(ROOT / "scripts" / "test.sh", root / "scripts" / "test.sh")
     venv_bin = root / "venv" / "bin"
     venv_bin.mkdir(parents=True)
-    (venv_bin / "python").symlink_to(sys.executable)
+    # this interpreter with its packages (ruff, pytest), as a virtualenv's would be
+    (venv_bin / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (venv_bin / "python").chmod(0o755)
     (root / "scripts" / "setup.sh").write_text(
         textwrap.dedent(
             f"""\
@@ -39,12 +44,17 @@ def stand_in_project(
     )
     (root / "scripts" / "setup.sh").chmod(0o755)
     (root / "harness" / "__init__.py").write_text("")
+    (root / "ruff.toml").write_text('exclude = ["*"]\n')  # the lint steps pass
+    (root / "harness" / "runtime_env.py").write_text(
+        "def preload_libs():\n    return []\n"
+    )
     (root / "harness" / "vllm_series.py").write_text(
         textwrap.dedent(
             f"""\
             import sys
             if sys.argv[1:] == ["releases"]:
-                print("VMP_PINNED=1.0 VMP_ROLLS= VMP_ONCE=")
+                print("VMP_PINNED=1.0 VMP_ROLLS= VMP_ONCE='{engine_only}'")
+                print("VMP_ENGINE_ONLY='{engine_only}'")
                 print("VMP_CHECKED_ONLY='{" ".join((checked_only or {}).values())}'")
             else:
                 print("VMP_PATCHES=patches VMP_DEFAULT_VENV={root / "venv"}")
@@ -91,3 +101,33 @@ def test_a_checked_only_roll_has_its_sdist_fetched_before_its_check(tmp_path):
     assert calls.index("build.py --patches rolls/2.0 fetch") < calls.index(
         "build.py --patches rolls/2.0 check"
     ), calls
+
+
+def engine_test(root: Path, passes: bool) -> str:
+    """An engine-only test of the stand-in project that records that it ran."""
+    (root / "tests" / "engine").mkdir(parents=True)
+    (root / "tests" / "engine" / "test_engine.py").write_text(
+        "def test_engine():\n"
+        f"    open({str(root / 'ran')!r}, 'a').write('engine test\\n')\n"
+        f"    assert {passes}\n"
+    )
+    return "tests/engine/test_engine.py"
+
+
+def test_the_engine_only_tests_run_once_beside_the_rolls_and_count(tmp_path):
+    """They run in the background (the pinned release's run ignores them), and the
+    run waits for them: one that fails fails the run, with its report shown."""
+    for passes in (True, False):
+        base = tmp_path / str(passes)
+        base.mkdir()
+        root = stand_in_project(base, setup_status=0, engine_only="tests/engine")
+        engine_test(root, passes)
+        r = run_tests(root, base)
+        ran = (root / "ran").read_text().splitlines()
+        assert ran.count("engine test") == 1, r.stdout + r.stderr
+        assert "test_engine.py" in r.stdout, r.stdout
+        if passes:
+            assert r.returncode == 0, r.stdout + r.stderr
+        else:
+            assert r.returncode != 0, r.stdout
+            assert "FAILED: engine-only tests" in r.stdout, r.stdout
