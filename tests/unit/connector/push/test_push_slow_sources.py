@@ -11,6 +11,7 @@ a slow source's pushes is never sent once it has ended."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import subprocess
@@ -41,6 +42,9 @@ from helpers import (
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
+    decode_client,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
     PushReceiver,
@@ -104,7 +108,10 @@ class RawSource:
             )
             body = head.split(b"\r\n\r\n", 1)[1]
             while len(body) < length:
-                body += conn.recv(65536)
+                chunk = conn.recv(65536)
+                if not chunk:  # D closed before its whole body (its deadline passed)
+                    return
+                body += chunk
             self.answer(self, conn)
         except OSError:
             pass
@@ -212,13 +219,50 @@ def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(
             lambda: all(sched._matches[q.request_id].done() for q in slow_reqs), 3 + 2
         ), "slow /match_blocks calls outlived their deadline"
         # the source notices a closed connection on its second send after it (a
-        # byte every 0.5 s): about 1 s, more on a loaded machine
+        # byte every 0.5 s): about 1 s, more on a loaded machine. A queued call
+        # can start with a few ms left and get only its headers out (see below)
         assert wait_until(lambda: slow.open == 0, 5)
         for q in slow_reqs:
             assert sched.get_num_new_matched_tokens(q, 0) == (0, False)
     finally:
         shutdown(sched)
     assert wait_until(lambda: not push_threads(slow.url), 5), push_threads(slow.url)
+
+
+def test_a_call_whose_deadline_passes_between_its_headers_and_body_is_closed(
+    sources, monkeypatch
+):
+    """A call (e.g. one queued behind a slow source's calls, started with a few ms
+    left) whose deadline passes after its request headers went out but before its
+    body: D closes the connection at once, not when the exception it raised (kept
+    by the scheduler's future) is garbage-collected, and the source sees it close."""
+    slow = sources()
+    real_write = decode_client._DeadlineStream.write
+    writes: list[bytes] = []
+
+    def write(self, buffer, timeout=None):
+        if writes:  # the headers went out: the deadline passes before the body
+            time.sleep(0.6)
+        writes.append(bytes(buffer))
+        return real_write(self, buffer, timeout)
+
+    monkeypatch.setattr(decode_client._DeadlineStream, "write", write)
+    lanes = decode_client.SourceLanes("mooncake-push-test", 1)
+    gc.disable()
+    try:
+        with pytest.raises(decode_client.DeadlinePassed) as err:
+            lanes.post(slow.url, "/match_blocks", b"{}", {}, time.monotonic() + 0.5)
+        # the headers were sent; the body's write found the deadline passed
+        assert len(writes) == 2 and b"content-length: 2" in writes[0].lower()
+        assert wait_until(lambda: slow.paths == ["/match_blocks"], 2)
+        assert wait_until(lambda: slow.open == 0, 2), (
+            "the source still has the connection of a call that hit its deadline"
+        )
+        # the exception (and its traceback) was alive meanwhile, as in a future
+        assert "deadline" in str(err.value)
+    finally:
+        gc.enable()
+        lanes.shutdown()
 
 
 def test_a_slow_source_at_the_push_phase_does_not_delay_a_healthy_one(sources, healthy):
