@@ -85,6 +85,10 @@ def source_origin(url: str) -> str:
 MAX_ANSWER_BYTES = 1 << 20
 # below uvicorn's timeout_keep_alive (5 s), which the source's bootstrap server uses
 KEEPALIVE_EXPIRY_S = 2.0
+# A call with less than this left (one queued behind a slow source's calls) cannot
+# get a whole answer: it is not started, so the source sees no connection and no
+# request cut off after its headers.
+MIN_CALL_S = 0.05
 
 
 class DeadlinePassed(TimeoutError):
@@ -242,8 +246,11 @@ class _SourceClient:
         self, url: str, content: bytes, headers: dict[str, str], deadline: float
     ) -> Answer:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlinePassed(f"POST {url}: the deadline passed before the call")
+        if left < MIN_CALL_S:
+            raise DeadlinePassed(
+                f"POST {url}: {max(left, 0) * 1000:.0f} ms of the deadline left before "
+                "the call: not started"
+            )
         req = httpx.Request("POST", url, content=content, headers=headers)
         u = req.url
         target = httpcore.URL(

@@ -265,6 +265,24 @@ def test_a_call_whose_deadline_passes_between_its_headers_and_body_is_closed(
         lanes.shutdown()
 
 
+def test_a_call_with_almost_no_time_left_is_not_started(sources):
+    """A call whose deadline is closer than MIN_CALL_S (one queued behind a slow
+    source's calls) cannot get a whole answer: the source sees no connection and
+    no request, and the call ends at once."""
+    slow = sources()
+    lanes = decode_client.SourceLanes("mooncake-push-test", 1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(decode_client.DeadlinePassed) as err:
+            lanes.post(slow.url, "/match_blocks", b"{}", {}, t0 + 0.02)
+        assert time.monotonic() - t0 < 0.02 + 0.5
+        time.sleep(0.3)
+        assert slow.paths == [] and slow.open == 0, (slow.paths, slow.open)
+        assert "not started" in str(err.value)
+    finally:
+        lanes.shutdown()
+
+
 def test_a_slow_source_at_the_push_phase_does_not_delay_a_healthy_one(sources, healthy):
     slow = sources()
     d = healthy.destination()
