@@ -9,14 +9,17 @@ worker (worker_sync.py).
 
 A reset of the prefix cache reaches a worker in another process before the reset
 returns: :class:`WorkerResetNotifier` posts it to the worker's bootstrap server
-(signed like every POST; each phase of the call within RESET_NOTICE_TIMEOUT_S).
+(signed like every POST; the whole call within RESET_NOTICE_DEADLINE_S, by the
+single-deadline client D uses for push sources, push/decode_client.py).
 If that fails, the worker forgets the cache with the next step, and the warning
 says so.
 """
 
 from __future__ import annotations
 
-import httpx
+import time
+
+import httpcore
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
     request_headers,
@@ -38,11 +41,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.schedule
     HashDelta,
     get_recorder,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+    AnswerTooLarge,
+    DeadlinePassed,
+    SourceLanes,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-RESET_NOTICE_TIMEOUT_S = 5.0  # connect, send, answer: each at most this long
+RESET_NOTICE_DEADLINE_S = 5.0  # connect, send and the whole answer, in all
 
 
 class WorkerResetNotifier:
@@ -50,23 +58,32 @@ class WorkerResetNotifier:
     server (``base_url``), that the prefix cache was reset."""
 
     def __init__(self, base_url: str, config: ExtConfig):
+        self.base_url = base_url
         self.url = base_url + RESET_PATH
         self.config = config
+        # one connection to the instance's own server, kept between resets
+        self.lanes = SourceLanes("mooncake-reset-notice", 1)
 
     def __call__(self, resets: int) -> None:
         body = ResetNotice(scheduler_id=SCHEDULER_ID, resets=resets)
         content = body.model_dump_json().encode()
         headers = request_headers(self.config, "POST", RESET_PATH, content)
+        deadline = time.monotonic() + RESET_NOTICE_DEADLINE_S
         try:
-            # no proxy: the instance's own server
-            with httpx.Client(trust_env=False, timeout=RESET_NOTICE_TIMEOUT_S) as c:
-                r = c.post(self.url, content=content, headers=headers)
-        except httpx.HTTPError as e:
-            why = repr(e)
+            r = self.lanes.post(self.base_url, RESET_PATH, content, headers, deadline)
+        except (
+            DeadlinePassed,
+            AnswerTooLarge,
+            httpcore.NetworkError,
+            httpcore.ProtocolError,
+            OSError,
+            ValueError,  # not a URL the client takes
+        ) as e:
+            why = f"{type(e).__name__}: {e}"
         else:
-            if r.status_code in (200, 404):  # 404: no mirror on this instance
+            if r.status in (200, 404):  # 404: no mirror on this instance
                 return
-            why = f"{r.status_code} {r.text[:300]}"
+            why = f"{r.status} {r.text()}"
         logger.warning(
             "Mooncake block-hash sync: the prefix cache was reset, but telling "
             "the worker's mirror (POST %s) failed: %s. Until this instance's next "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -84,3 +85,46 @@ def test_a_failed_notice_warns_and_does_not_raise(server, monkeypatch):
     assert len(warned) == 2, warned
     assert "409" in warned[0] and "next step" in warned[0]
     assert "http://127.0.0.1:9/hashsync/reset" in warned[1]
+
+
+def test_a_server_that_trickles_its_answer_is_cut_off_at_one_deadline(monkeypatch):
+    """Every wait has one end: a server answering a byte every 0.5 s, each within
+    any per-read timeout, gets the notice ended at its deadline (and a warning),
+    not when it stops sending."""
+    monkeypatch.setattr(scheduler_sync, "RESET_NOTICE_DEADLINE_S", 1.0)
+    warned: list[str] = []
+    monkeypatch.setattr(
+        scheduler_sync.logger, "warning", lambda msg, *a: warned.append(msg % a)
+    )
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["content-length"]))
+            out = b"{" + b" " * 10 + b"}"
+            self.send_response(200)
+            self.send_header("content-length", str(len(out)))
+            self.end_headers()
+            for byte in out:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.5)
+
+        def log_message(self, *args):
+            pass
+
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            pass  # the notice's client left at its deadline: a broken pipe here
+
+    httpd = Server(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        config = ExtConfig(bootstrap_host="127.0.0.1")
+        t0 = time.monotonic()
+        WorkerResetNotifier(f"http://127.0.0.1:{httpd.server_address[1]}", config)(1)
+        took = time.monotonic() - t0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert took < 1.0 + 1.0, f"the notice took {took:.1f} s against a 1 s deadline"
+    assert len(warned) == 1 and "deadline" in warned[0], warned
