@@ -8,8 +8,8 @@
 # (0.32.0) the whole suite but the patch manager's tests and the engine-only tests
 # (harness.vllm_series.RELEASE_INDEPENDENT_TESTS), which do not depend on the
 # release and run once, with the pinned release, in the background beside the rolls'
-# set-up and tests (they mostly wait; their report comes at the end); a roll that is checked only (0.33.0: no CPU build exists)
-# gets `build.py check`. With --vllm V: the whole suite on release V alone. Exits
+# set-up and tests (they mostly wait; their report comes at the end); a roll that is
+# checked only (0.33.0: no CPU build exists) gets `build.py check`. With --vllm V: the whole suite on release V alone. Exits
 # non-zero if any run failed.
 # One line per set-up step; apt/pip/build/check output goes to a log named on the
 # first line (.cache/logs/test-<time>.log); pytest's report comes to the terminal.
@@ -31,6 +31,12 @@ done
 vmp_log_open test
 cd "$ROOT"
 
+# preload_of PYTHON: the libraries vLLM's CPU backend needs preloaded (tcmalloc, and
+# Intel OpenMP), in pytest's process too, for that virtualenv's interpreter.
+preload_of() {
+  "$1" -c 'from harness.runtime_env import preload_libs; print(":".join(preload_libs()))'
+}
+
 # run_release V [pytest paths and args...]: set up release V, check its series, pytest.
 run_release() {
   local version="$1" py
@@ -47,9 +53,8 @@ run_release() {
     vmp_run "ruff check (our code, ruff.toml)" "$py" -m ruff check --quiet
     vmp_run "ruff format --check (our code)" "$py" -m ruff format --check --quiet
   fi
-  # vLLM's CPU backend needs tcmalloc (and Intel OpenMP) preloaded, in pytest's process too.
   local preload
-  preload="$("$py" -c 'from harness.runtime_env import preload_libs; print(":".join(preload_libs()))')"
+  preload="$(preload_of "$py")"
   # every test's time, for the slowest-first view of where CI's minutes go
   local times="$ROOT/.cache/logs/pytest-$version.xml"
   vmp_say "vLLM $version: pytest -ra --durations=15${*:+ $*} (each test's time: $times)"
@@ -92,7 +97,7 @@ engine_log="$ROOT/.cache/logs/pytest-engine-only.log"
 if [ ${#engine_only[@]} -gt 0 ]; then
   engine_times="$ROOT/.cache/logs/pytest-engine-only.xml"
   vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_ENGINE_ONLY, in the background (its output: $engine_log, each test's time: $engine_times)"
-  preload="$("$pinned_py" -c 'from harness.runtime_env import preload_libs; print(":".join(preload_libs()))')"
+  preload="$(preload_of "$pinned_py")"
   # shellcheck disable=SC2086  # VMP_ENGINE_ONLY: test paths, space-separated
   VMP_VLLM="$VMP_PINNED" LD_PRELOAD="$preload" "$pinned_py" -m pytest -ra \
     --junitxml="$engine_times" $VMP_ENGINE_ONLY "${args[@]}" > "$engine_log" 2>&1 &

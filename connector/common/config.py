@@ -269,8 +269,8 @@ class ExtConfig:
         kernel's: how long bytes queued on a connection that stalled can still
         be delivered (:func:`stalled_delivery_bound_s`, which covers the
         transport's no-progress watchdog, ``engine_no_progress_s``, and the
-        orphaned connections it leaves). engine_write.py waits for every slice to be terminal and for
-        the kernel's queues (send_queues.py); past this bound it logs the write
+        orphaned connections it leaves). engine_write.py waits for every slice
+        to be terminal and for the kernel's queues (send_queues.py); past this bound it logs the write
         as overdue and keeps waiting (its blocks stay out of use). A peer that
         holds blocks for someone else's write uses this bound, computed with
         the *writer's* MC_TRANSFER_TIMEOUT."""
@@ -489,21 +489,25 @@ class ExtConfig:
         return cfg
 
 
+def _atoi(raw: str) -> int:
+    """C's atoi, as Mooncake reads its variables: the leading integer, else 0."""
+    m = re.match(r"\s*([+-]?\d+)", raw)
+    return int(m.group(1)) if m else 0
+
+
 def engine_timeout_s(env: Mapping[str, str]) -> int:
     """MC_TRANSFER_TIMEOUT as Mooncake reads it: ``max(5, atoi(value))`` seconds,
     30 when unset (so "1" means 5, "7.9" means 7, "abc" means 5)."""
     raw = env.get(MC_TRANSFER_TIMEOUT)
     if raw is None:
         return DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
-    m = re.match(r"\s*([+-]?\d+)", raw)
-    return max(ENGINE_TIMEOUT_FLOOR_S, int(m.group(1)) if m else 0)
+    return max(ENGINE_TIMEOUT_FLOOR_S, _atoi(raw))
 
 
 def _mooncake_timeout_s(env: Mapping[str, str], name: str, default: int) -> int:
     """A TCP transport timeout as Mooncake reads it (tcp_wire.h,
     parseTimeoutSecEnv): ``atoi(value)`` seconds when above 0, else ``default``."""
-    m = re.match(r"\s*([+-]?\d+)", env.get(name) or "")
-    value = int(m.group(1)) if m else 0
+    value = _atoi(env.get(name) or "")
     return value if value > 0 else default
 
 
@@ -535,8 +539,8 @@ def stalled_delivery_bound_s(
 ) -> float:
     """How long after a connection stalls the bytes it had queued can still be
     delivered: the transport's watchdog closes it after ``no_progress_s``
-    without progress (engine_no_progress_s), the kernel keeps it as an orphan and gives up at the first
-    retransmission timer past the retransmission span of ``orphan_retries``
+    without progress (engine_no_progress_s), the kernel keeps it as an orphan
+    and gives up at the first retransmission timer past the retransmission span of ``orphan_retries``
     (counted from the stall), which can fire up to one backed-off interval (no
     longer than the time so far, nor than TCP_RTO_MAX) after it; 1 s for the RTO
     above TCP_RTO_MIN. Measured (docs/results/2026-11-27-cut-for-good.md): with

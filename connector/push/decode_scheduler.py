@@ -355,10 +355,9 @@ class PushScheduler:
                 f"MC_TCP_PROGRESS_TIMEOUT_SEC / MC_TCP_STATUS_TIMEOUT_SEC) of {stall} s; "
                 f"this instance accepts 1 .. {stall_most} s "
                 "(MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S, or its own if larger): a write of "
-                "it that stalls could "
-                "land in this instance's blocks for longer than it would hold them. "
-                "Lower the source's setting or raise MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S "
-                "here"
+                "it that stalls could land in this instance's blocks for longer than it "
+                "would hold them. Lower the source's setting or raise "
+                "MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S here"
             )
         return _Match(
             resp.matched_blocks,

@@ -97,8 +97,6 @@ def make_cluster(
     **spec: Any,
 ) -> Cluster:
     """A cluster (not started) as pd_cluster describes it, logging to ``log_dir``."""
-    if specs is not None and not torch_compile:
-        specs = eager(specs)
     if specs is None:
         specs = instance_specs(
             roles,
@@ -108,8 +106,8 @@ def make_cluster(
             instances=instances or {},
             spec=spec,
         )
-        if not torch_compile:
-            specs = eager(specs)
+    if not torch_compile:
+        specs = eager(specs)
     return Cluster(specs, log_dir, hosts=hosts, token=token)
 
 
