@@ -170,14 +170,25 @@ def wait_until(cond, timeout):
     return cond()
 
 
-def push_threads(url: str) -> list[str]:
-    """D's threads that serve calls to the source at ``url``."""
-    where = url.split("//", 1)[1]
-    return [
-        t.name
-        for t in threading.enumerate()
-        if t.name.startswith("mooncake-push") and where in t.name
-    ]
+@pytest.fixture
+def push_threads():
+    """``push_threads(url)``: D's threads started during this test that serve calls
+    to the source at ``url``. Threads an earlier test in this process left (idle
+    lanes of a receiver it never shut down, named for a source whose port this
+    test's source may now have) are not counted."""
+    before = set(threading.enumerate())
+
+    def threads(url: str) -> list[str]:
+        where = url.split("//", 1)[1]
+        return [
+            t.name
+            for t in threading.enumerate()
+            if t not in before
+            and t.name.startswith("mooncake-push")
+            and t.name.rsplit("-", 1)[0].endswith(where)
+        ]
+
+    return threads
 
 
 def shutdown(*parts):
@@ -189,7 +200,7 @@ def shutdown(*parts):
 
 
 def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(
-    sources, healthy
+    sources, healthy, push_threads
 ):
     slow = sources()
     sched = PushScheduler(
@@ -283,7 +294,9 @@ def test_a_call_with_almost_no_time_left_is_not_started(sources):
         lanes.shutdown()
 
 
-def test_a_slow_source_at_the_push_phase_does_not_delay_a_healthy_one(sources, healthy):
+def test_a_slow_source_at_the_push_phase_does_not_delay_a_healthy_one(
+    sources, healthy, push_threads
+):
     slow = sources()
     d = healthy.destination()
     rec = PushReceiver(
