@@ -14,11 +14,21 @@ holds the window and the scaling) is replayed on its own clock on two
   kv_aware       vllm-router --policy kv_aware, fed by both instances' KV events
                  (through a loopback forwarder each; harness.routers)
   kv_aware+push  the same with prefix push
+  pd-layerwise   P/D: a kv_producer (core 0) and a kv_consumer (core 1), every
+                 turn sent to both at once (as upstream's P/D proxy does), P
+                 writing each layer's KV as soon as it is computed
+  pd-posthoc     the same, P writing the KV once its prefill has ended
 
 The kv_aware arms run with --kv-aware (or --full), where vllm-router can read
-the release's KV events (not vLLM 0.18.1: harness.routers.KV_EVENTS_UNREADABLE). The arms without push run on one start of the instances, those with push
-on another; every arm starts on empty prefix caches (POST /reset_prefix_cache,
-vLLM's dev route, on both instances before it). Per arm: TTFT p50/p90/p99
+the release's KV events (not vLLM 0.18.1: harness.routers.KV_EVENTS_UNREADABLE);
+the P/D arms with --pd (or --full), on a start of their own with
+MOONCAKE_LAYERWISE=1 and the mode chosen per request. The arms without push run
+on one start of the instances, those with push on another; every arm starts on
+empty prefix caches (POST /reset_prefix_cache, vLLM's dev route, on both
+instances before it). In the P/D arms the prefill accounting is P's, the
+tokens D took from the connector are "transferred", and P's record of its
+transfers (/layerwise/transfers) gives their outcomes and the share of bytes
+written before P's last layer. Per arm: TTFT p50/p90/p99
 (client, streamed), end-to-end p50/p90, TPOT p90, prefix reuse (vLLM's prompt
 tokens by source: local cache hits + tokens from the connector) against the
 reuse one instance with an unbounded cache would get on the same requests,
@@ -28,7 +38,7 @@ a correctness check of sampled requests (first tokens' top-5 logprobs against a
 from-scratch reference), and the KV blocks still held after the run.
 
     python -m microbench.sessions [--requests 40] [--session-interval-s 8] [--kv-aware]
-                                  [--full] [--trace FILE]
+                                  [--pd] [--arms LIST] [--full] [--trace FILE]
 
 Any Mooncake-format trace replays with --trace (and --source-block-tokens if its
 blocks are not 512 tokens). Writes results/sessions-trace-<time>.json, .png and the
@@ -56,8 +66,11 @@ from harness.metrics import read_when, samples, scrape
 from harness.model import ModelShape, ensure_model
 from harness.pd_client import (
     complete,
+    engine_id,
+    layerwise_transfers,
     match_blocks,
     model_name,
+    pd_generate,
     push_decisions,
     push_stats,
 )
@@ -90,7 +103,16 @@ DEFAULT_TRACE = (
 TOKEN = uuid.uuid4().hex
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 PUSH_REASONS = tuple(d.value for d in Decision)
-ARMS = ("sticky", "rr", "rr+push", "kv_aware", "kv_aware+push")
+ARMS = (
+    "sticky",
+    "rr",
+    "rr+push",
+    "kv_aware",
+    "kv_aware+push",
+    "pd-layerwise",
+    "pd-posthoc",
+)
+PD_MODES = {"pd-layerwise": "layerwise", "pd-posthoc": "posthoc"}
 TTFT_VS_LOCAL = 1.5  # turn >= 2 TTFT p50 with push, against sticky's
 REUSE_OF_UNBOUNDED = 0.9
 RECOMPUTE_CUT = 3.0
@@ -112,10 +134,13 @@ def by_source(url: str) -> dict[str, float]:
 def snapshot(insts) -> dict:
     snap = {}
     for i in insts:
-        push = push_stats(i.bootstrap_url)
+        pushing = i.spec.role == "kv_both"  # P/D's instances run no push
+        push = push_stats(i.bootstrap_url) if pushing else {}
         snap[i.spec.name] = {
             "tokens": by_source(i.url),
-            "decisions": push_decisions(i.bootstrap_url),
+            "decisions": push_decisions(i.bootstrap_url)
+            if pushing
+            else dict.fromkeys(PUSH_REASONS, 0.0),
             "push_ok": push.get("ok", 0),
             "push_failed": push.get("failed", 0),
         }
@@ -155,7 +180,8 @@ def flush(insts, prompts: list[list[int]], model: str, fresh: PromptSource) -> N
     """Empty the instances' prefix caches (vLLM's dev route; nothing is running),
     and wait until none holds a block of the replay's prompts (each instance's
     own POST /match_blocks, whose table learns of the reset with the next step's
-    metadata: one short request of tokens the trace never has runs that step)."""
+    metadata: one short request of tokens the trace never has runs that step).
+    P/D's instances (no push) are checked by their cached tokens instead."""
     for inst in insts:
         r = httpx.post(inst.url + "/reset_prefix_cache", timeout=60)
         if r.status_code != 200:
@@ -170,6 +196,18 @@ def flush(insts, prompts: list[list[int]], model: str, fresh: PromptSource) -> N
             for i in insts
             for p in prompts
         )
+
+    if any(i.spec.role != "kv_both" for i in insts):
+        probe = prompts[0]
+        for inst in insts:
+            got = complete(inst.url, probe, max_tokens=1, logprobs=None, model=model)
+            if got.cached_tokens:
+                raise RuntimeError(
+                    f"after POST /reset_prefix_cache {inst.url} still had "
+                    f"{got.cached_tokens} tokens of the replay's first prompt cached"
+                )
+            httpx.post(inst.url + "/reset_prefix_cache", timeout=60)
+        return
 
     left = read_when(held, lambda n: n == 0, timeout=30)
     if left:
@@ -188,6 +226,9 @@ def dispatcher(arm: str, a, b, reqs, log_dir: Path, model: str):
             home.setdefault(trace.session_key(r), (a, b)[len(home) % 2].url)
         yield lambda i: home[trace.session_key(reqs[i])]
         return
+    if arm in PD_MODES:  # D's url; P's request goes with it (replay's prefill)
+        yield lambda i: b.url
+        return
     if arm.startswith("rr"):
         with vllm_router_workers([a, b], log_dir, "round_robin") as router:
             yield lambda i: router.url
@@ -196,12 +237,61 @@ def dispatcher(arm: str, a, b, reqs, log_dir: Path, model: str):
         yield lambda i: router.url
 
 
-def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s):
+def pd_prefill(arm: str, p, d):
+    """P/D: each request's (P's url, P's and D's kv_transfer_params), P's mode
+    chosen per request (both instances run with MOONCAKE_LAYERWISE=1)."""
+    p_engine = engine_id(p.bootstrap_url)
+
+    def of(i: int) -> tuple[str, dict, dict]:
+        tid = f"{arm}-{i}-{uuid.uuid4().hex[:12]}"
+        return (
+            p.url,
+            {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_id": tid,
+                "mooncake_mode": PD_MODES[arm],
+            },
+            {
+                "do_remote_decode": False,
+                "do_remote_prefill": True,
+                "remote_bootstrap_addr": p.bootstrap_url,
+                "remote_engine_id": p_engine,
+                "transfer_id": tid,
+            },
+        )
+
+    return of
+
+
+def layerwise_of(p, arm: str, before: dict) -> dict:
+    """P's layer-wise record of the arm: transfers by outcome (P's totals), and the
+    share of bytes written before P's last layer (its kept timelines)."""
+    got = layerwise_transfers(p.bootstrap_url)
+    tot = {k: got["totals"][k] - before["totals"].get(k, 0) for k in got["totals"]}
+    mine = [t for t in got["transfers"] if t["transfer_id"].startswith(arm + "-")]
+    lw = [t for t in mine if t["layerwise"] and t["bytes_written"]]
+    written = sum(t["bytes_written"] for t in lw)
+    return {
+        "completed": tot.get("transfers_completed", 0),
+        "failed": tot.get("transfers_failed", 0),
+        "destination_after_prefill": tot.get("destination_after_prefill", 0),
+        "layerwise": len(lw),
+        "share_before_prefill_end": sum(t["bytes_before_prefill_end"] for t in lw)
+        / written
+        if written
+        else None,
+    }
+
+
+def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s, pd=None):
     """One replay; its row (token counts and push figures from the instances,
-    latencies from the client)."""
+    latencies from the client). ``pd``: (P, D) for the P/D arms; the prefill
+    accounting is then P's, and D's tokens from the connector are "transferred"."""
     span = reqs[-1].timestamp_ms / 1e3
     print(f"[sessions] {name}: {len(reqs)} requests over {span:.0f} s", flush=True)
     before = snapshot(insts)
+    lw_before = layerwise_transfers(pd[0].bootstrap_url) if pd else None
     t0 = time.monotonic()
     last = [0.0]
 
@@ -223,6 +313,7 @@ def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s):
         sampled=sampled,
         deadline_s=deadline_s,
         progress=progress,
+        prefill=pd_prefill(name, *pd) if pd else None,
     )
     wall = time.monotonic() - t0
     errors = [o.error for o in outcomes if o.error]
@@ -240,6 +331,23 @@ def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s):
     time.sleep(1)  # and the workers have the decisions of the last steps
     after = snapshot(insts)
     diff = grown(before, after)
+    pd_row = {}
+    if pd:
+        p, d = pd
+        diff = grown(
+            {p.spec.name: before[p.spec.name]}, {p.spec.name: after[p.spec.name]}
+        )
+        dn = d.spec.name
+        pd_row = {
+            "transferred_tokens": after[dn]["tokens"]["external_kv_transfer"]
+            - before[dn]["tokens"]["external_kv_transfer"],
+            "d_local_hit_tokens": after[dn]["tokens"]["local_cache_hit"]
+            - before[dn]["tokens"]["local_cache_hit"],
+            "d_computed_tokens": after[dn]["tokens"]["local_compute"]
+            - before[dn]["tokens"]["local_compute"],
+            "transfers": layerwise_of(p, name, lw_before),
+            "prefill_p50_s": pct([o.prefill_s for o in outcomes], 0.5),
+        }
     checks = []
     for i in sorted(sampled):
         o = outcomes[i]
@@ -284,6 +392,7 @@ def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s):
         "checks": checks,
         "correct": all(c["ok"] for c in checks) and not errors,
         "blocks_held_after": list(held),
+        "pd": pd_row or None,
         "outcomes": [
             {k: v for k, v in vars(o).items() if k != "sampled"} | {"turn": t}
             for o, t in zip(outcomes, turns)
@@ -320,17 +429,17 @@ def where_the_time_goes(row: dict) -> str:
     )
 
 
-def p90_difference(x: dict, y: dict, n: int = 2000, seed: int = 0):
-    """x's TTFT p90 minus y's, with a 95% bootstrap interval (requests resampled
-    within each arm)."""
+def ttft_difference(x: dict, y: dict, q: float = 0.9, n: int = 2000, seed: int = 0):
+    """x's TTFT quantile ``q`` minus y's, with a 95% bootstrap interval (requests
+    resampled within each arm)."""
     rng = random.Random(seed)
     xs = [o["ttft_s"] for o in x["outcomes"] if o["ttft_s"] is not None]
     ys = [o["ttft_s"] for o in y["outcomes"] if o["ttft_s"] is not None]
     diffs = sorted(
-        pct(rng.choices(xs, k=len(xs)), 0.9) - pct(rng.choices(ys, k=len(ys)), 0.9)
+        pct(rng.choices(xs, k=len(xs)), q) - pct(rng.choices(ys, k=len(ys)), q)
         for _ in range(n)
     )
-    return pct(xs, 0.9) - pct(ys, 0.9), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
+    return pct(xs, q) - pct(ys, q), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
 
 
 def targets(rows: dict[str, dict]) -> list[dict]:
@@ -373,7 +482,7 @@ def targets(rows: dict[str, dict]) -> list[dict]:
         )
     aware, aware_push = rows.get("kv_aware"), rows.get("kv_aware+push")
     if aware and aware_push:
-        d, lo, hi = p90_difference(aware_push, aware)
+        d, lo, hi = ttft_difference(aware_push, aware)
         add(
             "kv_aware+push TTFT p90 not worse than kv_aware's beyond the run's noise",
             f"{aware_push['ttft_p90_s'] * 1e3:.0f} / {aware['ttft_p90_s'] * 1e3:.0f} ms "
@@ -382,6 +491,23 @@ def targets(rows: dict[str, dict]) -> list[dict]:
             lo <= 0,
             "noise: the difference's 95% interval from 2,000 bootstrap resamples of "
             "each arm's requests; met when it includes 0 or lies below",
+        )
+    lw, post = rows.get("pd-layerwise"), rows.get("pd-posthoc")
+    if lw and post and lw["ttft_p50_s"] and post["ttft_p50_s"]:
+        d, lo, hi = ttft_difference(lw, post, 0.5)
+        t = lw["pd"]["transfers"]
+        share = t["share_before_prefill_end"]
+        add(
+            "P/D layer-wise TTFT p50 below post-hoc's",
+            f"{lw['ttft_p50_s'] * 1e3:.0f} / {post['ttft_p50_s'] * 1e3:.0f} ms "
+            f"(difference {d * 1e3:+.0f} ms, 95% interval {lo * 1e3:+.0f} to "
+            f"{hi * 1e3:+.0f} ms)",
+            hi < 0,
+            "met when the whole interval lies below 0; layer-wise wrote "
+            + ("-" if share is None else f"{share:.0%}")
+            + f" of its bytes before P's last layer, {t['layerwise']} of "
+            f"{lw['requests']} transfers layer-wise, "
+            f"{t['destination_after_prefill']} reached P after its prefill",
         )
     for name, r in rows.items():
         add(
@@ -408,8 +534,18 @@ TABLE = [
     ("computed_tokens", "computed tok", ".0f"),
     ("recomputed_tokens", "recomputed", ".0f"),
     ("pushed", "pushed", ".0f"),
+    ("transfers", "P->D transfers", ""),
     ("checked", "correct", ""),
 ]
+
+
+def transfers_cell(pd: dict | None) -> str:
+    if not pd:
+        return "-"
+    t = pd["transfers"]
+    share = t["share_before_prefill_end"]
+    early = "" if share is None else f", {share:.0%} before P's end"
+    return f"{t['completed']:.0f} ok, {t['failed']:.0f} failed{early}"
 
 
 def display(rows: list[dict]) -> list[dict]:
@@ -432,6 +568,7 @@ def display(rows: list[dict]) -> list[dict]:
             "computed_tokens": r["computed_tokens"],
             "recomputed_tokens": r["recomputed_tokens"],
             "pushed": r["decisions"]["pushed"],
+            "transfers": transfers_cell(r.get("pd")),
             "checked": f"{sum(c['ok'] for c in r['checks'])}/{len(r['checks'])}",
         }
         for r in rows
@@ -528,6 +665,17 @@ def main(argv: list[str] | None = None) -> int:
         help="add the arms behind vllm-router's kv_aware policy (about 5 min more; "
         "on with --full)",
     )
+    ap.add_argument(
+        "--pd",
+        action="store_true",
+        help="add the P/D arms, layer-wise against post-hoc (about 5 min more; on "
+        "with --full)",
+    )
+    ap.add_argument(
+        "--arms",
+        default=None,
+        help=f"run only these of the selected arms (comma-separated: {', '.join(ARMS)})",
+    )
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -607,42 +755,76 @@ def main(argv: list[str] | None = None) -> int:
             f"{KV_EVENTS_UNREADABLE[version]}",
             flush=True,
         )
+    pd = args.pd or args.full
+    both = (("a", "kv_both"), ("b", "kv_both"))
     plans = [
-        ({}, ["rr", "sticky"] + (["kv_aware"] if kv_aware else [])),
+        ({}, ["rr", "sticky"] + (["kv_aware"] if kv_aware else []), both),
         (
             {"MOONCAKE_PUSH_AUTO": "1"},
             ["rr+push"] + (["kv_aware+push"] if kv_aware else []),
+            both,
+        ),
+        (
+            {"MOONCAKE_LAYERWISE": "1"},  # the mode is chosen per request
+            list(PD_MODES) if pd else [],
+            (("p", "kv_producer"), ("d", "kv_consumer")),
         ),
     ]
+    if args.arms:
+        chosen = set(args.arms.split(","))
+        if chosen - set(ARMS):
+            print(
+                f"[sessions] --arms: no arm {sorted(chosen - set(ARMS))} "
+                f"(arms: {', '.join(ARMS)})",
+                file=sys.stderr,
+            )
+            return 2
+        plans = [(e, [a for a in arms if a in chosen], r) for e, arms, r in plans]
+    plans = [p for p in plans if p[1]]
     rows: dict[str, dict] = {}
     flush_note = (
-        f"{', '.join(plans[0][1])} ran on one start of the instances and "
-        f"{', '.join(plans[1][1])} on another; each arm's caches were emptied before "
-        "it (a fresh start, or POST /reset_prefix_cache on both instances)"
+        "; ".join(f"{', '.join(arms)} on one start" for _, arms, _ in plans)
+        + " of the instances; each arm's caches were emptied before it (a fresh "
+        "start, or POST /reset_prefix_cache on both instances)"
     )
-    for env, arms in plans:
+    for env, arms, roles in plans:
         specs = [
             InstanceSpec(
                 name,
                 cores=core,
                 env={**env, "VLLM_SERVER_DEV_MODE": "1"},
                 extra_args=common_args
-                + (kv_events_args(free_port()) if kv_aware else []),
-                **common,
+                + (
+                    kv_events_args(free_port())
+                    if kv_aware and role == "kv_both"
+                    else []
+                ),
+                **{**common, "role": role},
             )
-            for name, core in (("a", "0"), ("b", "1"))
+            for (name, role), core in zip(roles, ("0", "1"))
         ]
+        (n0, _), (n1, _) = roles
         print(
-            f"[sessions] starting a (core 0) and b (core 1) for {', '.join(arms)}; "
-            f"logs in {log_dir}",
+            f"[sessions] starting {n0} (core 0) and {n1} (core 1) for "
+            f"{', '.join(arms)}; logs in {log_dir}",
             flush=True,
         )
         with Cluster(specs, log_dir, token=TOKEN) as cluster:
-            a, b = cluster["a"], cluster["b"]
+            a, b = cluster[n0], cluster[n1]
             model = model_name(a.url)
             for inst in (a, b):  # compiled paths warm, on tokens the trace never has
                 complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=model)
             for arm in arms:
+                if arm in PD_MODES:  # P/D's first transfer of the mode, off the clock
+                    pd_generate(
+                        a.url,
+                        a.bootstrap_url,
+                        b.url,
+                        warm(300),
+                        max_tokens=2,
+                        logprobs=None,
+                        extra_prefill_params={"mooncake_mode": PD_MODES[arm]},
+                    )
                 flush((a, b), prompts, model, warm)
                 with dispatcher(arm, a, b, reqs, log_dir, model) as url_of:
                     rows[arm] = run_arm(
@@ -654,16 +836,18 @@ def main(argv: list[str] | None = None) -> int:
                         model,
                         sampled,
                         args.deadline_s,
+                        pd=(a, b) if arm in PD_MODES else None,
                     )
                 add_reuse(rows[arm], unbounded)
     ordered = [rows[k] for k in ARMS if k in rows]
     met = targets(rows)
     lines = [
         f"caches: {flush_note}",
-        "not run here: P/D layer-wise against post-hoc (microbench.routers measures "
-        "those one request at a time)"
-        + ("" if kv_aware else "; vllm-router's kv_aware arms (--kv-aware)"),
-    ] + [
+    ]
+    not_run = ([] if pd else ["P/D layer-wise against post-hoc (--pd)"]) + (
+        [] if kv_aware else ["vllm-router's kv_aware arms (--kv-aware)"]
+    )
+    lines += ([f"not run here: {'; '.join(not_run)}"] if not_run else []) + [
         f"target {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {t['value']}"
         + (f" ({t['why']})" if t["why"] else "")
         for t in met

@@ -8,6 +8,11 @@ prompt and output tokens vLLM reports (``stream_options.include_usage``), and
 either an error or, for the sampled requests, the generated token ids and
 top-k logprobs of the first tokens for a correctness check. Every request has a
 deadline; a request that misses it is an error, never a hang.
+
+With ``prefill`` (P/D), request ``i`` is sent to P and to D at once, as upstream's
+P/D proxy does: P's (one output token, not streamed) with P's
+``kv_transfer_params``, D's (streamed, timed) with D's; the time to the first
+token is D's, from the moment both were sent, and P's failure is the request's.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Outcome:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    prefill_s: float | None = None  # P/D: P's answer, from the send
     error: str | None = None
     sampled: Completion | None = field(default=None, repr=False)
 
@@ -99,6 +105,26 @@ def completion_of(chunks: list[dict], usage: dict, latency: float) -> Completion
     )
 
 
+def prefill_call(
+    client: httpx.Client,
+    url: str,
+    body: dict,
+    deadline_s: float,
+    out: Outcome,
+    error: list[str],
+) -> None:
+    """P's half of a P/D request: its answer's time into ``out``, or the error."""
+    t0 = time.perf_counter()
+    try:
+        r = client.post(url + "/v1/completions", json=body, timeout=deadline_s)
+        if r.status_code != 200:
+            error.append(f"HTTP {r.status_code}: {r.text[:300]}")
+            return
+        out.prefill_s = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - the request's outcome
+        error.append(f"{type(e).__name__}: {e}")
+
+
 def replay(
     url_of: Callable[[int], str],
     model: str,
@@ -110,11 +136,13 @@ def replay(
     cache_salt: str | None = None,
     deadline_s: float = 300.0,
     progress: Callable[[int, int, int], None] | None = None,
+    prefill: Callable[[int], tuple[str, dict, dict]] | None = None,
 ) -> list[Outcome]:
     """Send request ``i`` (``prompts[i]``) to ``url_of(i)`` at its timestamp; wait
     for all (each within ``deadline_s``); the outcomes in trace order.
     ``sampled`` requests also ask for top-5 logprobs (the first ``check_tokens``
-    are kept for the correctness check)."""
+    are kept for the correctness check). ``prefill(i)``: P/D, ``(P's url, P's
+    kv_transfer_params, D's kv_transfer_params)``; ``url_of(i)`` is then D's."""
     outcomes: list[Outcome | None] = [None] * len(reqs)
     lock = threading.Lock()
     done = [0, 0]  # finished, errors
@@ -138,10 +166,32 @@ def replay(
             body["cache_salt"] = cache_salt
         sent = time.perf_counter() - start
         out = Outcome(i, sent, max(0.0, sent - r.timestamp_ms / 1e3), len(prompts[i]))
+        p_thread, p_error = None, []
         try:
+            if prefill is not None:
+                p_url, p_params, d_params = prefill(i)
+                body["kv_transfer_params"] = d_params
+                p_body = {
+                    k: v
+                    for k, v in body.items()
+                    if k not in ("stream", "stream_options", "logprobs")
+                }
+                p_body |= {"max_tokens": 1, "kv_transfer_params": p_params}
+                p_thread = threading.Thread(
+                    target=prefill_call,
+                    args=(client, p_url, p_body, deadline_s, out, p_error),
+                    daemon=True,
+                )
+                p_thread.start()
             ttft, e2e, usage, chunks = stream_completion(
                 client, url_of(i), body, deadline_s
             )
+            if p_thread is not None:
+                p_thread.join(max(1.0, deadline_s - e2e))
+                if p_thread.is_alive():
+                    raise TimeoutError(f"P: no answer after {deadline_s:.0f} s")
+                if p_error:
+                    raise RuntimeError(f"P: {p_error[0]}")
             out.ttft_s, out.e2e_s = ttft, e2e
             out.prompt_tokens = usage.get("prompt_tokens")
             out.output_tokens = usage.get("completion_tokens")

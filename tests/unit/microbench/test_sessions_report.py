@@ -1,11 +1,18 @@
 """microbench/sessions' report: the reuse accounting of an arm against the
-unbounded cache, and the noise bound of the kv_aware comparison."""
+unbounded cache, the noise bound of the kv_aware and P/D comparisons, and the
+replay's P/D requests (stub P and D servers on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 
-from microbench.sessions.__main__ import add_reuse, p90_difference
+from microbench.sessions.__main__ import add_reuse, targets, ttft_difference
+from microbench.sessions.replay import replay
+from microbench.sessions.trace import TraceRequest
 
 
 def arm(ttfts):
@@ -30,11 +37,144 @@ def test_reuse_is_cache_hits_and_connector_tokens_against_the_unbounded_cache():
 
 def test_the_same_latencies_are_within_the_noise():
     ttfts = [0.1 * (i % 17) + 0.01 * i for i in range(40)]
-    d, lo, hi = p90_difference(arm(ttfts), arm(list(reversed(ttfts))))
+    d, lo, hi = ttft_difference(arm(ttfts), arm(list(reversed(ttfts))))
     assert d == 0 and lo <= 0 <= hi
 
 
 def test_latencies_all_a_second_longer_are_outside_it():
     ttfts = [0.1 * (i % 17) for i in range(40)]
-    d, lo, hi = p90_difference(arm([t + 1.0 for t in ttfts]), arm(ttfts))
+    d, lo, hi = ttft_difference(arm([t + 1.0 for t in ttfts]), arm(ttfts))
     assert d == pytest.approx(1.0) and lo > 0
+
+
+def pd_row(name, ttfts, share=0.8):
+    return {
+        "arm": name,
+        "requests": len(ttfts),
+        "errors": 0,
+        "checks": [],
+        "correct": True,
+        "blocks_held_after": [0, 0],
+        "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
+        "outcomes": [{"ttft_s": t} for t in ttfts],
+        "pd": {
+            "transfers": {
+                "share_before_prefill_end": share,
+                "layerwise": len(ttfts),
+                "destination_after_prefill": 0,
+            }
+        },
+    }
+
+
+def pd_target(rows):
+    return next(t for t in targets(rows) if t["target"].startswith("P/D"))
+
+
+def test_pd_layerwise_is_below_posthoc_only_when_the_whole_interval_is():
+    ttfts = [0.2 + 0.01 * (i % 13) for i in range(40)]
+    faster = pd_target(
+        {
+            "pd-layerwise": pd_row("pd-layerwise", [t - 0.1 for t in ttfts]),
+            "pd-posthoc": pd_row("pd-posthoc", ttfts),
+        }
+    )
+    assert faster["met"] and "80%" in faster["why"]
+    same = pd_target(
+        {
+            "pd-layerwise": pd_row("pd-layerwise", ttfts),
+            "pd-posthoc": pd_row("pd-posthoc", list(reversed(ttfts))),
+        }
+    )
+    assert not same["met"]
+
+
+class Stub:
+    """An OpenAI-style completion endpoint on 127.0.0.1 that records the bodies it
+    gets; streams when asked; answers HTTP ``status``."""
+
+    def __init__(self, status=200):
+        self.bodies: list[dict] = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                stub.bodies.append(body)
+                self.send_response(status)
+                self.end_headers()
+                if status != 200:
+                    self.wfile.write(b"refused")
+                elif body.get("stream"):
+                    for chunk in (
+                        {"choices": [{"text": "a", "token_ids": [7]}]},
+                        {"choices": [{"text": "b", "token_ids": [8]}]},
+                        {
+                            "choices": [],
+                            "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+                        },
+                    ):
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.write(b"data: [DONE]\n\n")
+                else:
+                    self.wfile.write(json.dumps({"choices": [{"text": "a"}]}).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stubs():
+    made: list[Stub] = []
+    yield lambda status=200: made.append(Stub(status)) or made[-1]
+    for s in made:
+        s.close()
+
+
+def requests(n):
+    return [TraceRequest(float(10 * i), 3, 2, (i,)) for i in range(n)]
+
+
+def test_a_pd_request_goes_to_p_and_d_at_once_with_each_ones_params(stubs):
+    p, d = stubs(), stubs()
+    out = replay(
+        lambda i: d.url,
+        "m",
+        requests(2),
+        [[1, 2, 3], [4, 5, 6]],
+        deadline_s=10,
+        prefill=lambda i: (p.url, {"side": "p", "i": i}, {"side": "d", "i": i}),
+    )
+    assert [o.error for o in out] == [None, None]
+    assert all(o.ttft_s is not None and o.prefill_s is not None for o in out)
+    assert sorted(b["kv_transfer_params"]["i"] for b in p.bodies) == [0, 1]
+    for b in p.bodies:  # P: one token, not streamed, its own params
+        assert b["max_tokens"] == 1 and "stream" not in b
+        assert b["kv_transfer_params"]["side"] == "p"
+    for b in d.bodies:  # D: streamed, the request's output, D's params
+        assert b["stream"] and b["max_tokens"] == 2
+        assert b["kv_transfer_params"]["side"] == "d"
+        assert (
+            b["prompt"] == p.bodies[0]["prompt"] or b["prompt"] == p.bodies[1]["prompt"]
+        )
+
+
+def test_a_pd_request_whose_p_fails_is_an_error_though_d_answered(stubs):
+    p, d = stubs(500), stubs()
+    out = replay(
+        lambda i: d.url,
+        "m",
+        requests(1),
+        [[1, 2, 3]],
+        deadline_s=10,
+        prefill=lambda i: (p.url, {}, {}),
+    )
+    assert out[0].error and "P: HTTP 500" in out[0].error
