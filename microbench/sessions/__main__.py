@@ -41,7 +41,8 @@ from-scratch reference), and the KV blocks still held after the run.
                                   [--pd] [--arms LIST] [--full] [--trace FILE]
 
 Any Mooncake-format trace replays with --trace (and --source-block-tokens if its
-blocks are not 512 tokens). Writes results/sessions-trace-<time>.json, .png and the
+blocks are not 512 tokens), a multi-turn one (AIPerf's) too; --aiperf N replays
+an agentic-code trace of N sessions that AIPerf synthesizes (aiperf.py). Writes results/sessions-trace-<time>.json, .png and the
 scaled trace (.trace.jsonl: replayable with vLLM 0.32's
 ``vllm bench serve --dataset-name timed_trace --timed-trace-chunk-hash-size 128``);
 prints a table and the targets.
@@ -90,7 +91,7 @@ from microbench.common import (
     model_facts,
     stamp,
 )
-from microbench.sessions import trace
+from microbench.sessions import aiperf, trace
 from microbench.sessions.replay import replay
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     Decision,
@@ -493,6 +494,7 @@ def targets(rows: dict[str, dict]) -> list[dict]:
             "each arm's requests; met when it includes 0 or lies below",
         )
     lw, post = rows.get("pd-layerwise"), rows.get("pd-posthoc")
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} ms"  # noqa: E731
     if lw and post and lw["ttft_p50_s"] and post["ttft_p50_s"]:
         d, lo, hi = ttft_difference(lw, post, 0.5)
         t = lw["pd"]["transfers"]
@@ -507,7 +509,9 @@ def targets(rows: dict[str, dict]) -> list[dict]:
             + ("-" if share is None else f"{share:.0%}")
             + f" of its bytes before P's last layer, {t['layerwise']} of "
             f"{lw['requests']} transfers layer-wise, "
-            f"{t['destination_after_prefill']} reached P after its prefill",
+            f"{t['destination_after_prefill']} reached P after its prefill; P's "
+            f"answer p50 {ms(lw['pd']['prefill_p50_s'])} layer-wise, "
+            f"{ms(post['pd']['prefill_p50_s'])} post-hoc",
         )
     for name, r in rows.items():
         add(
@@ -601,7 +605,9 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
         vals = [r["tokens"][src] for r in rows]
         c.bar(names, vals, bottom=bottom, label=src, color=color)
         bottom = [x + y for x, y in zip(bottom, vals)]
-    c.set_ylabel("prompt tokens by source")
+    c.set_ylabel("prompt tokens by source (P/D: P's)")
+    for ax in (a, b, c):
+        ax.tick_params(axis="x", labelrotation=30)
     c.set_ylim(0, 1.35 * max(bottom + [1.0]))
     c.legend(fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=9)
@@ -616,13 +622,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument(
+        "--aiperf",
+        type=int,
+        default=None,
+        metavar="SESSIONS",
+        help="replay an agentic-code trace of this many sessions that "
+        "`aiperf synthesize` writes (microbench/sessions/aiperf.py; AIPerf is "
+        "installed into .venv-aiperf on first use) instead of --trace; the window "
+        "starts at its beginning unless --start-s is given",
+    )
+    ap.add_argument(
         "--source-block-tokens", type=int, default=trace.SOURCE_BLOCK_TOKENS
     )
     ap.add_argument(
         "--start-s",
         type=float,
-        default=600.0,
-        help="the window's first session starts at or after this time of the trace",
+        default=None,
+        help="the window's first session starts at or after this time of the trace "
+        "(default 600; 0 with --aiperf)",
     )
     ap.add_argument(
         "--requests", type=int, default=None, help="default 40 (--full: 120)"
@@ -680,14 +697,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    code = code_version()  # the code this process runs: edits made later do not
     n = args.requests or (120 if args.full else 40)
+    run_id = stamp()
+    out = args.out or DEFAULT_RESULTS_DIR / f"sessions-trace-{run_id}.json"
+    if args.aiperf is not None:
+        args.trace = aiperf.synthesize(
+            out.parent / f"sessions-trace-{run_id}-aiperf", args.aiperf, args.seed
+        )
+    if args.start_s is None:
+        args.start_s = 0.0 if args.aiperf is not None else 600.0
     if not args.trace.exists():
         print(
             f"[sessions] no trace at {args.trace}: pass --trace FILE", file=sys.stderr
         )
         return 2
     raw = trace.window(
-        trace.load(args.trace),
+        trace.load(args.trace, args.source_block_tokens),
         start_ms=1e3 * args.start_s,
         max_requests=n,
         min_turns=args.min_turns,
@@ -721,8 +747,6 @@ def main(argv: list[str] | None = None) -> int:
     later = [i for i, t in enumerate(turns) if t >= 2]
     step = max(1, len(later) // max(1, args.samples))
     sampled = set(later[::step][: args.samples])
-    run_id = stamp()
-    out = args.out or DEFAULT_RESULTS_DIR / f"sessions-trace-{run_id}.json"
     log_dir = out.parent / f"sessions-trace-{run_id}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     scaled_path = trace.write(out.with_suffix(".trace.jsonl"), reqs)
@@ -855,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "sessions",
         "machine": machine_info(),
-        "code": code_version(),
+        "code": code,
         "model": facts,
         "config": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
@@ -871,7 +895,9 @@ def main(argv: list[str] | None = None) -> int:
         ordered,
         out.with_suffix(".png"),
         f"{shape['requests']} requests, {shape['sessions']} sessions of {args.trace.name}, "
-        f"{facts['layers']} layers, two kv_both instances ({run_id})",
+        f"{facts['layers']} layers, two kv_both instances"
+        + (" (P/D: a kv_producer and a kv_consumer)" if pd else "")
+        + f" ({run_id})",
     )
     return finish("sessions", out, result, TABLE, lambda r: r["arm"], png, display)
 

@@ -21,6 +21,16 @@ system prompt is the first; the conversation's opening the second), and
 ``window()`` takes whole sessions, in order of their first request, from a given
 time on. This grouping is a heuristic of ours, not a field of the trace.
 
+A trace whose lines carry a ``session_id`` is the multi-turn form AIPerf writes
+(``aiperf synthesize agentic-code``): a line is one turn, its ``input_length``
+and ``hash_ids`` only what the turn adds, its time a ``timestamp`` on a session's
+first turn and a ``delay`` (ms after the previous turn) on the others.
+``load()`` turns it into whole prompts: turn k's ids are the session's ids of
+turns 0..k in order, its length covers them (every earlier turn's last, partial
+block counted whole: at most one block a turn more than the trace's sum), its
+time the previous turn's plus the delay, and the session is the ``session_id``
+(not the heuristic above).
+
 ``unbounded_reuse()`` is the prefix reuse one instance with an unbounded prefix
 cache would get: per request, the leading full blocks whose whole prefix an
 earlier request already had, as vLLM's prefix cache counts them (a prompt's last
@@ -49,14 +59,18 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session: str | None = None  # the trace's session_id, if it has one
 
     def as_line(self) -> dict:
-        return {
+        line = {
             "timestamp": self.timestamp_ms,
             "input_length": self.input_length,
             "output_length": self.output_length,
             "hash_ids": list(self.hash_ids),
         }
+        if self.session is not None:
+            line["session_id"] = self.session
+        return line
 
 
 class TraceError(ValueError):
@@ -64,16 +78,24 @@ class TraceError(ValueError):
 
 
 def parse_line(line: str, where: str) -> TraceRequest:
+    """One line; a multi-turn line (``session_id``) gives its turn's own ids and
+    length, its ``delay`` as the timestamp when it has no ``timestamp``."""
     try:
         obj = json.loads(line)
-        ts = float(obj["timestamp"])
+        session = obj.get("session_id")
+        if session is not None:
+            session = str(session)
+        if session is not None and "timestamp" not in obj:
+            ts = float(obj["delay"])
+        else:
+            ts = float(obj["timestamp"])
         inp = int(obj["input_length"])
         out = int(obj["output_length"])
         ids = obj["hash_ids"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise TraceError(
             f"{where}: not a Mooncake trace line (timestamp, input_length, "
-            f"output_length, hash_ids): {e}"
+            f"output_length, hash_ids; or session_id with timestamp or delay): {e}"
         ) from e
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         raise TraceError(f"{where}: hash_ids must be a list of integers")
@@ -82,16 +104,66 @@ def parse_line(line: str, where: str) -> TraceRequest:
             f"{where}: out of range (input_length {inp}, output_length {out}, "
             f"{len(ids)} hash_ids, timestamp {ts})"
         )
-    return TraceRequest(ts, inp, out, tuple(ids))
+    return TraceRequest(ts, inp, out, tuple(ids), session)
 
 
-def load(path: Path) -> list[TraceRequest]:
+def load(
+    path: Path, source_block_tokens: int = SOURCE_BLOCK_TOKENS
+) -> list[TraceRequest]:
+    """A trace's requests: a multi-turn trace (its sessions' later turns carry a
+    ``delay``, not a ``timestamp``) as whole prompts, any other as written."""
+    turns, timed = [], []
     with open(path) as f:
-        return [
-            parse_line(line, f"{path}:{n}")
-            for n, line in enumerate(f, 1)
-            if line.strip()
-        ]
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                turns.append(parse_line(line, f"{path}:{n}"))
+                timed.append("timestamp" in json.loads(line))
+    if all(timed):
+        return turns
+    firsts: set[str] = set()
+    for n, (r, has_ts) in enumerate(zip(turns, timed), 1):
+        if r.session is None:
+            raise TraceError(
+                f"{path}: request {n}: no session_id in a multi-turn trace (one "
+                "whose later turns carry a delay)"
+            )
+        first = r.session not in firsts
+        firsts.add(r.session)
+        if first != has_ts:
+            raise TraceError(
+                f"{path}: request {n}: in a multi-turn trace a session's first turn "
+                "has a timestamp and its later turns a delay"
+            )
+    return whole_prompts(turns, source_block_tokens)
+
+
+def whole_prompts(
+    turns: Sequence[TraceRequest], source_block_tokens: int
+) -> list[TraceRequest]:
+    """A multi-turn trace's turns (each with its own ids and length, a session's
+    later turns' ``timestamp_ms`` its delay) as whole prompts, in time order (see
+    the module's doc)."""
+    state: dict[str, tuple[float, tuple[int, ...], int]] = {}
+    out = []
+    for t in turns:
+        assert t.session is not None
+        at, ids, length = state.get(t.session, (0.0, (), 0))
+        at = at + t.timestamp_ms  # a first turn: its timestamp; else: the delay
+        ids += t.hash_ids
+        if len(ids) > MAX_LINE_IDS:
+            raise TraceError(
+                f"session {t.session}: more than {MAX_LINE_IDS} ids in one prompt"
+            )
+        if t.hash_ids:  # every earlier block whole; this turn's last as given
+            last = t.input_length - (len(t.hash_ids) - 1) * source_block_tokens
+            length = (len(ids) - 1) * source_block_tokens + min(
+                max(last, 1), source_block_tokens
+            )
+        else:
+            length += t.input_length
+        state[t.session] = (at, ids, length)
+        out.append(TraceRequest(at, length, t.output_length, ids, t.session))
+    return sorted(out, key=lambda r: r.timestamp_ms)
 
 
 def write(path: Path, reqs: Iterable[TraceRequest]) -> Path:
@@ -100,14 +172,15 @@ def write(path: Path, reqs: Iterable[TraceRequest]) -> Path:
     return path
 
 
-def session_key(r: TraceRequest) -> tuple[int, ...]:
-    return r.hash_ids[:2]
+def session_key(r: TraceRequest) -> tuple:
+    """The trace's session_id where it has one, else the first two ids."""
+    return ("session", r.session) if r.session is not None else r.hash_ids[:2]
 
 
 def sessions(reqs: Sequence[TraceRequest]) -> list[list[TraceRequest]]:
     """Requests grouped by their first two ids, each group in trace order, the
     groups in order of their first request."""
-    groups: dict[tuple[int, ...], list[TraceRequest]] = {}
+    groups: dict[tuple, list[TraceRequest]] = {}
     for r in sorted(reqs, key=lambda r: r.timestamp_ms):
         groups.setdefault(session_key(r), []).append(r)
     return list(groups.values())
@@ -164,7 +237,9 @@ def space_sessions(
             gap = (r.timestamp_ms - prev) * gap_scale
             at += gap if max_gap_ms is None else min(gap, max_gap_ms)
             prev = r.timestamp_ms
-            out.append(TraceRequest(at, r.input_length, r.output_length, r.hash_ids))
+            out.append(
+                TraceRequest(at, r.input_length, r.output_length, r.hash_ids, r.session)
+            )
     return sorted(out, key=lambda r: r.timestamp_ms)
 
 
@@ -194,7 +269,11 @@ def scale(
             output = min(output, max_output)
         out.append(
             TraceRequest(
-                (r.timestamp_ms - t0) * time_scale, max(1, length), output, r.hash_ids
+                (r.timestamp_ms - t0) * time_scale,
+                max(1, length),
+                output,
+                r.hash_ids,
+                r.session,
             )
         )
     return out

@@ -62,7 +62,8 @@ def pd_row(name, ttfts, share=0.8):
                 "share_before_prefill_end": share,
                 "layerwise": len(ttfts),
                 "destination_after_prefill": 0,
-            }
+            },
+            "prefill_p50_s": 0.1,
         },
     }
 

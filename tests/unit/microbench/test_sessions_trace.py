@@ -172,3 +172,100 @@ def test_a_written_trace_loads_back_unchanged(tmp_path):
     reqs = [req(0, 40, [0, 1, 2]), req(12.5, 20, [0, 3])]
     path = trace.write(tmp_path / "s.jsonl", reqs)
     assert trace.load(path) == reqs
+
+
+# ---- multi-turn traces (AIPerf's agentic-code): one line per turn, its own ids ----
+
+SRC = 512  # the multi-turn trace's tokens a block
+
+
+def turn(session, ids, length, ts=None, delay=None, out=100):
+    line = {
+        "session_id": session,
+        "input_length": length,
+        "output_length": out,
+        "hash_ids": ids,
+    }
+    if ts is not None:
+        line["timestamp"] = ts
+    if delay is not None:
+        line["delay"] = delay
+    return json.dumps(line)
+
+
+def load_lines(tmp_path, lines):
+    path = tmp_path / "multi.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return trace.load(path)
+
+
+def test_a_multi_turn_trace_becomes_whole_prompts_per_session(tmp_path):
+    reqs = load_lines(
+        tmp_path,
+        [
+            # two sessions sharing a tools prefix (ids 0, 1), as agentic-code writes
+            turn("a", [0, 1, 2], 2 * SRC + 100, ts=0.0),
+            turn("b", [0, 1, 3], 3 * SRC, ts=500.0),
+            turn("a", [10, 11], SRC + 7, delay=2000.0),
+            turn("b", [12], 40, delay=100.0),
+            turn("a", [13], SRC, delay=50.0),
+        ],
+    )
+    by = {(r.session, r.timestamp_ms): r for r in reqs}
+    assert [r.timestamp_ms for r in reqs] == sorted(r.timestamp_ms for r in reqs)
+    a2, a3 = by[("a", 2000.0)], by[("a", 2050.0)]
+    b2 = by[("b", 600.0)]
+    # turn k's ids: the session's turns 0..k in order
+    assert a2.hash_ids == (0, 1, 2, 10, 11) and a3.hash_ids == (0, 1, 2, 10, 11, 13)
+    assert b2.hash_ids == (0, 1, 3, 12)
+    # lengths: earlier turns' partial last blocks count whole, the last as given
+    assert a2.input_length == 4 * SRC + 7 and a3.input_length == 6 * SRC
+    assert b2.input_length == 3 * SRC + 40
+    # at most one block a turn over the trace's own sum
+    assert 0 <= a2.input_length - (2 * SRC + 100 + SRC + 7) <= SRC
+    # sessions are the trace's, though both start with the same two ids
+    assert len(trace.sessions(reqs)) == 2
+    # and scaled, equal ids still give equal tokens: the shared prefix, a's history
+    scaled = trace.scale(reqs, block_tokens=B, source_block_tokens=SRC)
+    build = PromptBuilder(B, vocab_size=4096)
+    prompts = {(r.session, len(r.hash_ids)): build.prompt(r) for r in scaled}
+    assert prompts[("a", 3)][: 2 * B] == prompts[("b", 3)][: 2 * B]
+    assert prompts[("a", 3)][2 * B : 3 * B] != prompts[("b", 3)][2 * B : 3 * B]
+    earlier = prompts[("a", 5)]  # the turn before: a prefix of the next one
+    assert len(earlier) == 4 * B + 1 and prompts[("a", 6)][: len(earlier)] == earlier
+    assert all(r.session for r in scaled)
+
+
+def test_a_multi_turn_trace_keeps_its_sessions_through_spacing_and_writing(tmp_path):
+    reqs = load_lines(
+        tmp_path,
+        [
+            turn("a", [0, 1], 2 * SRC, ts=0.0),
+            turn("b", [0, 2], 2 * SRC, ts=10.0),
+            turn("a", [3], SRC, delay=1000.0),
+        ],
+    )
+    spaced = trace.space_sessions(reqs, interval_ms=100.0, gap_scale=0.5)
+    assert [(r.session, r.timestamp_ms) for r in spaced] == [
+        ("a", 0.0),
+        ("b", 100.0),
+        ("a", 500.0),
+    ]
+    out = trace.write(tmp_path / "w.jsonl", spaced)
+    assert trace.load(out) == spaced
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [turn("a", [0], 10, delay=5.0)],  # a first turn without a timestamp
+        [  # a later turn with a timestamp of its own
+            turn("a", [0], 10, ts=0.0),
+            turn("a", [1], 10, delay=5.0),
+            turn("a", [2], 10, ts=9.0),
+        ],
+    ],
+)
+def test_a_multi_turn_trace_with_a_bad_session_is_refused(tmp_path, lines):
+    with pytest.raises(trace.TraceError):
+        load_lines(tmp_path, lines)
