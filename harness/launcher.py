@@ -141,12 +141,17 @@ class InstanceSpec:
 
 
 class InstanceStartError(RuntimeError):
-    pass
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log  # the instance's whole log of this start, where known
 
 
 def port_taken(error: InstanceStartError) -> bool:
-    """The start-up failure is a port another process took (the message holds the log's tail)."""
-    text = str(error)
+    """The start-up failure is a port another process took: said in the message or
+    anywhere in the instance's log of this start (vLLM's API server prints a long
+    traceback of its own after its engine core's EADDRINUSE, past the message's
+    tail of the log)."""
+    text = f"{error}\n{getattr(error, 'log', '')}"
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
@@ -172,6 +177,13 @@ class Instance:
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
+
+    def whole_log(self) -> str:
+        """The log from this start's mark on, or "" if it cannot be read."""
+        try:
+            return self.log_text()
+        except OSError:
+            return ""
 
     def log_text(self) -> str:
         """The instance's log from its mark on (the whole log unless mark_log moved it)."""
@@ -275,7 +287,8 @@ class Instance:
             if self.proc.poll() is not None:
                 raise InstanceStartError(
                     f"vLLM instance '{self.spec.name}' exited with code {self.proc.returncode} "
-                    f"during start-up (log: {self.log_path}). Last lines:\n{self.log_tail()}"
+                    f"during start-up (log: {self.log_path}). Last lines:\n{self.log_tail()}",
+                    self.whole_log(),
                 )
             if self.healthy():
                 return

@@ -109,3 +109,34 @@ def test_the_restart_after_a_taken_port_picks_new_ports(tmp_path, monkeypatch):
     assert boot2 != boot1 and port2 != port1
     assert fixed1 == fixed2 == 18123  # a port the spec names is kept
     assert f":{boot2}" in sources2 and f":{boot1}" not in sources2
+
+
+def test_a_port_taken_far_above_the_log_tail_is_still_seen(tmp_path):
+    """vLLM's API server prints a long traceback of its own after the engine core's
+    EADDRINUSE (about 60 lines): the start-up error's tail of the log no longer
+    holds it, and the cluster was not retried."""
+    import subprocess
+    import time
+
+    from harness import launcher
+
+    log = tmp_path / "b.log"
+    log.write_text(
+        "INFO starting\n"
+        "(EngineCore pid=1) torch.distributed.DistNetworkError: The server socket "
+        "has failed to listen on any local network address. port: 42649, "
+        "code: -98, name: EADDRINUSE, message: address already in use\n"
+        + "".join(
+            f"(APIServer pid=2)   File 'x.py', line {i}, in f\n" for i in range(60)
+        )
+        + "(APIServer pid=2) RuntimeError: Engine core initialization failed.\n"
+    )
+    inst = launcher.Instance(launcher.InstanceSpec("b", model="m"), 1, None, log)
+    inst.proc = subprocess.Popen(["true"])
+    inst.proc.wait()
+    try:
+        inst.wait_ready(time.monotonic() + 5)
+    except launcher.InstanceStartError as e:
+        error = e
+    assert "EADDRINUSE" not in str(error)  # the message keeps its short tail
+    assert launcher.port_taken(error)
