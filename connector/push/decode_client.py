@@ -89,6 +89,10 @@ KEEPALIVE_EXPIRY_S = 2.0
 # get a whole answer: it is not started, so the source sees no connection and no
 # request cut off after its headers.
 MIN_CALL_S = 0.05
+# A source's lane (its threads and connections) unused this long is closed when
+# another call comes: sources come and go (an instance restarted on another
+# port), and their lanes would otherwise stay for the process's life.
+LANE_IDLE_S = 600.0
 
 
 class DeadlinePassed(TimeoutError):
@@ -314,6 +318,11 @@ class _Lane:
         self.name = name
         self.client = _SourceClient(threads, max_answer_bytes, tls)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # calls submitted or posted and not yet done; SourceLanes raises it under
+        # its lock, so a lane it finds at 0 has no call and gets none
+        self._busy_lock = threading.Lock()
+        self.busy = 0
+        self.idle_since = time.monotonic()
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
             for i in range(threads)
@@ -326,20 +335,38 @@ class _Lane:
         self._queue.put((fut, fn, args))
         return fut
 
+    def begin(self) -> None:
+        with self._busy_lock:
+            self.busy += 1
+
+    def end(self) -> None:
+        with self._busy_lock:
+            self.busy -= 1
+            if not self.busy:
+                self.idle_since = time.monotonic()
+
+    def idle_for(self, now: float) -> float:
+        """How long the lane has had no call (0 while one is queued or running)."""
+        with self._busy_lock:
+            return 0.0 if self.busy else now - self.idle_since
+
     def _work(self) -> None:
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
             fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
             try:
-                result = fn(*args)
-            except BaseException as e:  # handed to the caller through the future
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = fn(*args)
+                except BaseException as e:  # handed to the caller through the future
+                    fut.set_exception(e)
+                else:
+                    fut.set_result(result)
+            finally:
+                self.end()
 
     def shutdown(self) -> list[threading.Thread]:
         """Cancel what is queued, abort what runs; returns the threads to join."""
@@ -363,11 +390,16 @@ class SourceLanes:
     ``post(source, path, ...)`` (called there) sends one bounded POST to it."""
 
     def __init__(
-        self, name: str, threads: int, max_answer_bytes: int = MAX_ANSWER_BYTES
+        self,
+        name: str,
+        threads: int,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
+        idle_s: float = LANE_IDLE_S,
     ):
         self.name = name
         self.threads = threads
         self.max_answer_bytes = max_answer_bytes
+        self.idle_s = idle_s
         self._lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
         self._closed = False
@@ -379,11 +411,20 @@ class SourceLanes:
         except ConfigError:
             return source
 
-    def _lane(self, source: str) -> _Lane:
+    def _begin(self, source: str) -> _Lane:
+        """``source``'s lane, one call more on it; other lanes idle for ``idle_s``
+        are closed (their threads end, their connections close)."""
         key = self.key(source)
+        now = time.monotonic()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: shut down")
+            idle = [
+                k
+                for k, lane in self._lanes.items()
+                if k != key and lane.idle_for(now) >= self.idle_s
+            ]
+            retired = [self._lanes.pop(k) for k in idle]
             lane = self._lanes.get(key)
             if lane is None:
                 lane = self._lanes[key] = _Lane(
@@ -392,10 +433,14 @@ class SourceLanes:
                     self.max_answer_bytes,
                     key.startswith("https:"),
                 )
-            return lane
+            lane.begin()
+        for r in retired:
+            r.shutdown()  # nothing queued or running: its threads take their stop
+        return lane
 
     def submit(self, source: str, fn: Callable[..., Any], *args: Any) -> Future:
-        return self._lane(source).submit(fn, *args)
+        lane = self._begin(source)
+        return lane.submit(fn, *args)  # the lane's thread ends the call
 
     def post(
         self,
@@ -408,9 +453,12 @@ class SourceLanes:
         """POST ``path`` at ``source``'s origin (ValueError if ``source`` is more than
         an origin); the whole answer by ``deadline`` (monotonic) or DeadlinePassed,
         at most the cap or AnswerTooLarge."""
-        return self._lane(source).client.post(
-            source_origin(source) + path, content, headers, deadline
-        )
+        url = source_origin(source) + path  # ValueError before any lane is made
+        lane = self._begin(source)
+        try:
+            return lane.client.post(url, content, headers, deadline)
+        finally:
+            lane.end()
 
     def sources(self) -> list[str]:
         with self._lock:

@@ -294,6 +294,65 @@ def test_a_call_with_almost_no_time_left_is_not_started(sources):
         lanes.shutdown()
 
 
+# ---- a source's lane lives while it is used ----------------------------------------
+
+
+def test_a_lane_idle_past_its_limit_is_closed_when_another_source_is_called(
+    push_threads,
+):
+    """Sources come and go (an instance restarted on another port): a lane unused
+    for idle_s ends its threads and closes its connections at the next call, and
+    the source gets a new one when it is called again."""
+    lanes = decode_client.SourceLanes("mooncake-push-test", 2, idle_s=0.3)
+    gone, other = "http://127.0.0.1:9", "http://127.0.0.1:10"
+    try:
+        assert lanes.submit(gone, lambda: 1).result(5) == 1
+        assert len(push_threads(gone)) == 2
+        time.sleep(0.4)
+        assert lanes.submit(other, lambda: 2).result(5) == 2
+        assert wait_until(lambda: not push_threads(gone), 2), push_threads(gone)
+        assert lanes.sources() == [other]
+        assert lanes.submit(gone, lambda: 3).result(5) == 3  # a new lane
+        assert len(push_threads(gone)) == 2
+    finally:
+        lanes.shutdown()
+
+
+def test_a_lane_with_a_call_running_or_in_flight_is_never_closed(sources, push_threads):
+    """Idle means no call queued, running, or posted from another thread: a lane
+    whose call outlives idle_s keeps its threads and its connection."""
+    slow = sources()
+    lanes = decode_client.SourceLanes("mooncake-push-test", 1, idle_s=0.2)
+    release = threading.Event()
+    busy = "http://127.0.0.1:9"
+    ended: list = []
+
+    def post_slow():  # from a thread of the caller's, as the reset notice is sent
+        t0 = time.monotonic()
+        try:
+            lanes.post(slow.url, "/x", b"{}", {}, t0 + 2.0)
+        except Exception as e:  # noqa: BLE001 - what ended the call
+            ended.append((time.monotonic() - t0, e))
+
+    try:
+        running = lanes.submit(busy, release.wait, 10)
+        poster = threading.Thread(target=post_slow)
+        poster.start()
+        assert wait_until(lambda: slow.open == 1, 2)
+        time.sleep(0.5)  # both past idle_s, both busy
+        assert lanes.submit("http://127.0.0.1:10", lambda: 0).result(5) == 0
+        assert len(push_threads(busy)) == 1 and len(push_threads(slow.url)) == 1
+        release.set()
+        assert running.result(5) is True
+        poster.join(5)
+        # the slow call ended at its deadline, not cut off by a closed lane
+        ((took, error),) = ended
+        assert isinstance(error, decode_client.DeadlinePassed) and took >= 1.9, ended
+    finally:
+        release.set()
+        lanes.shutdown()
+
+
 def test_a_slow_source_at_the_push_phase_does_not_delay_a_healthy_one(
     sources, healthy, push_threads
 ):
