@@ -1,0 +1,431 @@
+"""vLLM's own multi-turn benchmark as the sessions' driver, through vllm-router.
+
+``benchmarks/multi_turn/benchmark_serving_multi_turn.py`` (in vLLM's source
+tree, so in the tree build.py applies into) generates conversations from local
+text and plays them closed-loop: each client sends a conversation's next user
+turn, with the whole history and the answers the server gave, when the previous
+answer has ended. It is what upstream measures multi-turn KV reuse with. Here it
+drives two ``kv_both`` instances (core 0, core 1) behind ``vllm-router --policy
+round_robin``, without and with prefix push (``MOONCAKE_PUSH_AUTO=1``), each arm
+on instances started for it (empty prefix caches).
+
+The conversations are shaped like agentic work: a shared system prompt
+(``--system-tokens``), a first turn of 1-2k tokens, 128-512 new tokens a turn,
+16-64 output tokens, several conversations at once (``--clients``). The text is
+words of the generated model's vocabulary (its word-level tokenizer: one word,
+one token), drawn from a seeded generator; a chat template that joins the
+messages' contents serves /v1/chat/completions.
+
+Per arm: the benchmark's own per-request figures (TTFT, TPOT, latency; kept by
+a wrapper of its ``process_statistics``, so its printed summary is unchanged),
+vLLM's prompt tokens by source on both instances (prefill computed, local cache
+hits, tokens from the connector), push decisions, requests that did not end,
+and KV blocks held after the run. Not here: a logprob check of the answers (the
+benchmark keeps none; the trace arms of ``python -m microbench.sessions`` check
+them) and an unbounded-cache baseline (the conversations' answers are the
+server's, so their tokens are known only after the run).
+
+The benchmark needs pandas, which vLLM's virtualenvs do not have: it runs with
+the Python of ``.venv-aiperf`` (aiperf.py; made on first use).
+
+    python -m microbench.sessions.multiturn [--conversations 12] [--clients 3]
+                                            [--max-messages 8] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import time
+from pathlib import Path
+
+from harness.kv_usage import wait_no_blocks_in_use
+from harness.launcher import Cluster, InstanceSpec
+from harness.model import SPECIAL_TOKENS, ModelShape, ensure_model
+from harness.pd_client import complete, model_name
+from harness.prompts import PromptSource
+from harness.routers import vllm_router_workers
+from harness.vllm_series import selected
+from microbench.common import (
+    DEFAULT_RESULTS_DIR,
+    code_version,
+    finish,
+    machine_info,
+    model_facts,
+    stamp,
+)
+from microbench.sessions import aiperf
+from microbench.sessions.__main__ import TOKEN, grown, pct, snapshot, ttft_difference
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+TIMEOUT_S = 1800
+# Runs in the tools' virtualenv: vLLM's benchmark, its statistics kept as JSON.
+RUNNER = """\
+import asyncio, json, sys
+sys.path.insert(0, sys.argv[1])
+out = sys.argv[2]
+sys.argv = ["benchmark_serving_multi_turn.py"] + sys.argv[3:]
+import benchmark_serving_multi_turn as bench
+real = bench.process_statistics
+def keep(client_metrics, *args, **kwargs):
+    with open(out, "w") as f:
+        json.dump([m._asdict() for m in client_metrics], f)
+    return real(client_metrics, *args, **kwargs)
+bench.process_statistics = keep
+real_gen = bench.generate_conversations
+def planned(*args, **kwargs):
+    convs = real_gen(*args, **kwargs)
+    with open(out + ".planned", "w") as f:
+        json.dump(
+            {str(c): sum(m["role"] == "user" for m in ms) for c, ms in convs.items()}, f
+        )
+    return convs
+bench.generate_conversations = planned
+asyncio.run(bench.main())
+"""
+ARMS = ("rr", "rr+push")
+
+
+def write_text(path: Path, vocab_size: int, words: int, seed: int) -> Path:
+    """``words`` words of the model's vocabulary (w0, w1, ...), seeded."""
+    rng = random.Random(seed)
+    n = vocab_size - len(SPECIAL_TOKENS)
+    lines = (
+        " ".join(f"w{rng.randrange(n)}" for _ in range(16)) for _ in range(words // 16)
+    )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def conversations_config(
+    text: Path,
+    conversations: int,
+    messages: tuple[int, int],
+    system_tokens: int,
+    first_tokens: tuple[int, int],
+    turn_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+) -> dict:
+    """The benchmark's ``generate_conversations`` input (its JSON format)."""
+
+    def uniform(lo: int, hi: int) -> dict:
+        return {"distribution": "uniform", "min": lo, "max": hi}
+
+    return {
+        "filetype": "generate_conversations",
+        "num_conversations": conversations,
+        "text_files": [str(text)],
+        "print_stats": False,
+        "prompt_input": {
+            "num_turns": uniform(*messages),
+            "common_prefix_num_tokens": {
+                "distribution": "constant",
+                "value": system_tokens,
+            },
+            "prefix_num_tokens": uniform(*first_tokens),
+            "num_tokens": uniform(*turn_tokens),
+        },
+        "prompt_output": {"num_tokens": uniform(*output_tokens)},
+    }
+
+
+def summarize(metrics: list[dict]) -> dict:
+    ms = lambda k, q: pct([m[k] for m in metrics], q)  # noqa: E731
+    later = [m for m in metrics if m["input_num_turns"] > 1]
+    return {
+        "requests": len(metrics),
+        "conversations": len({m["conversation_id"] for m in metrics}),
+        "ttft_p50_ms": ms("ttft_ms", 0.5),
+        "ttft_p90_ms": ms("ttft_ms", 0.9),
+        "ttft_p99_ms": ms("ttft_ms", 0.99),
+        "ttft_later_p50_ms": pct([m["ttft_ms"] for m in later], 0.5),
+        "ttft_later_p90_ms": pct([m["ttft_ms"] for m in later], 0.9),
+        "latency_p50_ms": ms("latency_ms", 0.5),
+        "latency_p90_ms": ms("latency_ms", 0.9),
+        "tpot_p90_ms": ms("tpot_ms", 0.9),
+        "input_tokens_median": ms("input_num_tokens", 0.5),
+        "input_tokens_max": max((m["input_num_tokens"] for m in metrics), default=0),
+    }
+
+
+def run_benchmark(
+    python: Path,
+    tree: Path,
+    config: Path,
+    model_dir: str,
+    served: str,
+    url: str,
+    clients: int,
+    seed: int,
+    out: Path,
+    log: Path,
+) -> tuple[list[dict], int]:
+    """vLLM's multi-turn benchmark against ``url``: its per-request figures, and
+    the user turns its conversations held (the requests it had to send)."""
+    runner = out.with_suffix(".runner.py")
+    runner.write_text(RUNNER)
+    cmd = [
+        str(python),
+        str(runner),
+        str(tree / "benchmarks" / "multi_turn"),
+        str(out),
+        "--input-file",
+        str(config),
+        "--model",
+        model_dir,
+        "--served-model-name",
+        served,
+        "--url",
+        url,
+        "--num-clients",
+        str(clients),
+        "--max-active-conversations",
+        str(clients),
+        "--seed",
+        str(seed),
+        "--request-timeout-sec",
+        "300",
+        "--no-early-stop",  # else it stops all clients when the first one is done
+    ]
+    print(f"[multiturn] {' '.join(cmd[2:])} (log: {log})", flush=True)
+    with open(log, "w") as f:
+        got = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT_S, check=False
+        )
+    if got.returncode != 0 or not out.exists():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise RuntimeError(
+            f"vLLM's multi-turn benchmark failed (exit {got.returncode}); log {log}:"
+            f"\n{tail}"
+        )
+    plan = json.loads(Path(str(out) + ".planned").read_text())
+    return json.loads(out.read_text()), sum(plan.values())
+
+
+def row_of(arm: str, metrics: list[dict], expected: int, diff: dict, held) -> dict:
+    t = diff["tokens"]
+    total = sum(t.values())
+    return {
+        "arm": arm,
+        **summarize(metrics),
+        "expected_requests": expected,
+        "not_ended": max(0, expected - len(metrics)),
+        # no answer check here (see the module's doc): a request that did not end
+        # is what fails the run
+        "correct": len(metrics) >= expected,
+        "tokens": t,
+        "computed_tokens": t["local_compute"],
+        "reuse": (t["local_cache_hit"] + t["external_kv_transfer"]) / total
+        if total
+        else 0.0,
+        "decisions": diff["decisions"],
+        "pushes_ok": diff["push_ok"],
+        "pushes_failed": diff["push_failed"],
+        "blocks_held_after": list(held),
+        "metrics": metrics,
+    }
+
+
+def targets(rows: dict[str, dict]) -> list[dict]:
+    out = []
+
+    def add(name, value, met, why=""):
+        out.append({"target": name, "value": value, "met": bool(met), "why": why})
+
+    rr, push = rows.get("rr"), rows.get("rr+push")
+    if rr and push:
+        a, b = rr["computed_tokens"], push["computed_tokens"]
+        add(
+            "rr+push computes fewer prefill tokens than rr",
+            f"{b:.0f} / {a:.0f} tokens ({a / b:.2f}x fewer)" if b else f"0 / {a:.0f}",
+            b < a,
+        )
+        as_outcomes = lambda r: {  # noqa: E731
+            "outcomes": [
+                {"ttft_s": m["ttft_ms"] / 1e3}
+                for m in r["metrics"]
+                if m["input_num_turns"] > 1
+            ]
+        }
+        d, lo, hi = ttft_difference(as_outcomes(push), as_outcomes(rr), 0.5)
+        add(
+            "rr+push turn >= 2 TTFT p50 not above rr's beyond the run's noise",
+            f"{push['ttft_later_p50_ms']:.0f} / {rr['ttft_later_p50_ms']:.0f} ms "
+            f"(difference {d * 1e3:+.0f} ms, 95% interval {lo * 1e3:+.0f} to "
+            f"{hi * 1e3:+.0f} ms)",
+            lo <= 0,
+            "noise: 2,000 bootstrap resamples of each arm's turns >= 2",
+        )
+    for name, r in rows.items():
+        add(
+            f"{name}: every request ended, 0 blocks held",
+            f"{r['requests']} of {r['expected_requests']} ended, blocks held "
+            f"{r['blocks_held_after']}",
+            not r["not_ended"] and not any(r["blocks_held_after"]),
+        )
+    return out
+
+
+TABLE = [
+    ("arm", "arm", ""),
+    ("requests", "requests", "d"),
+    ("not_ended", "not ended", "d"),
+    ("ttft_p50_ms", "TTFT p50", ".0f"),
+    ("ttft_p90_ms", "p90", ".0f"),
+    ("ttft_later_p50_ms", "turn>=2 p50", ".0f"),
+    ("ttft_later_p90_ms", "turn>=2 p90", ".0f"),
+    ("latency_p50_ms", "e2e p50", ".0f"),
+    ("tpot_p90_ms", "TPOT p90", ".1f"),
+    ("reuse_pct", "reuse %", ".1f"),
+    ("computed_tokens", "computed tok", ".0f"),
+    ("pushed", "pushed", ".0f"),
+]
+
+
+def display(rows: list[dict]) -> list[dict]:
+    return [
+        {
+            **{k: r[k] for k, _, _ in TABLE if k in r},
+            "reuse_pct": 100 * r["reuse"],
+            "pushed": r["decisions"]["pushed"],
+        }
+        for r in rows
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m microbench.sessions.multiturn",
+        description=__doc__.split("\n\n")[0],
+    )
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--clients", type=int, default=3, help="conversations at once")
+    ap.add_argument(
+        "--max-messages",
+        type=int,
+        default=8,
+        help="messages a conversation has at most (user and assistant: 8 = 4 turns)",
+    )
+    ap.add_argument("--system-tokens", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    code = code_version()
+    run_id = stamp()
+    out = args.out or DEFAULT_RESULTS_DIR / f"sessions-multiturn-{run_id}.json"
+    work = out.parent / f"sessions-multiturn-{run_id}-logs"
+    work.mkdir(parents=True, exist_ok=True)
+    python = aiperf.ensure().parent / "python"
+    facts = model_facts(Path(ensure_model(ModelShape(num_layers=args.layers))))
+    text = write_text(work / "words.txt", facts["vocab_size"], 200_000, args.seed)
+    config = conversations_config(
+        text,
+        args.conversations,
+        (max(2, args.max_messages - 2), args.max_messages),
+        args.system_tokens,
+        (512, 1024),
+        (128, 512),
+        (16, 64),
+    )
+    config_path = work / "conversations.json"
+    config_path.write_text(json.dumps(config, indent=2))
+    template = work / "chat-template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    tree = selected().tree
+    print(
+        f"[multiturn] {args.conversations} conversations of up to "
+        f"{args.max_messages // 2} turns, {args.clients} at once, vLLM's "
+        f"benchmark from {tree}; logs in {work}",
+        flush=True,
+    )
+    warm = PromptSource(facts["vocab_size"], seed=10_000 + args.seed)
+    rows: dict[str, dict] = {}
+    t_start = time.monotonic()
+    for arm, env in (("rr", {}), ("rr+push", {"MOONCAKE_PUSH_AUTO": "1"})):
+        specs = [
+            InstanceSpec(
+                name,
+                role="kv_both",
+                cores=core,
+                model=facts["path"],
+                kv_cache_gib=args.kv_cache_gib,
+                max_model_len=8192,
+                dtype=facts["dtype"],
+                env=env,
+                extra_args=[
+                    "--enable-prompt-tokens-details",
+                    "--chat-template",
+                    str(template),
+                ],
+            )
+            for name, core in (("a", "0"), ("b", "1"))
+        ]
+        (work / arm).mkdir(exist_ok=True)
+        print(f"[multiturn] {arm}: starting a (core 0) and b (core 1)", flush=True)
+        with Cluster(specs, work / arm, token=TOKEN) as cluster:
+            a, b = cluster["a"], cluster["b"]
+            served = model_name(a.url)
+            for inst in (a, b):
+                complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=served)
+            with vllm_router_workers([a, b], work / arm, "round_robin") as router:
+                before = snapshot([a, b])
+                metrics, expected = run_benchmark(
+                    python,
+                    tree,
+                    config_path,
+                    facts["path"],
+                    served,
+                    router.url,
+                    args.clients,
+                    args.seed,
+                    work / f"{arm}-requests.json",
+                    work / f"{arm}-benchmark.log",
+                )
+            time.sleep(2)  # vLLM counts a request's tokens just after it ends
+            diff = grown(before, snapshot([a, b]))
+            held = wait_no_blocks_in_use(a.url, b.url, timeout=120)
+            rows[arm] = row_of(arm, metrics, expected, diff, held)
+        print(
+            f"[multiturn] {arm}: {len(metrics)} requests answered; "
+            f"{time.monotonic() - t_start:.0f} s so far",
+            flush=True,
+        )
+    met = targets(rows)
+    ordered = [rows[k] for k in ARMS if k in rows]
+    result = {
+        "benchmark": "sessions-multiturn",
+        "machine": machine_info(),
+        "code": code,
+        "model": facts,
+        "config": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+        }
+        | {"conversations_config": config},
+        "rows": ordered,
+        "targets": met,
+        "summary": {
+            "lines": [
+                "each arm on instances started for it (empty prefix caches); driver: "
+                "vLLM's benchmarks/multi_turn/benchmark_serving_multi_turn.py, "
+                "closed-loop",
+                "not here: a logprob check of the answers (see python -m "
+                "microbench.sessions), an unbounded-cache baseline",
+            ]
+            + [
+                f"target {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {t['value']}"
+                + (f" ({t['why']})" if t["why"] else "")
+                for t in met
+            ]
+        },
+    }
+    return finish(
+        "sessions-multiturn", out, result, TABLE, lambda r: r["arm"], None, display
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

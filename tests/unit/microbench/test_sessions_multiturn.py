@@ -1,0 +1,122 @@
+"""microbench/sessions/multiturn.py: the text and conversations it gives vLLM's
+multi-turn benchmark, the wrapper that keeps the benchmark's per-request figures
+(run against a stand-in benchmark module), and the report's figures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from harness.model import SPECIAL_TOKENS
+from microbench.sessions import multiturn
+
+
+def test_the_text_is_words_of_the_vocabulary_and_the_same_for_a_seed(tmp_path):
+    one = multiturn.write_text(tmp_path / "a.txt", 100, 640, seed=1).read_text()
+    two = multiturn.write_text(tmp_path / "b.txt", 100, 640, seed=1).read_text()
+    other = multiturn.write_text(tmp_path / "c.txt", 100, 640, seed=2).read_text()
+    words = one.split()
+    assert one == two != other and len(words) == 640
+    assert all(
+        w[0] == "w" and 0 <= int(w[1:]) < 100 - len(SPECIAL_TOKENS) for w in words
+    )
+
+
+def test_the_conversations_follow_the_benchmarks_format(tmp_path):
+    cfg = multiturn.conversations_config(
+        tmp_path / "t.txt", 5, (6, 8), 512, (512, 1024), (128, 512), (16, 64)
+    )
+    assert cfg["filetype"] == "generate_conversations"
+    assert cfg["num_conversations"] == 5
+    p = cfg["prompt_input"]
+    assert p["common_prefix_num_tokens"] == {"distribution": "constant", "value": 512}
+    assert p["num_turns"] == {"distribution": "uniform", "min": 6, "max": 8}
+    assert p["num_tokens"]["min"] == 128 and p["num_tokens"]["max"] == 512
+    assert cfg["prompt_output"]["num_tokens"] == {
+        "distribution": "uniform",
+        "min": 16,
+        "max": 64,
+    }
+
+
+STAND_IN = textwrap.dedent(
+    """
+    import collections, sys
+    Stats = collections.namedtuple("Stats", "ttft_ms input_num_turns conversation_id")
+    def generate_conversations(args, tokenizer):
+        return {"c0": [{"role": "user"}, {"role": "assistant"}] * 2,
+                "c1": [{"role": "user"}, {"role": "assistant"}]}
+    def process_statistics(client_metrics, **kwargs):
+        print("summary of", len(client_metrics), kwargs["verbose"])
+    async def main():
+        assert sys.argv[1:] == ["--url", "http://x"], sys.argv
+        generate_conversations(None, None)
+        process_statistics(
+            [Stats(10.0, 1, "c0"), Stats(12.5, 3, "c0")], verbose=False
+        )
+    """
+)
+
+
+def test_the_runner_keeps_the_benchmarks_figures_and_its_summary(tmp_path):
+    (tmp_path / "benchmark_serving_multi_turn.py").write_text(STAND_IN)
+    runner = tmp_path / "runner.py"
+    runner.write_text(multiturn.RUNNER)
+    out = tmp_path / "requests.json"
+    got = subprocess.run(
+        [sys.executable, str(runner), str(tmp_path), str(out), "--url", "http://x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode == 0, got.stderr
+    assert "summary of 2 False" in got.stdout  # the benchmark's own report, unchanged
+    import json
+
+    assert json.loads(out.read_text()) == [
+        {"ttft_ms": 10.0, "input_num_turns": 1, "conversation_id": "c0"},
+        {"ttft_ms": 12.5, "input_num_turns": 3, "conversation_id": "c0"},
+    ]
+    assert json.loads((tmp_path / "requests.json.planned").read_text()) == {
+        "c0": 2,
+        "c1": 1,
+    }
+
+
+def metric(ttft, turns, conv="c0"):
+    return {
+        "ttft_ms": ttft,
+        "tpot_ms": 5.0,
+        "latency_ms": ttft + 100,
+        "input_num_turns": turns,
+        "input_num_tokens": 1000 * turns,
+        "conversation_id": conv,
+    }
+
+
+def diff(computed):
+    return {
+        "tokens": {
+            "local_compute": computed,
+            "local_cache_hit": 1000.0,
+            "external_kv_transfer": 0.0,
+        },
+        "decisions": {"pushed": 0.0},
+        "push_ok": 0,
+        "push_failed": 0,
+    }
+
+
+def test_a_request_that_did_not_end_fails_the_arms_target():
+    ms = [metric(100 + i, 1 + 2 * (i % 3)) for i in range(30)]
+    rows = {
+        "rr": multiturn.row_of("rr", ms, 30, diff(4000.0), [0, 0]),
+        "rr+push": multiturn.row_of("rr+push", ms[:29], 30, diff(1000.0), [0, 0]),
+    }
+    assert rows["rr+push"]["not_ended"] == 1
+    assert rows["rr"]["reuse"] == 0.2 and rows["rr"]["ttft_later_p50_ms"] is not None
+    got = {t["target"]: t["met"] for t in multiturn.targets(rows)}
+    assert got["rr+push computes fewer prefill tokens than rr"]
+    assert got["rr: every request ended, 0 blocks held"]
+    assert not got["rr+push: every request ended, 0 blocks held"]
