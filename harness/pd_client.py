@@ -153,6 +153,33 @@ class PDResult:
     started_monotonic: float = 0.0
 
 
+def pd_params(
+    p_bootstrap_url: str,
+    p_engine_id: str,
+    transfer_id: str,
+    extra_prefill_params: dict | None = None,
+    extra_decode_params: dict | None = None,
+) -> tuple[dict, dict]:
+    """P's and D's kv_transfer_params for one P/D request, as upstream's proxy
+    sends them."""
+    return (
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": transfer_id,
+            **(extra_prefill_params or {}),
+        },
+        {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_bootstrap_addr": p_bootstrap_url,
+            "remote_engine_id": p_engine_id,
+            "transfer_id": transfer_id,
+            **(extra_decode_params or {}),
+        },
+    )
+
+
 def pd_generate(
     p_url: str,
     p_bootstrap_url: str,
@@ -171,21 +198,14 @@ def pd_generate(
 
     ``extra_prefill_params`` go into P's kv_transfer_params, e.g.
     ``{"mooncake_mode": "posthoc"}`` to choose how P sends this request's KV."""
-    transfer_id = transfer_id or f"xfer-{uuid.uuid4().hex}"
-    p_params = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "transfer_id": transfer_id,
-        **(extra_prefill_params or {}),
-    }
-    d_params = {
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
-        "remote_bootstrap_addr": p_bootstrap_url,
-        "remote_engine_id": engine_id(p_bootstrap_url),
-        "transfer_id": transfer_id,
-        **(extra_decode_params or {}),
-    }
+    p_params, d_params = pd_params(
+        p_bootstrap_url,
+        engine_id(p_bootstrap_url),
+        transfer_id or f"xfer-{uuid.uuid4().hex}",
+        extra_prefill_params,
+        extra_decode_params,
+    )
+    transfer_id = p_params["transfer_id"]
     p_model, d_model = model_name(p_url), model_name(d_url)
     t0, started = time.perf_counter(), time.monotonic()
     with cf.ThreadPoolExecutor(2) as pool:

@@ -72,6 +72,7 @@ from harness.pd_client import (
     match_blocks,
     model_name,
     pd_generate,
+    pd_params,
     push_decisions,
     push_stats,
 )
@@ -245,22 +246,8 @@ def pd_prefill(arm: str, p, d):
 
     def of(i: int) -> tuple[str, dict, dict]:
         tid = f"{arm}-{i}-{uuid.uuid4().hex[:12]}"
-        return (
-            p.url,
-            {
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "transfer_id": tid,
-                "mooncake_mode": PD_MODES[arm],
-            },
-            {
-                "do_remote_decode": False,
-                "do_remote_prefill": True,
-                "remote_bootstrap_addr": p.bootstrap_url,
-                "remote_engine_id": p_engine,
-                "transfer_id": tid,
-            },
-        )
+        mode = {"mooncake_mode": PD_MODES[arm]}
+        return (p.url, *pd_params(p.bootstrap_url, p_engine, tid, mode))
 
     return of
 
@@ -521,6 +508,13 @@ def targets(rows: dict[str, dict]) -> list[dict]:
             r["correct"] and not any(r["blocks_held_after"]),
         )
     return out
+
+
+def target_line(t: dict) -> str:
+    """A target as the benchmarks print it."""
+    return f"target {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {t['value']}" + (
+        f" ({t['why']})" if t["why"] else ""
+    )
 
 
 TABLE = [
@@ -872,9 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         [] if kv_aware else ["vllm-router's kv_aware arms (--kv-aware)"]
     )
     lines += ([f"not run here: {'; '.join(not_run)}"] if not_run else []) + [
-        f"target {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {t['value']}"
-        + (f" ({t['why']})" if t["why"] else "")
-        for t in met
+        target_line(t) for t in met
     ]
     result = {
         "benchmark": "sessions",

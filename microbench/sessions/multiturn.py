@@ -57,7 +57,14 @@ from microbench.common import (
     stamp,
 )
 from microbench.sessions import aiperf
-from microbench.sessions.__main__ import TOKEN, grown, pct, snapshot, ttft_difference
+from microbench.sessions.__main__ import (
+    TOKEN,
+    grown,
+    pct,
+    snapshot,
+    target_line,
+    ttft_difference,
+)
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 TIMEOUT_S = 1800
@@ -415,11 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 "not here: a logprob check of the answers (see python -m "
                 "microbench.sessions), an unbounded-cache baseline",
             ]
-            + [
-                f"target {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {t['value']}"
-                + (f" ({t['why']})" if t["why"] else "")
-                for t in met
-            ]
+            + [target_line(t) for t in met]
         },
     }
     return finish(

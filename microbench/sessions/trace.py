@@ -80,6 +80,11 @@ class TraceError(ValueError):
 def parse_line(line: str, where: str) -> TraceRequest:
     """One line; a multi-turn line (``session_id``) gives its turn's own ids and
     length, its ``delay`` as the timestamp when it has no ``timestamp``."""
+    return parse_turn(line, where)[0]
+
+
+def parse_turn(line: str, where: str) -> tuple[TraceRequest, bool]:
+    """parse_line's request, and whether the line has a ``timestamp``."""
     try:
         obj = json.loads(line)
         session = obj.get("session_id")
@@ -104,7 +109,7 @@ def parse_line(line: str, where: str) -> TraceRequest:
             f"{where}: out of range (input_length {inp}, output_length {out}, "
             f"{len(ids)} hash_ids, timestamp {ts})"
         )
-    return TraceRequest(ts, inp, out, tuple(ids), session)
+    return TraceRequest(ts, inp, out, tuple(ids), session), "timestamp" in obj
 
 
 def load(
@@ -116,8 +121,9 @@ def load(
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                turns.append(parse_line(line, f"{path}:{n}"))
-                timed.append("timestamp" in json.loads(line))
+                turn, has_ts = parse_turn(line, f"{path}:{n}")
+                turns.append(turn)
+                timed.append(has_ts)
     if all(timed):
         return turns
     firsts: set[str] = set()
