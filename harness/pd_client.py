@@ -142,6 +142,28 @@ def complete(
     )
 
 
+def tokenize_chat(
+    base_url: str,
+    messages: list[dict],
+    *,
+    model: str,
+    add_generation_prompt: bool = True,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[int]:
+    """The token ids the server makes of ``messages`` with its chat template, as
+    its /v1/chat/completions would prefill them (POST /tokenize)."""
+    out = _post(
+        base_url + "/tokenize",
+        {
+            "model": model,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        },
+        timeout,
+    )
+    return [int(t) for t in out["tokens"]]
+
+
 @dataclass
 class PDResult:
     prefill: Completion

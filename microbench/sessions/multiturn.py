@@ -20,10 +20,14 @@ Per arm: the benchmark's own per-request figures (TTFT, TPOT, latency; kept by
 a wrapper of its ``process_statistics``, so its printed summary is unchanged),
 vLLM's prompt tokens by source on both instances (prefill computed, local cache
 hits, tokens from the connector), push decisions, requests that did not end,
-and KV blocks held after the run. Not here: a logprob check of the answers (the
-benchmark keeps none; the trace arms of ``python -m microbench.sessions`` check
-them) and an unbounded-cache baseline (the conversations' answers are the
-server's, so their tokens are known only after the run).
+KV blocks held after the run, and the reuse one instance with an unbounded cache
+would get on the same requests. For that baseline the wrapper also keeps each
+request as sent and the answer it got (a conversation's answers are the
+server's, known only after the run); the server's own /tokenize turns them into
+the token ids its chat template gives, and prefix reuse is counted in full
+blocks, requests in the order sent. Not here: a logprob check of the answers
+(the benchmark keeps none; the trace arms of ``python -m microbench.sessions``
+check them).
 
 The benchmark needs pandas, which vLLM's virtualenvs do not have: it runs with
 the Python of ``.venv-aiperf`` (aiperf.py; made on first use).
@@ -42,9 +46,9 @@ import time
 from pathlib import Path
 
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import Cluster, InstanceSpec
+from harness.launcher import BLOCK, Cluster, InstanceSpec
 from harness.model import SPECIAL_TOKENS, ModelShape, ensure_model
-from harness.pd_client import complete, model_name
+from harness.pd_client import complete, model_name, tokenize_chat
 from harness.prompts import PromptSource
 from harness.routers import vllm_router_workers
 from harness.vllm_series import selected
@@ -58,29 +62,44 @@ from microbench.common import (
 )
 from microbench.sessions import aiperf
 from microbench.sessions.__main__ import (
+    RECOMPUTE_CUT,
+    REUSE_OF_UNBOUNDED,
     TOKEN,
+    add_reuse,
     grown,
     pct,
     snapshot,
     target_line,
     ttft_difference,
 )
+from microbench.sessions.trace import unbounded_reuse_of_prompts
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 TIMEOUT_S = 1800
 # Runs in the tools' virtualenv: vLLM's benchmark, its statistics kept as JSON.
+# Also kept: each request as sent (its messages, the answer it got), in order.
 RUNNER = """\
-import asyncio, json, sys
+import asyncio, json, sys, time
 sys.path.insert(0, sys.argv[1])
 out = sys.argv[2]
 sys.argv = ["benchmark_serving_multi_turn.py"] + sys.argv[3:]
 import benchmark_serving_multi_turn as bench
 real = bench.process_statistics
+sent = []
 def keep(client_metrics, *args, **kwargs):
     with open(out, "w") as f:
         json.dump([m._asdict() for m in client_metrics], f)
+    with open(out + ".sent", "w") as f:
+        json.dump(sent, f)
     return real(client_metrics, *args, **kwargs)
 bench.process_statistics = keep
+real_send = bench.send_request
+async def send(session, messages, *args, **kwargs):
+    asked = {"started": time.time(), "messages": [dict(m) for m in messages]}
+    response = await real_send(session, messages, *args, **kwargs)
+    sent.append(asked | {"answer": response.content if response.valid else None})
+    return response
+bench.send_request = send
 real_gen = bench.generate_conversations
 def planned(*args, **kwargs):
     convs = real_gen(*args, **kwargs)
@@ -208,13 +227,37 @@ def run_benchmark(
             f"\n{tail}"
         )
     plan = json.loads(Path(str(out) + ".planned").read_text())
-    return json.loads(out.read_text()), sum(plan.values())
+    sent = json.loads(Path(str(out) + ".sent").read_text())
+    return json.loads(out.read_text()), sum(plan.values()), sent
 
 
-def row_of(arm: str, metrics: list[dict], expected: int, diff: dict, held) -> dict:
+def served_tokens(url: str, model: str, sent: list[dict]) -> list[tuple]:
+    """Each request as the server prefilled it and what it left cached (prompt and
+    answer), in the order sent, by the server's own chat template (/tokenize)."""
+    out = []
+    for s in sorted(sent, key=lambda s: s["started"]):
+        prompt = tokenize_chat(url, s["messages"], model=model)
+        cached = prompt
+        if s["answer"] is not None:
+            answered = s["messages"] + [{"role": "assistant", "content": s["answer"]}]
+            cached = tokenize_chat(
+                url, answered, model=model, add_generation_prompt=False
+            )
+        out.append((prompt, cached))
+    return out
+
+
+def row_of(
+    arm: str,
+    metrics: list[dict],
+    expected: int,
+    diff: dict,
+    held,
+    unbounded: dict | None = None,
+) -> dict:
     t = diff["tokens"]
     total = sum(t.values())
-    return {
+    row = {
         "arm": arm,
         **summarize(metrics),
         "expected_requests": expected,
@@ -233,6 +276,15 @@ def row_of(arm: str, metrics: list[dict], expected: int, diff: dict, held) -> di
         "blocks_held_after": list(held),
         "metrics": metrics,
     }
+    if unbounded is not None:
+        # against one instance with an unbounded cache on the same requests
+        # (answers as this arm's server gave them); vLLM's prompt tokens and the
+        # tokenized requests' are the same count, kept both to show it
+        add_reuse(row, unbounded)
+        row["reuse"] = (t["local_cache_hit"] + t["external_kv_transfer"]) / total
+        row["unbounded"] = {k: v for k, v in unbounded.items() if k != "per_request"}
+        row["prompt_tokens_counted"] = total
+    return row
 
 
 def targets(rows: dict[str, dict]) -> list[dict]:
@@ -242,13 +294,29 @@ def targets(rows: dict[str, dict]) -> list[dict]:
         out.append({"target": name, "value": value, "met": bool(met), "why": why})
 
     rr, push = rows.get("rr"), rows.get("rr+push")
-    if rr and push:
-        a, b = rr["computed_tokens"], push["computed_tokens"]
+    if push and push.get("reuse_of_unbounded") is not None:
         add(
-            "rr+push computes fewer prefill tokens than rr",
-            f"{b:.0f} / {a:.0f} tokens ({a / b:.2f}x fewer)" if b else f"0 / {a:.0f}",
-            b < a,
+            f"rr+push reuse >= {REUSE_OF_UNBOUNDED:.0%} of the unbounded cache's",
+            f"{push['reuse_of_unbounded']:.1%}",
+            push["reuse_of_unbounded"] >= REUSE_OF_UNBOUNDED,
+            "turns pushed: {:.0f}, not pushed: {}".format(
+                push["decisions"]["pushed"],
+                {
+                    k: int(v)
+                    for k, v in push["decisions"].items()
+                    if v and k != "pushed"
+                },
+            ),
         )
+    if rr and push and "recomputed_tokens" in push and "recomputed_tokens" in rr:
+        a, b = rr["recomputed_tokens"], push["recomputed_tokens"]
+        add(
+            f"rr+push recomputes >= {RECOMPUTE_CUT:g}x fewer prefill tokens than rr",
+            f"{b:.0f} / {a:.0f} tokens (computed beyond the unbounded cache's misses; "
+            f"all computed: {push['computed_tokens']:.0f} / {rr['computed_tokens']:.0f})",
+            b * RECOMPUTE_CUT <= a,
+        )
+    if rr and push:
         as_outcomes = lambda r: {  # noqa: E731
             "outcomes": [
                 {"ttft_s": m["ttft_ms"] / 1e3}
@@ -286,7 +354,9 @@ TABLE = [
     ("latency_p50_ms", "e2e p50", ".0f"),
     ("tpot_p90_ms", "TPOT p90", ".1f"),
     ("reuse_pct", "reuse %", ".1f"),
+    ("of_unbounded_pct", "of unbounded %", ".1f"),
     ("computed_tokens", "computed tok", ".0f"),
+    ("recomputed_tokens", "recomputed", ".0f"),
     ("pushed", "pushed", ".0f"),
 ]
 
@@ -296,6 +366,9 @@ def display(rows: list[dict]) -> list[dict]:
         {
             **{k: r[k] for k, _, _ in TABLE if k in r},
             "reuse_pct": 100 * r["reuse"],
+            "of_unbounded_pct": None
+            if r.get("reuse_of_unbounded") is None
+            else 100 * r["reuse_of_unbounded"],
             "pushed": r["decisions"]["pushed"],
         }
         for r in rows
@@ -380,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=served)
             with vllm_router_workers([a, b], work / arm, "round_robin") as router:
                 before = snapshot([a, b])
-                metrics, expected = run_benchmark(
+                metrics, expected, sent = run_benchmark(
                     python,
                     tree,
                     config_path,
@@ -395,7 +468,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(2)  # vLLM counts a request's tokens just after it ends
             diff = grown(before, snapshot([a, b]))
             held = wait_no_blocks_in_use(a.url, b.url, timeout=120)
-            rows[arm] = row_of(arm, metrics, expected, diff, held)
+            unbounded = unbounded_reuse_of_prompts(
+                served_tokens(a.url, served, sent), BLOCK
+            )
+            rows[arm] = row_of(arm, metrics, expected, diff, held, unbounded)
         print(
             f"[multiturn] {arm}: {len(metrics)} requests answered; "
             f"{time.monotonic() - t_start:.0f} s so far",
@@ -420,7 +496,16 @@ def main(argv: list[str] | None = None) -> int:
                 "vLLM's benchmarks/multi_turn/benchmark_serving_multi_turn.py, "
                 "closed-loop",
                 "not here: a logprob check of the answers (see python -m "
-                "microbench.sessions), an unbounded-cache baseline",
+                "microbench.sessions)",
+            ]
+            + [
+                f"{r['arm']}: an unbounded cache would reuse "
+                f"{r['unbounded']['fraction']:.1%} of the prompt tokens "
+                f"({r['unbounded']['hit_tokens']:,} of "
+                f"{r['unbounded']['prompt_tokens']:,}; vLLM counted "
+                f"{r['prompt_tokens_counted']:,.0f} prompt tokens)"
+                for r in ordered
+                if "unbounded" in r
             ]
             + [target_line(t) for t in met]
         },

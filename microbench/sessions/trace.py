@@ -351,6 +351,46 @@ def unbounded_reuse(reqs: Sequence[TraceRequest], block_tokens: int) -> dict:
     }
 
 
+def unbounded_reuse_of_prompts(
+    served: Sequence[tuple[Sequence[int], Sequence[int]]], block_tokens: int
+) -> dict:
+    """``unbounded_reuse`` for requests known by their tokens, in the order served:
+    each a (prompt, tokens it leaves cached) pair, the second its prompt and answer
+    (a prefix of them: vLLM caches the full blocks of both). Per request the
+    leading full blocks of its prompt that an earlier request left cached, at most
+    all but its last token."""
+    seen: set[bytes] = set()
+
+    def chain(tokens: Sequence[int], blocks: int):
+        h = b""
+        for i in range(blocks):
+            block = tokens[i * block_tokens : (i + 1) * block_tokens]
+            h = hashlib.blake2b(
+                h + b"".join(t.to_bytes(8, "little") for t in block), digest_size=16
+            ).digest()
+            yield h
+
+    hit_tokens = prompt_tokens = 0
+    per_request = []
+    for prompt, cached in served:
+        usable = max(0, (len(prompt) - 1) // block_tokens)
+        k = 0
+        for h in chain(prompt, usable):
+            if h not in seen:
+                break
+            k += 1
+        per_request.append(k * block_tokens)
+        hit_tokens += k * block_tokens
+        prompt_tokens += len(prompt)
+        seen.update(chain(cached, len(cached) // block_tokens))
+    return {
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hit_tokens,
+        "fraction": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "per_request": per_request,
+    }
+
+
 def describe(reqs: Sequence[TraceRequest]) -> dict:
     """Counts, lengths and span of a (scaled) trace, for the result's JSON."""
     if not reqs:
@@ -377,6 +417,7 @@ __all__ = [
     "scale",
     "sessions",
     "unbounded_reuse",
+    "unbounded_reuse_of_prompts",
     "window",
     "write",
 ]

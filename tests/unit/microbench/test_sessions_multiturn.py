@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from harness.model import SPECIAL_TOKENS
 from microbench.sessions import multiturn
 
@@ -49,9 +51,18 @@ STAND_IN = textwrap.dedent(
                 "c1": [{"role": "user"}, {"role": "assistant"}]}
     def process_statistics(client_metrics, **kwargs):
         print("summary of", len(client_metrics), kwargs["verbose"])
+    Response = collections.namedtuple("Response", "valid content")
+    async def send_request(session, messages, url, model):
+        return Response(len(messages) < 3, "answer %d" % len(messages))
     async def main():
         assert sys.argv[1:] == ["--url", "http://x"], sys.argv
         generate_conversations(None, None)
+        msgs = [{"role": "user", "content": "hi"}]
+        assert (await send_request(None, msgs, "u", "m")).content == "answer 1"
+        msgs.append({"role": "assistant", "content": "a"})
+        msgs.append({"role": "user", "content": "more"})
+        await send_request(None, msgs, "u", "m")
+        msgs[0]["content"] = "changed after the call"
         process_statistics(
             [Stats(10.0, 1, "c0"), Stats(12.5, 3, "c0")], verbose=False
         )
@@ -82,6 +93,20 @@ def test_the_runner_keeps_the_benchmarks_figures_and_its_summary(tmp_path):
         "c0": 2,
         "c1": 1,
     }
+    # each request as it was sent and the answer it got (None: not valid)
+    sent = json.loads((tmp_path / "requests.json.sent").read_text())
+    assert [(s["messages"], s["answer"]) for s in sent] == [
+        ([{"role": "user", "content": "hi"}], "answer 1"),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "a"},
+                {"role": "user", "content": "more"},
+            ],
+            None,
+        ),
+    ]
+    assert sent[0]["started"] <= sent[1]["started"]
 
 
 def metric(ttft, turns, conv="c0"):
@@ -95,11 +120,11 @@ def metric(ttft, turns, conv="c0"):
     }
 
 
-def diff(computed):
+def diff(computed, hit=1000.0):
     return {
         "tokens": {
             "local_compute": computed,
-            "local_cache_hit": 1000.0,
+            "local_cache_hit": hit,
             "external_kv_transfer": 0.0,
         },
         "decisions": {"pushed": 0.0},
@@ -117,6 +142,30 @@ def test_a_request_that_did_not_end_fails_the_arms_target():
     assert rows["rr+push"]["not_ended"] == 1
     assert rows["rr"]["reuse"] == 0.2 and rows["rr"]["ttft_later_p50_ms"] is not None
     got = {t["target"]: t["met"] for t in multiturn.targets(rows)}
-    assert got["rr+push computes fewer prefill tokens than rr"]
     assert got["rr: every request ended, 0 blocks held"]
     assert not got["rr+push: every request ended, 0 blocks held"]
+
+
+def test_reuse_is_judged_against_the_unbounded_cache_on_the_same_requests():
+    ms = [metric(100 + i, 1 + 2 * (i % 3)) for i in range(30)]
+    # 5,000 prompt tokens each arm; an unbounded cache would reuse 2,000 of them
+    unbounded = {"prompt_tokens": 5000, "hit_tokens": 2000, "fraction": 0.4}
+    rows = {
+        "rr": multiturn.row_of("rr", ms, 30, diff(4000.0), [0, 0], unbounded),
+        "rr+push": multiturn.row_of(
+            "rr+push", ms, 30, diff(3100.0, 1900.0), [0, 0], unbounded
+        ),
+    }
+    # rr recomputed 4,000 - 3,000 = 1,000 that a cache held; rr+push 100
+    assert rows["rr"]["recomputed_tokens"] == 1000
+    assert rows["rr+push"]["recomputed_tokens"] == 100
+    assert rows["rr+push"]["reuse_of_unbounded"] == pytest.approx(1900 / 2000)
+    got = {t["target"]: t["met"] for t in multiturn.targets(rows)}
+    assert got["rr+push reuse >= 90% of the unbounded cache's"]
+    assert got["rr+push recomputes >= 3x fewer prefill tokens than rr"]
+    rows["rr+push"] = multiturn.row_of(
+        "rr+push", ms, 30, diff(3500.0, 1500.0), [0, 0], unbounded
+    )
+    got = {t["target"]: t["met"] for t in multiturn.targets(rows)}
+    assert not got["rr+push reuse >= 90% of the unbounded cache's"]
+    assert not got["rr+push recomputes >= 3x fewer prefill tokens than rr"]

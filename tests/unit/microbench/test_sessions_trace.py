@@ -139,6 +139,34 @@ def test_a_partial_block_is_never_counted_as_seen():
     assert trace.unbounded_reuse(reqs, B)["per_request"] == [0, B]
 
 
+def test_unbounded_reuse_of_prompts_counts_what_earlier_requests_left_cached():
+    def toks(*blocks):  # a block of B tokens per value
+        return [v for b in blocks for v in [b] * B]
+
+    served = [
+        # turn 1: prompt of 2 blocks and a bit; its answer completes a third block
+        (toks(1, 2) + [3] * 5, toks(1, 2, 3)),
+        # turn 2: turn 1, its answer, one block more: 3 blocks seen
+        (toks(1, 2, 3, 4) + [9], toks(1, 2, 3, 4) + [9]),
+        # the same prompt again: all 4 seen, but the last token is computed: 4
+        (toks(1, 2, 3, 4) + [9], toks(1, 2, 3, 4) + [9]),
+        # a block seen only after another first block is not a hit
+        (toks(7, 2, 3), toks(7, 2, 3)),
+        # a prompt of whole blocks, all seen: its last block is computed
+        (toks(1, 2, 3), toks(1, 2, 3)),
+    ]
+    got = trace.unbounded_reuse_of_prompts(served, B)
+    assert got["per_request"] == [0, 3 * B, 4 * B, 0, 2 * B]
+    assert got["hit_tokens"] == 9 * B
+    assert got["prompt_tokens"] == sum(len(p) for p, _ in served)
+
+
+def test_unbounded_reuse_of_prompts_tells_equal_blocks_apart_by_what_precedes():
+    a, b = [1] * B + [2] * B, [2] * B + [1] * B
+    served = [(a + [0], a), (b + [0], b), ([1] * B + [1] * B + [0], [])]
+    assert trace.unbounded_reuse_of_prompts(served, B)["per_request"] == [0, 0, B]
+
+
 @pytest.mark.parametrize(
     "line",
     [
