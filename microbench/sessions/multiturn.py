@@ -77,27 +77,32 @@ from microbench.sessions.trace import unbounded_reuse_of_prompts
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 TIMEOUT_S = 1800
 # Runs in the tools' virtualenv: vLLM's benchmark, its statistics kept as JSON.
-# Also kept: each request as sent (its messages, the answer it got), in order.
+# Also kept: each request as sent (its messages, the answer it got), one JSON
+# line each, appended by the client process that sent it (the benchmark's
+# clients are processes of their own; one write per line, O_APPEND).
 RUNNER = """\
-import asyncio, json, sys, time
+import asyncio, json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 out = sys.argv[2]
 sys.argv = ["benchmark_serving_multi_turn.py"] + sys.argv[3:]
 import benchmark_serving_multi_turn as bench
 real = bench.process_statistics
-sent = []
 def keep(client_metrics, *args, **kwargs):
     with open(out, "w") as f:
         json.dump([m._asdict() for m in client_metrics], f)
-    with open(out + ".sent", "w") as f:
-        json.dump(sent, f)
     return real(client_metrics, *args, **kwargs)
 bench.process_statistics = keep
+open(out + ".sent", "w").close()
 real_send = bench.send_request
 async def send(session, messages, *args, **kwargs):
     asked = {"started": time.time(), "messages": [dict(m) for m in messages]}
     response = await real_send(session, messages, *args, **kwargs)
-    sent.append(asked | {"answer": response.content if response.valid else None})
+    line = asked | {"answer": response.content if response.valid else None}
+    fd = os.open(out + ".sent", os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, (json.dumps(line) + "\\n").encode())
+    finally:
+        os.close(fd)
     return response
 bench.send_request = send
 real_gen = bench.generate_conversations
@@ -227,8 +232,18 @@ def run_benchmark(
             f"\n{tail}"
         )
     plan = json.loads(Path(str(out) + ".planned").read_text())
-    sent = json.loads(Path(str(out) + ".sent").read_text())
-    return json.loads(out.read_text()), sum(plan.values()), sent
+    sent = [
+        json.loads(line)
+        for line in Path(str(out) + ".sent").read_text().splitlines()
+        if line
+    ]
+    metrics = json.loads(out.read_text())
+    if len(sent) < len(metrics):  # every answered request was sent
+        raise RuntimeError(
+            f"the benchmark answered {len(metrics)} requests but only {len(sent)} "
+            f"were kept as sent ({out}.sent)"
+        )
+    return metrics, sum(plan.values()), sent
 
 
 def served_tokens(url: str, model: str, sent: list[dict]) -> list[tuple]:

@@ -63,9 +63,17 @@ STAND_IN = textwrap.dedent(
         msgs.append({"role": "user", "content": "more"})
         await send_request(None, msgs, "u", "m")
         msgs[0]["content"] = "changed after the call"
+        # the benchmark's clients are processes of their own
+        import multiprocessing
+        child = multiprocessing.get_context("fork").Process(target=client)
+        child.start()
+        child.join()
         process_statistics(
             [Stats(10.0, 1, "c0"), Stats(12.5, 3, "c0")], verbose=False
         )
+    def client():
+        import asyncio
+        asyncio.run(send_request(None, [{"role": "user", "content": "child"}], "u", "m"))
     """
 )
 
@@ -94,7 +102,8 @@ def test_the_runner_keeps_the_benchmarks_figures_and_its_summary(tmp_path):
         "c1": 1,
     }
     # each request as it was sent and the answer it got (None: not valid)
-    sent = json.loads((tmp_path / "requests.json.sent").read_text())
+    lines = (tmp_path / "requests.json.sent").read_text().splitlines()
+    sent = [json.loads(line) for line in lines]
     assert [(s["messages"], s["answer"]) for s in sent] == [
         ([{"role": "user", "content": "hi"}], "answer 1"),
         (
@@ -105,8 +114,9 @@ def test_the_runner_keeps_the_benchmarks_figures_and_its_summary(tmp_path):
             ],
             None,
         ),
+        ([{"role": "user", "content": "child"}], "answer 1"),
     ]
-    assert sent[0]["started"] <= sent[1]["started"]
+    assert sent[0]["started"] <= sent[1]["started"] <= sent[2]["started"]
 
 
 def metric(ttft, turns, conv="c0"):
