@@ -25,9 +25,11 @@ would get on the same requests. For that baseline the wrapper also keeps each
 request as sent and the answer it got (a conversation's answers are the
 server's, known only after the run); the server's own /tokenize turns them into
 the token ids its chat template gives, and prefix reuse is counted in full
-blocks, requests in the order sent. Not here: a logprob check of the answers
-(the benchmark keeps none; the trace arms of ``python -m microbench.sessions``
-check them).
+blocks, requests in the order sent. The benchmark's requests carry no logprobs,
+so the answers are checked after each arm instead: the longest prompts
+(``--samples``), sent again to each instance, are served from the KV the arm
+left in its cache (its own blocks and pushed ones) and compared with the same
+prompt computed from scratch (first tokens' top-5 logprobs).
 
 The benchmark needs pandas, which vLLM's virtualenvs do not have: it runs with
 the Python of ``.venv-aiperf`` (aiperf.py; made on first use).
@@ -45,6 +47,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK, Cluster, InstanceSpec
 from harness.model import SPECIAL_TOKENS, ModelShape, ensure_model
@@ -262,6 +265,24 @@ def served_tokens(url: str, model: str, sent: list[dict]) -> list[tuple]:
     return out
 
 
+def check_cached_answers(insts, prompts: list[list[int]], samples: int) -> list[dict]:
+    """After an arm: the ``samples`` longest prompts (last turns, the most reused),
+    sent again to each instance, which serves them from the KV the arm left in its
+    cache (local blocks and pushed ones), against the same prompt computed from
+    scratch there: first tokens' top-5 logprobs (harness.correctness). The
+    benchmark's own requests carry no logprobs."""
+    out = []
+    for prompt in sorted(prompts, key=len, reverse=True)[:samples]:
+        for inst in insts:
+            got = complete(inst.url, prompt, max_tokens=2, logprobs=5)
+            ref = reference_completion(inst.url, prompt, max_tokens=2)
+            out.append(
+                {"instance": inst.spec.name, "prompt_tokens": len(prompt)}
+                | compare(got, ref, expected_cached_tokens=None).as_dict()
+            )
+    return out
+
+
 def row_of(
     arm: str,
     metrics: list[dict],
@@ -349,6 +370,17 @@ def targets(rows: dict[str, dict]) -> list[dict]:
             "noise: 2,000 bootstrap resamples of each arm's turns >= 2",
         )
     for name, r in rows.items():
+        if "checked" in r:
+            c = r["checked"]
+            wrong = [x for x in c if not x["ok"]]
+            add(
+                f"{name}: sampled answers from the arm's cached KV match from-scratch",
+                f"{len(c) - len(wrong)} of {len(c)} match (largest logprob difference "
+                f"{max((x['max_logprob_diff'] for x in c), default=0):.2g}; cached "
+                f"tokens {[x['cached_tokens'] for x in c]})",
+                c and not wrong,
+                "; ".join(p for x in wrong for p in x["problems"])[:500],
+            )
         add(
             f"{name}: every request ended, 0 blocks held",
             f"{r['requests']} of {r['expected_requests']} ended, blocks held "
@@ -407,6 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kv-cache-gib", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--samples",
+        type=int,
+        default=4,
+        help="prompts checked against a from-scratch reference after each arm",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     code = code_version()
@@ -482,11 +520,12 @@ def main(argv: list[str] | None = None) -> int:
                 )
             time.sleep(2)  # vLLM counts a request's tokens just after it ends
             diff = grown(before, snapshot([a, b]))
+            tokens = served_tokens(a.url, served, sent)
+            unbounded = unbounded_reuse_of_prompts(tokens, BLOCK)
+            checked = check_cached_answers([a, b], [p for p, _ in tokens], args.samples)
             held = wait_no_blocks_in_use(a.url, b.url, timeout=120)
-            unbounded = unbounded_reuse_of_prompts(
-                served_tokens(a.url, served, sent), BLOCK
-            )
             rows[arm] = row_of(arm, metrics, expected, diff, held, unbounded)
+            rows[arm]["checked"] = checked
         print(
             f"[multiturn] {arm}: {len(metrics)} requests answered; "
             f"{time.monotonic() - t_start:.0f} s so far",
@@ -510,8 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                 "each arm on instances started for it (empty prefix caches); driver: "
                 "vLLM's benchmarks/multi_turn/benchmark_serving_multi_turn.py, "
                 "closed-loop",
-                "not here: a logprob check of the answers (see python -m "
-                "microbench.sessions)",
+                "answers: the longest prompts sent again to each instance after "
+                "the arm (served from the KV it left cached) against from-scratch",
             ]
             + [
                 f"{r['arm']}: an unbounded cache would reuse "

@@ -179,3 +179,16 @@ def test_reuse_is_judged_against_the_unbounded_cache_on_the_same_requests():
     got = {t["target"]: t["met"] for t in multiturn.targets(rows)}
     assert not got["rr+push reuse >= 90% of the unbounded cache's"]
     assert not got["rr+push recomputes >= 3x fewer prefill tokens than rr"]
+
+
+def test_a_sampled_answer_unlike_its_reference_fails_the_arms_target():
+    ms = [metric(100 + i, 1 + 2 * (i % 3)) for i in range(30)]
+    row = multiturn.row_of("rr+push", ms, 30, diff(1000.0), [0, 0])
+    good = {"ok": True, "problems": [], "max_logprob_diff": 1e-6, "cached_tokens": 1024}
+    bad = good | {"ok": False, "problems": ["token 0: top-k sets differ"]}
+    name = "rr+push: sampled answers from the arm's cached KV match from-scratch"
+    for checked, met in (([good, good], True), ([good, bad], False), ([], False)):
+        row["checked"] = checked
+        (t,) = [t for t in multiturn.targets({"rr+push": row}) if t["target"] == name]
+        assert t["met"] is met, checked
+        assert ("top-k sets differ" in t["why"]) is (bad in checked)
