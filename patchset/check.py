@@ -25,6 +25,7 @@ from .validate import (
     HEADER,
     MISSING,
     OPTION,
+    OUTSIDE,
     PARSE,
     UNLISTED,
     validate_series,
@@ -33,6 +34,7 @@ from .validate import (
 # validate's rule -> the kind of problem check reports
 _KIND = {
     OPTION: "series",
+    OUTSIDE: "series",
     DUPLICATE: "series",
     MISSING: "series",
     UNLISTED: "series",

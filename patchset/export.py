@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from . import identity, overlay, state
 from .confine import PathsOutsideTree, series_violations
 from .errors import ProblemsFound
+from .project import PatchOutsideFolder
 from .series import (
     canonical_patch,
     parse_patch,
@@ -41,6 +42,17 @@ class ExportResult:
 def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
     project = tree.project
     overlays = project.manifest.overlays
+    outside = [
+        f"  series line {e.line}: {e.name} {why}"
+        for e in project.series().entries
+        if (why := project.patch_name_problem(e.name)) is not None
+    ]
+    if outside:
+        raise PatchOutsideFolder(
+            f"refusing to export: {project.rel(project.series_path)} names files "
+            f"outside {project.patches}/:\n" + "\n".join(outside) + "\nNothing was "
+            "written or removed. List each patch by its file name in the folder."
+        )
     if tree.repo.rebase_in_progress():
         raise ProblemsFound(
             f"refusing to export: a git rebase is under way in {project.rel(tree.path)}; "

@@ -7,12 +7,17 @@ from functools import cached_property
 from pathlib import Path
 
 from . import overlay, series
+from .errors import PatchsetError, ProblemsFound
 from .upstream import Manifest, load_manifest
 
 # the pinned series; `build.py rebase` writes others to rolls/<version>
 PATCHES = "patches"
 MANIFEST = "upstream.toml"
 SERIES = "series"
+
+
+class PatchOutsideFolder(ProblemsFound):
+    """A series entry that names something other than a file of its folder."""
 
 
 @dataclass
@@ -52,9 +57,41 @@ class Project:
             return str(path)
 
     def series(self) -> series.Series:
+        """The series file, parsed; a missing one is an error (an empty file is
+        a series of no patches)."""
+        if not self.series_path.is_file():
+            raise PatchsetError(
+                f"{self.rel(self.series_path)} does not exist: {self.patches}/ is not "
+                "a patch folder (pass the folder that holds upstream.toml and "
+                "series with --patches; an empty series file lists no patches)"
+            )
         return series.read_series(self.series_path)
 
+    def patch_name_problem(self, name: str) -> str | None:
+        """Why ``name``, a series entry, does not name a file of the patch folder
+        (None: it does). Every entry is a plain file name: no absolute path, no
+        folder, no '..', and not a symlink leading out of the folder."""
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
+            return (
+                f"is not a file name in {self.patches}/ (absolute paths, folders "
+                "and '..' are refused)"
+            )
+        path = self.patches_dir / name
+        if path.is_symlink():
+            target = path.resolve()
+            if not target.is_relative_to(self.patches_dir.resolve()):
+                return f"is a symlink out of {self.patches}/ (-> {target})"
+        return None
+
     def patch_path(self, name: str) -> Path:
+        """The file of series entry ``name``; refuses a name outside the folder
+        (patch_name_problem), so no command reads, writes or deletes elsewhere."""
+        why = self.patch_name_problem(name)
+        if why is not None:
+            raise PatchOutsideFolder(
+                f"{self.rel(self.series_path)}: {name!r} {why}. List each patch by "
+                f"its file name in {self.patches}/."
+            )
         return self.patches_dir / name
 
     def patch_files_on_disk(self) -> list[str]:

@@ -77,6 +77,8 @@ def compute_status(project: Project) -> dict:
     }
     rows = []
     for entry in report.entries:
+        if project.patch_name_problem(entry.name) is not None:
+            continue  # not read: named in series_problems
         path = project.patch_path(entry.name)
         rec = applied.get(entry.name)
         row = {"name": entry.name, "subject": _subject(patches, entry.name)}

@@ -7,13 +7,16 @@ series-file problems. The rules:
 
 - ``option``: a series line carries an option other than ``-p1``
   (``series.parse_series`` finds these while parsing);
+- ``outside``: a series line names something other than a file of the patch
+  folder (an absolute path, a folder, '..', a symlink out of it:
+  ``Project.patch_name_problem``);
 - ``duplicate``: a patch is listed twice;
 - ``missing``: a listed patch has no file;
 - ``unlisted``: a patch file in the folder is not listed;
 - ``parse``: a patch's diff does not parse;
 - ``header``: a patch's header breaks the header policy (``headers``).
 
-The first three make the series unusable (``blocks_loading``): which patches,
+The first four make the series unusable (``blocks_loading``): which patches,
 in which order, is not known. The others leave a series that can be loaded,
 applied and looked at, and only ``check`` fails on them.
 """
@@ -30,12 +33,13 @@ if TYPE_CHECKING:
     from .project import Project
 
 OPTION = "option"
+OUTSIDE = "outside"
 DUPLICATE = "duplicate"
 MISSING = "missing"
 UNLISTED = "unlisted"
 PARSE = "parse"
 HEADER = "header"
-BLOCKS_LOADING = (OPTION, DUPLICATE, MISSING)
+BLOCKS_LOADING = (OPTION, OUTSIDE, DUPLICATE, MISSING)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,17 @@ def validate_series(project: Project) -> SeriesReport:
             )
             continue
         seen.add(entry.name)
+        why = project.patch_name_problem(entry.name)
+        if why is not None:
+            report.problems.append(
+                SeriesProblem(
+                    OUTSIDE,
+                    f"series line {entry.line}: {entry.name} {why}; list each patch "
+                    f"by its file name in {project.patches}/",
+                    entry.name,
+                )
+            )
+            continue
         path = project.patch_path(entry.name)
         if not path.is_file():
             report.problems.append(
@@ -106,7 +121,7 @@ def validate_series(project: Project) -> SeriesReport:
             report.problems.append(
                 SeriesProblem(
                     UNLISTED,
-                    f"{project.rel(project.patch_path(name))} is not listed in "
+                    f"{project.rel(project.patches_dir / name)} is not listed in "
                     f"{project.rel(project.series_path)} (add it, or delete it)",
                     name,
                 )
