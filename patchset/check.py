@@ -191,14 +191,14 @@ def run_check(project: Project) -> CheckResult:
     if not sdist.is_file():
         result.cannot_run = (
             f"the {manifest.sdist} sdist is not cached at {sdist}, so the series cannot "
-            "be checked against it; run `python build.py fetch`"
+            f"be checked against it; run `{project.cmd('fetch')}`"
         )
         return result
     actual = upstream.sha256_file(sdist)
     if actual != manifest.sha256:
         result.cannot_run = (
             f"the cached {sdist} has sha256 {actual}, not the pinned {manifest.sha256}; "
-            "run `python build.py fetch`"
+            f"run `{project.cmd('fetch')}`"
         )
         return result
 

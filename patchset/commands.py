@@ -62,7 +62,7 @@ def export_(project: Project, *, force: bool) -> int:
     tree.check_layout()
     if not tree.present():
         say(
-            f"{project.rel(tree.path)} does not exist; run `python build.py apply` first"
+            f"{project.rel(tree.path)} does not exist; run `{project.cmd('apply')}` first"
         )
         return EXIT_PROBLEMS
     export(tree, force=force, say=say)

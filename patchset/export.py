@@ -78,7 +78,7 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
             "export writes patches from commits only. Commit them in the tree first: "
             f"`{project.git_cmd()} add -A && {project.git_cmd()} commit` (subject, a body "
             "saying why, an Upstream-Status: line), or amend the commit of the patch they "
-            "belong to; then run `python build.py export` again."
+            f"belong to; then run `{project.cmd('export')}` again."
         )
     merges = [c for c in analysis.chain if tree.repo.parent_count(c) > 1]
     if merges:
@@ -95,8 +95,8 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
                 "refusing to export: patches/ or the overlay folders hold changes the "
                 "tree does not have; export would overwrite or drop them:\n"
                 + "\n".join(f"  {s}" for s in stale)
-                + "\nRun `python build.py apply` first (to build them into the tree), or "
-                "`python build.py export --force` to overwrite them."
+                + f"\nRun `{project.cmd('apply')}` first (to build them into the tree), or "
+                f"`{project.cmd('export --force')}` to overwrite them."
             )
 
     result = ExportResult()

@@ -50,6 +50,12 @@ class Project:
         tree = self.tree
         return tree.with_name(tree.name + ".git")
 
+    def cmd(self, args: str) -> str:
+        """The command line that runs ``build.py args`` on this patch folder, as a
+        hint prints it: with ``--patches`` unless the folder is the default."""
+        where = "" if self.patches == PATCHES else f" --patches {self.patches}"
+        return f"python build.py{where} {args}"
+
     def rel(self, path: Path) -> str:
         try:
             return path.relative_to(self.root).as_posix()

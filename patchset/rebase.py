@@ -114,8 +114,8 @@ def start(
     if roll.patches_dir.exists():
         raise PatchsetError(
             f"{roll.rel(roll.patches_dir)} exists: a rebase onto {version} was started "
-            f"or finished. Go on: `python build.py rebase --continue --onto {version}`; "
-            f"start over: `python build.py rebase --abort --onto {version}` (an unfinished "
+            f"or finished. Go on: `{project.cmd(f'rebase --continue --onto {version}')}`; "
+            f"start over: `{project.cmd(f'rebase --abort --onto {version}')}` (an unfinished "
             f"one), or delete {roll.rel(roll.patches_dir)} (a finished one)."
         )
     patches = load_patches(project)  # refuses a broken series before any download
@@ -180,13 +180,13 @@ def continue_(
             "still unresolved (conflict markers, not staged):\n"
             + "\n".join(f"  {roll.rel(tree.path)}/{p}" for p in unmerged)
             + f"\nResolve them, stage them (`{roll.git_cmd()} add <file>`), then run "
-            f"`python build.py rebase --continue` again."
+            f"`{project.cmd('rebase --continue')}` again."
         )
     paused = repo.rebase_paused()
     if accept and not (paused and st.flagged):
         raise PatchsetError(
             "--accept keeps a step the check after each patch stopped at; the rebase "
-            "is not stopped at one. Go on with `python build.py rebase --continue`."
+            f"is not stopped at one. Go on with `{project.cmd('rebase --continue')}`."
         )
     stopped = repo.rebase_stopped_at()
     if not repo.rebase_in_progress():
@@ -222,14 +222,14 @@ def skip(project: Project, version: str | None, say: Say) -> int:
     if not repo.rebase_in_progress():
         raise PatchsetError(
             "git's rebase is over, so there is no patch to skip; finish the roll "
-            "with `python build.py rebase --continue`"
+            f"with `{project.cmd('rebase --continue')}`"
         )
     if repo.rebase_paused():
         head = repo.head()
         if not st.flagged or head != st.flagged:
             raise PatchsetError(
                 "the rebase is not stopped at a patch; go on with "
-                "`python build.py rebase --continue`"
+                f"`{project.cmd('rebase --continue')}`"
             )
         commit = head
     else:
@@ -239,7 +239,7 @@ def skip(project: Project, version: str | None, say: Say) -> int:
     if key == identity.OVERLAY_TRAILER:
         raise PatchsetError(
             f"{what} holds the overlay, which the roll needs: resolve it and run "
-            "`python build.py rebase --continue`"
+            f"`{project.cmd('rebase --continue')}`"
         )
     if repo.rebase_paused():
         repo.discard_head()  # the step's commit, with any staged fix
@@ -305,7 +305,7 @@ def _drive(project: Project, roll: Project, tree: Tree, say: Say) -> int:
                 + "\n".join(f"  {roll.rel(tree.path)}/{p}" for p in unstaged)
                 + f"\nStage them (`{roll.git_cmd()} add <file>`) to fold them into "
                 f"{_describe(repo, head)}, or drop them (`{roll.git_cmd()} checkout -- "
-                "<file>`); then run `python build.py rebase --continue`."
+                f"<file>`); then run `{project.cmd('rebase --continue')}`."
             )
         repo.rebase_continue()
     return _finish(project, roll, tree, say)
@@ -402,9 +402,9 @@ def _say_conflict(
         f"{st.from_version} (`{roll.git_cmd()} diff` shows the conflict; "
         f"`{roll.git_cmd()} show REBASE_HEAD` the original patch)\n"
         f"  2. `{roll.git_cmd()} add <file>` for each\n"
-        "  3. `python build.py rebase --continue` (an empty result drops the patch)\n"
-        f"Drop the patch (not needed on {st.onto}): `python build.py rebase --skip`.\n"
-        "Give up: `python build.py rebase --abort`."
+        f"  3. `{project.cmd('rebase --continue')}` (an empty result drops the patch)\n"
+        f"Drop the patch (not needed on {st.onto}): `{project.cmd('rebase --skip')}`.\n"
+        f"Give up: `{project.cmd('rebase --abort')}`."
     )
 
 
@@ -435,12 +435,12 @@ def _say_flagged(
         f"  1. edit those files in {where} so the patch does what it did on "
         f"{st.from_version} (`{roll.git_cmd()} show HEAD` shows the step as merged)\n"
         f"  2. `{roll.git_cmd()} add <file>` for each\n"
-        "  3. `python build.py rebase --continue` (the fix goes into the patch; a fix "
+        f"  3. `{project.cmd('rebase --continue')}` (the fix goes into the patch; a fix "
         "that leaves nothing of it drops the patch)\n"
         "If the code is right as it is (say, the name is inherited now): "
-        "`python build.py rebase --continue --accept`.\n"
-        f"Drop the patch (not needed on {st.onto}): `python build.py rebase --skip`.\n"
-        "Give up: `python build.py rebase --abort`."
+        f"`{project.cmd('rebase --continue --accept')}`.\n"
+        f"Drop the patch (not needed on {st.onto}): `{project.cmd('rebase --skip')}`.\n"
+        f"Give up: `{project.cmd('rebase --abort')}`."
     )
 
 
@@ -528,7 +528,7 @@ def _in_progress(
         where = f"onto {version}" if version else f"under {ROLLS}/"
         raise PatchsetError(
             f"no rebase {where} is under way; start one with "
-            "`python build.py rebase --onto VERSION`"
+            f"`{project.cmd('rebase --onto VERSION')}`"
         )
     if len(found) > 1:
         raise PatchsetError(
@@ -574,8 +574,8 @@ def _build_default_pins(
             "release cannot re-pin:\n"
             + "\n".join(lines)
             + f"\nThe roll's tree would build with the {old} kernels. Wait until the "
-            f"wheel is published, or roll without it: `python build.py rebase --onto "
-            f"{version} {flags}` (its table then keeps the {old} pins, marked "
+            "wheel is published, or roll without it: "
+            f"`{project.cmd(f'rebase --onto {version} {flags}')}` (its table then keeps the {old} pins, marked "
             "verified = false)."
         )
     return pins

@@ -61,7 +61,7 @@ class UncapturedEdits(ProblemsFound):
             "Keep them: commit them in the tree "
             f"(`{project.git_cmd()} add -A && {project.git_cmd()} commit`, with a "
             "message that says why and has an Upstream-Status: line) and run "
-            "`python build.py export`. Discard them: run again with --force."
+            f"`{project.cmd('export')}`. Discard them: run again with --force."
         )
 
 
@@ -139,19 +139,19 @@ class Tree:
                 f"{rel(self.path)}/.git exists: a .git inside the tree makes vLLM's "
                 "setuptools-scm report a dev version instead of the pinned one. build.py "
                 f"keeps the tree's git dir at {rel(self.git_dir)}; remove "
-                f"{rel(self.path)}/.git (or the whole tree) and run `python build.py apply`"
+                f"{rel(self.path)}/.git (or the whole tree) and run `{self.project.cmd('apply')}`"
             )
         if self.present() and not self.repo.exists():
             raise PatchsetError(
                 f"{rel(self.path)} exists but its git dir {rel(self.git_dir)} does not, "
                 f"so build.py cannot tell what was changed in it. Move {rel(self.path)} "
-                "away (or delete it) and run `python build.py apply`"
+                f"away (or delete it) and run `{self.project.cmd('apply')}`"
             )
         if self.present() and state.load(self.git_dir) is None:
             raise PatchsetError(
                 f"{rel(self.git_dir)} has no {state.STATE_FILE}: it was not made by "
                 f"build.py. Delete {rel(self.path)} and {rel(self.git_dir)} and run "
-                "`python build.py apply`"
+                f"`{self.project.cmd('apply')}`"
             )
 
     def load_state(self) -> state.State:
@@ -389,7 +389,7 @@ class Tree:
                 exc.set_note(
                     f"the tree is left at the last good patch, {last}; nothing of "
                     f"{patch.name} was written. Refresh the patch against that tree, then "
-                    "run `python build.py apply` again"
+                    f"run `{self.project.cmd('apply')}` again"
                 )
                 raise
             st.patches.append(_applied(patch, commit))
@@ -500,7 +500,7 @@ def load_patches(project: Project) -> list[Patch]:
         raise ProblemsFound(
             f"{project.rel(project.series_path)} is not usable:\n"
             + "\n".join(f"  {p}" for p in problems)
-            + f"\nFix {project.rel(project.series_path)} (run `python build.py check` "
+            + f"\nFix {project.rel(project.series_path)} (run `{project.cmd('check')}` "
             "for all problems)."
         )
     patches = report.patches
@@ -511,6 +511,6 @@ def load_patches(project: Project) -> list[Patch]:
             outside,
             project.rel(project.tree),
             "Nothing was written. Fix those patches (or the overlay) and run "
-            "`python build.py apply` again; `python build.py check` lists them all.",
+            f"`{project.cmd('apply')}` again; `{project.cmd('check')}` lists them all.",
         )
     return patches

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from conftest import patch_text, replace_line
@@ -119,3 +120,15 @@ def test_a_missing_series_is_an_error_everywhere(project, command) -> None:
     assert r.code == 2, r.text
     assert "patches/series does not exist" in r.err, r.text
     assert not (project.root / "patches" / "series").exists()
+
+
+def test_a_hint_carries_the_patch_folder_it_was_run_with(project) -> None:
+    shutil.copytree(project.root / "patches", project.root / "rolls" / "x")
+    r = project.run("--patches", "rolls/x", "export")
+    assert r.code == 1, r.text
+    assert "run `python build.py --patches rolls/x apply` first" in r.text, r.text
+    r = project.run("export")  # the default folder: no --patches in the hint
+    assert "run `python build.py apply` first" in r.text, r.text
+    r = project.run("--patches", "rolls/x", "rebase", "--continue")
+    assert r.code == 2, r.text
+    assert "`python build.py --patches rolls/x rebase --onto VERSION`" in r.text, r.text
