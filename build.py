@@ -47,6 +47,119 @@ except ImportError as _exc:  # GitPython or unidiff not installed
     sys.exit(2)
 
 
+def release_version(text: str) -> str:
+    """An upstream release version (argparse type): refused here, with exit code 2,
+    rather than as a traceback deep in a command."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        Version(text)
+    except InvalidVersion:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a release version (like 0.19.0)"
+        ) from None
+    return text.strip()
+
+
+def release_versions(text: str) -> str:
+    """Comma-separated release versions (argparse type)."""
+    for v in text.split(","):
+        if v.strip():
+            release_version(v.strip())
+    return text
+
+
+EXIT_CODES = "Exit codes: 0 ok, 1 {one}, 2 could not run ({two})."
+# Each subcommand's help page: what it does, what it downloads, its exit codes.
+PAGES = {
+    "fetch": (
+        "Download the pinned vLLM sdist named in <patches>/upstream.toml from the "
+        "package index (the index's file, not pip) into the cache ($VMP_CACHE_DIR, "
+        "else ~/.cache/vllm-mooncake-patches) and verify its sha256. Downloads: that "
+        "one file, unless it is cached and verified already.",
+        "(never)",
+        "no network, the index has no such file, or a sha256 mismatch",
+    ),
+    "apply": (
+        "Build the tree (third_party/vllm, git-ignored; its git dir beside it): the "
+        "pristine sdist, each patch of <patches>/series as one commit (zero fuzz), "
+        "then the overlay (connector/ -> the tree) as one commit; record this "
+        "machine's build defaults (device, precompiled-kernel wheel) for `pip install "
+        "-e`. Refuses a tree holding edits no patch captures unless --force. "
+        "Downloads: the pinned sdist, if not cached (as fetch).",
+        "a patch does not apply, a series line is refused, or the tree holds "
+        "uncaptured edits",
+        "no series, a bad manifest, git missing, the sdist cannot be fetched",
+    ),
+    "status": (
+        "Say which patches are applied, amended, changed, pending or missing, the "
+        "overlay's sync, removed or reordered patches and uncaptured edits. "
+        "Downloads nothing.",
+        "the tree is not in sync with the series",
+        "no series, a bad manifest, a tree build.py did not make",
+    ),
+    "export": (
+        "Write the tree's commits back to <patches>/ (one file each, named by the "
+        "commit's Patch-Filename trailer) and rewrite series; copy overlay files "
+        "edited in the tree back to the project. Refuses uncommitted edits, merge "
+        "commits and series lines naming files outside the folder. Downloads "
+        "nothing.",
+        "refused (the reason says what to do first)",
+        "no series, a bad manifest, git missing",
+    ),
+    "check": (
+        "CI's check, with no tree and no git: the series file, every patch header, "
+        "paths leaving the tree, the overlay, the overridden upstream methods, and "
+        "the series applied in memory with zero fuzz to the cached pinned sdist. "
+        "Downloads nothing (run fetch first).",
+        "a problem found (each one named, with what to do)",
+        "no series, a bad manifest, the sdist not cached",
+    ),
+    "reset": (
+        "Put the tree back to the pristine sdist (tag vmp-pristine). Refuses a tree "
+        "holding edits no patch captures unless --force. Downloads: the pinned "
+        "sdist, if no tree exists yet and it is not cached.",
+        "refused (uncaptured edits)",
+        "a bad manifest, git missing, a tree build.py did not make",
+    ),
+    "compat": (
+        "A grid of later vLLM releases: which patches apply, which overlay imports "
+        "resolve and which overridden methods still exist, with the commits that "
+        "broke a patch when --upstream-git is given. Downloads: the index's list of "
+        "releases and each release's sdist (cached; sha256 from the index).",
+        "some release breaks the series",
+        "no series, a bad version, the index cannot be read",
+    ),
+    "rebase": (
+        "Carry the series onto another release: a 3-way git rebase of the patches "
+        "and the overlay in a new tree, each step checked, writing the rolled series "
+        "to rolls/<VERSION>/; stops at a conflict or a wrong merge with what to do "
+        "(--continue, --skip, --abort). Downloads: the index's entry for VERSION "
+        "(sdist sha256, build-default wheels' sha256) and its sdist.",
+        "stopped at a conflict or a wrong merge (the message says what to do)",
+        "the release does not exist, a build-default wheel is missing, no rebase "
+        "under way (--continue), a bad version",
+    ),
+    "range-diff": (
+        "Compare a rolled series with the pinned one, patch by patch: same, changed "
+        "(with the interdiff), only in one of them. Downloads nothing.",
+        "(never: differences are reported, not failed)",
+        "a folder that is not a patch folder",
+    ),
+}
+
+
+def subcommand(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand with its help page (PAGES)."""
+    text, one, two = PAGES[name]
+    return sub.add_parser(
+        name,
+        help=help,
+        description=text,
+        epilog=EXIT_CODES.format(one=one, two=two),
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="build.py",
@@ -67,46 +180,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "patches (default) or a rolled series, rolls/<version>",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser(
+    subcommand(
+        sub,
         "fetch",
-        help="download the pinned sdist (the index's file, no pip) and verify it "
+        "download the pinned sdist (the index's file, no pip) and verify it "
         "into the cache",
     )
-    p = sub.add_parser("apply", help="build the tree: pristine + series + overlay")
+    p = subcommand(sub, "apply", "build the tree: pristine + series + overlay")
     p.add_argument(
         "--force", action="store_true", help="discard edits no patch captures"
     )
-    p = sub.add_parser(
-        "status", help="which patches are applied, changed, pending; uncaptured edits"
+    p = subcommand(
+        sub, "status", "which patches are applied, changed, pending; uncaptured edits"
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = sub.add_parser(
+    p = subcommand(
+        sub,
         "export",
-        help="write the tree's commits back to patches/ and the overlay folders",
+        "write the tree's commits back to patches/ and the overlay folders",
     )
     p.add_argument(
         "--force",
         action="store_true",
         help="overwrite patch or overlay files changed since apply",
     )
-    p = sub.add_parser(
-        "check", help="CI check of the series against the pristine sdist"
-    )
+    p = subcommand(sub, "check", "CI check of the series against the pristine sdist")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = sub.add_parser("reset", help="back to the pristine tree")
+    p = subcommand(sub, "reset", "back to the pristine tree")
     p.add_argument(
         "--force", action="store_true", help="discard edits no patch captures"
     )
-    p = sub.add_parser(
+    p = subcommand(
+        sub,
         "compat",
-        help="grid: does the series (and the overlay's imports) apply to newer releases",
+        "grid: does the series (and the overlay's imports) apply to newer releases",
     )
     which = p.add_mutually_exclusive_group()
     which.add_argument(
-        "--versions", help="comma-separated upstream versions, e.g. 0.19.0,0.23.0"
+        "--versions",
+        type=release_versions,
+        help="comma-separated upstream versions, e.g. 0.19.0,0.23.0",
     )
     which.add_argument(
         "--since",
+        type=release_version,
         help="every final release on the index newer than this (default: the pin)",
     )
     p.add_argument(
@@ -123,12 +240,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-cache", action="store_true", help="recompute every version's result"
     )
-    p = sub.add_parser(
+    p = subcommand(
+        sub,
         "rebase",
-        help="carry the series onto another release (3-way; stops at conflicts)",
+        "carry the series onto another release (3-way; stops at conflicts)",
     )
     p.add_argument(
-        "--onto", metavar="VERSION", help="the upstream release, e.g. 0.19.0"
+        "--onto",
+        metavar="VERSION",
+        type=release_version,
+        help="the upstream release, e.g. 0.19.0",
     )
     step = p.add_mutually_exclusive_group()
     step.add_argument(
@@ -162,9 +283,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="with --continue: keep a step the check after each patch stopped at, as it is",
     )
-    p = sub.add_parser(
+    p = subcommand(
+        sub,
         "range-diff",
-        help="a rolled series against the pinned one, patch by patch: same, changed "
+        "a rolled series against the pinned one, patch by patch: same, changed "
         "(with the interdiff), only in one of them",
     )
     p.add_argument(

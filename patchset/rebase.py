@@ -126,6 +126,7 @@ def start(
             raise PatchsetError(
                 f"{project.rel(path)} exists; delete it (it is generated) and run again"
             )
+    releases.sdist_info(version, pinned.name)  # the release exists, before its wheels
     pins = _build_default_pins(project, version, without)
     sdist, sha = releases.fetch_release(version, say, pinned.name)
     try:

@@ -154,3 +154,31 @@ def test_rebase_refuses_a_target_without_a_wheel_for_a_pinned_device(
     assert "--without-build-default cuda" in cuda
     assert "verified = false  #" in cuda
     assert "without-build-default" in r.out
+
+
+def test_a_release_that_does_not_exist_is_named_before_its_wheels(rolled) -> None:
+    project = rolled
+    pin_build_defaults(project)
+    publish(project, v19_files(conflict=False))
+    r = project.run("rebase", "--onto", "9.9.9")
+    assert r.code == 2, r.text
+    assert "vllm 9.9.9 is not on the index" in r.err, r.text
+    assert "build_defaults" not in r.err, r.text  # not blamed on missing wheels
+    assert not (project.root / "rolls" / "9.9.9").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("rebase", "--onto", "banana"),
+        ("compat", "--versions", "0.19.0,banana"),
+        ("compat", "--since", "banana"),
+    ],
+)
+def test_a_version_that_is_not_one_is_refused_without_a_traceback(
+    project, args
+) -> None:
+    r = project.run_cli(*args)
+    assert r.code == 2, r.text
+    assert "'banana' is not a release version" in r.err, r.text
+    assert "Traceback" not in r.text

@@ -132,3 +132,17 @@ def test_a_hint_carries_the_patch_folder_it_was_run_with(project) -> None:
     r = project.run("--patches", "rolls/x", "rebase", "--continue")
     assert r.code == 2, r.text
     assert "`python build.py --patches rolls/x rebase --onto VERSION`" in r.text, r.text
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["fetch", "apply", "status", "export", "check", "reset", "compat", "rebase"],
+)
+def test_every_subcommand_help_page_says_what_it_does_downloads_and_returns(
+    project, command
+) -> None:
+    r = project.run_cli(command, "-h")
+    assert r.code == 0, r.text
+    page = " ".join(r.out.split())
+    assert "Download" in page or "download" in page, page
+    assert "Exit codes: 0 ok, 1" in page and "2 could not run" in page, page
