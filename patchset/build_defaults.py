@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PatchsetError
+from .errors import PatchsetError, ProblemsFound
 from .upstream import set_aside, sha256_file
 
 DEVICE_ENV = "VMP_DEVICE"
@@ -421,11 +421,13 @@ def record(
     git_dir: Path,
     say: Say = print,
     manifest: str | Path = MANIFEST,
+    release: str | None = None,
 ) -> Path | None:
     """After ``apply``: write the tree's build defaults for the detected device.
 
     ``manifest`` is the series' own (a rolled series pins its release's
-    kernels). Returns the file written, or None when it asks for no defaults.
+    kernels); ``release``: the tree's upstream version, whose kernels alone are
+    recorded. Returns the file written, or None when it asks for no defaults.
     """
     policy = load_policy(root, manifest)
     if policy is None:
@@ -434,6 +436,16 @@ def record(
     wheel = policy.wheels.get(device)
     if wheel is None:
         raise PatchsetError(f"{manifest} [{TABLE}] has no wheel for device {device!r}")
+    if release is not None and wheel.version != release:
+        (tree / policy.file).unlink(missing_ok=True)  # never an older record either
+        raise ProblemsFound(
+            f"build defaults: {manifest} [{TABLE}.{device}] pins {wheel.requirement}, "
+            f"another release's kernels: a {release} tree built with them would load "
+            f"kernels compiled for {wheel.version}'s sources. Not recorded; the tree "
+            f"itself is built. Re-pin it once {wheel.name} {release} is published "
+            f"(its sha256 from the index), or install with your own kernels "
+            "(VLLM_PRECOMPILED_WHEEL_LOCATION) or from source (VLLM_USE_PRECOMPILED=0)."
+        )
     wheel_path = ensure_wheel(wheel, say)
     _ensure_excluded(git_dir, policy.file, say)
     path = tree / policy.file

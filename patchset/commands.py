@@ -40,6 +40,7 @@ def apply(project: Project, *, force: bool) -> int:
         project.git_dir,
         say,
         Path(project.patches) / MANIFEST,
+        release=project.manifest.version,
     )
     return EXIT_OK
 

@@ -10,18 +10,21 @@ import platform
 from pathlib import Path
 
 import pytest
+from conftest import VERSION
 
 from patchset import build_defaults
 from patchset.errors import PatchsetError
 
 REPO = Path(__file__).resolve().parents[2]
 ARCH = platform.machine()
-CPU_WHEEL = f"kernels_cpu-1.0-cp38-abi3-manylinux_2_28_{ARCH}.whl"
-CUDA_WHEEL = f"kernels-1.0-cp38-abi3-manylinux_2_31_{ARCH}.whl"
+CPU_WHEEL = f"kernels_cpu-{VERSION}-cp38-abi3-manylinux_2_28_{ARCH}.whl"
+CUDA_WHEEL = f"kernels-{VERSION}-cp38-abi3-manylinux_2_31_{ARCH}.whl"
 DEFAULTS = ".vmp-build-defaults.json"
 
 
-def add_policy(project, wheels: dict[str, bytes]) -> dict[str, Path]:
+def add_policy(
+    project, wheels: dict[str, bytes], cpu_version: str = VERSION
+) -> dict[str, Path]:
     """A [build_defaults] table pinning fake wheels, already in the cache."""
     cache = project.cache / "wheels"
     cache.mkdir(parents=True, exist_ok=True)
@@ -35,9 +38,9 @@ def add_policy(project, wheels: dict[str, bytes]) -> dict[str, Path]:
     manifest.write_text(
         manifest.read_text()
         + f'\n[build_defaults]\nfile = "{DEFAULTS}"\n'
-        + '\n[build_defaults.cpu]\nwheel = "kernels-cpu==1.0"\nverified = true\n'
+        + f'\n[build_defaults.cpu]\nwheel = "kernels-cpu=={cpu_version}"\nverified = true\n'
         + f'sha256."{CPU_WHEEL}" = "{cpu_sha}"\n'
-        + '\n[build_defaults.cuda]\nwheel = "kernels==1.0"\n'
+        + f'\n[build_defaults.cuda]\nwheel = "kernels=={VERSION}"\n'
         + f'sha256."{CUDA_WHEEL}" = "{cuda_sha}"\n'
     )
     return paths
@@ -105,7 +108,9 @@ def test_a_cached_wheel_failing_its_sha256_is_never_used(
     policy = build_defaults.load_policy(project.root)
     said = []
     # the re-download fails (a stand-in for pip that exits 1): an error naming the wheel
-    with pytest.raises(PatchsetError, match="could not download kernels-cpu==1.0"):
+    with pytest.raises(
+        PatchsetError, match=f"could not download kernels-cpu=={VERSION}"
+    ):
         build_defaults.ensure_wheel(policy.wheels["cpu"], said.append, python="false")
     assert not cached.exists()
     assert any("fails its sha256 check" in m for m in said)
@@ -177,3 +182,21 @@ def test_the_real_manifest_pins_the_wheels_of_this_release():
     )
     artifacts = (REPO / "patches" / "upstream.toml").read_text()
     assert f'"/{DEFAULTS}"' in artifacts
+
+
+def test_apply_refuses_to_record_another_releases_kernels(project, monkeypatch):
+    add_policy(project, {CPU_WHEEL: b"cpu kernels"})
+    monkeypatch.setenv("VMP_DEVICE", "cpu")
+    assert project.run("apply").code == 0
+    assert (project.tree / DEFAULTS).is_file()
+    # the series is rolled on, its CPU pins are not (no wheel of the new release)
+    manifest = project.root / "patches" / "upstream.toml"
+    manifest.write_text(
+        manifest.read_text().replace(
+            f'"kernels-cpu=={VERSION}"', '"kernels-cpu==0.17.0"'
+        )
+    )
+    r = project.run("apply")
+    assert r.code == 1, r.text
+    assert "kernels-cpu==0.17.0" in r.err and f"a {VERSION} tree" in r.err, r.text
+    assert not (project.tree / DEFAULTS).exists()  # the earlier record is gone too
