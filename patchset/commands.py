@@ -212,6 +212,15 @@ def render_status(data: dict) -> str:
     for problem in data["series_problems"]:
         lines.append(f"series:   {problem}")
     rows = data["patches"]
+    rb = data.get("rebase")
+    if rb:
+        lines.append(
+            f"rebase:   under way: the {rb['from_version']} series ({rb['from_patches']}/, "
+            f"{rb['patches']} patches) is being carried onto {rb['onto']}; this "
+            "folder's series is written when the rebase ends. Go on: "
+            f"`{rb['go_on']}`; give up: `{rb['give_up']}`"
+        )
+        return "\n".join(lines)
     applied = sum(1 for r in rows if r["state"] == "applied")
     lines.append(f"patches:  {applied} of {len(rows)} applied")
     for r in rows:

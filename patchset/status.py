@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import upstream
 from .confine import project_violations
 from .project import Project
+from .rebase import RebaseState
 from .series import Patch, sha256_bytes
 from .tree import Tree
 from .validate import MISSING, validate_series
@@ -62,6 +63,20 @@ def compute_status(project: Project) -> dict:
         return out
 
     tree.check_layout()
+    rebase = RebaseState.load(tree.git_dir)
+    if rebase is not None:  # a roll under way: its series is written when it ends
+        source = Project(project.root, rebase.from_patches)
+        out["rebase"] = {
+            "from_version": rebase.from_version,
+            "from_patches": rebase.from_patches,
+            "onto": rebase.onto,
+            "patches": len(rebase.patches),
+            "stopped_at": rebase.stopped_at,
+            "dropped": rebase.dropped,
+            "go_on": source.cmd(f"rebase --continue --onto {rebase.onto}"),
+            "give_up": source.cmd(f"rebase --abort --onto {rebase.onto}"),
+        }
+        return out
     analysis = tree.analyse()
     st = analysis.state
     out["tree"].update(

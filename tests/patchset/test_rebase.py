@@ -104,6 +104,13 @@ def test_rebase_stops_at_conflict_then_continue_exports_the_roll(rolled) -> None
     assert 'version = "0.19.0"' in manifest and f'sha256 = "{sha}"' in manifest
     assert f'tree = "{ROLL_TREE}"' in manifest
 
+    # status of the roll while it is under way: the rebase, not "0 of 0 applied"
+    r = project.run("--patches", ROLL, "status")
+    assert r.code == 1, r.text
+    assert "0 of 0" not in r.out and "rebase:   under way" in r.out, r.out
+    assert "4 patches) is being carried onto 0.19.0" in r.out, r.out
+    assert "`python build.py rebase --continue --onto 0.19.0`" in r.out, r.out
+
     r = project.run("rebase", "--continue")  # not resolved yet
     assert r.code != 0 and "vllm/engine.py" in r.err and "add" in r.err
 
