@@ -197,9 +197,7 @@ def render_status(data: dict) -> str:
         f"upstream: {up['name']} {up['version']}, sdist {up['sdist']} ({up['sdist_state']})",
     ]
     if not tree["present"]:
-        lines.append(
-            f"tree:     {tree['path']} is not there: run `python build.py apply`"
-        )
+        lines.append(f"tree:     {tree['path']} is not there: run `{tree['build']}`")
     else:
         note = (
             ""

@@ -37,6 +37,7 @@ def compute_status(project: Project) -> dict:
         },
         "tree": {
             "path": project.rel(tree.path),
+            "build": project.cmd("apply"),  # the command that builds it
             "git_dir": project.rel(tree.git_dir),
             "present": tree.present(),
         },

@@ -129,6 +129,8 @@ def test_a_hint_carries_the_patch_folder_it_was_run_with(project) -> None:
     assert "run `python build.py --patches rolls/x apply` first" in r.text, r.text
     r = project.run("export")  # the default folder: no --patches in the hint
     assert "run `python build.py apply` first" in r.text, r.text
+    r = project.run("--patches", "rolls/x", "status")
+    assert "is not there: run `python build.py --patches rolls/x apply`" in r.out
     r = project.run("--patches", "rolls/x", "rebase", "--continue")
     assert r.code == 2, r.text
     assert "`python build.py --patches rolls/x rebase --onto VERSION`" in r.text, r.text
