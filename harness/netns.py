@@ -10,8 +10,8 @@ Layout: a bridge ``vmpbr<tag>`` in the test's own (root) namespace holds
 ``vmp<tag>-<name>`` with ``lo`` and ``eth0`` (a veth whose other end,
 ``vmp<tag><i>``, is a port of the bridge; tag = owner pid + a letter). Everything between two hosts crosses
 two veths and the bridge, a link that can fail. Addresses come from 10.231.0.0/16
-and exist only inside what this module creates (see ../shared/cpu-runtime.md,
-"Network tests"): nothing is ever routed anywhere else.
+and exist only inside what this module creates: nothing is ever routed anywhere
+else (network tests talk only to loopback or to namespaces the test creates).
 
 ``destroy`` (also on interpreter exit and after a crashed run: ``cleanup_stale``)
 kills every process left in the namespaces, then deletes namespaces, veths and

@@ -34,7 +34,7 @@ backend, split K/V, element type, dimensions and their order in memory), which
 the scheduler side cannot know (None: not compared).
 
 Not named: LoRA adapters (a request names its adapter, not its contents), so
-prefix push refuses requests with one (push/scheduler.py); multimodal inputs
+prefix push refuses requests with one (push/decode_scheduler.py); multimodal inputs
 and prompt embeddings, likewise refused there. A model whose KV depends on a
 weight that no sample touches (a fine-tune changing a few bytes of one tensor
 only) has the same ``files:`` identity: set ``MOONCAKE_MODEL_ID`` then.

@@ -8,7 +8,7 @@ the push ended; once C has answered, D reads its memory there, and only then
 sends the positions (POST /push_proof); C answers the bytes of its source
 blocks there; D checks that what it read is exactly those bytes and no
 longer its canary. A source that did not write everywhere cannot know where
-D looks, nor fix D's memory once told (push/receiver.py).
+D looks, nor fix D's memory once told (push/decode_receiver.py).
 
 Reads and writes go through torch, so they work for CPU and CUDA tensors
 alike. On CUDA a write (a canary) is a copy queued on the current stream:

@@ -15,7 +15,7 @@ request any more. Upstream's own receiver tells them apart the same way from
 0.32.0 on.
 
 P answers a transfer (success or error) only after none of its writes is in
-flight (sender.py), so D reuses blocks only when no write into them can come.
+flight (prefill_sender.py), so D reuses blocks only when no write into them can come.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 No I/O, no threads, no vLLM imports: every decision of the layer-wise push
 lives here so it can be unit-tested without an engine. The sender
-(sender.py) calls it under one lock and executes the WriteOps it returns with
+(prefill_sender.py) calls it under one lock and executes the WriteOps it returns with
 the transfer engine.
 
 Vocabulary
@@ -28,7 +28,7 @@ side table; if it is given up (:meth:`drop_pending`) nothing of it remains,
 so a request P schedules later under the same id starts a transfer of its own
 and is reported under its own P request id.
 
-Invariant "no byte after the end" (enforced here, relied on by sender.py):
+Invariant "no byte after the end" (enforced here, relied on by prefill_sender.py):
 - a write runs only if :meth:`start_writes` admitted it, which it does only
   for a transfer that has not ended, in the same call (under the sender's
   lock) that counts it in flight; ending a transfer happens under that lock

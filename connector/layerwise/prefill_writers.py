@@ -3,7 +3,7 @@
 
 A dead or slow decode peer stalls only the transfers to it. What a batch
 means (which writes may still start, the write itself, what ends) is the
-sender's (sender.py); this module only owns the threads and their queues.
+sender's (prefill_sender.py); this module only owns the threads and their queues.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ blocks into the blocks D allocated, naming D's transfer-engine session and
 KV base addresses. Every push ends exactly once, in ``finished_recving`` (so
 vLLM leaves WAITING_FOR_REMOTE_KVS or frees an aborted request's blocks),
 with the number of leading blocks that landed in the worker metadata
-(scheduler.py cuts back the rest, which D prefills itself).
+(decode_scheduler.py cuts back the rest, which D prefills itself).
 
 No byte after the end: the request carries a deadline (now +
 MOONCAKE_PUSH_TIMEOUT_S, D's wall clock) and a budget (what is left of that
@@ -23,7 +23,7 @@ with the request; the request cannot prefill locally into them nor give them
 back to the pool.
 
 Each source has its own threads and connections, every call one deadline
-(the hold) and a cap on the answer's size (client.py): a slow source delays
+(the hold) and a cap on the answer's size (decode_client.py): a slow source delays
 only its own pushes.
 
 Proof of write: C's "ok" counts only for blocks it shows it wrote.

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""D's scheduler side of prefix push migration (C's POST /push_blocks, server.py).
+"""D's scheduler side of prefix push migration (C's POST /push_blocks, source_server.py).
 
 A request whose ``kv_transfer_params`` hold ``{"push_from": "<C's bootstrap
 URL>"}`` (and neither ``do_remote_prefill`` nor ``do_remote_decode``: those are
@@ -12,7 +12,7 @@ embeddings, a LoRA adapter, whose contents neither side can name) is
 prefilled locally, with one warning per kind and interval.
 The held blocks beyond D's own prefix hit are counted as external tokens and
 loaded asynchronously: D's worker posts ``/push_blocks`` with the blocks
-vLLM allocated (receiver.py) and reports, through the worker metadata,
+vLLM allocated (decode_receiver.py) and reports, through the worker metadata,
 how many landed. If fewer landed than promised (C evicted them, the write
 failed, C is unreachable, a timeout), the request's computed tokens are cut
 back to what landed *before* vLLM caches the blocks, so the rest is prefilled
@@ -26,7 +26,7 @@ and its kernel's orphan retries, from the same answer, go with the job: the
 worker's hold is computed with them (config.ExtConfig.push_hold_for_s).
 
 Each source has its own threads and connections and every call one deadline
-(client.py): a slow source delays only its own requests.
+(decode_client.py): a slow source delays only its own requests.
 
 ``push_from: "auto"`` (or any request without push_from on an instance with
 MOONCAKE_PUSH_AUTO=1): D picks the source itself, from its index of the
@@ -40,7 +40,7 @@ the first request that asks for "auto".
 
 A request that finishes while its push is in flight keeps its blocks until
 the worker reports the push ended, which it does only once C can no longer
-write into them (receiver.py); one that finishes before its job reached the
+write into them (decode_receiver.py); one that finishes before its job reached the
 worker frees them at once (C was never asked).
 """
 
@@ -371,7 +371,7 @@ class PushScheduler:
     def _allowed(self, rid: str, source: str) -> bool:
         """Only an allowed source gets a lane (threads, connections): their number
         is bounded by the allowlist."""
-        try:  # an origin and nothing else: D builds every URL from it (client.py)
+        try:  # an origin and nothing else: D builds every URL from it (decode_client.py)
             origin, why = source_origin(source), "is not in"
         except ValueError as e:
             origin, why = None, f"is not a bare scheme://host:port ({e}), so not in"
@@ -444,7 +444,7 @@ class PushScheduler:
         if not fut.done():
             if time.monotonic() - self._times[rid][0] < self.match_timeout_s:
                 return None, False
-            # the query's own deadline ends it (client.py); stop waiting for it now
+            # the query's own deadline ends it (decode_client.py); stop waiting for it now
             fut.cancel()
             logger.warning(
                 "Prefix push for %s: %s/match_blocks did not answer within %.1f s; "

@@ -30,8 +30,8 @@ the token, and by the same source once it restarted.
 Proof of write, in two calls: an "ok" /push_blocks answer carries a
 ``push_id``; D then posts /push_proof with that id and positions in the pushed
 blocks that it chose before the push and sent nowhere until C had answered,
-and C answers its source bytes there (push/receiver.py has the argument,
-push/server.py what C remembers and for how long).
+and C answers its source bytes there (push/decode_receiver.py has the argument,
+push/source_server.py what C remembers and for how long).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ match the longest cached prefix and snapshot its blocks' generations, refuse to
 start once the request's deadline (D's wall clock) or its budget (from when this
 server received it, on this instance's monotonic clock) has passed, write blocks
 ``first_block ..`` into D's blocks with one terminal engine write
-(engine_write.py; on a thread at nice 19: it polls the engine, see writer.py), then check
+(engine_write.py; on a thread at nice 19: it polls the engine, see source_writer.py), then check
 that none of the read blocks was evicted or reused meanwhile (else the push
 is reported ``failed``: D must not use those bytes). The answer is sent only after the engine call
 returned: once D has it, no byte of this push can still arrive.
@@ -190,7 +190,7 @@ class PushServer:
     tensors. A destination's layout (block count, base addresses) is recorded
     on its first push; a later push with another layout is refused (409)
     unless it is authenticated and signed later (a restarted destination;
-    destination.py)."""
+    source_destinations.py)."""
 
     def __init__(
         self,
@@ -209,7 +209,7 @@ class PushServer:
         config = config or ExtConfig()
         self.sync = sync
         self.reader = reader  # proof of write: source bytes at D's probes
-        # the write polls the engine on its caller: at nice 19 (writer.py)
+        # the write polls the engine on its caller: at nice 19 (source_writer.py)
         self._writer = LowPriorityWriter(write_fn)
         self.base_addrs = list(base_addrs)
         self.block_len = block_len
