@@ -79,6 +79,11 @@ def header_problems(patch: Patch) -> list[str]:
             "no mail-style header: start the patch with 'From: Name <email>' and "
             "'Subject: [PATCH] ...' lines (git format-patch style)"
         )
+    if header.author is not None and "@" not in header.author[1]:
+        problems.append(
+            "the From: line names no email address: use 'From: Name <email>', the "
+            "series' one identity"
+        )
     if not clean_subject(header.subject or ""):
         problems.append("missing Subject: add 'Subject: [PATCH] <what it does>'")
     lines = header.body.splitlines()

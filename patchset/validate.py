@@ -116,6 +116,7 @@ def validate_series(project: Project) -> SeriesReport:
             SeriesProblem(HEADER, f"{entry.name}: {msg}", entry.name)
             for msg in header_problems(patch)
         ]
+    report.problems += identity_problems(report.patches)
     for name in project.patch_files_on_disk():
         if name not in seen:
             report.problems.append(
@@ -127,3 +128,30 @@ def validate_series(project: Project) -> SeriesReport:
                 )
             )
     return report
+
+
+def identity_problems(patches: list[Patch]) -> list[SeriesProblem]:
+    """Every patch of a series carries one author identity (its From: line): the
+    one most of them carry; each other patch is named."""
+    by_author: dict[tuple[str, str] | None, list[str]] = {}
+    for patch in patches:
+        by_author.setdefault(patch.header.author, []).append(patch.name)
+    if len(by_author) < 2:
+        return []
+    main = max(by_author, key=lambda a: len(by_author[a]))
+
+    def who(author: tuple[str, str] | None) -> str:
+        return f"{author[0]} <{author[1]}>" if author else "no author"
+
+    return [
+        SeriesProblem(
+            HEADER,
+            f"{name}: its From: is {who(author)}, the series' identity is "
+            f"{who(main)} ({len(by_author[main])} patches): one identity for every "
+            "patch",
+            name,
+        )
+        for author, names in by_author.items()
+        if author != main
+        for name in names
+    ]

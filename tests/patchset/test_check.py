@@ -155,3 +155,36 @@ def test_overlay_overwriting_a_file_a_patch_creates(project) -> None:
     assert (
         problem["kind"] == "overlay" and "a file a patch creates" in problem["message"]
     )
+
+
+def test_every_patch_carries_the_series_one_identity(project) -> None:
+    assert project.run("fetch").code == 0
+    authors = {
+        "0001-a.patch": ("engine line 1\n", "Dev <dev@example.com>"),
+        "0002-b.patch": ("engine line 9\n", "Dev <dev@example.com>"),
+        "0003-c.patch": ("engine line 17\n", "Other <other@example.com>"),
+        "0004-d.patch": ("engine line 25\n", "Nobody"),
+    }
+    base = ENGINE
+    for name, (line, author) in authors.items():
+        new = replace_line(base, line, line.rstrip("\n") + " x\n")
+        project.write_patch(
+            name,
+            patch_text(
+                "S",
+                project.edit_patch("vllm/engine.py", new, old=base),
+                author=author,
+            ),
+        )
+        base = new
+    project.set_series(*authors)
+    code, data = check_json(project)
+    assert code == 1
+    header = [
+        (p["patch"], p["message"]) for p in data["problems"] if p["kind"] == "header"
+    ]
+    named = {patch for patch, _ in header}
+    assert named == {"0003-c.patch", "0004-d.patch"}, header
+    messages = " ".join(m for _, m in header)
+    assert "the series' identity is Dev <dev@example.com> (2 patches)" in messages
+    assert "names no email address" in messages
