@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.vllm_series import SUPPORTED, series
+
 ROOT = Path(__file__).resolve().parents[2]
 CODE = ("connector", "harness")
 NAME = re.compile(r"(?<![\w./-])((?:\.\./)*(?:[\w.-]+/)*[\w-]+\.(?:py|md|toml|sh))\b")
@@ -76,6 +78,15 @@ def known() -> dict[str, set[str]]:
     }
 
 
+def in_a_missing_tree(name: str) -> bool:
+    """A path that may be in the tree of a supported release not built here: the
+    0.18.1 run of scripts/test.sh comes before 0.32.0's tree exists (its run, with
+    both trees, judges these names)."""
+    missing = [v for v in SUPPORTED if not series(v).tree.is_dir()]
+    top = name.split("/", 1)[0]
+    return bool(missing) and any((t / top).is_dir() for t in upstream_trees())
+
+
 def test_every_file_a_module_names_exists(known) -> None:
     stale = [
         f"{path.relative_to(ROOT)}:{n}: {name}"
@@ -83,6 +94,7 @@ def test_every_file_a_module_names_exists(known) -> None:
         for path in sorted((ROOT / folder).rglob("*.py"))
         for n, name in names_in(path)
         if not resolves(path, name, known)
+        and not ("/" in name and in_a_missing_tree(name))
     ]
     assert not stale, (
         "names of files that do not exist (rename them, or for a vLLM file the "
