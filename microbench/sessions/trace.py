@@ -43,7 +43,7 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,28 +327,52 @@ def cacheable_blocks(r: TraceRequest, block_tokens: int) -> int:
     return min(len(r.hash_ids), (r.input_length - 1) // block_tokens)
 
 
-def unbounded_reuse(reqs: Sequence[TraceRequest], block_tokens: int) -> dict:
-    """Prefix reuse on one instance with an unbounded cache, requests served in
-    time order: per request the leading full blocks whose prefix was seen."""
-    seen: set[tuple[int, ...]] = set()
+def _reuse_in_order(
+    served: Iterable[tuple[int, Iterable[Hashable], Iterable[Hashable]]],
+    block_tokens: int,
+) -> dict:
+    """The unbounded cache's reuse, requests in the order served: each a (prompt
+    length, its usable leading blocks' keys, the keys it leaves cached); per
+    request the leading keys an earlier request left cached."""
+    seen: set[Hashable] = set()
     hit_tokens = prompt_tokens = 0
     per_request = []
-    for r in sorted(reqs, key=lambda r: r.timestamp_ms):
-        usable = cacheable_blocks(r, block_tokens)
+    for length, keys, stored in served:
         k = 0
-        while k < usable and r.hash_ids[: k + 1] in seen:
+        for key in keys:
+            if key not in seen:
+                break
             k += 1
         per_request.append(k * block_tokens)
         hit_tokens += k * block_tokens
-        prompt_tokens += r.input_length
-        for i in range(1, min(len(r.hash_ids), r.input_length // block_tokens) + 1):
-            seen.add(r.hash_ids[:i])
+        prompt_tokens += length
+        seen.update(stored)
     return {
         "prompt_tokens": prompt_tokens,
         "hit_tokens": hit_tokens,
         "fraction": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
         "per_request": per_request,
     }
+
+
+def unbounded_reuse(reqs: Sequence[TraceRequest], block_tokens: int) -> dict:
+    """Prefix reuse on one instance with an unbounded cache, requests served in
+    time order: per request the leading full blocks whose prefix was seen."""
+
+    def prefixes(r: TraceRequest, n: int):
+        return (r.hash_ids[:i] for i in range(1, n + 1))
+
+    return _reuse_in_order(
+        (
+            (
+                r.input_length,
+                prefixes(r, cacheable_blocks(r, block_tokens)),
+                prefixes(r, min(len(r.hash_ids), r.input_length // block_tokens)),
+            )
+            for r in sorted(reqs, key=lambda r: r.timestamp_ms)
+        ),
+        block_tokens,
+    )
 
 
 def unbounded_reuse_of_prompts(
@@ -359,7 +383,6 @@ def unbounded_reuse_of_prompts(
     (a prefix of them: vLLM caches the full blocks of both). Per request the
     leading full blocks of its prompt that an earlier request left cached, at most
     all but its last token."""
-    seen: set[bytes] = set()
 
     def chain(tokens: Sequence[int], blocks: int):
         h = b""
@@ -370,25 +393,17 @@ def unbounded_reuse_of_prompts(
             ).digest()
             yield h
 
-    hit_tokens = prompt_tokens = 0
-    per_request = []
-    for prompt, cached in served:
-        usable = max(0, (len(prompt) - 1) // block_tokens)
-        k = 0
-        for h in chain(prompt, usable):
-            if h not in seen:
-                break
-            k += 1
-        per_request.append(k * block_tokens)
-        hit_tokens += k * block_tokens
-        prompt_tokens += len(prompt)
-        seen.update(chain(cached, len(cached) // block_tokens))
-    return {
-        "prompt_tokens": prompt_tokens,
-        "hit_tokens": hit_tokens,
-        "fraction": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
-        "per_request": per_request,
-    }
+    return _reuse_in_order(
+        (
+            (
+                len(prompt),
+                chain(prompt, max(0, (len(prompt) - 1) // block_tokens)),
+                chain(cached, len(cached) // block_tokens),
+            )
+            for prompt, cached in served
+        ),
+        block_tokens,
+    )
 
 
 def describe(reqs: Sequence[TraceRequest]) -> dict:
