@@ -150,7 +150,8 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
             delay = self.ext.send_finished(request, ids, transfer_id)
             if delay is not None:
                 return delay, None
-        return super().request_finished(request, block_ids)
+        delay, out = super().request_finished(request, block_ids)
+        return delay, self.ext.finished_params(request, out)
 
 
 class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):

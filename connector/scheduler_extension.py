@@ -16,6 +16,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config imp
     ExtConfig,
     load,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
+    TIMELINE_PARAM,
+    DecodePullTimeline,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
     local_fingerprint,
 )
@@ -89,6 +93,7 @@ class SchedulerExtension:
             if not is_consumer(vllm_config) and cache.enable_prefix_caching
             else None
         )
+        self.pull_timeline = DecodePullTimeline()
 
     # ---- requests this series owns (prefix push on D) ---------------------------------
     def owns(self, request: Request) -> bool:
@@ -113,10 +118,28 @@ class SchedulerExtension:
         competes with, decode_cost.py)."""
         if self.push.prefill_timer is not None:
             self.push.prefill_timer.allocated(request, num_external_tokens)
+        params = request.kv_transfer_params or {}
+        if (
+            num_external_tokens > 0
+            and params.get("do_remote_prefill")
+            and params.get("transfer_id")
+            and not self.owns(request)
+        ):
+            self.pull_timeline.allocated(request.request_id)
 
     def seen_finished(self, request: Request) -> None:
         if self.push.prefill_timer is not None:
             self.push.prefill_timer.finished(request)
+
+    def finished_params(
+        self, request: Request, params: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """D: the kv_transfer_params of a finished request's output, with the
+        pull's timeline (decode_timeline.py) added when it was a timed pull."""
+        timeline = self.pull_timeline.finished(request.request_id)
+        if timeline is None:
+            return params
+        return {**(params or {}), TIMELINE_PARAM: timeline}
 
     # ---- upstream's P/D requests ------------------------------------------------------
     def takes_send(self, request: Request, transfer_id: str) -> bool:
@@ -162,6 +185,7 @@ class SchedulerExtension:
         )
         if self.push.prefill_timer is not None:
             self.push.prefill_timer.step(scheduler_output)
+        self.pull_timeline.step_scheduled(scheduler_output.num_scheduled_tokens)
         if self.layerwise is not None:
             meta.layerwise = self.layerwise.build(scheduler_output)
         if self.hashsync is not None:
@@ -181,3 +205,4 @@ class SchedulerExtension:
         """Before vLLM handles finished_recving: cut back pushed tokens that did
         not land, so they are prefilled locally."""
         self.push.on_worker_meta(output.kv_connector_worker_meta)
+        self.pull_timeline.kv_arrived(output.finished_recving or ())

@@ -336,6 +336,15 @@ def layerwise_transfers(bootstrap_url: str, timeout: float = 30.0) -> dict:
     return r.json()
 
 
+def layerwise_transfer(bootstrap_url: str, transfer_id: str) -> dict:
+    """P's timeline of one transfer (layerwise_transfers); AssertionError unless
+    P reports it exactly once."""
+    got = layerwise_transfers(bootstrap_url)["transfers"]
+    mine = [t for t in got if t["transfer_id"] == transfer_id]
+    assert len(mine) == 1, f"P reports {len(mine)} transfers {transfer_id!r}: {got}"
+    return mine[0]
+
+
 def push_stats(bootstrap_url: str, timeout: float = 30.0) -> dict:
     """A push source's counters (GET /push/stats on its bootstrap server: pushes,
     ok, failed, bytes, write seconds, ...), with the cluster's token."""

@@ -7,8 +7,11 @@ request chooses its mode in P's kv_transfer_params ({"mooncake_mode":
 interleaved in ABBA order (plan.py). Per prompt length, repetition and mode
 (measure.py):
 
-  tail        D's first token after P's response, same request: what the
-              transfer adds to the critical path
+  tail        D's first token (D's scheduler) after P's last layer (P's
+              worker), same request, on the engines' clock (one host's
+              CLOCK_MONOTONIC): what the transfer adds to the critical path.
+              The client's figure (D's response - P's response) is kept in
+              the JSON as client_tail_s
   floor       D's own TTFT for the same prompt with the prefix already in its
               cache (local hit, as D's engine measured it) + one layer's write
               at the engine's measured speed: what layer-wise push cannot beat
@@ -159,27 +162,43 @@ def transfer_timelines(p_bootstrap_url: str) -> dict[str, dict]:
 
 
 def where_the_tail_goes(sample: dict, t: dict | None) -> dict:
-    """Split a P -> D sample's tail with P's timeline of its transfer: share of
-    bytes written before P's last layer, and (ms) P's last layer -> last write
-    done, last write -> D answered (P's end of the transfer), P's response -> D
-    answered, D answered -> D's response at the client (ZMQ answer, D's next
-    step, one token, HTTP)."""
-    if (
-        not t
-        or not t.get("bytes_written")
-        or sample.get("started_monotonic") is None
-        or sample.get("tail_s") is None
-    ):
+    """The tail on the engines' clock, and where it goes, from P's timeline of the
+    transfer (``t``, P's /layerwise/transfers) and D's (``d_timeline``, D's
+    response): all time.monotonic() of processes on one host (CLOCK_MONOTONIC
+    is one clock host-wide, namespaces included), so no clock is aligned.
+
+    ``tail_s`` = D's first token (D's scheduler: the request finished, one
+    token) - P's last layer computed (P's worker). Unlike the client's figure
+    (``client_tail_s`` = D's response - P's response) it does not move with
+    P's HTTP response or the client's scheduling. Split (ms): P's last layer ->
+    last write done -> P answered D (transfer ended) -> D's scheduler saw the
+    pull end (request runnable) -> D scheduled it -> D's first token -> D's
+    response at the client; and share of bytes written before P's last layer.
+    """
+    if not t or not t.get("bytes_written") or sample.get("started_monotonic") is None:
         return {}
-    p_resp = sample["started_monotonic"] + sample["p_latency_s"]
-    d_resp = sample["started_monotonic"] + sample["total_s"]
     ms = lambda a, b: None if a is None or b is None else 1e3 * (b - a)  # noqa: E731
+    d = sample.get("d_timeline") or {}
+    p_resp = d_resp = None
+    if sample.get("p_latency_s") is not None:
+        p_resp = sample["started_monotonic"] + sample["p_latency_s"]
+    if sample.get("total_s") is not None:
+        d_resp = sample["started_monotonic"] + sample["total_s"]
+    tail_ms = ms(t.get("prefill_end"), d.get("finished"))
     return {
+        "tail_s": None if tail_ms is None else tail_ms / 1e3,
         "share_before_prefill_end": t["bytes_before_prefill_end"] / t["bytes_written"],
         "prefill_end_to_last_write_ms": ms(
             t.get("prefill_end"), t.get("last_write_end")
         ),
         "last_write_to_end_ms": ms(t.get("last_write_end"), t.get("ended_at")),
+        "end_to_d_runnable_ms": ms(t.get("ended_at"), d.get("kv_arrived")),
+        "d_runnable_to_scheduled_ms": ms(d.get("kv_arrived"), d.get("scheduled")),
+        "d_scheduled_to_first_token_ms": ms(d.get("scheduled"), d.get("finished")),
+        "d_first_token_to_client_ms": ms(d.get("finished"), d_resp),
+        # what D adds once the transfer ended; compared with a local hit's TTFT
+        "end_to_d_first_token_ms": ms(t.get("ended_at"), d.get("finished")),
+        # the client's view, as before the engine-clock tail
         "p_response_to_end_ms": ms(p_resp, t.get("ended_at")),
         "end_to_d_response_ms": ms(t.get("ended_at"), d_resp),
     }
@@ -230,7 +249,8 @@ def describe(s) -> str:
         f" (client {1e3 * s.local_hit_client_s:.0f}ms)" if s.local_hit_client_s else ""
     )
     return (
-        f"tail {1e3 * s.tail_s:.0f}ms (P {s.p_latency_s:.2f}s), local hit {hit}, "
+        f"client tail {1e3 * s.client_tail_s:.0f}ms (P {s.p_latency_s:.2f}s), "
+        f"local hit {hit}, "
         f"correct={s.correct}"
     )
 

@@ -3,8 +3,11 @@
 Per transfer arm (layerwise, posthoc), on a fresh prompt of kv_tokens + 1 tokens:
 
   1. P -> D: P prefills with {"do_remote_decode", "mooncake_mode": arm}; D
-     decodes one token from P's KV (both requests sent at once). tail = D's
-     response - P's response (the transfer's share of the critical path).
+     decodes one token from P's KV (both requests sent at once). The tail is
+     taken on the engines' clock (__main__.where_the_tail_goes): D's first
+     token (D's scheduler) - P's last layer (P's worker), both
+     time.monotonic() on one host; the client's figure, D's response - P's
+     response, is kept as client_tail_s (it moves with P's HTTP response).
   2. Local hit on D: the same prompt again on D alone. D's prefix cache now
      holds all but the last token (the KV just received, block-aligned since
      the prompt is kv_tokens + 1 long), so this is D's TTFT when the KV is
@@ -41,6 +44,9 @@ from harness.correctness import compare
 from harness.launcher import BLOCK
 from harness.metrics import histogram
 from harness.pd_client import RequestFailed, complete, pd_generate
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
+    TIMELINE_PARAM,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
     cached_tokens_of_whole_prompt,
 )
@@ -59,7 +65,11 @@ class Sample:
     error: str | None = None
     p_latency_s: float | None = None  # P's response (prefill-only: P alone)
     total_s: float | None = None  # P -> D: D's response after both were sent
-    tail_s: float | None = None  # total - P's response
+    # D's first token - P's last layer, engines' clock (__main__.where_the_tail_goes)
+    tail_s: float | None = None
+    client_tail_s: float | None = None  # total - P's response, at the client
+    # D's pull timeline from D's response (kv_transfer_params, decode_timeline.py)
+    d_timeline: dict | None = None
     local_hit_s: float | None = (
         None  # D's engine TTFT for the same prompt, prefix cached
     )
@@ -110,7 +120,8 @@ def measure(
         )
         s.transfer_id, s.started_monotonic = r.transfer_id, r.started_monotonic
         s.p_latency_s, s.total_s = r.prefill.latency_s, r.total_s
-        s.tail_s = r.total_s - r.prefill.latency_s
+        s.client_tail_s = r.total_s - r.prefill.latency_s
+        s.d_timeline = (r.decode.kv_transfer_params or {}).get(TIMELINE_PARAM)
         ttft0 = histogram(d.url, TTFT)
         hit = complete(
             d.url, prompt, max_tokens=1, logprobs=5, model=d_model, timeout=timeout

@@ -1,7 +1,8 @@
 """mb7's rows, targets, table and plot, computed from the samples (never asserted).
 
 Headline figures are the ones that survive run-to-run prefill noise: the tail
-(D's first token after P's response, same request), tail / floor, and the
+(D's first token after P's last layer, same request, on the engines' clock),
+tail / floor, and the
 post-hoc / layer-wise tail ratio paired by repetition, each with its spread
 (min / median / max over repetitions). ``total - prefill-only`` is kept in
 the JSON (``overhead_s``) but not printed: it subtracts two prefills of
@@ -23,11 +24,17 @@ LOAD_TAIL_OVER_FLOOR = 1.5
 FLATNESS = 1.3
 IDLE_RATIO, IDLE_RATIO_AT = 8.0, 2048
 LOAD_RATIO = 4.0
+NOTICE = 1.25  # under load: transfer end -> D's first token / D's local-hit TTFT
 SLOWDOWN = 0.05
-# P's timeline of a transfer against the client's clock (__main__.where_the_tail_goes)
+# the tail's split on the engines' clock, then the client's view
+# (__main__.where_the_tail_goes)
 SPLIT_KEYS = (
     "prefill_end_to_last_write_ms",
     "last_write_to_end_ms",
+    "end_to_d_runnable_ms",
+    "d_runnable_to_scheduled_ms",
+    "d_scheduled_to_first_token_ms",
+    "d_first_token_to_client_ms",
     "p_response_to_end_ms",
     "end_to_d_response_ms",
 )
@@ -82,7 +89,9 @@ def build_rows(
         }
         other = LAYERWISE if arm == POSTHOC else POSTHOC
         other_tail = {
-            s["rep"]: s["tail_s"] for s in same if s["arm"] == other and not s["error"]
+            s["rep"]: s["tail_s"]
+            for s in same
+            if s["arm"] == other and not s["error"] and s["tail_s"]
         }
         row = {
             "load": load,
@@ -93,10 +102,11 @@ def build_rows(
             "reps": len(mine),
             "errors": [s["error"] for s in mine if s["error"]],
             "tail_s": spread([s["tail_s"] for s in ok]),
+            "client_tail_s": spread([s.get("client_tail_s") for s in ok]),
             "local_hit_s": spread(hits),
             "one_layer_s": layer_s.get(n),
             "floor_s": floor,
-            "tail_over_floor": spread([s["tail_s"] / floor for s in ok])
+            "tail_over_floor": spread([s["tail_s"] / floor for s in ok if s["tail_s"]])
             if floor
             else None,
             "p_latency_s": spread([s["p_latency_s"] for s in ok]),
@@ -110,7 +120,7 @@ def build_rows(
                 [
                     s["tail_s"] / other_tail[s["rep"]]
                     for s in ok
-                    if arm == POSTHOC and other_tail.get(s["rep"])
+                    if arm == POSTHOC and s["tail_s"] and other_tail.get(s["rep"])
                 ]
             )
             if arm == POSTHOC
@@ -119,6 +129,15 @@ def build_rows(
                 [s.get("share_before_prefill_end") for s in ok]
             ),
             "tail_split_ms": {k: spread([s.get(k) for s in ok]) for k in SPLIT_KEYS},
+            # D's share once P answered, against the same step's local hit on D
+            "end_to_first_token_over_local_hit": spread(
+                [
+                    s["end_to_d_first_token_ms"] / 1e3 / s["local_hit_s"]
+                    for s in ok
+                    if s.get("end_to_d_first_token_ms") is not None
+                    and s.get("local_hit_s")
+                ]
+            ),
             # wrong KV in a completed request; failed requests are counted in "errors"
             "correct": bool(ok) and all(s["correct"] for s in ok),
             "problems": sorted({p for s in mine for p in s["problems"]})[:5],
@@ -215,6 +234,24 @@ def targets(rows: list[dict]) -> list[dict]:
                     ),
                 }
             )
+        if load:
+            notice = {
+                n: _get(row(load, LAYERWISE, n), "end_to_first_token_over_local_hit")
+                for n in sizes
+            }
+            v = [x for x in notice.values() if x is not None]
+            out.append(
+                {
+                    "load": load,
+                    "target": f"{tag}: layer-wise transfer end -> D's first token "
+                    f"<= {NOTICE}x D's local-hit TTFT at every size",
+                    "value": max(v) if v else None,
+                    "met": (max(v) <= NOTICE) if v and len(v) == len(sizes) else None,
+                    "detail": ", ".join(
+                        f"{n}: {x:.2f}" for n, x in notice.items() if x is not None
+                    ),
+                }
+            )
         at = IDLE_RATIO_AT if IDLE_RATIO_AT in sizes else (sizes[-1] if sizes else None)
         bound = IDLE_RATIO if load == 0 else LOAD_RATIO
         ph = row(load, POSTHOC, at)
@@ -261,17 +298,21 @@ def summary_lines(rows: list[dict], tgts: list[dict], held: list[dict]) -> list[
     for r in rows:
         split = r.get("tail_split_ms") or {}
         if r["kv_tokens"] != max(x["kv_tokens"] for x in rows) or not split.get(
-            "end_to_d_response_ms"
+            "end_to_d_runnable_ms"
         ):
             continue
         med = {k: v["median"] for k, v in split.items() if v}
         tag = "idle" if r["load"] == 0 else f"load {r['load']}"
+        nan = float("nan")
         lines.append(
-            f"[mb7] where the tail goes, {tag} "
-            f"{r['mode']} {r['kv_tokens']} tok (median ms): P's last layer -> last write done "
-            f"{med.get('prefill_end_to_last_write_ms', float('nan')):.0f}, P's response -> "
-            f"transfer ended (D answered) {med.get('p_response_to_end_ms', float('nan')):.0f}, "
-            f"ended -> D's first token at the client {med['end_to_d_response_ms']:.0f}"
+            f"[mb7] where the tail goes, {tag} {r['mode']} {r['kv_tokens']} tok "
+            "(median ms, engines' clock): P's last layer -> last write done "
+            f"{med.get('prefill_end_to_last_write_ms', nan):.0f} -> P answered D "
+            f"{med.get('last_write_to_end_ms', nan):.0f} -> D's request runnable "
+            f"{med.get('end_to_d_runnable_ms', nan):.0f} -> scheduled "
+            f"{med.get('d_runnable_to_scheduled_ms', nan):.0f} -> D's first token "
+            f"{med.get('d_scheduled_to_first_token_ms', nan):.0f}; then -> D's "
+            f"response at the client {med.get('d_first_token_to_client_ms', nan):.0f}"
         )
     for h in held:
         lines.append(
@@ -303,6 +344,9 @@ def table_rows(rows: list[dict]) -> list[dict]:
                 "tokens": str(r["kv_tokens"]),
                 "mib": f"{r['bytes'] / 2**20:.0f}",
                 "tail": _ms(r, "tail_s"),
+                "ctail": f"{1e3 * r['client_tail_s']['median']:.0f}"
+                if r.get("client_tail_s")
+                else "-",
                 "floor": f"{1e3 * r['floor_s']:.0f}" if r.get("floor_s") else "-",
                 "tof": f"{tof['min']:.2f}/{tof['median']:.2f}/{tof['max']:.2f}"
                 if tof
@@ -325,6 +369,7 @@ TABLE = [
     ("tokens", "KV tokens", ""),
     ("mib", "MiB", ""),
     ("tail", "tail ms min/med/max", ""),
+    ("ctail", "client tail ms med", ""),
     ("floor", "floor ms", ""),
     ("tof", "tail/floor min/med/max", ""),
     ("ratio", "post/lw min/med/max", ""),
@@ -389,7 +434,7 @@ def plot(rows: list[dict], path: Path, facts: dict, machine: str) -> Path | None
                 linestyle=ls,
                 label=f"floor, {tag}",
             )
-    axes[0].set_ylabel("tail = D's first token - P's response (ms)")
+    axes[0].set_ylabel("tail = D's first token - P's last layer (ms)")
     axes[1].set_ylabel("tail / floor")
     for bound in (IDLE_TAIL_OVER_FLOOR, LOAD_TAIL_OVER_FLOOR):
         axes[1].axhline(bound, color="gray", linewidth=0.8, linestyle=":")

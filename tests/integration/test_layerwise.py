@@ -16,7 +16,13 @@ import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.pd_client import bootstrap_headers, engine_id, model_name, pd_generate
+from harness.pd_client import (
+    bootstrap_headers,
+    engine_id,
+    layerwise_transfer,
+    model_name,
+    pd_generate,
+)
 from harness.prompts import random_prompt as prompt
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
     cached_tokens_of_whole_prompt,
@@ -82,12 +88,7 @@ def test_layerwise_writes_start_before_the_prefill_ends(cluster):
         expected_cached_tokens=cached_tokens_of_whole_prompt(len(ids)),
     )
     assert check.ok, check.problems
-    stats = httpx.get(
-        p.bootstrap_url + "/layerwise/transfers",
-        timeout=10,
-        headers=bootstrap_headers(),
-    ).json()
-    (t,) = [t for t in stats["transfers"] if t["transfer_id"] == transfer_id]
+    t = layerwise_transfer(p.bootstrap_url, transfer_id)
     assert t["outcome"] == "completed", t
     assert t["prefill_end"] is not None and t["first_write_start"] is not None, t
     assert t["first_write_start"] < t["prefill_end"], (
@@ -97,6 +98,40 @@ def test_layerwise_writes_start_before_the_prefill_ends(cluster):
     assert share > 0.5, (
         f"only {share:.0%} of the KV was written before the prefill ended: {t}"
     )
+
+
+def test_d_reports_its_side_of_the_transfer_on_p_clock(cluster):
+    """D's response carries its pull's timeline (kv_transfer_params
+    "mooncake_timeline", D's scheduler): allocated, KV arrived (the request became
+    runnable), scheduled, finished. On one host it is on P's clock
+    (CLOCK_MONOTONIC): D learns the end only after P answered it, and P answers
+    only after its last write; mb7's engine-clock tail is built on this order."""
+    p, d = cluster["prefill"], cluster["decode"]
+    ids = prompt(700, seed=700)
+    transfer_id = f"xfer-timeline-{time.time_ns()}"
+    r = pd_generate(
+        p.url,
+        p.bootstrap_url,
+        d.url,
+        ids,
+        max_tokens=1,
+        logprobs=None,
+        transfer_id=transfer_id,
+        timeout=300,
+    )
+    tl = (r.decode.kv_transfer_params or {}).get("mooncake_timeline")
+    assert tl, f"D's response has no mooncake_timeline: {r.decode.kv_transfer_params}"
+    assert tl["allocated"] <= tl["kv_arrived"] <= tl["scheduled"] <= tl["finished"], tl
+    t = layerwise_transfer(p.bootstrap_url, transfer_id)
+    assert t["outcome"] == "completed", t
+    assert (
+        t["prefill_end"] <= t["last_write_end"] <= t["ended_at"] <= tl["kv_arrived"]
+    ), (
+        t,
+        tl,
+    )
+    # P answered D within the request's life on D
+    assert tl["allocated"] <= t["ended_at"], (t, tl)
 
 
 def test_concurrent_layerwise_transfers(cluster):

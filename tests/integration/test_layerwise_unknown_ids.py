@@ -30,6 +30,8 @@ from harness.pd_client import (
     bootstrap_headers,
     complete,
     engine_id,
+    layerwise_transfer,
+    layerwise_transfers,
     model_name,
     pd_generate,
 )
@@ -165,12 +167,8 @@ def test_a_forged_pull_for_a_future_transfer_id_leaves_its_request_unharmed(clus
     usage = wait_no_blocks_in_use(p.url, d.url, timeout=60)
     assert usage == (0.0, 0.0), f"KV blocks still allocated (P, D usage): {usage}"
     assert httpx.get(p.url + "/health", timeout=10).status_code == 200
-    stats = httpx.get(
-        p.bootstrap_url + "/layerwise/transfers",
-        timeout=10,
-        headers=bootstrap_headers(),
-    ).json()
-    (t,) = [t for t in stats["transfers"] if t["transfer_id"] == transfer_id]
+    t = layerwise_transfer(p.bootstrap_url, transfer_id)
+    stats = layerwise_transfers(p.bootstrap_url)
     assert t["outcome"] and t["outcome"].startswith("expired"), t
     assert "never scheduled" in t["outcome"], t
     assert t["bytes_written"] == 0, t
@@ -265,12 +263,7 @@ def test_two_prefill_requests_with_one_transfer_id_send_neither_and_free_both(cl
         )
     usage = wait_no_blocks_in_use(p.url, d.url, timeout=TRANSFER_TIMEOUT_S + 60)
     assert usage == (0.0, 0.0), f"KV blocks still allocated (P, D usage): {usage}"
-    stats = httpx.get(
-        p.bootstrap_url + "/layerwise/transfers",
-        timeout=10,
-        headers=bootstrap_headers(),
-    ).json()
-    (t,) = [t for t in stats["transfers"] if t["transfer_id"] == transfer_id]
+    t = layerwise_transfer(p.bootstrap_url, transfer_id)
     assert "neither is sent" in (t["outcome"] or ""), t
     assert t["bytes_written"] == 0, t
     other = prompt(300, seed=7302)

@@ -104,8 +104,9 @@ def test_upstream_hooks_do_what_upstream_did():
 
 # ---- scheduler -----------------------------------------------------------------------
 class _SchedulerExt:
-    def __init__(self, owns=False, takes=False, delay=None):
+    def __init__(self, owns=False, takes=False, delay=None, timeline=None):
         self._owns, self._takes, self._delay = owns, takes, delay
+        self._timeline = timeline
         self.calls = []
 
     def owns(self, request):
@@ -127,6 +128,11 @@ class _SchedulerExt:
 
     def seen_finished(self, request):
         pass
+
+    def finished_params(self, request, params):
+        return (
+            params if self._timeline is None else {**(params or {}), **self._timeline}
+        )
 
 
 def _scheduler(ext) -> ExtMooncakeConnectorScheduler:
@@ -187,6 +193,15 @@ def test_an_unscheduled_pull_is_left_to_upstream():
     # a cleanup-only pull without blocks (its end is never reported: decode_pulls.py)
     assert s._reqs_need_recv["r1"][1] == [] and params["do_remote_prefill"] is False
     assert s.ext.calls == []
+
+
+def test_a_finished_pull_carries_its_timeline_in_the_output_params():
+    timeline = {"mooncake_timeline": {"kv_arrived": 1.0}}
+    s = _scheduler(_SchedulerExt(timeline=timeline))
+    s.is_kv_producer, s.is_kv_consumer = False, True
+    # upstream cleared do_remote_prefill when the request's blocks were allocated
+    params = {"do_remote_prefill": False, "transfer_id": "t1"}
+    assert s.request_finished(_request(**params), [1]) == (False, timeline)
 
 
 # ---- worker --------------------------------------------------------------------------

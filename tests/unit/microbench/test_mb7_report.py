@@ -2,6 +2,7 @@
 
 import io
 
+from microbench.mb7.__main__ import where_the_tail_goes
 from microbench.mb7.plan import (
     LAYERWISE,
     POSTHOC,
@@ -142,3 +143,70 @@ def test_a_negative_or_missing_measure_is_not_judged_met():
     flat = next(t for t in targets(rows) if "max/min" in t["target"])
     ratio = next(t for t in targets(rows) if "post-hoc" in t["target"])
     assert flat["met"] is None and ratio["met"] is None  # 2048 not measured
+
+
+def _timed_sample(p_latency_s: float) -> dict:
+    """P's last layer at 10.0, P answers D at 10.010; D's request runnable at
+    10.030, scheduled at 10.080, its first token at 10.180; the client sent both
+    requests at 9.0 and got D's response at 10.200."""
+    return {
+        "started_monotonic": 9.0,
+        "p_latency_s": p_latency_s,
+        "total_s": 1.2,
+        "client_tail_s": 1.2 - p_latency_s,
+        "d_timeline": {
+            "allocated": 9.05,
+            "kv_arrived": 10.03,
+            "scheduled": 10.08,
+            "finished": 10.18,
+        },
+    }
+
+
+P_TIMELINE = {
+    "bytes_written": 100,
+    "bytes_before_prefill_end": 90,
+    "prefill_end": 10.0,
+    "last_write_end": 10.002,
+    "ended_at": 10.01,
+}
+
+
+def test_the_engine_clock_tail_does_not_move_with_p_http_response():
+    # P's HTTP response 5 ms after its answer to D, then 300 ms later (a busy
+    # API server): the client's tail moves by 295 ms, the engines' tail not at all
+    quick = _timed_sample(p_latency_s=1.015)
+    slow = _timed_sample(p_latency_s=1.310)
+    a = where_the_tail_goes(quick, P_TIMELINE)
+    b = where_the_tail_goes(slow, P_TIMELINE)
+    assert abs((quick["client_tail_s"] - slow["client_tail_s"]) - 0.295) < 1e-9
+    assert a["tail_s"] == b["tail_s"] and abs(a["tail_s"] - 0.18) < 1e-9
+    assert abs(a["end_to_d_runnable_ms"] - 20) < 1e-6
+    assert abs(a["d_runnable_to_scheduled_ms"] - 50) < 1e-6
+    assert abs(a["d_scheduled_to_first_token_ms"] - 100) < 1e-6
+    assert abs(a["d_first_token_to_client_ms"] - 20) < 1e-6
+
+
+def test_without_d_timeline_there_is_no_engine_tail():
+    s = _timed_sample(1.015)
+    s["d_timeline"] = None
+    out = where_the_tail_goes(s, P_TIMELINE)
+    assert out["tail_s"] is None and out["share_before_prefill_end"] == 0.9
+
+
+def test_under_load_d_noticing_the_end_is_judged_against_its_local_hit():
+    sizes = [512, 1024]
+    s = [x for x in samples_for(sizes, lambda n, r: 0.2, lambda n, r: 0.3) if x]
+    for x in s:
+        x["load"] = 8
+        if x["arm"] == LAYERWISE:  # local hit 50 ms; D took 55 ms, 70 ms at 1024
+            x["end_to_d_first_token_ms"] = 55.0 if x["kv_tokens"] == 512 else 70.0
+    rows = build_rows(s, {n: 0.001 for n in sizes}, FACTS)
+    (notice,) = [t for t in targets(rows) if "D's first token" in t["target"]]
+    assert abs(notice["value"] - 1.4) < 1e-9 and notice["met"] is False
+    assert notice["detail"] == "512: 1.10, 1024: 1.40"
+    # idle, the target is not judged
+    for x in s:
+        x["load"] = 0
+    rows = build_rows(s, {n: 0.001 for n in sizes}, FACTS)
+    assert not [t for t in targets(rows) if "D's first token" in t["target"]]
