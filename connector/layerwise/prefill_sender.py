@@ -141,6 +141,7 @@ def slots_by_layer(
 class _Batch:
     ops: list[WriteOp]
     events: tuple[ComputeEvent, ...]  # wait for these before reading P's blocks
+    queued_at: float  # handed to the peer's writer (its FIFO wait: TransferStats)
 
 
 @dataclass(frozen=True)
@@ -614,8 +615,9 @@ class LayerwiseSender:
         by_session: dict[str, list[WriteOp]] = {}
         for op in ops:
             by_session.setdefault(op.session, []).append(op)
+        now = self._clock()
         for session, sops in by_session.items():
-            if not self.writers.submit(session, _Batch(sops, uniq)):
+            if not self.writers.submit(session, _Batch(sops, uniq, now)):
                 with self._lock:
                     for tid in {op.transfer_id for op in sops}:
                         self.tracker.fail(
@@ -657,6 +659,7 @@ class LayerwiseSender:
                 st = self.log.of(op.transfer_id)
                 if st.first_write_start is None:
                     st.first_write_start = now
+                st.queue_wait_max_s = max(st.queue_wait_max_s, now - batch.queued_at)
                 prompt_lens[self.tracker.transfers[op.transfer_id].prompt_len] = (
                     st.writes
                 )

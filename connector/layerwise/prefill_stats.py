@@ -37,6 +37,8 @@ class TransferStats:
     bytes_before_prefill_end: int = 0
     writes: int = 0
     writes_dropped: int = 0  # queued writes of an ended transfer that never ran
+    # longest a write of it waited in its peer's writer FIFO (queued -> started)
+    queue_wait_max_s: float = 0.0
     outcome: str | None = None  # "completed" or the error
     ended_at: float | None = (
         None  # its end was reported (D answered, blocks releasable)

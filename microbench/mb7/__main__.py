@@ -62,13 +62,19 @@ from microbench.common import (
 )
 from microbench.load import DecodeLoad
 
+from .concurrency import level_rows, sweep, table_lines
 from .measure import measure, one_layer_writes
 from .plan import LAYERWISE, POSTHOC, TRANSFER_ARMS, Progress, Step, plan
 from .report import TABLE, build_rows, plot, summary_lines, table_rows, targets
 
 REQUEST_TIMEOUT_S = float(os.environ.get("VMP_MB7_REQUEST_TIMEOUT_S", "180"))
-QUICK = {"sizes": "512,1024,2048", "reps": 3, "load": "0,8"}
-FULL = {"sizes": "512,1024,2048,4096", "reps": 5, "load": "0,8"}
+QUICK = {"sizes": "512,1024,2048", "reps": 3, "load": "0,8", "concurrency": "1,4,16"}
+FULL = {
+    "sizes": "512,1024,2048,4096",
+    "reps": 5,
+    "load": "0,8",
+    "concurrency": "1,4,16,32",
+}
 HELD_WAIT_S = 30.0
 
 
@@ -263,8 +269,8 @@ def run_cluster(
     steps: dict[int, list[Step]],
     progress: Progress,
     modes: tuple[str, ...],
-) -> tuple[list[dict], list, list]:
-    samples, held, warm = [], [], []
+) -> tuple[list[dict], list, list, tuple[list, list]]:
+    samples, held, warm, conc = [], [], [], ([], [])
     prompts = PromptSource(facts["vocab_size"], seed=args.seed + (0 if io_on else 1000))
     progress.note(
         f"starting P (cores {args.p_cores}) and D (cores {args.d_cores}), transfer "
@@ -313,7 +319,20 @@ def run_cluster(
                 samples.append(row)
             if load == 0:
                 held += blocks_held(p, d, modes, prompts, min(args.sizes), "idle")
-    return samples, held, warm
+        if 0 in steps and args.concurrency:
+            conc = sweep(
+                p,
+                d,
+                args.concurrency,
+                modes,
+                args.sizes,
+                prompts,
+                REQUEST_TIMEOUT_S,
+                lambda: transfer_timelines(p.bootstrap_url),
+                where_the_tail_goes,
+                progress.note,
+            )
+    return samples, held, warm, conc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="background decode streams per instance, comma separated "
         f"(0 = idle; default {QUICK['load']})",
+    )
+    ap.add_argument(
+        "--concurrency",
+        default=None,
+        help="P->D requests in flight at once, comma separated, run in the idle "
+        f"cluster after its steps; 0 = no sweep (default {QUICK['concurrency']}, "
+        f"--full {FULL['concurrency']})",
     )
     ap.add_argument(
         "--protocol",
@@ -391,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     args.sizes = [int(s) for s in (args.sizes or defaults["sizes"]).split(",")]
     args.reps = args.reps or defaults["reps"]
     args.loads = [int(s) for s in (args.load or defaults["load"]).split(",")]
+    args.concurrency = [
+        int(s)
+        for s in (args.concurrency or defaults["concurrency"]).split(",")
+        if int(s) > 0
+    ]
     modes = tuple(m for m in args.modes.split(",") if m)
     for m in modes:
         if m not in TRANSFER_ARMS:
@@ -430,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         + f" (engine log: {probe_log})"
     )
     samples, held, warm = [], [], []
+    conc_samples, conc_held = [], []
     for io_on, loads in cluster_plan(args.loads, args.io_cpus):
-        s, h, w = run_cluster(
+        s, h, w, (cs, ch) = run_cluster(
             args,
             facts,
             log_dir / ("io-on-d" if io_on else "io-per-instance"),
@@ -442,10 +474,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         samples += s
         held += h
+        conc_samples += cs
+        conc_held += ch
         warm.append({"io_cpus": io_on, "requests": w})
 
     rows = build_rows(samples, {n: v["median_s"] for n, v in layer.items()}, facts)
     tgts = targets(rows)
+    conc_rows = level_rows(
+        conc_samples,
+        conc_held,
+        {r["kv_tokens"]: r["floor_s"] for r in rows if r["load"] == 0 and r["floor_s"]},
+        {n: v["layer_bytes"] / v["median_s"] for n, v in layer.items()},
+    )
     machine = machine_info()
     result = {
         "benchmark": "mb7",
@@ -460,10 +500,21 @@ def main(argv: list[str] | None = None) -> int:
         "targets": tgts,
         "blocks_held": held,
         "samples": samples,
+        "concurrency": {
+            "rows": conc_rows,
+            "samples": conc_samples,
+            "blocks_held": conc_held,
+        },
         "seconds": time.monotonic() - t_start,
     }
     mname = f"{machine.get('model_name', '?')}, {machine.get('cores')} cores"
     lines = summary_lines(rows, tgts, held)
+    if conc_rows:
+        lines.append(
+            "[mb7] concurrency sweep (idle cluster; N P->D requests at once, prompt "
+            "lengths mixed; engines' clock):"
+        )
+        lines += ["    " + ln for ln in table_lines(conc_rows)]
     lines.append(
         f"[mb7] {len(samples)} measurements in {result['seconds'] / 60:.1f} min on "
         f"{mname}; logs in {log_dir}"

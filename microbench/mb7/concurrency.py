@@ -1,0 +1,275 @@
+"""mb7's concurrency sweep: N P -> D requests in flight into one D at once.
+
+Per level N and mode, rounds of N requests sent together (``pd_generate`` from
+N threads), each with a fresh prompt, the lengths cycling through mb7's sizes
+(mixed in every round), until at least :data:`MIN_SAMPLES` requests ran. Per
+request: the tail on the engines' clock (D's first token - P's last layer,
+__main__.where_the_tail_goes), tail / floor (the idle floor of its size from
+mb7's rows), the longest wait of its writes in P's per-peer writer FIFO
+(``queue_wait_max_s`` on P's timeline), D's cached tokens (== the KV tokens
+sent, the cheap correctness check; mb7's single-request steps hold the full
+token + logprob comparison), and any error. Per level: those as p50 / p90 /
+max, the aggregate write rate of the transfers in flight together (a round's
+bytes / (its last write end - its first write start), P's timelines; median
+over rounds) against the engine's rate for one
+layer of the same size and layout, P's prefill time (layer-wise against
+post-hoc at the same level: P's slowdown from writing while it computes), and
+KV blocks held on P and D after the level.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from harness.kv_usage import wait_no_blocks_in_use
+from harness.pd_client import RequestFailed, pd_generate
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
+    TIMELINE_PARAM,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+    cached_tokens_of_whole_prompt,
+)
+
+from .plan import LAYERWISE, POSTHOC
+
+MIN_SAMPLES = 8  # requests per (level, mode) at least
+HELD_WAIT_S = 30.0
+
+
+def rounds_for(level: int) -> int:
+    return max(1, math.ceil(MIN_SAMPLES / level))
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of the values present."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]
+
+
+def p50_p90_max(xs: list[float]) -> dict | None:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return {
+        "p50": statistics.median(xs),
+        "p90": percentile(xs, 90),
+        "max": max(xs),
+        "n": len(xs),
+    }
+
+
+def one_round(p, d, mode: str, sizes: list[int], prompts, level: int, timeout):
+    """``level`` P -> D requests sent at once; one dict per request."""
+    jobs = [
+        (sizes[i % len(sizes)], prompts(sizes[i % len(sizes)] + 1))
+        for i in range(level)
+    ]
+
+    def run(job):
+        kv_tokens, prompt = job
+        out = {"mode": mode, "level": level, "kv_tokens": kv_tokens, "error": None}
+        try:
+            r = pd_generate(
+                p.url,
+                p.bootstrap_url,
+                d.url,
+                prompt,
+                max_tokens=1,
+                logprobs=None,
+                extra_prefill_params={"mooncake_mode": mode},
+                timeout=timeout,
+            )
+        except RequestFailed as e:
+            out["error"] = str(e)[:300]
+            return out
+        out.update(
+            transfer_id=r.transfer_id,
+            started_monotonic=r.started_monotonic,
+            p_latency_s=r.prefill.latency_s,
+            total_s=r.total_s,
+            client_tail_s=r.total_s - r.prefill.latency_s,
+            d_timeline=(r.decode.kv_transfer_params or {}).get(TIMELINE_PARAM),
+            cached_tokens=r.decode.cached_tokens,
+            cached_ok=r.decode.cached_tokens
+            == cached_tokens_of_whole_prompt(kv_tokens + 1),
+        )
+        return out
+
+    with ThreadPoolExecutor(level) as ex:
+        return list(ex.map(run, jobs))
+
+
+def sweep(
+    p,
+    d,
+    levels: list[int],
+    modes: tuple[str, ...],
+    sizes: list[int],
+    prompts,
+    timeout: float,
+    timelines: Callable[[], dict[str, dict]],
+    tail_split: Callable[[dict, dict | None], dict],
+    note: Callable[[str], None],
+) -> tuple[list[dict], list[dict]]:
+    """Every level and mode; (samples, blocks held after each level and mode)."""
+    samples, held = [], []
+    for level in levels:
+        for mode in modes:
+            got = []
+            for i in range(rounds_for(level)):
+                batch = one_round(p, d, mode, sizes, prompts, level, timeout)
+                got += [{**s, "round": i} for s in batch]
+            tl = timelines()
+            for s in got:
+                t = tl.get(s.get("transfer_id"))
+                s.update(tail_split(s, t))
+                s["queue_wait_max_s"] = t.get("queue_wait_max_s") if t else None
+                s["timeline"] = (
+                    {
+                        k: t.get(k)
+                        for k in (
+                            "first_write_start",
+                            "last_write_end",
+                            "bytes_written",
+                        )
+                    }
+                    if t
+                    else None
+                )
+            pu, du = wait_no_blocks_in_use(p.url, d.url, timeout=HELD_WAIT_S, poll=0.2)
+            held.append({"level": level, "mode": mode, "p_usage": pu, "d_usage": du})
+            errors = sum(1 for s in got if s["error"])
+            tails = [s.get("tail_s") for s in got]
+            note(
+                f"concurrency {level} {mode}: {len(got)} requests, {errors} failed, "
+                f"tail p50 {_ms(percentile(tails, 50))} p90 {_ms(percentile(tails, 90))}, "
+                f"blocks held after: P {100 * pu:.1f}%, D {100 * du:.1f}%"
+            )
+            samples += got
+    return samples, held
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1e3 * v:.0f}ms"
+
+
+def write_rate(round_samples: list[dict]) -> float | None:
+    """Bytes/s the transfers of one round wrote together: their bytes over
+    first write start .. last write end (P's timelines)."""
+    tls = [s["timeline"] for s in round_samples if s.get("timeline")]
+    tls = [t for t in tls if t["first_write_start"] and t["last_write_end"]]
+    if not tls:
+        return None
+    span = max(t["last_write_end"] for t in tls) - min(
+        t["first_write_start"] for t in tls
+    )
+    return sum(t["bytes_written"] for t in tls) / span if span > 0 else None
+
+
+def level_rows(
+    samples: list[dict],
+    held: list[dict],
+    floors: dict[int, float],
+    layer_rates: dict[int, float],
+) -> list[dict]:
+    """One row per (level, mode). ``floors``: idle floor (s) per KV size;
+    ``layer_rates``: the engine's bytes/s writing one layer of that size."""
+    rows = []
+    for level in sorted({s["level"] for s in samples}):
+        p_lat = {}
+        for mode in (LAYERWISE, POSTHOC):
+            mine = [s for s in samples if s["level"] == level and s["mode"] == mode]
+            if not mine:
+                continue
+            ok = [s for s in mine if not s["error"]]
+            p_lat[mode] = [s["p_latency_s"] for s in ok]
+            rates = [
+                rate
+                for i in sorted({s.get("round", 0) for s in ok})
+                if (rate := write_rate([s for s in ok if s.get("round", 0) == i]))
+            ]
+            sizes = sorted({s["kv_tokens"] for s in mine})
+            engine_rate = statistics.median(
+                [layer_rates[n] for n in sizes if n in layer_rates] or [float("nan")]
+            )
+            h = next(
+                (x for x in held if (x["level"], x["mode"]) == (level, mode)), None
+            )
+            rows.append(
+                {
+                    "level": level,
+                    "mode": mode,
+                    "requests": len(mine),
+                    "errors": [s["error"] for s in mine if s["error"]],
+                    "cached_wrong": sum(1 for s in ok if not s.get("cached_ok")),
+                    "tail_s": p50_p90_max([s.get("tail_s") for s in ok]),
+                    "client_tail_s": p50_p90_max([s.get("client_tail_s") for s in ok]),
+                    "tail_over_floor": p50_p90_max(
+                        [
+                            s["tail_s"] / floors[s["kv_tokens"]]
+                            for s in ok
+                            if s.get("tail_s") and floors.get(s["kv_tokens"])
+                        ]
+                    ),
+                    "queue_wait_s": p50_p90_max(
+                        [s.get("queue_wait_max_s") for s in ok]
+                    ),
+                    # per round (requests in flight together), median over rounds
+                    "bytes_per_s": statistics.median(rates) if rates else None,
+                    "engine_layer_bytes_per_s": engine_rate,
+                    "p_latency_s": p50_p90_max(p_lat[mode]),
+                    "blocks_held_after": None
+                    if h is None
+                    else {"p": h["p_usage"], "d": h["d_usage"]},
+                }
+            )
+        lw = next(
+            (r for r in rows if (r["level"], r["mode"]) == (level, LAYERWISE)), None
+        )
+        if lw and p_lat.get(LAYERWISE) and p_lat.get(POSTHOC):
+            lw["prefill_slowdown_vs_posthoc"] = (
+                statistics.median(p_lat[LAYERWISE]) / statistics.median(p_lat[POSTHOC])
+                - 1
+            )
+    return rows
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    head = (
+        "level       mode  reqs  failed  tail ms p50/p90/max  tail/floor p50/p90/max  "
+        "queue wait ms p90/max  write GB/s (engine)  P slowdown vs post-hoc  held after"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        t, f, q = r["tail_s"], r["tail_over_floor"], r["queue_wait_s"]
+        rate = r["bytes_per_s"]
+        slow = r.get("prefill_slowdown_vs_posthoc")
+        held = r["blocks_held_after"]
+        lines.append(
+            f"{r['level']:>5}  {r['mode']:>9}  {r['requests']:>4}  {len(r['errors']):>6}  "
+            + (
+                f"{1e3 * t['p50']:.0f}/{1e3 * t['p90']:.0f}/{1e3 * t['max']:.0f}"
+                if t
+                else "-"
+            ).rjust(20)
+            + "  "
+            + (f"{f['p50']:.2f}/{f['p90']:.2f}/{f['max']:.2f}" if f else "-").rjust(22)
+            + "  "
+            + (f"{1e3 * q['p90']:.0f}/{1e3 * q['max']:.0f}" if q else "-").rjust(21)
+            + "  "
+            + (
+                f"{rate / 1e9:.2f} ({r['engine_layer_bytes_per_s'] / 1e9:.2f})"
+                if rate
+                else "-"
+            ).rjust(19)
+            + "  "
+            + (f"{100 * slow:+.1f}%" if slow is not None else "").rjust(22)
+            + "  "
+            + (f"P {100 * held['p']:.1f}% D {100 * held['d']:.1f}%" if held else "-")
+        )
+    return lines

@@ -1,0 +1,73 @@
+"""mb7's concurrency sweep: percentiles, rounds, and the per-level rows."""
+
+from microbench.mb7.concurrency import (
+    level_rows,
+    percentile,
+    rounds_for,
+    table_lines,
+)
+
+
+def test_nearest_rank_percentile():
+    xs = [float(x) for x in range(1, 11)]
+    assert percentile(xs, 50) == 5.0 and percentile(xs, 90) == 9.0
+    assert percentile(xs, 100) == 10.0 and percentile([None, 3.0], 90) == 3.0
+    assert percentile([], 50) is None
+
+
+def test_every_level_runs_at_least_eight_requests():
+    assert [rounds_for(n) for n in (1, 3, 4, 8, 16)] == [8, 3, 2, 1, 1]
+
+
+def _s(mode, kv, tail, p_lat, first, last, nbytes, wait, error=None):
+    return {
+        "level": 4,
+        "mode": mode,
+        "kv_tokens": kv,
+        "error": error,
+        "tail_s": tail,
+        "client_tail_s": tail,
+        "p_latency_s": p_lat,
+        "cached_ok": True,
+        "queue_wait_max_s": wait,
+        "timeline": {
+            "first_write_start": first,
+            "last_write_end": last,
+            "bytes_written": nbytes,
+        },
+    }
+
+
+def test_a_level_row_aggregates_its_requests():
+    samples = [
+        _s("layerwise", 512, 0.1, 1.1, 10.0, 10.5, 100, 0.0),
+        _s("layerwise", 1024, 0.2, 1.3, 10.2, 11.0, 300, 0.05),
+        _s("layerwise", 512, None, None, None, None, 0, None, error="boom"),
+        _s("posthoc", 512, 0.4, 1.0, 20.0, 20.2, 100, 0.0),
+        _s("posthoc", 1024, 0.6, 1.0, 20.1, 20.4, 300, 0.1),
+    ]
+    held = [
+        {"level": 4, "mode": "layerwise", "p_usage": 0.0, "d_usage": 0.0},
+        {"level": 4, "mode": "posthoc", "p_usage": 0.0, "d_usage": 0.01},
+    ]
+    rows = level_rows(samples, held, {512: 0.05, 1024: 0.1}, {512: 1e9, 1024: 2e9})
+    lw, ph = rows
+    assert lw["requests"] == 3 and lw["errors"] == ["boom"]
+    assert lw["tail_s"]["p50"] == 0.15000000000000002 and lw["tail_s"]["max"] == 0.2
+    assert lw["tail_over_floor"]["max"] == 2.0 and lw["tail_over_floor"]["n"] == 2
+    assert lw["bytes_per_s"] == 400 / 1.0  # one round: 10.0 .. 11.0
+    assert lw["engine_layer_bytes_per_s"] == 1.5e9
+    assert lw["queue_wait_s"]["max"] == 0.05
+    assert abs(lw["prefill_slowdown_vs_posthoc"] - 0.2) < 1e-9  # 1.2 / 1.0 - 1
+    assert "prefill_slowdown_vs_posthoc" not in ph
+    assert ph["blocks_held_after"] == {"p": 0.0, "d": 0.01}
+    lines = table_lines(rows)
+    assert len(lines) == 4 and "D 1.0%" in lines[3]
+
+
+def test_the_write_rate_counts_only_requests_in_flight_together():
+    # two rounds 10 s apart, 100 bytes in 0.5 s each: 200 B/s, not 200 B / 10.5 s
+    a = _s("posthoc", 512, 0.4, 1.0, 10.0, 10.5, 100, 0.0)
+    b = {**_s("posthoc", 512, 0.4, 1.0, 20.0, 20.5, 100, 0.0), "round": 1}
+    (row,) = level_rows([{**a, "round": 0}, b], [], {}, {})
+    assert row["bytes_per_s"] == 200.0
