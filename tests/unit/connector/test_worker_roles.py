@@ -11,6 +11,9 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
+    DecodePullTimeline,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import (
     ExtMooncakeConnector,
     ExtMooncakeConnectorScheduler,
@@ -134,6 +137,7 @@ def scheduler_extension(interval_s: float) -> SchedulerExtension:
     ext = SchedulerExtension.__new__(SchedulerExtension)
     ext.config = ExtConfig(idle_step_interval_s=interval_s)
     ext.layerwise, ext.hashsync = None, None
+    ext.pull_timeline = DecodePullTimeline()
     ext.push = SimpleNamespace(
         take_jobs=lambda: [], decisions_changed=lambda: None, prefill_timer=None
     )
@@ -144,7 +148,9 @@ def test_an_empty_step_is_not_slowed_down_by_the_metadata():
     """D waiting for a pull steps with nothing scheduled: no sleep there."""
     ext = scheduler_extension(0.2)
     started = time.monotonic()
-    ext.build_metadata(SimpleNamespace(total_num_scheduled_tokens=0))
+    ext.build_metadata(
+        SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})
+    )
     assert time.monotonic() - started < 0.1
 
 
