@@ -167,6 +167,7 @@ class LayerwiseSender:
         event_factory: EventFactory = record_after_compute,
         clock: Callable[[], float] = time.monotonic,
         max_blocks_per_request: int | None = None,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ):
         # a pull naming more blocks than a request of max_model_len has is refused
         self.max_blocks_per_request = max_blocks_per_request
@@ -178,6 +179,12 @@ class LayerwiseSender:
         self.timeout_s = config.layerwise_timeout_s
         self._event_factory = event_factory
         self._clock = clock
+        # CPU time the forward thread spent in layer_saved on steps with layer-wise
+        # work (its own thread's clock: another process cannot add to it), and
+        # how many such calls; written by the forward thread only
+        self._cpu_clock = cpu_clock
+        self._layer_hook_cpu_s = 0.0
+        self._layer_hook_calls = 0
         self.tracker = LayerwiseTracker(len(self.local_base_addrs), block_size)
         self._lock = threading.Lock()
         self.writers: WriterPool[_Batch] = WriterPool(
@@ -311,6 +318,7 @@ class LayerwiseSender:
         slots = self.layer_slots.get(layer_name)
         if not slots:
             return
+        cpu0 = self._cpu_clock()
         event = self._event_factory(kv_layer)  # None on synchronous (CPU) compute
         with self._lock:
             for s in slots:
@@ -324,6 +332,8 @@ class LayerwiseSender:
                     if st is not None and st.prefill_end is None:
                         st.prefill_end = now
         self._submit(ops, (event,))
+        self._layer_hook_cpu_s += self._cpu_clock() - cpu0
+        self._layer_hook_calls += 1
 
     def poll(self) -> set[str]:
         """Expire transfers D never asked for; return P requests whose blocks can be freed.
@@ -760,6 +770,8 @@ class LayerwiseSender:
             out = self.log.snapshot(self.tracker.num_unannounced())
         # writes past the engine's bound (frozen or cut-off peers): out of the cap
         out["overdue_writers"] = self.writers.num_overdue()
+        out["totals"]["layer_hook_cpu_s"] = self._layer_hook_cpu_s
+        out["totals"]["layer_hook_calls"] = self._layer_hook_calls
         out.update(write_stats(self.write_fn))  # failed, fenced, refused writes
         return out
 

@@ -43,7 +43,12 @@ import httpx
 from harness.correctness import compare
 from harness.launcher import BLOCK
 from harness.metrics import histogram
-from harness.pd_client import RequestFailed, complete, pd_generate
+from harness.pd_client import (
+    RequestFailed,
+    complete,
+    layerwise_transfers,
+    pd_generate,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
     TIMELINE_PARAM,
 )
@@ -51,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat impor
     cached_tokens_of_whole_prompt,
 )
 
-from .plan import PREFILL_ONLY, Step
+from .plan import LAYERWISE, PREFILL_ONLY, Step
 
 TTFT = "vllm:time_to_first_token_seconds"
 
@@ -77,6 +82,9 @@ class Sample:
     local_hit_cached: int | None = None
     transfer_id: str | None = None
     started_monotonic: float | None = None  # both requests sent (time.monotonic())
+    # P's per-layer hook, its engine thread's own CPU time during this request
+    # (layer-wise arm; /layerwise/transfers totals before and after)
+    layer_hook_cpu_s: float | None = None
     correct: bool | None = None
     cached_tokens: int | None = None
     max_logprob_diff: float | None = None
@@ -84,6 +92,11 @@ class Sample:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def hook_cpu_s(p_bootstrap_url: str) -> float:
+    """CPU seconds P's forward thread has spent in the layer-wise per-layer hook."""
+    return layerwise_transfers(p_bootstrap_url)["totals"]["layer_hook_cpu_s"]
 
 
 def kv_bytes(kv_tokens: int, kv_bytes_per_token: int) -> int:
@@ -108,6 +121,7 @@ def measure(
                 timeout=timeout,
             ).latency_s
             return s
+        hook0 = hook_cpu_s(p.bootstrap_url) if step.arm == LAYERWISE else None
         r = pd_generate(
             p.url,
             p.bootstrap_url,
@@ -118,6 +132,8 @@ def measure(
             extra_prefill_params={"mooncake_mode": step.arm},
             timeout=timeout,
         )
+        if hook0 is not None:
+            s.layer_hook_cpu_s = hook_cpu_s(p.bootstrap_url) - hook0
         s.transfer_id, s.started_monotonic = r.transfer_id, r.started_monotonic
         s.p_latency_s, s.total_s = r.prefill.latency_s, r.total_s
         s.client_tail_s = r.total_s - r.prefill.latency_s

@@ -129,6 +129,14 @@ def build_rows(
                 [s.get("share_before_prefill_end") for s in ok]
             ),
             "tail_split_ms": {k: spread([s.get(k) for s in ok]) for k in SPLIT_KEYS},
+            # P's per-layer hook: its engine thread's own CPU time / P's prefill
+            "layer_hook_cpu_share": spread(
+                [
+                    s["layer_hook_cpu_s"] / s["p_latency_s"]
+                    for s in ok
+                    if s.get("layer_hook_cpu_s") is not None and s.get("p_latency_s")
+                ]
+            ),
             # D's share once P answered, against the same step's local hit on D
             "end_to_first_token_over_local_hit": spread(
                 [
@@ -313,6 +321,16 @@ def summary_lines(rows: list[dict], tgts: list[dict], held: list[dict]) -> list[
             f"{med.get('d_runnable_to_scheduled_ms', nan):.0f} -> D's first token "
             f"{med.get('d_scheduled_to_first_token_ms', nan):.0f}; then -> D's "
             f"response at the client {med.get('d_first_token_to_client_ms', nan):.0f}"
+        )
+    hook = [r for r in rows if r.get("layer_hook_cpu_share") and r["load"] == 0]
+    if hook:
+        lines.append(
+            "[mb7] P's per-layer hook, own CPU time on P's engine thread / P's prefill "
+            "(idle, median; a cost no other process can add): "
+            + ", ".join(
+                f"{r['kv_tokens']}: {100 * r['layer_hook_cpu_share']['median']:.2f}%"
+                for r in hook
+            )
         )
     for h in held:
         lines.append(

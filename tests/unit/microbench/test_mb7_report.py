@@ -210,3 +210,17 @@ def test_under_load_d_noticing_the_end_is_judged_against_its_local_hit():
         x["load"] = 0
     rows = build_rows(s, {n: 0.001 for n in sizes}, FACTS)
     assert not [t for t in targets(rows) if "D's first token" in t["target"]]
+
+
+def test_the_layer_hook_share_is_its_cpu_time_over_p_prefill():
+    s = samples_for([512], lambda n, r: 0.06, lambda n, r: 0.3, p_lw=2.0)
+    for x in s:
+        if x["arm"] == LAYERWISE:
+            x["layer_hook_cpu_s"] = 0.01 * (x["rep"] + 1)  # 10, 20, 30 ms
+    rows = build_rows(s, {512: 0.001}, FACTS)
+    lw = next(r for r in rows if r["mode"] == LAYERWISE)
+    assert abs(lw["layer_hook_cpu_share"]["median"] - 0.01) < 1e-12  # 20 ms / 2 s
+    ph = next(r for r in rows if r["mode"] == POSTHOC)
+    assert ph["layer_hook_cpu_share"] is None
+    lines = summary_lines(rows, targets(rows), [])
+    assert any("per-layer hook" in ln and "512: 1.00%" in ln for ln in lines)
