@@ -48,7 +48,6 @@ from harness.model import ModelShape, ensure_model
 from harness.pd_client import (
     RequestFailed,
     complete,
-    layerwise_transfers,
     model_name,
     pd_generate,
 )
@@ -63,7 +62,12 @@ from microbench.common import (
 from microbench.load import DecodeLoad
 
 from .concurrency import level_rows, sweep, table_lines
-from .measure import measure, one_layer_writes
+from .measure import (
+    measure,
+    one_layer_writes,
+    transfer_timelines,
+    where_the_tail_goes,
+)
 from .plan import LAYERWISE, POSTHOC, TRANSFER_ARMS, Progress, Step, plan
 from .report import TABLE, build_rows, plot, summary_lines, table_rows, targets
 
@@ -158,56 +162,6 @@ def warm_up(
         + ", ".join(f"#{w['request']} {w['mode']} {w['total_s']:.2f}s" for w in out)
     )
     return out
-
-
-def transfer_timelines(p_bootstrap_url: str) -> dict[str, dict]:
-    """transfer id -> P's timeline of it (time.monotonic() of P's worker, the same
-    clock as this process's on one host; connector/layerwise/prefill_sender.py TransferStats)."""
-    got = layerwise_transfers(p_bootstrap_url)
-    return {t["transfer_id"]: t for t in got["transfers"]}
-
-
-def where_the_tail_goes(sample: dict, t: dict | None) -> dict:
-    """The tail on the engines' clock, and where it goes, from P's timeline of the
-    transfer (``t``, P's /layerwise/transfers) and D's (``d_timeline``, D's
-    response): all time.monotonic() of processes on one host (CLOCK_MONOTONIC
-    is one clock host-wide, namespaces included), so no clock is aligned.
-
-    ``tail_s`` = D's first token (D's scheduler: the request finished, one
-    token) - P's last layer computed (P's worker). Unlike the client's figure
-    (``client_tail_s`` = D's response - P's response) it does not move with
-    P's HTTP response or the client's scheduling. Split (ms): P's last layer ->
-    last write done -> P answered D (transfer ended) -> D's scheduler saw the
-    pull end (request runnable) -> D scheduled it -> D's first token -> D's
-    response at the client; and share of bytes written before P's last layer.
-    """
-    if not t or not t.get("bytes_written") or sample.get("started_monotonic") is None:
-        return {}
-    ms = lambda a, b: None if a is None or b is None else 1e3 * (b - a)  # noqa: E731
-    d = sample.get("d_timeline") or {}
-    p_resp = d_resp = None
-    if sample.get("p_latency_s") is not None:
-        p_resp = sample["started_monotonic"] + sample["p_latency_s"]
-    if sample.get("total_s") is not None:
-        d_resp = sample["started_monotonic"] + sample["total_s"]
-    tail_ms = ms(t.get("prefill_end"), d.get("finished"))
-    return {
-        "tail_s": None if tail_ms is None else tail_ms / 1e3,
-        "share_before_prefill_end": t["bytes_before_prefill_end"] / t["bytes_written"],
-        "prefill_end_to_last_write_ms": ms(
-            t.get("prefill_end"), t.get("last_write_end")
-        ),
-        "last_write_to_end_ms": ms(t.get("last_write_end"), t.get("ended_at")),
-        "end_to_d_runnable_ms": ms(t.get("ended_at"), d.get("kv_arrived")),
-        "d_runnable_to_scheduled_ms": ms(d.get("kv_arrived"), d.get("scheduled")),
-        "d_scheduled_to_first_token_ms": ms(d.get("scheduled"), d.get("finished")),
-        "d_first_token_to_client_ms": ms(d.get("finished"), d_resp),
-        # what D adds once the transfer ended; compared with a local hit's TTFT
-        "end_to_d_first_token_ms": ms(t.get("ended_at"), d.get("finished")),
-        # the client's view, as before the engine-clock tail
-        "p_response_to_end_ms": ms(p_resp, t.get("ended_at")),
-        "end_to_d_response_ms": ms(t.get("ended_at"), d_resp),
-    }
 
 
 def blocks_held(p, d, modes, prompts, kv_tokens: int, phase: str) -> list[dict]:
@@ -328,8 +282,6 @@ def run_cluster(
                 args.sizes,
                 prompts,
                 REQUEST_TIMEOUT_S,
-                lambda: transfer_timelines(p.bootstrap_url),
-                where_the_tail_goes,
                 progress.note,
             )
     return samples, held, warm, conc
@@ -484,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         conc_samples,
         conc_held,
         {r["kv_tokens"]: r["floor_s"] for r in rows if r["load"] == 0 and r["floor_s"]},
-        {n: v["layer_bytes"] / v["median_s"] for n, v in layer.items()},
+        {n: v["gb_per_s"] * 1e9 for n, v in layer.items()},
     )
     machine = machine_info()
     result = {

@@ -4,7 +4,7 @@ Per level N and mode, rounds of N requests sent together (``pd_generate`` from
 N threads), each with a fresh prompt, the lengths cycling through mb7's sizes
 (mixed in every round), until at least :data:`MIN_SAMPLES` requests ran. Per
 request: the tail on the engines' clock (D's first token - P's last layer,
-__main__.where_the_tail_goes), tail / floor (the idle floor of its size from
+measure.where_the_tail_goes), tail / floor (the idle floor of its size from
 mb7's rows), the longest wait of its writes in P's per-peer writer FIFO
 (``queue_wait_max_s`` on P's timeline), D's cached tokens (== the KV tokens
 sent, the cheap correctness check; mb7's single-request steps hold the full
@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat impor
     cached_tokens_of_whole_prompt,
 )
 
+from .measure import transfer_timelines, where_the_tail_goes
 from .plan import LAYERWISE, POSTHOC
 
 MIN_SAMPLES = 8  # requests per (level, mode) at least
@@ -112,8 +113,6 @@ def sweep(
     sizes: list[int],
     prompts,
     timeout: float,
-    timelines: Callable[[], dict[str, dict]],
-    tail_split: Callable[[dict, dict | None], dict],
     note: Callable[[str], None],
 ) -> tuple[list[dict], list[dict]]:
     """Every level and mode; (samples, blocks held after each level and mode)."""
@@ -124,10 +123,10 @@ def sweep(
             for i in range(rounds_for(level)):
                 batch = one_round(p, d, mode, sizes, prompts, level, timeout)
                 got += [{**s, "round": i} for s in batch]
-            tl = timelines()
+            tl = transfer_timelines(p.bootstrap_url)
             for s in got:
                 t = tl.get(s.get("transfer_id"))
-                s.update(tail_split(s, t))
+                s.update(where_the_tail_goes(s, t))
                 s["queue_wait_max_s"] = t.get("queue_wait_max_s") if t else None
                 s["timeline"] = (
                     {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .measure import kv_bytes
@@ -169,6 +170,27 @@ def _verdict(ok: bool | None) -> str:
     return "not measured" if ok is None else ("MET" if ok else "NOT MET")
 
 
+def _at_every_size(
+    load: int,
+    target: str,
+    per_size: dict[int, float | None],
+    bound: float,
+    fmt: Callable[[float], str],
+) -> dict:
+    """A target on the worst size: met if every size was measured and none
+    exceeds ``bound``; not judged (None) if a size is missing."""
+    vals = [v for v in per_size.values() if v is not None]
+    return {
+        "load": load,
+        "target": target,
+        "value": max(vals) if vals else None,
+        "met": (max(vals) <= bound) if vals and len(vals) == len(per_size) else None,
+        "detail": ", ".join(
+            f"{n}: {fmt(v)}" for n, v in per_size.items() if v is not None
+        ),
+    }
+
+
 def targets(rows: list[dict]) -> list[dict]:
     """Each target with its measured value and verdict (None: could not be measured)."""
     out = []
@@ -189,22 +211,20 @@ def targets(rows: list[dict]) -> list[dict]:
         sizes = sorted({r["kv_tokens"] for r in rows if r["load"] == load})
         bound = IDLE_TAIL_OVER_FLOOR if load == 0 else LOAD_TAIL_OVER_FLOOR
         tof = {n: _get(row(load, LAYERWISE, n), "tail_over_floor") for n in sizes}
-        vals = [v for v in tof.values() if v is not None]
-        worst_n = max(
-            (n for n in sizes if tof[n] is not None), key=lambda n: tof[n], default=None
-        )
         out.append(
             {
-                "load": load,
-                "target": f"{tag}: layer-wise tail/floor <= {bound} at every size",
-                "value": max(vals) if vals else None,
-                "detail": ", ".join(
-                    f"{n}: {tof[n]:.2f}" for n in sizes if tof[n] is not None
+                **_at_every_size(
+                    load,
+                    f"{tag}: layer-wise tail/floor <= {bound} at every size",
+                    tof,
+                    bound,
+                    lambda v: f"{v:.2f}",
                 ),
-                "met": (max(vals) <= bound)
-                if len(vals) == len(sizes) and vals
-                else None,
-                "worst_at": worst_n,
+                "worst_at": max(
+                    (n for n in sizes if tof[n] is not None),
+                    key=lambda n: tof[n],
+                    default=None,
+                ),
             }
         )
         if load == 0:
@@ -227,38 +247,30 @@ def targets(rows: list[dict]) -> list[dict]:
                 }
             )
             slow = {n: _get(row(load, LAYERWISE, n), "prefill_slowdown") for n in sizes}
-            s = [v for v in slow.values() if v is not None]
             out.append(
-                {
-                    "load": load,
-                    "target": f"{tag}: P's prefill slowdown (layer-wise) "
+                _at_every_size(
+                    load,
+                    f"{tag}: P's prefill slowdown (layer-wise) "
                     f"<= {100 * SLOWDOWN:.0f}% at every size",
-                    "value": max(s) if s else None,
-                    "met": (max(s) <= SLOWDOWN) if s and len(s) == len(sizes) else None,
-                    "detail": ", ".join(
-                        f"{n}: {100 * v:+.1f}%"
-                        for n, v in slow.items()
-                        if v is not None
-                    ),
-                }
+                    slow,
+                    SLOWDOWN,
+                    lambda v: f"{100 * v:+.1f}%",
+                )
             )
         if load:
             notice = {
                 n: _get(row(load, LAYERWISE, n), "end_to_first_token_over_local_hit")
                 for n in sizes
             }
-            v = [x for x in notice.values() if x is not None]
             out.append(
-                {
-                    "load": load,
-                    "target": f"{tag}: layer-wise transfer end -> D's first token "
+                _at_every_size(
+                    load,
+                    f"{tag}: layer-wise transfer end -> D's first token "
                     f"<= {NOTICE}x D's local-hit TTFT at every size",
-                    "value": max(v) if v else None,
-                    "met": (max(v) <= NOTICE) if v and len(v) == len(sizes) else None,
-                    "detail": ", ".join(
-                        f"{n}: {x:.2f}" for n, x in notice.items() if x is not None
-                    ),
-                }
+                    notice,
+                    NOTICE,
+                    lambda v: f"{v:.2f}",
+                )
             )
         at = IDLE_RATIO_AT if IDLE_RATIO_AT in sizes else (sizes[-1] if sizes else None)
         bound = IDLE_RATIO if load == 0 else LOAD_RATIO

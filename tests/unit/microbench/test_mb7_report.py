@@ -2,7 +2,7 @@
 
 import io
 
-from microbench.mb7.__main__ import where_the_tail_goes
+from microbench.mb7.measure import where_the_tail_goes
 from microbench.mb7.plan import (
     LAYERWISE,
     POSTHOC,
