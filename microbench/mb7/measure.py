@@ -70,7 +70,7 @@ class Sample:
     error: str | None = None
     p_latency_s: float | None = None  # P's response (prefill-only: P alone)
     total_s: float | None = None  # P -> D: D's response after both were sent
-    # D's first token - P's last layer, engines' clock (__main__.where_the_tail_goes)
+    # D's first token - P's last layer, engines' clock (where_the_tail_goes below)
     tail_s: float | None = None
     client_tail_s: float | None = None  # total - P's response, at the client
     # D's pull timeline from D's response (kv_transfer_params, decode_timeline.py)

@@ -28,7 +28,7 @@ LOAD_RATIO = 4.0
 NOTICE = 1.25  # under load: transfer end -> D's first token / D's local-hit TTFT
 SLOWDOWN = 0.05
 # the tail's split on the engines' clock, then the client's view
-# (__main__.where_the_tail_goes)
+# (measure.where_the_tail_goes)
 SPLIT_KEYS = (
     "prefill_end_to_last_write_ms",
     "last_write_to_end_ms",
