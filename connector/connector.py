@@ -102,7 +102,9 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
     ) -> tuple[int | None, bool]:
         if self.ext.owns(request):
             return self.ext.get_num_new_matched_tokens(request, num_computed_tokens)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.ext.admit_pull(
+            request, super().get_num_new_matched_tokens(request, num_computed_tokens)
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

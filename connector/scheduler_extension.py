@@ -16,6 +16,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config imp
     ExtConfig,
     load,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_admission import (
+    PullAdmission,
+    Verdict,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
     TIMELINE_PARAM,
     DecodePullTimeline,
@@ -94,6 +98,7 @@ class SchedulerExtension:
             else None
         )
         self.pull_timeline = DecodePullTimeline()
+        self.admission = PullAdmission(cfg.decode_max_pulls, cfg.decode_pull_wait_s)
 
     # ---- requests this series owns (prefix push on D) ---------------------------------
     def owns(self, request: Request) -> bool:
@@ -112,6 +117,23 @@ class SchedulerExtension:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         return self.push.request_finished(request), None
 
+    # ---- upstream's pulls on D ---------------------------------------------------------
+    def admit_pull(
+        self, request: Request, matched: tuple[int | None, bool]
+    ) -> tuple[int | None, bool]:
+        """D: upstream's answer for a request's external tokens, through the
+        admission of incoming transfers (decode_admission.py): a pull beyond
+        the bound waits (None), one that waited too long is prefilled here (0)."""
+        count, load_async = matched
+        if not (count and load_async):
+            return matched
+        verdict = self.admission.ask(request.request_id)
+        if verdict is Verdict.ADMIT:
+            return matched
+        if verdict is Verdict.WAIT:
+            return None, False
+        return 0, False
+
     # ---- every request ------------------------------------------------------------------
     def seen_alloc(self, request: Request, num_external_tokens: int) -> None:
         """Any request was allocated: D times its local prefills (what a push
@@ -125,9 +147,12 @@ class SchedulerExtension:
             and params.get("transfer_id")
             and not self.owns(request)
         ):
-            self.pull_timeline.allocated(request.request_id)
+            rid = request.request_id
+            self.pull_timeline.allocated(rid, self.admission.queued_since(rid))
+            self.admission.started(rid)
 
     def seen_finished(self, request: Request) -> None:
+        self.admission.forget(request.request_id)
         if self.push.prefill_timer is not None:
             self.push.prefill_timer.finished(request)
 
@@ -206,3 +231,4 @@ class SchedulerExtension:
         not land, so they are prefilled locally."""
         self.push.on_worker_meta(output.kv_connector_worker_meta)
         self.pull_timeline.kv_arrived(output.finished_recving or ())
+        self.admission.ended(output.finished_recving or ())

@@ -22,6 +22,15 @@ MOONCAKE_LAYERWISE_TIMEOUT_S           see →    P's wait for D's request, and 
 MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S    60       P fails D's request for a transfer P has not
                                                 scheduled within this (a queue longer than
                                                 this on P needs a larger value)
+MOONCAKE_DECODE_MAX_PULLS=N            8        D: P->D transfers written into this instance
+                                                at once (0: no bound); beyond it a request
+                                                waits in D's queue, without blocks, before
+                                                it asks P (decode_admission.py)
+MOONCAKE_DECODE_PULL_WAIT_S            see →    D: the longest such a wait; then D prefills the
+                                                request itself; default: 120, or
+                                                MOONCAKE_LAYERWISE_TIMEOUT_S - 5 if less
+                                                (half of it below 10 s); must stay below
+                                                MOONCAKE_LAYERWISE_TIMEOUT_S
 MOONCAKE_IO_CPUS=LIST                  unset    CPU backend: transfer threads on these CPUs
 MOONCAKE_PUSH_MATCH_TIMEOUT_S          5        D's total wait for C's /match_blocks
 MOONCAKE_PUSH_TIMEOUT_S                30       C must start a push's write within this
@@ -208,6 +217,10 @@ class ExtConfig:
     # D: its pull socket gives up (and D frees the pull's blocks) this long after
     # asking (upstream: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s)
     pull_give_up_s: float = 540.0
+    # D: pulls in flight into this instance at once (0: no bound), and the longest
+    # a request waits for one before D prefills it itself (decode_admission.py)
+    decode_max_pulls: int = 8
+    decode_pull_wait_s: float = 120.0
     io_cpus: frozenset[int] | None = None
     push_match_timeout_s: float = 5.0
     push_timeout_s: float = 30.0
@@ -425,6 +438,9 @@ class ExtConfig:
                 env, "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S", 60.0, minimum=0.1
             ),
             pull_give_up_s=d_gives_up,
+            decode_max_pulls=int(
+                _number(env, "MOONCAKE_DECODE_MAX_PULLS", 8, minimum=0, integer=True)
+            ),
             io_cpus=io_cpus,
             push_match_timeout_s=_number(
                 env, "MOONCAKE_PUSH_MATCH_TIMEOUT_S", 5.0, minimum=0.1
@@ -486,6 +502,24 @@ class ExtConfig:
                 "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, or raise "
                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both instances"
             )
+        # P holds a finished prefill's KV for D's pull MOONCAKE_LAYERWISE_TIMEOUT_S:
+        # a pull that waited its whole turn on D must still find it
+        pull_wait = _number(
+            env,
+            "MOONCAKE_DECODE_PULL_WAIT_S",
+            min(120.0, cfg.layerwise_timeout_s - 5)
+            if cfg.layerwise_timeout_s > 10
+            else cfg.layerwise_timeout_s / 2,
+            minimum=0.1,
+        )
+        if pull_wait >= cfg.layerwise_timeout_s:
+            raise ConfigError(
+                f"MOONCAKE_DECODE_PULL_WAIT_S={pull_wait:g} must stay below "
+                f"MOONCAKE_LAYERWISE_TIMEOUT_S={cfg.layerwise_timeout_s:g} (how long the "
+                "prefill instance keeps a finished prefill's KV for the decode "
+                "instance's pull): lower it, or raise MOONCAKE_LAYERWISE_TIMEOUT_S"
+            )
+        cfg = replace(cfg, decode_pull_wait_s=pull_wait)
         return cfg
 
 

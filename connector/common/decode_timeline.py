@@ -5,7 +5,8 @@ A P/D request on D (``do_remote_prefill``) waits in WAITING_FOR_REMOTE_KVS
 until its worker reports the pull finished. :class:`DecodePullTimeline` notes,
 on the scheduler's clock, when that report reached the scheduler (the request
 became runnable), when the scheduler first gave it tokens to compute after
-that, and when it finished; :meth:`DecodePullTimeline.finished` hands the
+that, and when it finished (and, if D's admission made it wait for a slot,
+when that wait began); :meth:`DecodePullTimeline.finished` hands the
 timeline back once, and the scheduler subclass returns it in the request's
 ``kv_transfer_params`` as ``mooncake_timeline``, so the client sees it on D's
 response. With ``max_tokens=1`` (a benchmark's P/D request) "finished" is the
@@ -40,6 +41,8 @@ class PullTimeline:
     """One pull on D (time.monotonic() seconds of D's scheduler process)."""
 
     allocated: float  # blocks allocated for the remote KV; the pull starts
+    # first told to wait for a slot (decode_admission.py); None: admitted at once
+    queued: float | None = None
     kv_arrived: float | None = None  # finished_recving reached the scheduler
     scheduled: float | None = None  # first step after kv_arrived that computes it
     finished: float | None = None  # the request finished (first token if max_tokens=1)
@@ -51,9 +54,9 @@ class DecodePullTimeline:
         self._tracked: dict[str, PullTimeline] = {}
         self._to_schedule: set[str] = set()  # arrived, not yet scheduled
 
-    def allocated(self, req_id: str) -> None:
+    def allocated(self, req_id: str, queued: float | None = None) -> None:
         if req_id not in self._tracked and len(self._tracked) < MAX_TRACKED:
-            self._tracked[req_id] = PullTimeline(allocated=self._clock())
+            self._tracked[req_id] = PullTimeline(allocated=self._clock(), queued=queued)
 
     def kv_arrived(self, req_ids: Iterable[str]) -> None:
         now = None

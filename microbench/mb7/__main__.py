@@ -109,6 +109,12 @@ def cluster_specs(args, facts: dict, io_on: bool) -> list[InstanceSpec]:
     # P's compute core does nothing but compute, as with a GPU and a NIC.
     io = {"MOONCAKE_IO_CPUS": args.d_cores} if io_on else {}
     env = {"MOONCAKE_LAYERWISE": "1", **io}  # the mode is chosen per request
+    # D's admission of incoming transfers (unset: the connector's default)
+    admission = (
+        {}
+        if args.decode_max_pulls is None
+        else {"MOONCAKE_DECODE_MAX_PULLS": str(args.decode_max_pulls)}
+    )
     gpus = lambda ids: {"CUDA_VISIBLE_DEVICES": ids} if ids else {}  # noqa: E731
     return [
         InstanceSpec(
@@ -122,7 +128,7 @@ def cluster_specs(args, facts: dict, io_on: bool) -> list[InstanceSpec]:
             "decode",
             role="kv_consumer",
             cores=args.d_cores,
-            env={**env, **gpus(args.d_gpus)},
+            env={**env, **admission, **gpus(args.d_gpus)},
             **common,
         ),
     ]
@@ -326,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         help="P->D requests in flight at once, comma separated, run in the idle "
         f"cluster after its steps; 0 = no sweep (default {QUICK['concurrency']}, "
         f"--full {FULL['concurrency']})",
+    )
+    ap.add_argument(
+        "--decode-max-pulls",
+        type=int,
+        default=None,
+        help="D's MOONCAKE_DECODE_MAX_PULLS (0 = no bound; default: the connector's, 8)",
     )
     ap.add_argument(
         "--protocol",

@@ -157,6 +157,14 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{1e3 * v:.0f}ms"
 
 
+def admission_wait(d_timeline: dict | None) -> float | None:
+    """How long D kept a request waiting for a slot before its pull (0: none)."""
+    if not d_timeline:
+        return None
+    queued = d_timeline.get("queued")
+    return 0.0 if queued is None else d_timeline["allocated"] - queued
+
+
 def write_rate(round_samples: list[dict]) -> float | None:
     """Bytes/s the transfers of one round wrote together: their bytes over
     first write start .. last write end (P's timelines)."""
@@ -218,6 +226,12 @@ def level_rows(
                     "queue_wait_s": p50_p90_max(
                         [s.get("queue_wait_max_s") for s in ok]
                     ),
+                    # D held the request back for a slot (decode_admission.py)
+                    "admission_wait_s": p50_p90_max(
+                        [admission_wait(s.get("d_timeline")) for s in ok]
+                    ),
+                    # the client's whole request: both sent -> D's answer
+                    "total_s": p50_p90_max([s.get("total_s") for s in ok]),
                     # per round (requests in flight together), median over rounds
                     "bytes_per_s": statistics.median(rates) if rates else None,
                     "engine_layer_bytes_per_s": engine_rate,
@@ -241,11 +255,13 @@ def level_rows(
 def table_lines(rows: list[dict]) -> list[str]:
     head = (
         "level       mode  reqs  failed  tail ms p50/p90/max  tail/floor p50/p90/max  "
-        "queue wait ms p90/max  write GB/s (engine)  P slowdown vs post-hoc  held after"
+        "queue wait ms p90/max  D admission wait s p90/max  request s p50/p90  "
+        "write GB/s (engine)  P slowdown vs post-hoc  held after"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         t, f, q = r["tail_s"], r["tail_over_floor"], r["queue_wait_s"]
+        a, e2e = r.get("admission_wait_s"), r.get("total_s")
         rate = r["bytes_per_s"]
         slow = r.get("prefill_slowdown_vs_posthoc")
         held = r["blocks_held_after"]
@@ -260,6 +276,10 @@ def table_lines(rows: list[dict]) -> list[str]:
             + (f"{f['p50']:.2f}/{f['p90']:.2f}/{f['max']:.2f}" if f else "-").rjust(22)
             + "  "
             + (f"{1e3 * q['p90']:.0f}/{1e3 * q['max']:.0f}" if q else "-").rjust(21)
+            + "  "
+            + (f"{a['p90']:.1f}/{a['max']:.1f}" if a else "-").rjust(26)
+            + "  "
+            + (f"{e2e['p50']:.1f}/{e2e['p90']:.1f}" if e2e else "-").rjust(17)
             + "  "
             + (
                 f"{rate / 1e9:.2f} ({r['engine_layer_bytes_per_s'] / 1e9:.2f})"

@@ -71,3 +71,20 @@ def test_the_write_rate_counts_only_requests_in_flight_together():
     b = {**_s("posthoc", 512, 0.4, 1.0, 20.0, 20.5, 100, 0.0), "round": 1}
     (row,) = level_rows([{**a, "round": 0}, b], [], {}, {})
     assert row["bytes_per_s"] == 200.0
+
+
+def test_ds_admission_wait_and_the_whole_request_are_reported():
+    waited = {
+        **_s("layerwise", 512, 0.1, 1.0, 10.0, 10.5, 100, 0.0),
+        "d_timeline": {"queued": 100.0, "allocated": 103.5},
+        "total_s": 5.0,
+    }
+    at_once = {
+        **_s("layerwise", 512, 0.1, 1.0, 10.0, 10.5, 100, 0.0),
+        "d_timeline": {"queued": None, "allocated": 100.0},
+        "total_s": 1.0,
+    }
+    (row,) = level_rows([waited, at_once], [], {}, {})
+    assert row["admission_wait_s"]["max"] == 3.5 and row["admission_wait_s"]["n"] == 2
+    assert row["total_s"]["max"] == 5.0
+    assert "3.5/3.5" in table_lines([row])[2]

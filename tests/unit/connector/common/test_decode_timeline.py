@@ -34,6 +34,7 @@ def test_a_pull_is_timed_from_allocation_to_finish():
     c.t = 4.0
     assert tl.finished("r1") == {
         "allocated": 1.0,
+        "queued": None,
         "kv_arrived": 2.0,
         "scheduled": 3.0,
         "finished": 4.0,

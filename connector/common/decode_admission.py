@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's admission of incoming transfers: at most N pulls written into D at once.
+
+A P/D request on D (``do_remote_prefill``) gets its blocks and asks P for its
+KV as soon as D's scheduler takes it. In a burst (many first turns at once, a
+"seed storm" after a restart) every pull then reaches P together, while P
+computes the prompts one after another: a pull whose prompt is still queued on
+P waits there, and P refuses it once it has waited
+MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S (the bound that keeps forged pulls from
+holding P's state). The request fails though nothing was wrong.
+
+:class:`PullAdmission` bounds the pulls in flight into this D
+(``MOONCAKE_DECODE_MAX_PULLS``; a pull is in flight from its allocation until
+its end reaches the scheduler, or its request finishes). A request beyond the
+bound stays in D's waiting queue, in order, without blocks and without asking
+P (the scheduler's connector answers "not yet": ``None`` matched tokens), so
+the burst becomes a queue on D: the pull it sends later reaches P about when P
+computes the prompt, and D's blocks are not held while P's queue drains. A
+request waits at most ``MOONCAKE_DECODE_PULL_WAIT_S``; past that it is
+prefilled on D itself (the connector answers 0 matched tokens: upstream then
+sends P the block-less pull that frees P's copy), with a warning that names the
+variable. That wait is kept below P's own wait for D's pull
+(MOONCAKE_LAYERWISE_TIMEOUT_S), so an admitted pull still finds P's KV.
+
+Scheduler thread only (no lock). O(1) per question; state is bounded by the
+requests in D's waiting queue plus ``max_pulls``: every entry leaves when its
+request finishes (:meth:`forget`).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class Verdict(enum.Enum):
+    ADMIT = "admit"  # allocate and pull now
+    WAIT = "wait"  # stay in the waiting queue; ask again next step
+    PREFILL_LOCALLY = "prefill_locally"  # waited its whole bound
+
+
+class PullAdmission:
+    def __init__(
+        self,
+        max_pulls: int,
+        wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``max_pulls`` 0: no bound (every pull admitted at once)."""
+        self.max_pulls = max_pulls
+        self.wait_s = wait_s
+        self._clock = clock
+        self._in_flight: set[str] = set()
+        self._queued_since: dict[str, float] = {}  # request -> first told to wait
+        # waited the whole bound: prefilled here, also when asked again (the
+        # scheduler asks again if it could not allocate the request's blocks)
+        self._local: set[str] = set()
+        self.waited = 0  # requests told to wait at least once
+        self.prefilled_locally = 0  # requests that waited the whole bound
+
+    def ask(self, req_id: str) -> Verdict:
+        """May ``req_id``'s pull start now? Asked each step the request is
+        considered, until it is allocated (:meth:`started`) or finishes."""
+        if req_id in self._local:
+            return Verdict.PREFILL_LOCALLY
+        if (
+            not self.max_pulls
+            or req_id in self._in_flight
+            or len(self._in_flight) < self.max_pulls
+        ):
+            return Verdict.ADMIT
+        now = self._clock()
+        since = self._queued_since.get(req_id)
+        if since is None:
+            self._queued_since[req_id] = now
+            self.waited += 1
+            return Verdict.WAIT
+        if now - since < self.wait_s:
+            return Verdict.WAIT
+        self._queued_since.pop(req_id)
+        self._local.add(req_id)
+        self.prefilled_locally += 1
+        logger.warning(
+            "Request %s waited %.0f s for one of MOONCAKE_DECODE_MAX_PULLS=%d incoming "
+            "transfers (MOONCAKE_DECODE_PULL_WAIT_S=%g): prefilling it on this decode "
+            "instance instead (the prefill instance is told to free its copy). Raise "
+            "MOONCAKE_DECODE_MAX_PULLS, or add prefill capacity.",
+            req_id,
+            now - since,
+            self.max_pulls,
+            self.wait_s,
+        )
+        return Verdict.PREFILL_LOCALLY
+
+    def queued_since(self, req_id: str) -> float | None:
+        """When ``req_id`` was first told to wait (None: admitted at once)."""
+        return self._queued_since.get(req_id)
+
+    def started(self, req_id: str) -> None:
+        """``req_id``'s blocks were allocated: its pull is in flight."""
+        self._queued_since.pop(req_id, None)
+        self._in_flight.add(req_id)
+
+    def ended(self, req_ids: Iterable[str]) -> None:
+        """These pulls' ends (KV arrived, or the pull failed) reached the scheduler."""
+        for rid in req_ids:
+            self._in_flight.discard(rid)
+
+    def forget(self, req_id: str) -> None:
+        """``req_id`` finished (any way): it holds no slot and no place in the queue."""
+        self._in_flight.discard(req_id)
+        self._queued_since.pop(req_id, None)
+        self._local.discard(req_id)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queued_since)
