@@ -59,6 +59,18 @@ PINNED_ONLY_TESTS = (
     "tests/integration/test_push_proxy_answers.py",
 )
 
+# Unit tests of the project's own tooling (the harness, the scripts, the benchmarks'
+# release-free parts) that import no vLLM and no connector code: the same on every
+# release, so scripts/test.sh runs them with the pinned release only
+# (tests/unit/harness/test_vllm_series.py checks that none of them imports vllm).
+TOOLING_TESTS = (
+    "tests/unit/harness",
+    "tests/unit/scripts",
+    "tests/unit/microbench/test_bandwidth.py",
+    "tests/unit/microbench/test_mb7_eta.py",
+    "tests/unit/microbench/test_sessions_trace.py",
+)
+
 
 @dataclass(frozen=True)
 class VllmSeries:
@@ -112,7 +124,9 @@ def release_assignments() -> dict[str, str]:
         "VMP_PINNED": PINNED,
         "VMP_ROLLS": " ".join(v for v in SUPPORTED if v != PINNED),
         "VMP_CHECKED_ONLY": " ".join(CHECKED_ONLY.values()),
-        "VMP_ONCE": " ".join(RELEASE_INDEPENDENT_TESTS + PINNED_ONLY_TESTS),
+        "VMP_ONCE": " ".join(
+            RELEASE_INDEPENDENT_TESTS + PINNED_ONLY_TESTS + TOOLING_TESTS
+        ),
         "VMP_ENGINE_ONLY": " ".join(RELEASE_INDEPENDENT_TESTS),
     }
 

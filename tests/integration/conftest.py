@@ -24,7 +24,7 @@ import pytest
 
 from harness.cluster_pool import ClusterPool, run_order
 from harness.launcher import BLOCK, Cluster, InstanceSpec, free_port
-from harness.model import ModelShape, ensure_model
+from harness.model import TEST_SHAPE, ensure_model
 from harness.routers import kv_events_args
 
 PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -100,7 +100,7 @@ def make_cluster(
     if specs is None:
         specs = instance_specs(
             roles,
-            model=model or str(ensure_model(ModelShape())),
+            model=model or str(ensure_model(TEST_SHAPE)),
             env=env or {},
             extra_args=extra_args,
             instances=instances or {},

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from harness.launcher import Cluster, InstanceSpec, InstanceStartError
-from harness.model import ModelShape, ensure_model
+from harness.model import TEST_SHAPE, ensure_model
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ def test_a_prefill_whose_bootstrap_port_is_taken_exits_naming_it(tmp_path):
         port = held.getsockname()[1]
         spec = InstanceSpec(
             "prefill",
-            model=str(ensure_model(ModelShape())),
+            model=str(ensure_model(TEST_SHAPE)),
             role="kv_producer",
             bootstrap_port=port,
             kv_cache_gib=1,

@@ -38,7 +38,7 @@ PULL_WAIT_S = 25  # D's longest wait for a slot
 UNKNOWN_TIMEOUT_S = 4  # P's wait for a transfer it has not scheduled
 TRANSFER_TIMEOUT_S = 40  # P's wait for a transfer's writes once D asked
 HELD_PROMPT, HELD_S = 389, 30  # P holds this prompt's writer before its first write
-PROMPT_TOKENS = 300  # a burst's prompts: 2 chunks of 256 on P, layer-wise
+PROMPT_TOKENS = 1000  # a burst's prompts: 4 chunks of 256 on P, layer-wise
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.model import ModelShape, ensure_model
+from harness.model import TEST_SHAPE, ensure_model
 from microbench.faults.bench import FaultBench, Outcome, cluster_specs, run_fault
 
 pytestmark = [pytest.mark.integration, pytest.mark.hosts]
@@ -25,7 +25,7 @@ def bench(pd_cluster):
     """The bench's own cluster (P and D armed with its fault hooks), each on a host of
     its own; pd_cluster checks that the topology is gone afterwards."""
     bench = FaultBench(
-        pd_cluster(specs=cluster_specs(str(ensure_model(ModelShape()))), hosts=True)
+        pd_cluster(specs=cluster_specs(str(ensure_model(TEST_SHAPE))), hosts=True)
     )
     yield bench
     bench.close()

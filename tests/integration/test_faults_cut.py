@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.model import ModelShape, ensure_model
+from harness.model import TEST_SHAPE, ensure_model
 from microbench.faults.bench import (
     CUT_D_BLOCKS,
     CUT_REQUEST_DEADLINE_S,
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.hosts]
 
 @pytest.fixture(scope="module")
 def bench(pd_cluster):
-    specs = cluster_specs(str(ensure_model(ModelShape())), kernel_defaults=True)
+    specs = cluster_specs(str(ensure_model(TEST_SHAPE)), kernel_defaults=True)
     bench = FaultBench(pd_cluster(specs=specs, hosts=True), CUT_REQUEST_DEADLINE_S)
     yield bench
     bench.close()

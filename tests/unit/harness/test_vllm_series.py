@@ -105,10 +105,12 @@ def test_the_releases_mode_gives_test_sh_every_list_in_one_call():
     assert got["VMP_ROLLS"].split() == [v for v in SUPPORTED if v != PINNED]
     assert got["VMP_CHECKED_ONLY"].split() == list(vllm_series.CHECKED_ONLY.values())
     assert got["VMP_ONCE"].split() == list(
-        RELEASE_INDEPENDENT_TESTS + vllm_series.PINNED_ONLY_TESTS
+        RELEASE_INDEPENDENT_TESTS
+        + vllm_series.PINNED_ONLY_TESTS
+        + vllm_series.TOOLING_TESTS
     )
     for path in got["VMP_ONCE"].split():  # --ignore of a missing path is silent
-        assert (vllm_series.ROOT / path).is_file(), path
+        assert (vllm_series.ROOT / path).exists(), path
     assert got["VMP_VLLM"] == ""  # the selection is the other mode's
 
 
@@ -116,3 +118,35 @@ def test_the_shell_mode_gives_the_selected_release():
     got = shell_values("shell")
     assert (got["VMP_VLLM"], got["VMP_PATCHES"]) == (PINNED, "patches")
     assert got["VMP_PINNED"] == ""
+
+
+def test_the_tooling_tests_run_once_because_they_import_no_vllm():
+    """Each test module in TOOLING_TESTS, imported alone, loads no vllm module: its
+    outcome cannot depend on the release (scripts/test.sh runs it on the pinned one)."""
+    modules = []
+    for path in vllm_series.TOOLING_TESTS:
+        p = vllm_series.ROOT / path
+        files = sorted(p.glob("test_*.py")) if p.is_dir() else [p]
+        assert files, path
+        modules += [
+            ".".join(f.relative_to(vllm_series.ROOT).with_suffix("").parts)
+            for f in files
+        ]
+    code = (
+        "import importlib, sys\n"
+        "bad = []\n"
+        "for m in sys.argv[1:]:\n"
+        "    importlib.import_module(m)\n"
+        "    if any(k == 'vllm' or k.startswith('vllm.') for k in sys.modules):\n"
+        "        bad.append(m)\n"
+        "        break\n"
+        "print(' '.join(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *modules],
+        cwd=vllm_series.ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip() == "", f"imports vllm, so it depends on the release: {out}"
