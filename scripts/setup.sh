@@ -6,6 +6,7 @@
 # done are skipped.
 #
 #   scripts/setup.sh [--vllm 0.18.1|0.32.0] [--device auto|cpu|cuda] [-v|--verbose]
+#   scripts/setup.sh --system-only      the system packages (apt) alone, for every release
 #
 # --vllm (or VMP_VLLM) picks the release: 0.18.1, the pinned series (patches/,
 # third_party/vllm, .venv), is the default; 0.32.0 is its roll (rolls/0.32.0/,
@@ -121,6 +122,7 @@ while [ $# -gt 0 ]; do
     --device) DEVICE="$2"; shift 2 ;;
     --device=*) DEVICE="${1#*=}"; shift ;;
     -v|--verbose) export VMP_VERBOSE=1; shift ;;
+    --system-only) SYSTEM_ONLY=1; shift ;;
     *) echo "setup.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -133,7 +135,7 @@ eval "$SERIES_VARS"
 export VMP_VLLM
 
 vmp_log_open setup
-vmp_say "vLLM $VMP_VLLM: $VMP_PATCHES -> $VMP_TREE"
+if [ -z "${SYSTEM_ONLY:-}" ]; then vmp_say "vLLM $VMP_VLLM: $VMP_PATCHES -> $VMP_TREE"; fi
 VENV="${VMP_VENV:-$VMP_DEFAULT_VENV}"
 PY="$VENV/bin/python"
 export PIP_CONSTRAINT="$VMP_REQ_DIR/lock.txt"   # replaces any machine-wide constraint
@@ -154,6 +156,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 else
   vmp_say "apt: ${#APT_PKGS[@]} system packages present"
 fi
+if [ -n "${SYSTEM_ONLY:-}" ]; then exit 0; fi
 
 # 2. Virtualenv with the pinned Python packages.
 if [ ! -x "$PY" ]; then

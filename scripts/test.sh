@@ -4,7 +4,8 @@
 # check), then run pytest (build manager, unit, upstream vLLM tests for the touched
 # areas, two-instance integration tests).
 #   scripts/test.sh [--vllm V] [pytest args...]      e.g. scripts/test.sh -m "not integration"
-# Without --vllm: the pinned release (0.18.1) runs the whole suite, then each roll
+# Without --vllm: the rolls' set-up runs in the background beside the pinned release's
+# (no test runs beside a set-up); the pinned release (0.18.1) runs the whole suite, then each roll
 # (0.32.0) the whole suite but the patch manager's tests and the engine-only tests
 # (harness.vllm_series.RELEASE_INDEPENDENT_TESTS), which do not depend on the
 # release and run once, with the pinned release, in the background beside the rolls'
@@ -37,6 +38,20 @@ preload_of() {
   "$1" -c 'from harness.runtime_env import preload_libs; print(":".join(preload_libs()))'
 }
 
+# Roll set-ups started in the background (version:pid), and the wait for them
+# before any test (run_release).
+roll_setups=()
+wait_roll_setups() {
+  local entry version pid rc
+  for entry in ${roll_setups[@]+"${roll_setups[@]}"}; do
+    version="${entry%%:*}" pid="${entry#*:}" rc=0
+    wait "$pid" || rc=$?
+    vmp_say "vLLM $version: set-up in the background $([ "$rc" -eq 0 ] && echo ended || echo "FAILED (exit $rc): run again before its tests"):"
+    sed 's/^/    /' "$(dirname "$VMP_LOG")/setup-$version-background.out"
+  done
+  roll_setups=()
+}
+
 # run_release V [pytest paths and args...]: set up release V, check its series, pytest.
 run_release() {
   local version="$1" py
@@ -53,6 +68,7 @@ run_release() {
     vmp_run "ruff check (our code, ruff.toml)" "$py" -m ruff check --quiet
     vmp_run "ruff format --check (our code)" "$py" -m ruff format --check --quiet
   fi
+  wait_roll_setups  # no test beside a set-up
   local preload
   preload="$(preload_of "$py")"
   # every test's time, for the slowest-first view of where CI's minutes go
@@ -82,6 +98,23 @@ fi
 # Every release in its own virtualenv: VMP_VENV names one, so it goes with --vllm only.
 unset VMP_VENV
 failed=()
+# The rolls' set-up (their virtualenv, pip and tree: mostly downloads and one core's
+# installs) runs in the background beside the pinned release's set-up, after the
+# system packages, which every release shares (apt takes one process at a time). No
+# test starts before every set-up has ended (wait_roll_setups): the tests keep both
+# cores. A failed background set-up is run again, in the foreground, by its release's
+# run_release, which names the failed step.
+printf '[%s] system packages (scripts/setup.sh --system-only) ... ' "$VMP_TAG"
+if "$ROOT/scripts/setup.sh" --system-only >> "$VMP_LOG" 2>&1; then
+  echo done
+else  # each release's set-up runs it again and names what failed
+  echo "FAILED (log: $VMP_LOG)"
+fi
+for version in $VMP_ROLLS; do
+  VMP_LOG="" VMP_VLLM="$version" "$ROOT/scripts/setup.sh" \
+    > "$(dirname "$VMP_LOG")/setup-$version-background.out" 2>&1 &
+  roll_setups+=("$version:$!")
+done
 # The engine-only tests (no vLLM code; they mostly wait out link cuts and the kernel's
 # retransmissions) run with the pinned release's virtualenv, beside the rolls' set-up
 # and tests instead of before them: CI's time.

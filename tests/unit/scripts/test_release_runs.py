@@ -18,11 +18,13 @@ def stand_in_project(
     setup_status: int,
     checked_only: dict[str, str] | None = None,
     engine_only: str = "",
+    rolls: str = "",
 ) -> Path:
     """A project with the real scripts/test.sh, a scripts/setup.sh that defines the
-    real output functions when sourced and exits ``setup_status`` when run, one
-    supported release (and ``checked_only`` rolls; ``engine_only``: the engine-only
-    test paths), and a build.py that records each call's arguments."""
+    real output functions when sourced and, run, records "setup <release> <args>"
+    (a roll's after half a second) and exits ``setup_status``; the pinned release 1.0
+    (and ``rolls``, space-separated; ``checked_only`` rolls; ``engine_only``: the
+    engine-only test paths), and a build.py that records each call's arguments."""
     root = tmp_path / "project"
     (root / "scripts").mkdir(parents=True)
     (root / "harness").mkdir()
@@ -37,7 +39,9 @@ def stand_in_project(
             f"""\
             #!/usr/bin/env bash
             if [ "${{BASH_SOURCE[0]}}" != "$0" ]; then . {ROOT / "scripts" / "setup.sh"}; return 0; fi
-            echo setup >> {root / "ran"}
+            release="${{VMP_VLLM:-1.0}}"
+            if [ "$release" != 1.0 ] && [ "$*" != --system-only ]; then sleep 0.5; fi
+            echo "setup $release $*" | sed 's/ *$//' >> {root / "ran"}
             exit {setup_status}
             """
         )
@@ -53,7 +57,7 @@ def stand_in_project(
             f"""\
             import sys
             if sys.argv[1:] == ["releases"]:
-                print("VMP_PINNED=1.0 VMP_ROLLS= VMP_ONCE='{engine_only}'")
+                print("VMP_PINNED=1.0 VMP_ROLLS='{rolls}' VMP_ONCE='{engine_only}'")
                 print("VMP_ENGINE_ONLY='{engine_only}'")
                 print("VMP_CHECKED_ONLY='{" ".join((checked_only or {}).values())}'")
             else:
@@ -86,7 +90,10 @@ def test_a_release_whose_setup_failed_is_not_checked_and_fails_the_run(tmp_path)
     root = stand_in_project(tmp_path, setup_status=3)
     r = run_tests(root, tmp_path)
     assert r.returncode != 0, r.stdout
-    assert (root / "ran").read_text().splitlines() == ["setup"], r.stdout
+    assert (root / "ran").read_text().splitlines() == [
+        "setup 1.0 --system-only",
+        "setup 1.0",
+    ], r.stdout
     assert "[test] FAILED: 1.0" in r.stdout, r.stdout + r.stderr
 
 
@@ -131,3 +138,28 @@ def test_the_engine_only_tests_run_once_beside_the_rolls_and_count(tmp_path):
         else:
             assert r.returncode != 0, r.stdout
             assert "FAILED: engine-only tests" in r.stdout, r.stdout
+
+
+def test_a_rolls_setup_runs_beside_the_pinned_ones_and_ends_before_any_test(tmp_path):
+    """After the system packages (one apt at a time), the roll's set-up runs in the
+    background; the pinned release's tests start only once it ended."""
+    root = stand_in_project(tmp_path, setup_status=0, rolls="2.0")
+    for folder in ("unit", "upstream", "integration"):  # what a roll's run names
+        (root / "tests" / folder).mkdir(parents=True)
+    (root / "tests" / "unit" / "test_one.py").write_text(
+        "import os\n"
+        "def test_one():\n"
+        f"    open({str(root / 'ran')!r}, 'a').write("
+        "'pytest ' + os.environ['VMP_VLLM'] + '\\n')\n"
+    )
+    r = run_tests(root, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ran = (root / "ran").read_text().splitlines()
+    assert ran[0] == "setup 1.0 --system-only", ran
+    # the roll's set-up (half a second) started before the pinned one's and ended
+    # after it, and before the pinned release's tests
+    ran = [line for line in ran if not line.startswith("build.py")]
+    assert ran[1:4] == ["setup 1.0", "setup 2.0", "pytest 1.0"], ran
+    # the roll's own run: its set-up again (a no-op once done), then its tests
+    assert ran[4:] == ["setup 2.0", "pytest 2.0"], ran
+    assert "vLLM 2.0: set-up in the background ended" in r.stdout, r.stdout
