@@ -28,33 +28,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fault_injection import (
-    zero_received_block,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.io_affinity import (
-    threads_started_on_io_cpus,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.transport_env import (
-    apply_transport_env_defaults,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extension import (
-    SchedulerExtension,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
-    all_block_ids,
-    init_kwargs,
-    kv_geometry,
-    one_group_block_ids,
-    send_layout_on_every_pull,
-    split_k_and_v,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
-    RegisteredKV,
-    WorkerExtension,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import (
-    ExtXferMetadata,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
     MooncakeConnector,
     MooncakeConnectorMetadata,
@@ -65,6 +38,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
     SendBlockMeta,
 )
 from vllm.logger import init_logger
+
+from .common.fault_injection import zero_received_block
+from .common.io_affinity import threads_started_on_io_cpus
+from .common.transport_env import apply_transport_env_defaults
+from .scheduler_extension import SchedulerExtension
+from .vllm_compat import (
+    all_block_ids,
+    init_kwargs,
+    kv_geometry,
+    one_group_block_ids,
+    send_layout_on_every_pull,
+    split_k_and_v,
+)
+from .worker_extension import RegisteredKV, WorkerExtension
+from .xfer import ExtXferMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
-    bootstrap_server,
-)
+from .vllm_compat import bootstrap_server
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -11,15 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
-    HashDelta,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
-    LayerwiseMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
-    PushJob,
-)
+from .hashsync.scheduler_recorder import HashDelta
+from .layerwise.protocol import LayerwiseMetadata
+from .push.protocol import PushJob
 
 
 @dataclass

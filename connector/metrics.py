@@ -18,12 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
-    write_stats,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
-    Decision,
-)
+from .common.engine_write import write_stats
+from .push.decode_cost import Decision
 
 PREFIX = "vllm_mooncake_ext_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -157,6 +153,19 @@ def exposition(
             "gauge",
             "Layer-wise writers whose write is past the engine's bound now.",
             [("", snap["overdue_writers"])],
+        )
+        lines += _family(
+            "layerwise_writers",
+            "gauge",
+            "Layer-wise writer threads now (one per decode session with writes).",
+            [("", snap["writers"])],
+        )
+        lines += _family(
+            "layerwise_writes_in_flight",
+            "gauge",
+            "Layer-wise writes (one per KV tensor and transfer) handed to the "
+            "engine and not yet returned.",
+            [("", snap["writes_in_flight"])],
         )
         for key, (name, kind, help_text) in LAYERWISE.items():
             lines += _family(name, kind, help_text, [("", totals[key])])

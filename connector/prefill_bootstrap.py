@@ -25,13 +25,12 @@ import time
 
 import uvicorn
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.http_limits import (
-    LimitedH11Protocol,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
     MooncakeBootstrapServer,
 )
 from vllm.logger import init_logger
+
+from .common.http_limits import LimitedH11Protocol
 
 logger = init_logger(__name__)
 

@@ -34,38 +34,14 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
-    BODY_READ_DEADLINE_S,
-    EndpointGuard,
-    signed_target,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
-    FEED_PATH,
-    RESET_PATH,
-    FeedRequest,
-    ResetNotice,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
-    WorkerHashSync,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
-    LayerwiseSender,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metrics import (
-    CONTENT_TYPE,
-    exposition,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
-    SOURCE_REFUSAL,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
-    NO_PREFIX_CACHING,
-    PROOF_MAX_BODY_BYTES,
-    PushServer,
-)
+from .common.auth import BODY_READ_DEADLINE_S, EndpointGuard, signed_target
+from .common.config import ExtConfig
+from .hashsync.feed_protocol import FEED_PATH, RESET_PATH, FeedRequest, ResetNotice
+from .hashsync.worker_sync import WorkerHashSync
+from .layerwise.prefill_sender import LayerwiseSender
+from .metrics import CONTENT_TYPE, exposition
+from .push.protocol import SOURCE_REFUSAL
+from .push.source_server import NO_PREFIX_CACHING, PROOF_MAX_BODY_BYTES, PushServer
 
 NOT_READY = "KV caches not registered yet; retry"
 MAX_SAMPLE = 256  # GET /hashsync?sample=N

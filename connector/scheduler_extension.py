@@ -12,40 +12,17 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-    load,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_admission import (
-    PullAdmission,
-    Verdict,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
-    TIMELINE_PARAM,
-    DecodePullTimeline,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
-    local_fingerprint,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_sync import (
-    SchedulerHashSync,
-    WorkerResetNotifier,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_scheduler import (
-    LayerwiseScheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
-    MODE_PARAM,
-    TransferMode,
-    requested_mode,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metadata import (
-    ExtMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
-    PushScheduler,
-)
 from vllm.logger import init_logger
+
+from .common.config import ExtConfig, load
+from .common.decode_admission import PullAdmission, Verdict
+from .common.decode_timeline import TIMELINE_PARAM, DecodePullTimeline
+from .common.fingerprint import local_fingerprint
+from .hashsync.scheduler_sync import SchedulerHashSync, WorkerResetNotifier
+from .layerwise.prefill_scheduler import LayerwiseScheduler
+from .layerwise.protocol import MODE_PARAM, TransferMode, requested_mode
+from .metadata import ExtMetadata
+from .push.decode_scheduler import PushScheduler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -127,9 +127,7 @@ def kv_geometry(worker: Any) -> KVGeometry:
 def bootstrap_server(vllm_config: VllmConfig, host: str, port: int) -> Any:
     """Upstream's bootstrap server, not yet started, whose ``start()`` has a deadline
     (prefill_bootstrap.PrefillBootstrapServer)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.prefill_bootstrap import (
-        PrefillBootstrapServer,
-    )
+    from .prefill_bootstrap import PrefillBootstrapServer
 
     if _takes(PrefillBootstrapServer.__init__, "vllm_config"):
         return PrefillBootstrapServer(vllm_config, host, port)

@@ -27,72 +27,41 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
-    EndpointGuard,
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+    MooncakeXferResponse,
+    MooncakeXferResponseStatus,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-    load,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
-    WriteFn,
-    terminal_write_fn,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
+from vllm.logger import init_logger
+
+from .common.auth import EndpointGuard
+from .common.config import ExtConfig, load
+from .common.engine_write import WriteFn, terminal_write_fn
+from .common.fingerprint import (
     WarnLimiter,
     attention_backend_name,
     handshake_refusal,
     kv_layout,
     local_fingerprint,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.gpu_order import (
-    record_after_compute,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
-    KVReader,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
-    WorkerHashSync,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hooks import (
-    UpstreamHooks,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_pulls import (
-    PullOutcomes,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_sender import (
-    LayerwiseSender,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metadata import (
-    ExtMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
-    PushReceiver,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
-    KVFingerprint,
-    PushOutcome,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
-    PushServer,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.routes import (
-    Served,
-    add_routes,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
+from .common.gpu_order import record_after_compute
+from .common.kv_reader import KVReader
+from .hashsync.worker_sync import WorkerHashSync
+from .hooks import UpstreamHooks
+from .layerwise.decode_pulls import PullOutcomes
+from .layerwise.prefill_sender import LayerwiseSender
+from .metadata import ExtMetadata
+from .push.decode_receiver import PushReceiver
+from .push.protocol import KVFingerprint, PushOutcome
+from .push.source_server import PushServer
+from .routes import Served, add_routes
+from .vllm_compat import (
     all_block_ids,
     bootstrap_server,
     layout_miss_status,
     layout_omitted,
     one_group_block_ids,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.xfer import with_ext
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
-    MooncakeXferResponse,
-    MooncakeXferResponseStatus,
-)
-from vllm.logger import init_logger
+from .xfer import with_ext
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

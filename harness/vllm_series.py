@@ -69,6 +69,7 @@ TOOLING_TESTS = (
     "tests/unit/microbench/test_bandwidth.py",
     "tests/unit/microbench/test_mb7_eta.py",
     "tests/unit/microbench/test_sessions_trace.py",
+    "tests/unit/test_connector_imports.py",
 )
 
 

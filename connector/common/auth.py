@@ -82,10 +82,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-)
 from vllm.logger import init_logger
+
+from .config import ExtConfig
 
 logger = init_logger(__name__)
 
@@ -405,15 +404,6 @@ def signed_target(scope: dict) -> str:
     path = scope.get("raw_path") or scope.get("path", "").encode()
     query = scope.get("query_string") or b""
     return (path + (b"?" + query if query else b"")).decode("latin-1")
-
-
-def client_headers(config: ExtConfig) -> dict[str, str]:
-    """Headers for the GET routes (``/push/stats``, ``/hashsync``, ``/layerwise/transfers``): the
-    read key (:func:`read_key`). D's POSTs are signed instead (:func:`request_headers`)."""
-    headers = {"content-type": "application/json"}
-    if config.bootstrap_token:
-        headers["authorization"] = f"Bearer {read_key(config.bootstrap_token)}"
-    return headers
 
 
 def request_headers(

@@ -60,8 +60,6 @@ class PullAdmission:
         # waited the whole bound: prefilled here, also when asked again (the
         # scheduler asks again if it could not allocate the request's blocks)
         self._local: set[str] = set()
-        self.waited = 0  # requests told to wait at least once
-        self.prefilled_locally = 0  # requests that waited the whole bound
 
     def ask(self, req_id: str) -> Verdict:
         """May ``req_id``'s pull start now? Asked each step the request is
@@ -78,13 +76,11 @@ class PullAdmission:
         since = self._queued_since.get(req_id)
         if since is None:
             self._queued_since[req_id] = now
-            self.waited += 1
             return Verdict.WAIT
         if now - since < self.wait_s:
             return Verdict.WAIT
         self._queued_since.pop(req_id)
         self._local.add(req_id)
-        self.prefilled_locally += 1
         logger.warning(
             "Request %s waited %.0f s for one of MOONCAKE_DECODE_MAX_PULLS=%d incoming "
             "transfers (MOONCAKE_DECODE_PULL_WAIT_S=%g): prefilling it on this decode "
@@ -116,11 +112,3 @@ class PullAdmission:
         self._in_flight.discard(req_id)
         self._queued_since.pop(req_id, None)
         self._local.discard(req_id)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._in_flight)
-
-    @property
-    def queued(self) -> int:
-        return len(self._queued_since)

@@ -50,17 +50,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_refusal import (
-    RefusedPeers,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
-    SendQueueFence,
-    fence_stats,
-)
 from vllm.logger import init_logger
+
+from .config import ExtConfig
+from .peer_refusal import RefusedPeers
+from .send_queues import SendQueueFence, fence_stats
 
 logger = init_logger(__name__)
 

@@ -27,11 +27,9 @@ import time
 
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    FaultConfig,
-    load,
-)
 from vllm.logger import init_logger
+
+from .config import FaultConfig, load
 
 logger = init_logger(__name__)
 

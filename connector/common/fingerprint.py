@@ -55,14 +55,10 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-    load,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
-    KVFingerprint,
-)
 from vllm.logger import init_logger
+
+from ..push.protocol import KVFingerprint
+from .config import ExtConfig, load
 
 if TYPE_CHECKING:
     import torch

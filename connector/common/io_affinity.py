@@ -29,7 +29,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import load
+from .config import load
 
 
 @contextlib.contextmanager

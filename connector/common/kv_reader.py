@@ -22,9 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
-    PROBE_BYTES,
-)  # the wire's probe size
+from ..push.protocol import PROBE_BYTES  # the wire's probe size
 
 ReadFn = Callable[
     [int, int, int], bytes

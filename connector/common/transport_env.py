@@ -31,7 +31,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+from vllm.logger import init_logger
+
+from .config import (
     DEFAULT_ENGINE_TRANSFER_TIMEOUT_S,
     ENGINE_NO_PROGRESS_S,
     MC_TCP_PROGRESS_TIMEOUT_SEC,
@@ -40,7 +42,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config imp
     is_loopback,
     load,
 )
-from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 

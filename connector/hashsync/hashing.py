@@ -21,11 +21,6 @@ from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import cast
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
-    SCHEDULER_ID,
-    HashConfig,
-    HashConfigMismatchError,
-)
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
@@ -38,6 +33,8 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 from vllm.v1.request import Request
+
+from .hash_config import SCHEDULER_ID, HashConfig, HashConfigMismatchError
 
 __all__ = [
     "BlockHash",

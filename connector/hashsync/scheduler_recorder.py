@@ -28,10 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
-    HashConfig,
-)
 from vllm.logger import init_logger
+
+from .hash_config import HashConfig
 
 logger = init_logger(__name__)
 

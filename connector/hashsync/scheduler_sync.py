@@ -21,32 +21,15 @@ import time
 
 import httpcore
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
-    request_headers,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
-    RESET_PATH,
-    ResetNotice,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
-    SCHEDULER_ID,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
-    scheduler_hash_config,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
-    HashDelta,
-    get_recorder,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
-    AnswerTooLarge,
-    DeadlinePassed,
-    SourceLanes,
-)
 from vllm.logger import init_logger
+
+from ..common.auth import request_headers
+from ..common.config import ExtConfig
+from ..push.decode_client import AnswerTooLarge, DeadlinePassed, SourceLanes
+from .feed_protocol import RESET_PATH, ResetNotice
+from .hash_config import SCHEDULER_ID
+from .hashing import scheduler_hash_config
+from .scheduler_recorder import HashDelta, get_recorder
 
 logger = init_logger(__name__)
 

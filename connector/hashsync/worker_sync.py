@@ -25,26 +25,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
-    RESET_NOTICE_MAX_AHEAD,
-    FeedPage,
-    FeedRequest,
-    ResetNotice,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
-    hash_prompt_blocks,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
-    get_recorder,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_table import (
-    BlockHashTable,
-)
+from .feed_protocol import RESET_NOTICE_MAX_AHEAD, FeedPage, FeedRequest, ResetNotice
+from .hashing import hash_prompt_blocks
+from .scheduler_recorder import get_recorder
+from .worker_table import BlockHashTable
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
-        HashDelta,
-    )
+    from .scheduler_recorder import HashDelta
 
 
 class WorkerHashSync:

@@ -47,25 +47,17 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+from vllm.logger import init_logger
+
+from .feed_protocol import (
     FEED_LOG_MAX,
     FEED_PAGE_MAX_EVENTS,
     FEED_SNAPSHOT_MAX_KEYS,
     FeedPage,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
-    HashConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
-    BlockHash,
-    from_pool_key,
-    to_pool_key,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_recorder import (
-    HashDelta,
-    HashEventKind,
-)
-from vllm.logger import init_logger
+from .hash_config import HashConfig
+from .hashing import BlockHash, from_pool_key, to_pool_key
+from .scheduler_recorder import HashDelta, HashEventKind
 
 logger = init_logger(__name__)
 
@@ -148,11 +140,6 @@ class BlockHashTable:
                     self._insert(key, block_id)
                 n += len(stores)
         return n
-
-    def commit_pending(self) -> int:
-        """Seal the current step as completed and publish everything ready."""
-        self.seal_pending(None)
-        return self.commit_ready()
 
     def _unpublished(self, block_id: int) -> dict[int, bytes] | None:
         """The not yet published stores (current or sealed step) holding block_id."""

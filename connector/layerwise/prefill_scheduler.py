@@ -6,14 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+from vllm.logger import init_logger
+
+from .protocol import (
     ComputedStep,
     FinishedRequest,
     LayerwiseMetadata,
     TransferMode,
     requested_mode,
 )
-from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -58,42 +58,22 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.block_runs import (
-    contiguous_runs,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
-    write_refusal,
-    write_stats,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fault_injection import (
-    write_fault,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.gpu_order import (
+from vllm.logger import init_logger
+
+from ..common.block_runs import contiguous_runs
+from ..common.config import ExtConfig
+from ..common.engine_write import write_refusal, write_stats
+from ..common.fault_injection import write_fault
+from ..common.gpu_order import (
     ComputeEvent,
     EventFactory,
     record_after_compute,
     wait_all,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_stats import (
-    TransferLog,
-    TransferStats,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_tracker import (
-    Destination,
-    LayerwiseTracker,
-    TransferState,
-    WriteOp,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_writers import (
-    WriterPool,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
-    LayerwiseMetadata,
-)
-from vllm.logger import init_logger
+from .prefill_stats import TransferLog, TransferStats
+from .prefill_tracker import Destination, LayerwiseTracker, TransferState, WriteOp
+from .prefill_writers import WriterPool
+from .protocol import LayerwiseMetadata
 
 logger = init_logger(__name__)
 
@@ -637,10 +617,6 @@ class LayerwiseSender:
                         )
                 self._dispatch()
 
-    def num_writers(self) -> int:
-        """Writer threads serving a decode session now (tests, observability)."""
-        return self.writers.num_writers()
-
     @property
     def writer_idle_s(self) -> float:
         """A decode session's writer thread retires after this long without work."""
@@ -649,13 +625,6 @@ class LayerwiseSender:
     @writer_idle_s.setter
     def writer_idle_s(self, seconds: float) -> None:
         self.writers.idle_s = seconds
-
-    def idle(self) -> bool:
-        """No queued batch and no write in flight (tests)."""
-        queued = self.writers.queued()
-        with self._lock:
-            inflight = self.tracker.inflight
-        return not inflight and not queued
 
     def _run_batch(self, session: str, batch: _Batch) -> None:
         with self._lock:
@@ -768,6 +737,13 @@ class LayerwiseSender:
         """Totals and the last transfers' timelines (GET /layerwise/transfers)."""
         with self._lock:
             out = self.log.snapshot(self.tracker.num_unannounced())
+            out["writes_in_flight"] = self.tracker.inflight
+            # live P requests that reused another live request's transfer_id
+            out["duplicate_transfer_ids"] = self.tracker.num_duplicates()
+        # writer threads now (one per decode session with work), and whether one
+        # has a batch queued or running
+        out["writers"] = self.writers.num_writers()
+        out["writes_queued"] = self.writers.queued()
         # writes past the engine's bound (frozen or cut-off peers): out of the cap
         out["overdue_writers"] = self.writers.num_overdue()
         out["totals"]["layer_hook_cpu_s"] = self._layer_hook_cpu_s

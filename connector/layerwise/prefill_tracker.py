@@ -47,9 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
-    ComputedStep,
-)
+from .protocol import ComputedStep
 
 
 class TransferState(str, Enum):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.io_affinity import (
+from ..common.io_affinity import (
     deprioritize_current_poller,
     move_current_thread_to_io_cpus,
 )

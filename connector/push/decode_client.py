@@ -53,10 +53,7 @@ from typing import Any
 import httpcore
 import httpx
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ConfigError,
-    normalize_source,
-)
+from ..common.config import ConfigError, normalize_source
 
 
 def source_origin(url: str) -> str:

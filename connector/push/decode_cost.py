@@ -162,16 +162,6 @@ class PushCostModel:
             return Estimate(None, transfer, prefill)
         return Estimate(Decision.NOT_WORTH_IT, transfer, prefill)
 
-    def snapshot(self) -> dict[str, object]:
-        """The current figures (GET-free: logged, and read by tests)."""
-        return {
-            "round_trip_ms": {s: a.value * 1e3 for s, a in self._round_trip.items()},
-            "ms_per_block": {s: a.value * 1e3 for s, a in self._per_block.items()},
-            "us_per_prefill_token": {
-                2**b: a.value * 1e6 for b, a in sorted(self._per_token.items())
-            },
-        }
-
 
 class PrefillTimer:
     """Times D's local prefills: from a request's allocation (nothing external

@@ -44,16 +44,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
-    request_headers,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
-    WarnLimiter,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+from vllm.logger import init_logger
+from vllm.utils.hashing import get_hash_fn_by_name
+
+from ..common.auth import request_headers
+from ..common.config import ExtConfig
+from ..common.fingerprint import WarnLimiter
+from ..hashsync.feed_protocol import (
     FEED_PAGE_MAX_EVENTS,
     FEED_PATH,
     FEED_SNAPSHOT_MAX_KEYS,
@@ -62,18 +59,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_pro
     FeedRequest,
     decode_event,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
-    SCHEDULER_ID,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
-    iter_prompt_block_hashes,
-    to_pool_key,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
-    SourceLanes,
-)
-from vllm.logger import init_logger
-from vllm.utils.hashing import get_hash_fn_by_name
+from ..hashsync.hash_config import SCHEDULER_ID
+from ..hashsync.hashing import iter_prompt_block_hashes, to_pool_key
+from .decode_client import SourceLanes
 
 logger = init_logger(__name__)
 

@@ -78,26 +78,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
-    request_headers,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.gpu_order import (
+from vllm.logger import init_logger
+
+from ..common.auth import request_headers
+from ..common.config import ExtConfig
+from ..common.gpu_order import (
     ComputeEvent,
     EventFactory,
     record_after_compute,
     wait_all,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
-    PROBE_BYTES,
-    KVReader,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
-    SourceLanes,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+from ..common.kv_reader import PROBE_BYTES, KVReader
+from .decode_client import SourceLanes
+from .protocol import (
     MAX_PROBES,
     KVFingerprint,
     PushBlocksRequest,
@@ -108,7 +101,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
     PushProofResponse,
     is_source_refusal,
 )
-from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
@@ -499,7 +491,3 @@ class PushReceiver:
             self._refused &= set(self._transfers)
         out, self._outcome = PushOutcome(self._outcome, refused), {}
         return out
-
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._transfers)

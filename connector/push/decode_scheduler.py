@@ -52,38 +52,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
-    request_headers,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    LINUX_ORPHAN_RETRIES,
-    ExtConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fingerprint import (
-    WarnLimiter,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
-    SourceLanes,
-    source_origin,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
-    Decision,
-    PrefillTimer,
-    PushCostModel,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_index import (
-    FeedFollower,
-    HeldPrefix,
-    HolderIndex,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+from vllm.logger import init_logger
+
+from ..common.auth import request_headers
+from ..common.config import LINUX_ORPHAN_RETRIES, ExtConfig
+from ..common.fingerprint import WarnLimiter
+from .decode_client import SourceLanes, source_origin
+from .decode_cost import Decision, PrefillTimer, PushCostModel
+from .decode_index import FeedFollower, HeldPrefix, HolderIndex
+from .protocol import (
     KVFingerprint,
     MatchBlocksRequest,
     MatchBlocksResponse,
     PushJob,
     PushOutcome,
 )
-from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -44,10 +44,9 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
-    PushRequestError,
-)
 from vllm.logger import init_logger
+
+from .protocol import PushRequestError
 
 logger = init_logger(__name__)
 

@@ -45,27 +45,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.block_runs import (
-    block_entries,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ExtConfig,
-    FaultConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
-    write_refusal,
-    write_stats,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.fault_injection import (
-    write_fault,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.kv_reader import (
-    ReadFn,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
-    WorkerHashSync,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+from vllm.logger import init_logger
+
+from ..common.block_runs import block_entries
+from ..common.config import ExtConfig, FaultConfig
+from ..common.engine_write import write_refusal, write_stats
+from ..common.fault_injection import write_fault
+from ..common.kv_reader import ReadFn
+from ..hashsync.worker_sync import WorkerHashSync
+from .protocol import (
     KVFingerprint,
     MatchBlocksResponse,
     PushBlocksResponse,
@@ -77,15 +65,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
     validate,
     validate_probes,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_destinations import (
-    Destinations,
-    OwnEngine,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_writer import (
-    LowPriorityWriter,
-    WriteFn,
-)
-from vllm.logger import init_logger
+from .source_destinations import Destinations, OwnEngine
+from .source_writer import LowPriorityWriter, WriteFn
 
 logger = init_logger(__name__)
 

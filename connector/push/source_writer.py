@@ -29,10 +29,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.io_affinity import (
-    POLLER_NICE,
-    lower_current_thread_priority,
-)
+from ..common.io_affinity import POLLER_NICE, lower_current_thread_priority
 
 WriteFn = Callable[[str, list[int], list[int], list[int]], int]
 
@@ -50,7 +47,6 @@ class LowPriorityWriter:
             )
         self.write_fn = write_fn
         self.nice = nice
-        self.lowered: bool | None = None  # did the last write's thread get its nice
 
     def __call__(
         self, session: str, src: list[int], dst: list[int], lens: list[int]
@@ -59,7 +55,7 @@ class LowPriorityWriter:
         error: list[BaseException] = []
 
         def run() -> None:
-            self.lowered = lower_current_thread_priority(self.nice)
+            lower_current_thread_priority(self.nice)  # best effort (io_affinity)
             try:
                 result.append(self.write_fn(session, src, dst, lens))
             except BaseException as e:  # handed to the caller, who decides

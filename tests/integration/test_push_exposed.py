@@ -16,8 +16,9 @@ C and D share a token (MOONCAKE_BOOTSTRAP_TOKEN). Checked here across the wire:
 - hostile or slow sources (a fake C in this process, on D's allowlist): absurd
   answers, a KV-cache mismatch, an "ok" that proves nothing, a source trickling
   bytes: D stays up and prefills locally, correctly, within its deadlines.
-Pure logic (TP=2 refusal, guard modes, the in-process fuzz of >= 1000 inputs per
-endpoint) is in tests/unit/connector/push/test_push_security.py.
+Pure logic (TP=2 refusal: tests/unit/connector/push/test_push_destination_refusals.py;
+guard modes: tests/unit/connector/push/test_push_endpoint_guard.py; the in-process
+fuzz of >= 1000 inputs per endpoint: tests/unit/connector/push/test_push_fuzz.py).
 """
 
 from __future__ import annotations
@@ -624,7 +625,7 @@ def test_block_size_mismatch_falls_back_to_local_prefill(env, x64, direction):
     """Instances with different block sizes: the destination sees the source's
     fingerprint in its /match_blocks answer and prefills locally (one warning
     naming both block sizes); the source would refuse the push with 409 too
-    (tests/unit/connector/push/test_push_security.py)."""
+    (tests/unit/connector/push/test_push_destination_refusals.py)."""
     c, d, _ = env
     x = x64
     src, dst = (x, d) if direction == "128 from 64" else (c, x)

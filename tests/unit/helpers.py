@@ -30,7 +30,7 @@ from fastapi import FastAPI
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
     EndpointGuard,
-    client_headers,
+    read_key,
     request_headers,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
@@ -74,6 +74,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.routes import (
     Served,
     add_routes,
 )
+
+
+def get_headers(config: ExtConfig) -> dict[str, str]:
+    """Headers for the GET routes (``/push/stats``, ``/hashsync``,
+    ``/layerwise/transfers``): the read key derived from the token, as a bearer (what
+    harness/pd_client.py sends; never the token itself)."""
+    headers = {"content-type": "application/json"}
+    if config.bootstrap_token:
+        headers["authorization"] = f"Bearer {read_key(config.bootstrap_token)}"
+    return headers
 
 
 class RecordedFence:
@@ -290,7 +300,7 @@ class CServer:
             config, push=self.server, hashsync=self.sync
         )
         self.port = int(self.url.rsplit(":", 1)[1])
-        self.headers = client_headers(config)  # the GET routes (bearer)
+        self.headers = get_headers(config)  # the GET routes (bearer)
         self.http = httpx.Client(base_url=self.url, timeout=30)
 
     def destination(self, session: str = D_SESSION) -> KV:
@@ -440,3 +450,128 @@ def poll_finished_sending(sender, want, timeout=5.0) -> set[str]:
         seen |= sender.poll()
         time.sleep(0.01)
     return seen
+
+
+def sender_idle(sender) -> bool:
+    """A LayerwiseSender has no batch queued and no write in flight."""
+    snap = sender.snapshot()
+    return not snap["writes_queued"] and not snap["writes_in_flight"]
+
+
+def commit_pending(table) -> int:
+    """Seal a WorkerHashTable's current step as completed and publish what is ready."""
+    table.seal_pending(None)
+    return table.commit_ready()
+
+
+# ---- prefix push: C's endpoint, as the push tests call it ----------------------
+
+TOKEN = "tok-3f9c2a7e51"
+READ = read_key(TOKEN)  # the GET routes' bearer key
+AUTH = {"authorization": f"Bearer {READ}"}
+
+
+def changed_bytes(before: bytes, after: bytes) -> int:
+    return int(
+        np.count_nonzero(
+            np.frombuffer(before, np.uint8) != np.frombuffer(after, np.uint8)
+        )
+    )
+
+
+def push_body(d: KV, session: str = D_SESSION, **over) -> dict:
+    b = {
+        "token_ids": TOKENS,
+        "cache_salt": None,
+        "lora_name": None,
+        "block_size": BS,
+        "dst_session": session,
+        "dst_kv_base_addrs": d.bases,
+        "dst_block_ids": DST_BLOCKS,
+        "first_block": 0,
+        "block_len": BLEN,
+        "request_id": "r1",
+        "deadline_unix_ms": int(time.time() * 1000) + 60_000,
+        "dst_num_blocks": NBLK,
+        "source_id": C_SOURCE,
+        "fingerprint": FP.model_dump(),
+    }
+    b.update(over)
+    return b
+
+
+def assert_landed(c: KV, d: KV, dst_blocks=DST_BLOCKS) -> None:
+    for s in range(SLOTS):
+        for cb, db in zip(C_BLOCKS, dst_blocks):
+            assert (d.block(s, db) == c.block(s, cb)).all(), f"slot {s} block {db}"
+        for b in set(range(NBLK)) - set(dst_blocks):
+            assert not d.block(s, b).any(), f"slot {s} block {b} was written"
+
+
+def assert_push_ok(c_srv: CServer, d: KV, r: httpx.Response) -> None:
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["status"] == "ok" and out["pushed_blocks"] == 3, out
+    assert out["bytes"] == 3 * SLOTS * BLEN
+    assert_landed(c_srv.c, d)
+
+
+def refused(c: CServer, body: dict, status: int, *dests: KV, **kw) -> dict:
+    calls = len(c.engine.log)
+    snaps = [x.snapshot() for x in dests]
+    r = c.post("/push_blocks", body, **kw)
+    assert r.status_code == status, r.text
+    assert len(c.engine.log) == calls, "the engine was called for a refused push"
+    for x, s in zip(dests, snaps):
+        assert x.snapshot() == s, "a refused push changed destination bytes"
+    return r.json()
+
+
+# ---- answers and bodies written as raw JSON ---------------------------------------
+
+
+class Raw:
+    """A JSON literal written as is (NaN, 1e400, 0x10, ...)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def dumps(obj) -> bytes:
+    raws: list[str] = []
+
+    def sub(o):
+        if isinstance(o, Raw):
+            raws.append(o.text)
+            return f"@@RAW{len(raws) - 1}@@"
+        if isinstance(o, dict):
+            return {k: sub(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [sub(v) for v in o]
+        return o
+
+    text = json.dumps(sub(obj))
+    for i, r in enumerate(raws):
+        text = text.replace(f'"@@RAW{i}@@"', r)
+    return text.encode()
+
+
+NOW = Raw("@@NOW@@")  # C's clock in an answer: the time it is sent (fresh())
+
+
+def match_answer(**over):
+    b = {
+        "matched_blocks": 4,
+        "matched_tokens": 4 * BS,
+        "total_full_blocks": 5,
+        "fingerprint": FP.model_dump(),
+        "engine_timeout_s": 30,
+        "source_id": C_SOURCE,
+        "now_unix_ms": NOW,
+    }
+    b.update(over)
+    return dumps({k: v for k, v in b.items() if v is not ...})
+
+
+def fresh(body: bytes) -> bytes:
+    return body.replace(b"@@NOW@@", str(int(time.time() * 1000)).encode())

@@ -23,7 +23,14 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import C_SOURCE, filled_mirror, push_job, serve_push, wait_until
+from helpers import (
+    C_SOURCE,
+    filled_mirror,
+    push_job,
+    sender_idle,
+    serve_push,
+    wait_until,
+)
 
 from harness.launcher import free_port
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
@@ -150,7 +157,7 @@ def test_layerwise_queued_write_of_timed_out_transfer_never_runs(loop):
     assert err_b and "timed out" in err_b
     gate_a.set()
     fa.result(5)
-    assert wait_until(lambda: sender.idle())
+    assert wait_until(lambda: sender_idle(sender))
     time.sleep(0.1)
     late = [t for t in engine.writes_to("B") if t >= ended_b]
     assert late == [], (
@@ -174,7 +181,7 @@ def test_layerwise_queued_write_of_aborted_transfer_never_runs(loop):
     assert "pB" in sender.poll()  # nothing of B in flight: its blocks may go
     gate_a.set()
     assert fa.result(5) is None
-    assert wait_until(lambda: sender.idle())
+    assert wait_until(lambda: sender_idle(sender))
     time.sleep(0.1)
     assert [t for t in engine.writes_to("B") if t >= ended_b] == []
     sender.shutdown()

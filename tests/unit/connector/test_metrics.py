@@ -4,6 +4,15 @@ parsed with Prometheus' own client parser, behind the GET routes' key."""
 from __future__ import annotations
 
 import httpx
+from helpers import (
+    LW_TENSOR,
+    LayerwiseEngine,
+    lw_dest,
+    lw_step,
+    make_layerwise_sender,
+    sender_idle,
+    wait_until,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
@@ -14,6 +23,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_wri
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_refusal import (
     RefusedPeers,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protocol import (
+    LayerwiseMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metrics import (
     exposition,
@@ -86,3 +98,24 @@ def test_a_destinations_push_decisions_are_exposed_by_reason():
     assert "vllm_mooncake_ext_push_decisions_total" not in str(
         samples(exposition(None))
     )
+
+
+def test_a_prefills_layerwise_writers_and_writes_in_flight_are_exposed(loop):
+    engine = LayerwiseEngine()
+    sender = make_layerwise_sender(engine)
+    gate = engine.gate("d:1")
+    fut = loop.submit(sender.push("T", lw_dest("d:1")))
+    assert wait_until(lambda: sender.tracker.num_unannounced() == 1)
+    sender.on_metadata(LayerwiseMetadata(steps=[lw_step("T")]))
+    sender.layer_saved("l0", LW_TENSOR)
+    assert engine.entered["d:1"].wait(5)  # the write is in the engine
+    got = samples(exposition(None, layerwise=sender))
+    assert got["vllm_mooncake_ext_layerwise_writers"] == 1
+    # one write per KV tensor of the layer (its two slots), in one engine call
+    assert got["vllm_mooncake_ext_layerwise_writes_in_flight"] == 2
+    gate.set()
+    assert wait_until(lambda: sender_idle(sender))
+    got = samples(exposition(None, layerwise=sender))
+    assert got["vllm_mooncake_ext_layerwise_writes_in_flight"] == 0
+    sender.shutdown()
+    fut.cancel()  # D's answer waits for the prefill's end, which this test skips

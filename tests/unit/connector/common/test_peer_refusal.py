@@ -7,7 +7,6 @@ tests/integration/test_engine_failure_semantics.py."""
 from __future__ import annotations
 
 import logging
-import time
 
 from helpers import (
     BLEN,
@@ -16,14 +15,13 @@ from helpers import (
     C_SESSION,
     C_SOURCE,
     D_SESSION,
-    DST_BLOCKS,
     FP,
     HCFG,
     KV,
-    NBLK,
     TOKENS,
     RecordedFence,
     filled_mirror,
+    push_body,
 )
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
@@ -181,19 +179,7 @@ def test_a_push_to_a_destination_whose_writes_keep_failing_is_answered_at_once()
         ExtConfig(),
         source_id=C_SOURCE,
     )
-    body = {
-        "token_ids": TOKENS,
-        "block_size": BS,
-        "dst_session": D_SESSION,
-        "dst_kv_base_addrs": d.bases,
-        "dst_block_ids": DST_BLOCKS,
-        "block_len": BLEN,
-        "request_id": "r1",
-        "deadline_unix_ms": int(time.time() * 1000) + 60_000,
-        "dst_num_blocks": NBLK,
-        "source_id": C_SOURCE,
-        "fingerprint": FP.model_dump(),
-    }
+    body = push_body(d)
     for _ in range(3):
         code, resp = server.push(body)
         assert code == 200 and resp["status"] == "failed", resp

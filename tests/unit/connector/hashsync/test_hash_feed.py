@@ -12,6 +12,7 @@ import time
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from helpers import commit_pending
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth import (
     EndpointGuard,
@@ -120,12 +121,12 @@ def test_a_deferred_store_enters_the_feed_only_once_its_step_is_committed():
 
     # a second block under the same key: the key was already held, no event
     t.apply(delta((S, k(1), 11)))
-    t.commit_pending()
+    commit_pending(t)
     assert t.lookup(k(1)) == [10, 11]
     assert page_after(t, p).events == [] and t.feed_position() == 1
     # a store removed before its step was committed never enters the feed
     t.apply(delta((S, k(2), 12), (R, k(2), 12)))
-    t.commit_pending()
+    commit_pending(t)
     assert page_after(t, p).events == []
     # one of two holders removed: still held, no event; the last one: "-"
     t.apply(delta((R, k(1), 10)))
@@ -282,7 +283,7 @@ def test_a_page_tells_d_which_leading_blocks_of_a_prompt_the_source_holds():
     keys = prompt_keys()
     t = table(defer=True)
     t.apply(delta(*[(S, key, 20 + i) for i, key in enumerate(keys[:3])]))
-    t.commit_pending()
+    commit_pending(t)
     idx = HolderIndex([ORIGIN], BS)
     first = on_the_wire(t.feed_page(None, 0, BS))
     assert idx.apply(ORIGIN, first) is False

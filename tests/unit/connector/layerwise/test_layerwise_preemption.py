@@ -16,7 +16,7 @@ import time
 from types import SimpleNamespace as NS
 
 import torch
-from helpers import wait_until
+from helpers import sender_idle, wait_until
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
@@ -143,6 +143,6 @@ def test_preemption_after_the_last_chunk_with_a_lagging_writer_fails_the_transfe
         request("rb", 8, RequestStatus.FINISHED_LENGTH_CAPPED), [7, 8], "B"
     )
     sender.on_metadata(sched.build(output()))
-    assert wait_until(lambda: sender.idle())
+    assert wait_until(lambda: sender_idle(sender))
     assert sender.poll() == {"ra", "rb"}
     sender.shutdown()

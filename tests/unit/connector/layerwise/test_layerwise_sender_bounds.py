@@ -26,6 +26,7 @@ from helpers import (
     lw_step,
     make_layerwise_sender,
     poll_finished_sending,
+    sender_idle,
     wait_until,
 )
 
@@ -340,7 +341,7 @@ def test_a_hundred_decode_sessions_one_after_another_all_succeed(loop):
     assert not failed, (
         f"{len(failed)} of 100 transfers failed, first: {next(iter(failed.items()))}"
     )
-    assert sender.num_writers() <= sender.writers.max_peers
+    assert sender.snapshot()["writers"] <= sender.writers.max_peers
     sender.shutdown()
 
 
@@ -389,7 +390,7 @@ def test_two_live_requests_with_one_transfer_id_both_free_their_blocks(loop):
         )
     )
     assert poll_finished_sending(sender, {"pa", "pb"}) == {"pa", "pb"}
-    assert sender.tracker.num_duplicates() == 0
+    assert sender.snapshot()["duplicate_transfer_ids"] == 0
     sender.shutdown()
 
 
@@ -405,7 +406,7 @@ def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(
     assert wait_until(lambda: writer_threads() == before), (
         f"{writer_threads() - before} writer threads still alive after being idle"
     )
-    assert sender.num_writers() == 0
+    assert sender.snapshot()["writers"] == 0
     # a writer busy in the engine is not retired, however long its write takes
     gate = engine.gate("slow:1")
     fut = loop.submit(sender.push("S", lw_dest("slow:1")))
@@ -414,7 +415,7 @@ def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(
     sender.layer_saved("l0", LW_TENSOR)
     assert engine.entered["slow:1"].wait(5)
     time.sleep(0.5)
-    assert sender.num_writers() == 1
+    assert sender.snapshot()["writers"] == 1
     # at the cap, a new session is refused while every writer has work ...
     monkeypatch.setattr(sender.writers, "max_peers", 1)
     assert "decode peers" in one_transfer(sender, loop, "N1", "new:1")
@@ -422,7 +423,7 @@ def test_idle_writers_retire_and_a_session_with_work_keeps_its_writer(
     assert fut.result(5) is None
     # ... and served as soon as one has none
     sender.writer_idle_s = 30.0
-    assert wait_until(lambda: sender.idle())
+    assert wait_until(lambda: sender_idle(sender))
     assert one_transfer(sender, loop, "N2", "new:2") is None
     sender.shutdown()
 

@@ -23,12 +23,14 @@ from helpers import (
     KV,
     NBLK,
     SCHED_FP,
+    TOKEN,
     TOKENS,
     ask,
+    assert_landed,
     d_request,
+    push_body,
     push_job,
 )
-from test_push_security import TOKEN, assert_landed, push_body
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import auth
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (

@@ -14,8 +14,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import C_SESSION, D_SESSION, KV, NBLK, wait_until
-from test_push_security import assert_push_ok, push_body, refused
+from helpers import (
+    C_SESSION,
+    D_SESSION,
+    KV,
+    NBLK,
+    assert_push_ok,
+    push_body,
+    refused,
+    wait_until,
+)
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     PushRequestError,

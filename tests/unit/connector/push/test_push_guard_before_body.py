@@ -12,9 +12,8 @@ from __future__ import annotations
 import socket
 import time
 
-from helpers import TOKENS
+from helpers import TOKEN, TOKENS
 from test_push_credentials import C_CONFIG
-from test_push_security import TOKEN
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import routes
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import auth

@@ -33,6 +33,7 @@ from helpers import (
     ask,
     d_request,
     filled_mirror,
+    match_answer,
     push_job,
     serve_push,
 )
@@ -124,20 +125,7 @@ def test_the_round_trip_counts_against_the_allowance():
         def post(source, path, content, headers, deadline):
             c_now = wall[0] + round_trip_s / 2 + 2
             wall[0] += round_trip_s
-            return Answer(
-                200,
-                json.dumps(
-                    {
-                        "matched_blocks": 4,
-                        "matched_tokens": 4 * BS,
-                        "total_full_blocks": 5,
-                        "fingerprint": FP.model_dump(),
-                        "engine_timeout_s": 30,
-                        "source_id": C_SOURCE,
-                        "now_unix_ms": int(c_now * 1000),
-                    }
-                ).encode(),
-            )
+            return Answer(200, match_answer(now_unix_ms=int(c_now * 1000)))
 
         sched._lanes.post = post
         try:

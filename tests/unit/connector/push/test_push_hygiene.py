@@ -26,11 +26,14 @@ from helpers import (
     KV,
     NBLK,
     SCHED_FP,
+    TOKEN,
+    assert_landed,
+    assert_push_ok,
+    push_body,
     push_job,
     serve,
     serve_routes,
 )
-from test_push_security import TOKEN, assert_landed, assert_push_ok, push_body
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import auth
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (

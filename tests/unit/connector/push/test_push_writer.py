@@ -30,7 +30,6 @@ def test_returns_the_engines_code_after_it_returned_from_a_lowered_thread():
     [(session, src, dst, lens, tid, nice)] = calls
     assert (session, src, dst, lens) == ("peer:1", [1], [2], [3])
     assert tid != threading.get_native_id() and nice == WRITER_NICE == 19
-    assert w.lowered is True
     assert nice_of_this_thread() == before  # the caller's thread is untouched
 
 
