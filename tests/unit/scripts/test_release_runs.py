@@ -74,7 +74,13 @@ def stand_in_project(
 
 
 def run_tests(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("VMP_VERBOSE", "VMP_LOG")}
+    # test.sh's own selection of a release stays out (scripts/test.sh sets VMP_VLLM
+    # for the pytest that runs this)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VMP_VERBOSE", "VMP_LOG", "VMP_VLLM")
+    }
     env.update(VMP_LOG_DIR=str(tmp_path / "logs"), PYTHON=sys.executable)
     return subprocess.run(
         ["bash", str(root / "scripts" / "test.sh")],
