@@ -2,9 +2,10 @@
 """P's worker side of layer-wise push: the owner of every transfer and its writes.
 
 The forward pass calls :meth:`LayerwiseSender.on_metadata` before the model
-runs and :meth:`LayerwiseSender.layer_saved` after each attention layer; the
-writes that became possible are queued to the writer thread of their decode
-peer (one per D session, so a dead or slow peer stalls only its own
+runs and :meth:`LayerwiseSender.layer_saved` after each attention layer. The
+forward thread only records the layer (O(1) per layer, whatever the batch); the
+issuer thread turns it into the writes that became possible and queues them to
+the writer thread of their decode peer (one per D session, so a dead or slow peer stalls only its own
 transfers), which issues them with the transfer engine
 (``batch_transfer_sync_write``) in FIFO order while later layers compute. D's request for the KV (upstream's ZMQ
 MooncakeXferMetadata) is served by :meth:`LayerwiseSender.serve`, which
@@ -35,7 +36,8 @@ Bounded state: at most MAX_TRANSFERS_PER_REQUEST transfers are served from one
 of D's requests and MAX_UNKNOWN destinations wait for unannounced ids; a
 writer thread serves one decode session while it has work and retires after
 ``writer_idle_s`` idle (MAX_PEERS counts sessions with work); the forward
-thread's per-step calls cost O(transfers the step names or that ended).
+thread's per-step calls cost O(transfers the step names or that ended), its
+per-layer call O(1).
 
 GPU ordering: on CUDA the attention kernels run asynchronously. Each write
 waits, before the engine reads P's blocks, on the event recorded after the
@@ -70,6 +72,7 @@ from ..common.gpu_order import (
     record_after_compute,
     wait_all,
 )
+from ..common.io_affinity import move_current_thread_to_io_cpus
 from .prefill_stats import TransferLog, TransferStats
 from .prefill_tracker import Destination, LayerwiseTracker, TransferState, WriteOp
 from .prefill_writers import WriterPool
@@ -93,6 +96,8 @@ MAX_REFUSED_IDS = 4096
 OVERDUE_CHECK_S = 1.0
 # decode instances named in the "arrived after prefill" warning (once each)
 MAX_LATE_PEERS = 64
+# The issuer thread wakes at least this often to check for shutdown.
+ISSUER_WAIT_S = 1.0
 
 
 def slots_by_layer(
@@ -206,6 +211,19 @@ class LayerwiseSender:
         self.log = TransferLog()  # changed under self._lock
         # decode sessions warned of a pull that arrived after the prefill
         self._late_peers: set[str] = set()
+        # Layers computed and not yet turned into writes: (slots, event), in
+        # order; layer_saved appends, issue_computed_layers drains (under _lock).
+        self._computed_layers: collections.deque[
+            tuple[list[int], ComputeEvent | None]
+        ] = collections.deque()
+        self._issue_ready = threading.Condition(self._lock)
+        self._stopping = False
+        self._issuer_cpu_s = 0.0  # the issuer thread's CPU time (its own clock)
+        self._forward_tid: int | None = None  # the forward thread (on_metadata's)
+        self._issuer = threading.Thread(
+            target=self._issuer_loop, daemon=True, name="vllm-mooncake-issue-layers"
+        )
+        self._issuer.start()
 
     @classmethod
     def for_kv_caches(
@@ -237,6 +255,8 @@ class LayerwiseSender:
     # ---- forward thread ------------------------------------------------------
     def on_metadata(self, meta: LayerwiseMetadata) -> None:
         """Called before the forward pass with this step's layer-wise metadata."""
+        self._forward_tid = threading.get_native_id()  # for forward_thread_cpu_s
+        self.issue_computed_layers()  # the previous step's, if the issuer lags
         ops: list[WriteOp] = []
         now = self._clock()
         with self._lock:
@@ -300,10 +320,13 @@ class LayerwiseSender:
             return
         cpu0 = self._cpu_clock()
         event = self._event_factory(kv_layer)  # None on synchronous (CPU) compute
-        with self._lock:
+        with self._issue_ready:
             for s in slots:
                 self._slot_events[s] = event
-            ops = self.tracker.layer_computed(slots)
+            # O(1) here: the issuer thread turns the layer into each transfer's
+            # writes (issue_computed_layers)
+            self._computed_layers.append((slots, event))
+            self._issue_ready.notify()
             self._layers_this_step += 1
             if self._layers_this_step == len(self.layer_slots):
                 now = self._clock()
@@ -311,9 +334,33 @@ class LayerwiseSender:
                     st = self.log.get(tid)
                     if st is not None and st.prefill_end is None:
                         st.prefill_end = now
-        self._submit(ops, (event,))
         self._layer_hook_cpu_s += self._cpu_clock() - cpu0
         self._layer_hook_calls += 1
+
+    def issue_computed_layers(self) -> None:
+        """Turn the layers computed so far into their transfers' writes and queue
+        them. Runs on the issuer thread after each layer, and on the forward
+        thread at the start of the next step (on_metadata), so a step's layers are
+        issued against that step's tracker state, before the next step begins."""
+        batches: list[tuple[list[WriteOp], ComputeEvent | None]] = []
+        with self._lock:
+            while self._computed_layers:
+                slots, event = self._computed_layers.popleft()
+                ops = self.tracker.layer_computed(slots)
+                if ops:
+                    batches.append((ops, event))
+        for ops, event in batches:
+            self._submit(ops, (event,))
+
+    def _issuer_loop(self) -> None:
+        move_current_thread_to_io_cpus(self.config.io_cpus)
+        cpu0 = time.thread_time()
+        while not self._stopping:
+            with self._issue_ready:
+                if not self._computed_layers:
+                    self._issue_ready.wait(ISSUER_WAIT_S)
+            self.issue_computed_layers()
+            self._issuer_cpu_s = time.thread_time() - cpu0
 
     def poll(self) -> set[str]:
         """Expire transfers D never asked for; return P requests whose blocks can be freed.
@@ -694,6 +741,10 @@ class LayerwiseSender:
             logger.error("Layer-wise push: %s", err)
 
     def shutdown(self) -> None:
+        with self._issue_ready:
+            self._stopping = True
+            self._issue_ready.notify()
+        self._issuer.join(timeout=2 * ISSUER_WAIT_S)
         self.writers.shutdown()
 
     # ---- completion ------------------------------------------------------------
@@ -743,13 +794,32 @@ class LayerwiseSender:
         # writer threads now (one per decode session with work), and whether one
         # has a batch queued or running
         out["writers"] = self.writers.num_writers()
-        out["writes_queued"] = self.writers.queued()
+        with self._lock:
+            layers_to_issue = bool(self._computed_layers)
+        out["writes_queued"] = self.writers.queued() or layers_to_issue
         # writes past the engine's bound (frozen or cut-off peers): out of the cap
         out["overdue_writers"] = self.writers.num_overdue()
         out["totals"]["layer_hook_cpu_s"] = self._layer_hook_cpu_s
         out["totals"]["layer_hook_calls"] = self._layer_hook_calls
+        # the issuer thread's CPU time (the per-transfer work of each layer)
+        out["totals"]["layer_issue_cpu_s"] = self._issuer_cpu_s
+        # the forward thread's CPU time since it started: what P's compute cost,
+        # on a clock other processes cannot advance (mb7's P slowdown)
+        out["totals"]["forward_thread_cpu_s"] = thread_cpu_s(self._forward_tid)
         out.update(write_stats(self.write_fn))  # failed, fenced, refused writes
         return out
+
+
+def thread_cpu_s(native_id: int | None) -> float | None:
+    """CPU seconds a thread of this process has run (the scheduler's own count,
+    /proc/self/task/<tid>/schedstat, in ns); None off Linux or if it is gone."""
+    if native_id is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

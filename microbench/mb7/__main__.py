@@ -72,14 +72,44 @@ from .plan import LAYERWISE, POSTHOC, TRANSFER_ARMS, Progress, Step, plan
 from .report import TABLE, build_rows, plot, summary_lines, table_rows, targets
 
 REQUEST_TIMEOUT_S = float(os.environ.get("VMP_MB7_REQUEST_TIMEOUT_S", "180"))
-QUICK = {"sizes": "512,1024,2048", "reps": 3, "load": "0,8", "concurrency": "1,4,16"}
+QUICK = {
+    "sizes": "512,1024,2048",
+    "reps": 3,
+    "load": "0,8",
+    "concurrency": "1,4,16",
+    # a third instance's start costs ~1 min here: two P's only under --full (or
+    # with --two-prefill-levels), so the default run stays near 10 min
+    "two_prefill": "0",
+    # the sweep's prompt lengths: a 2048-token prefill takes ~9 s on this machine's
+    # one P core, so the default sweep mixes the shorter two (<= 10 min in all)
+    "sweep_sizes": "512,1024",
+}
 FULL = {
     "sizes": "512,1024,2048,4096",
     "reps": 5,
     "load": "0,8",
     "concurrency": "1,4,16,32",
+    "two_prefill": "4,16",
+    "sweep_sizes": None,  # all of --sizes
 }
 HELD_WAIT_S = 30.0
+
+
+class Phases:
+    """Wall time of each part of the run, in order (the JSON's "phases")."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.last = clock()
+        self.laps: list[dict] = []
+
+    def lap(self, name: str) -> None:
+        now = self.clock()
+        self.laps.append({"phase": name, "seconds": now - self.last})
+        self.last = now
+
+    def text(self) -> str:
+        return ", ".join(f"{x['phase']} {x['seconds']:.0f}s" for x in self.laps)
 
 
 def cluster_plan(loads: list[int], io_cpus: str) -> list[tuple[bool, list[int]]]:
@@ -95,7 +125,9 @@ def cluster_plan(loads: list[int], io_cpus: str) -> list[tuple[bool, list[int]]]
     return [(io_cpus == "on", loads)]
 
 
-def cluster_specs(args, facts: dict, io_on: bool) -> list[InstanceSpec]:
+def cluster_specs(
+    args, facts: dict, io_on: bool, two_prefills: bool = False
+) -> list[InstanceSpec]:
     common = dict(
         model=facts["path"],
         protocol=args.protocol,
@@ -116,6 +148,16 @@ def cluster_specs(args, facts: dict, io_on: bool) -> list[InstanceSpec]:
         else {"MOONCAKE_DECODE_MAX_PULLS": str(args.decode_max_pulls)}
     )
     gpus = lambda ids: {"CUDA_VISIBLE_DEVICES": ids} if ids else {}  # noqa: E731
+    # a second P for the sweep's two-P levels (its cores: --p2-cores)
+    second = [
+        InstanceSpec(
+            "prefill2",
+            role="kv_producer",
+            cores=args.p2_cores or args.p_cores,
+            env={**env, **gpus(args.p2_gpus)},
+            **common,
+        )
+    ]
     return [
         InstanceSpec(
             "prefill",
@@ -124,6 +166,7 @@ def cluster_specs(args, facts: dict, io_on: bool) -> list[InstanceSpec]:
             env={**env, **gpus(args.p_gpus)},
             **common,
         ),
+        *(second if two_prefills else []),
         InstanceSpec(
             "decode",
             role="kv_consumer",
@@ -208,14 +251,19 @@ def blocks_held(p, d, modes, prompts, kv_tokens: int, phase: str) -> list[dict]:
 def describe(s) -> str:
     if s.error:
         return f"FAILED: {s.error[:160]}"
+    cpu = (
+        f", its forward thread's CPU {s.p_forward_cpu_s:.2f}s"
+        if s.p_forward_cpu_s is not None
+        else ""
+    )
     if s.arm == "prefill_only":
-        return f"P alone {s.p_latency_s:.2f}s"
+        return f"P alone {s.p_latency_s:.2f}s{cpu}"
     hit = f"{1e3 * s.local_hit_s:.0f}ms" if s.local_hit_s is not None else "-"
     hit += (
         f" (client {1e3 * s.local_hit_client_s:.0f}ms)" if s.local_hit_client_s else ""
     )
     return (
-        f"client tail {1e3 * s.client_tail_s:.0f}ms (P {s.p_latency_s:.2f}s), "
+        f"client tail {1e3 * s.client_tail_s:.0f}ms (P {s.p_latency_s:.2f}s{cpu}), "
         f"local hit {hit}, "
         f"correct={s.correct}"
     )
@@ -229,18 +277,25 @@ def run_cluster(
     steps: dict[int, list[Step]],
     progress: Progress,
     modes: tuple[str, ...],
+    phases: Phases,
 ) -> tuple[list[dict], list, list, tuple[list, list]]:
     samples, held, warm, conc = [], [], [], ([], [])
     prompts = PromptSource(facts["vocab_size"], seed=args.seed + (0 if io_on else 1000))
+    sweeping = 0 in steps and bool(args.concurrency or args.two_prefill)
+    two_p = sweeping and bool(args.two_prefill)
     progress.note(
-        f"starting P (cores {args.p_cores}) and D (cores {args.d_cores}), transfer "
+        f"starting P (cores {args.p_cores}) "
+        + (f"and a second P (cores {args.p2_cores or args.p_cores}) " if two_p else "")
+        + f"and D (cores {args.d_cores}), transfer "
         f"threads {'on D' if io_on else 'per instance'}; logs in {log_dir}"
     )
-    with Cluster(cluster_specs(args, facts, io_on), log_dir) as cluster:
+    with Cluster(cluster_specs(args, facts, io_on, two_p), log_dir) as cluster:
         p, d = cluster["prefill"], cluster["decode"]
         pm, dm = model_name(p.url), model_name(d.url)
+        phases.lap("cluster start" + (" (3 instances)" if two_p else ""))
         progress.note("P and D ready")
         warm = warm_up(p, d, pm, dm, prompts, progress)
+        phases.lap("warm-up")
         for load, load_steps in steps.items():
             with contextlib.ExitStack() as streams:
                 if load:
@@ -270,6 +325,7 @@ def run_cluster(
             except (httpx.HTTPError, KeyError) as e:
                 progress.note(f"P's /layerwise/transfers unreadable: {e!r}")
                 timelines = {}
+            phases.lap(f"single requests, {'idle' if not load else f'load {load}'}")
             for s in phase:
                 row = s.as_dict()
                 row.update(where_the_tail_goes(row, timelines.get(s.transfer_id)))
@@ -279,17 +335,27 @@ def run_cluster(
                 samples.append(row)
             if load == 0:
                 held += blocks_held(p, d, modes, prompts, min(args.sizes), "idle")
-        if 0 in steps and args.concurrency:
-            conc = sweep(
-                p,
+                phases.lap("blocks held, idle")
+        conc_samples, conc_held = [], []
+        runs = [([p], args.concurrency)] if args.concurrency else []
+        if two_p:
+            runs.append(([p, cluster["prefill2"]], args.two_prefill))
+        for ps, levels in runs if sweeping else []:
+            cs, ch = sweep(
+                ps,
                 d,
-                args.concurrency,
+                levels,
                 modes,
-                args.sizes,
+                args.sweep_sizes,
                 prompts,
                 REQUEST_TIMEOUT_S,
                 progress.note,
             )
+            conc_samples += cs
+            conc_held += ch
+            phases.lap(f"concurrency sweep, {len(ps)} P")
+        conc = (conc_samples, conc_held)
+    phases.lap("cluster stop")
     return samples, held, warm, conc
 
 
@@ -332,6 +398,30 @@ def main(argv: list[str] | None = None) -> int:
         help="P->D requests in flight at once, comma separated, run in the idle "
         f"cluster after its steps; 0 = no sweep (default {QUICK['concurrency']}, "
         f"--full {FULL['concurrency']})",
+    )
+    ap.add_argument(
+        "--two-prefill-levels",
+        default=None,
+        help="levels of the sweep run again with two P instances writing into one D "
+        "(requests alternate between them; starts a third instance); 0 = none "
+        "(default "
+        f"{QUICK['two_prefill']}, --full {FULL['two_prefill']})",
+    )
+    ap.add_argument(
+        "--sweep-sizes",
+        default=None,
+        help="KV tokens of the sweep's prompts, mixed in every level (default "
+        f"{QUICK['sweep_sizes']}; --full: all of --sizes)",
+    )
+    ap.add_argument(
+        "--p2-cores",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND of the second P (default: P's cores, shared)",
+    )
+    ap.add_argument(
+        "--p2-gpus",
+        default=None,
+        help="GPU hosts: CUDA_VISIBLE_DEVICES of the second P; unverified here",
     )
     ap.add_argument(
         "--decode-max-pulls",
@@ -386,12 +476,27 @@ def main(argv: list[str] | None = None) -> int:
         for s in (args.concurrency or defaults["concurrency"]).split(",")
         if int(s) > 0
     ]
+    args.two_prefill = [
+        int(s)
+        for s in (args.two_prefill_levels or defaults["two_prefill"]).split(",")
+        if int(s) > 0
+    ]
+    sweep_sizes = args.sweep_sizes or defaults["sweep_sizes"]
+    args.sweep_sizes = (
+        [int(s) for s in sweep_sizes.split(",")] if sweep_sizes else list(args.sizes)
+    )
+    if not set(args.sweep_sizes) <= set(args.sizes):
+        ap.error(
+            f"--sweep-sizes {args.sweep_sizes} must be among --sizes {args.sizes} "
+            "(their floors come from the single-request steps)"
+        )
     modes = tuple(m for m in args.modes.split(",") if m)
     for m in modes:
         if m not in TRANSFER_ARMS:
             ap.error(f"unknown mode {m!r}; known: {list(TRANSFER_ARMS)}")
 
     t_start = time.monotonic()
+    phases = Phases()
     model_dir = args.model or ensure_model(ModelShape())
     facts = model_facts(Path(model_dir))
     run_id = stamp()
@@ -424,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         + f" (engine log: {probe_log})"
     )
+    phases.lap("model and engine probe")
     samples, held, warm = [], [], []
     conc_samples, conc_held = [], []
     for io_on, loads in cluster_plan(args.loads, args.io_cpus):
@@ -435,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             {x: steps[x] for x in loads},
             progress,
             modes,
+            phases,
         )
         samples += s
         held += h
@@ -470,19 +577,22 @@ def main(argv: list[str] | None = None) -> int:
             "blocks_held": conc_held,
         },
         "seconds": time.monotonic() - t_start,
+        "phases": phases.laps,
     }
     mname = f"{machine.get('model_name', '?')}, {machine.get('cores')} cores"
     lines = summary_lines(rows, tgts, held)
     if conc_rows:
         lines.append(
-            "[mb7] concurrency sweep (idle cluster; N P->D requests at once, prompt "
-            "lengths mixed; engines' clock):"
+            "[mb7] concurrency sweep (idle cluster; N P->D requests at once from "
+            f"one P, or alternating between two; prompts of {args.sweep_sizes} KV "
+            "tokens mixed; engines' clock):"
         )
         lines += ["    " + ln for ln in table_lines(conc_rows)]
     lines.append(
         f"[mb7] {len(samples)} measurements in {result['seconds'] / 60:.1f} min on "
         f"{mname}; logs in {log_dir}"
     )
+    lines.append("[mb7] where the run's time went: " + phases.text())
     result["summary"] = {"lines": lines}
     png = plot(rows, out.with_suffix(".png"), facts, mname)
     return finish(

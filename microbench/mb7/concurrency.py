@@ -2,7 +2,9 @@
 
 Per level N and mode, rounds of N requests sent together (``pd_generate`` from
 N threads), each with a fresh prompt, the lengths cycling through mb7's sizes
-(mixed in every round), until at least :data:`MIN_SAMPLES` requests ran. Per
+(mixed at every level), until at least :data:`MIN_SAMPLES` requests ran. With
+two P instances (mb7 --two-prefill-levels) the requests of a round alternate
+between them, so two P's write into one D at once. Per
 request: the tail on the engines' clock (D's first token - P's last layer,
 measure.where_the_tail_goes), tail / floor (the idle floor of its size from
 mb7's rows), the longest wait of its writes in P's per-peer writer FIFO
@@ -64,16 +66,28 @@ def p50_p90_max(xs: list[float]) -> dict | None:
     }
 
 
-def one_round(p, d, mode: str, sizes: list[int], prompts, level: int, timeout):
-    """``level`` P -> D requests sent at once; one dict per request."""
-    jobs = [
-        (sizes[i % len(sizes)], prompts(sizes[i % len(sizes)] + 1))
-        for i in range(level)
-    ]
+def one_round(
+    ps: list, d, mode: str, sizes: list[int], prompts, level: int, timeout, first=0
+):
+    """``level`` P -> D requests sent at once, spread over the P instances ``ps``
+    in turn, into one D; one dict per request. Request i of the sweep (``first``
+    + i) has the size sizes[i % len(sizes)], so lengths mix at every level."""
+    jobs = []
+    for i in range(level):
+        n = sizes[(first + i) % len(sizes)]
+        jobs.append((i % len(ps), n, prompts(n + 1)))
 
     def run(job):
-        kv_tokens, prompt = job
-        out = {"mode": mode, "level": level, "kv_tokens": kv_tokens, "error": None}
+        which, kv_tokens, prompt = job
+        p = ps[which]
+        out = {
+            "mode": mode,
+            "level": level,
+            "prefills": len(ps),
+            "p": which,
+            "kv_tokens": kv_tokens,
+            "error": None,
+        }
         try:
             r = pd_generate(
                 p.url,
@@ -106,7 +120,7 @@ def one_round(p, d, mode: str, sizes: list[int], prompts, level: int, timeout):
 
 
 def sweep(
-    p,
+    ps: list,
     d,
     levels: list[int],
     modes: tuple[str, ...],
@@ -115,17 +129,21 @@ def sweep(
     timeout: float,
     note: Callable[[str], None],
 ) -> tuple[list[dict], list[dict]]:
-    """Every level and mode; (samples, blocks held after each level and mode)."""
+    """Every level and mode with the P instances ``ps`` (one, or several writing
+    into one D); (samples, blocks held after each level and mode)."""
     samples, held = [], []
+    tag = f"{len(ps)} P" if len(ps) > 1 else ""
     for level in levels:
         for mode in modes:
             got = []
             for i in range(rounds_for(level)):
-                batch = one_round(p, d, mode, sizes, prompts, level, timeout)
+                batch = one_round(
+                    ps, d, mode, sizes, prompts, level, timeout, first=i * level
+                )
                 got += [{**s, "round": i} for s in batch]
-            tl = transfer_timelines(p.bootstrap_url)
+            tl = [transfer_timelines(p.bootstrap_url) for p in ps]
             for s in got:
-                t = tl.get(s.get("transfer_id"))
+                t = tl[s["p"]].get(s.get("transfer_id"))
                 s.update(where_the_tail_goes(s, t))
                 s["queue_wait_max_s"] = t.get("queue_wait_max_s") if t else None
                 s["timeline"] = (
@@ -140,14 +158,25 @@ def sweep(
                     if t
                     else None
                 )
-            pu, du = wait_no_blocks_in_use(p.url, d.url, timeout=HELD_WAIT_S, poll=0.2)
-            held.append({"level": level, "mode": mode, "p_usage": pu, "d_usage": du})
+            *pu, du = wait_no_blocks_in_use(
+                *(p.url for p in ps), d.url, timeout=HELD_WAIT_S, poll=0.2
+            )
+            held.append(
+                {
+                    "prefills": len(ps),
+                    "level": level,
+                    "mode": mode,
+                    "p_usage": max(pu),
+                    "d_usage": du,
+                }
+            )
             errors = sum(1 for s in got if s["error"])
             tails = [s.get("tail_s") for s in got]
             note(
-                f"concurrency {level} {mode}: {len(got)} requests, {errors} failed, "
+                f"concurrency {level} {mode}{' from ' + tag if tag else ''}: "
+                f"{len(got)} requests, {errors} failed, "
                 f"tail p50 {_ms(percentile(tails, 50))} p90 {_ms(percentile(tails, 90))}, "
-                f"blocks held after: P {100 * pu:.1f}%, D {100 * du:.1f}%"
+                f"blocks held after: P {100 * max(pu):.1f}%, D {100 * du:.1f}%"
             )
             samples += got
     return samples, held
@@ -187,10 +216,17 @@ def level_rows(
     """One row per (level, mode). ``floors``: idle floor (s) per KV size;
     ``layer_rates``: the engine's bytes/s writing one layer of that size."""
     rows = []
-    for level in sorted({s["level"] for s in samples}):
+    for prefills, level in sorted(
+        {(s.get("prefills", 1), s["level"]) for s in samples}
+    ):
         p_lat = {}
         for mode in (LAYERWISE, POSTHOC):
-            mine = [s for s in samples if s["level"] == level and s["mode"] == mode]
+            mine = [
+                s
+                for s in samples
+                if (s.get("prefills", 1), s["level"], s["mode"])
+                == (prefills, level, mode)
+            ]
             if not mine:
                 continue
             ok = [s for s in mine if not s["error"]]
@@ -205,10 +241,17 @@ def level_rows(
                 [layer_rates[n] for n in sizes if n in layer_rates] or [float("nan")]
             )
             h = next(
-                (x for x in held if (x["level"], x["mode"]) == (level, mode)), None
+                (
+                    x
+                    for x in held
+                    if (x.get("prefills", 1), x["level"], x["mode"])
+                    == (prefills, level, mode)
+                ),
+                None,
             )
             rows.append(
                 {
+                    "prefills": prefills,
                     "level": level,
                     "mode": mode,
                     "requests": len(mine),
@@ -242,7 +285,13 @@ def level_rows(
                 }
             )
         lw = next(
-            (r for r in rows if (r["level"], r["mode"]) == (level, LAYERWISE)), None
+            (
+                r
+                for r in rows
+                if (r["prefills"], r["level"], r["mode"])
+                == (prefills, level, LAYERWISE)
+            ),
+            None,
         )
         if lw and p_lat.get(LAYERWISE) and p_lat.get(POSTHOC):
             lw["prefill_slowdown_vs_posthoc"] = (
@@ -254,7 +303,7 @@ def level_rows(
 
 def table_lines(rows: list[dict]) -> list[str]:
     head = (
-        "level       mode  reqs  failed  tail ms p50/p90/max  tail/floor p50/p90/max  "
+        "P's  level       mode  reqs  failed  tail ms p50/p90/max  tail/floor p50/p90/max  "
         "queue wait ms p90/max  D admission wait s p90/max  request s p50/p90  "
         "write GB/s (engine)  P slowdown vs post-hoc  held after"
     )
@@ -266,7 +315,7 @@ def table_lines(rows: list[dict]) -> list[str]:
         slow = r.get("prefill_slowdown_vs_posthoc")
         held = r["blocks_held_after"]
         lines.append(
-            f"{r['level']:>5}  {r['mode']:>9}  {r['requests']:>4}  {len(r['errors']):>6}  "
+            f"{r.get('prefills', 1):>3}  {r['level']:>5}  {r['mode']:>9}  {r['requests']:>4}  {len(r['errors']):>6}  "
             + (
                 f"{1e3 * t['p50']:.0f}/{1e3 * t['p90']:.0f}/{1e3 * t['max']:.0f}"
                 if t

@@ -85,6 +85,10 @@ class Sample:
     # P's per-layer hook, its engine thread's own CPU time during this request
     # (layer-wise arm; /layerwise/transfers totals before and after)
     layer_hook_cpu_s: float | None = None
+    layer_issue_cpu_s: float | None = None  # P's issuer thread, the same way
+    # P's forward thread's CPU time across P's request (every arm): P's compute
+    # cost on a clock no other process can advance (the paired P slowdown)
+    p_forward_cpu_s: float | None = None
     correct: bool | None = None
     cached_tokens: int | None = None
     max_logprob_diff: float | None = None
@@ -144,9 +148,20 @@ def where_the_tail_goes(sample: dict, t: dict | None) -> dict:
     }
 
 
-def hook_cpu_s(p_bootstrap_url: str) -> float:
-    """CPU seconds P's forward thread has spent in the layer-wise per-layer hook."""
-    return layerwise_transfers(p_bootstrap_url)["totals"]["layer_hook_cpu_s"]
+def p_cpu_clocks(p_bootstrap_url: str) -> tuple[float | None, float, float | None]:
+    """P's forward thread's CPU seconds so far (None before its first step or off
+    Linux), those it spent in the layer-wise per-layer hook, and the issuer
+    thread's (the per-transfer work of each layer, off the forward thread)."""
+    totals = layerwise_transfers(p_bootstrap_url)["totals"]
+    return (
+        totals.get("forward_thread_cpu_s"),
+        totals["layer_hook_cpu_s"],
+        totals.get("layer_issue_cpu_s"),
+    )
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
 
 
 def kv_bytes(kv_tokens: int, kv_bytes_per_token: int) -> int:
@@ -161,6 +176,7 @@ def measure(
     s = Sample(step.load, step.kv_tokens, step.rep, step.arm)
     prompt = prompts(step.kv_tokens + 1)
     try:
+        fwd0, hook0, iss0 = p_cpu_clocks(p.bootstrap_url)
         if step.arm == PREFILL_ONLY:
             s.p_latency_s = complete(
                 p.url,
@@ -170,8 +186,8 @@ def measure(
                 model=p_model,
                 timeout=timeout,
             ).latency_s
+            s.p_forward_cpu_s = _delta(fwd0, p_cpu_clocks(p.bootstrap_url)[0])
             return s
-        hook0 = hook_cpu_s(p.bootstrap_url) if step.arm == LAYERWISE else None
         r = pd_generate(
             p.url,
             p.bootstrap_url,
@@ -182,8 +198,11 @@ def measure(
             extra_prefill_params={"mooncake_mode": step.arm},
             timeout=timeout,
         )
-        if hook0 is not None:
-            s.layer_hook_cpu_s = hook_cpu_s(p.bootstrap_url) - hook0
+        fwd1, hook1, iss1 = p_cpu_clocks(p.bootstrap_url)
+        s.p_forward_cpu_s = _delta(fwd0, fwd1)
+        if step.arm == LAYERWISE:
+            s.layer_hook_cpu_s = hook1 - hook0
+            s.layer_issue_cpu_s = _delta(iss0, iss1)
         s.transfer_id, s.started_monotonic = r.transfer_id, r.started_monotonic
         s.p_latency_s, s.total_s = r.prefill.latency_s, r.total_s
         s.client_tail_s = r.total_s - r.prefill.latency_s

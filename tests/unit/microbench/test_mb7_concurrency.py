@@ -88,3 +88,87 @@ def test_ds_admission_wait_and_the_whole_request_are_reported():
     assert row["admission_wait_s"]["max"] == 3.5 and row["admission_wait_s"]["n"] == 2
     assert row["total_s"]["max"] == 5.0
     assert "3.5/3.5" in table_lines([row])[2]
+
+
+class _Instance:
+    def __init__(self, name):
+        self.url = f"http://{name}"
+        self.bootstrap_url = f"http://{name}-bootstrap"
+
+
+def _sent(monkeypatch):
+    """Stand-in for pd_generate: records (P's URL, prompt length) of each request."""
+    from types import SimpleNamespace
+
+    from microbench.mb7 import concurrency
+
+    sent = []
+
+    def fake_pd_generate(p_url, p_bootstrap_url, d_url, prompt, **kw):
+        sent.append((p_url, len(prompt)))
+        done = SimpleNamespace(
+            latency_s=1.0, kv_transfer_params={}, cached_tokens=len(prompt) - 1
+        )
+        return SimpleNamespace(
+            prefill=done,
+            decode=done,
+            transfer_id=f"t{len(sent)}",
+            total_s=1.1,
+            started_monotonic=0.0,
+        )
+
+    monkeypatch.setattr(concurrency, "pd_generate", fake_pd_generate)
+    monkeypatch.setattr(concurrency, "transfer_timelines", lambda url: {})
+    monkeypatch.setattr(
+        concurrency,
+        "wait_no_blocks_in_use",
+        lambda *urls, **kw: tuple(0.0 for _ in urls),
+    )
+    return sent
+
+
+def test_prompt_lengths_mix_at_every_level_one_included(monkeypatch):
+    from microbench.mb7.concurrency import sweep
+
+    sent = _sent(monkeypatch)
+    samples, _ = sweep(
+        [_Instance("p")],
+        _Instance("d"),
+        [1],
+        ("layerwise",),
+        [512, 1024],
+        lambda n: [7] * n,
+        10,
+        lambda m: None,
+    )
+    assert sorted({n for _, n in sent}) == [513, 1025], (
+        "level 1 sent one prompt length only: its rounds each restarted the mix"
+    )
+    assert len(samples) == 8
+
+
+def test_two_prefills_write_into_one_decode_at_once(monkeypatch):
+    from microbench.mb7.concurrency import sweep
+
+    sent = _sent(monkeypatch)
+    samples, held = sweep(
+        [_Instance("p1"), _Instance("p2")],
+        _Instance("d"),
+        [4],
+        ("layerwise", "posthoc"),
+        [512, 1024],
+        lambda n: [7] * n,
+        10,
+        lambda m: None,
+    )
+    by_p = {url: sum(1 for u, _ in sent if u == url) for url, _ in sent}
+    assert by_p == {"http://p1": 8, "http://p2": 8}
+    assert {s["prefills"] for s in samples} == {2}
+    assert {(h["prefills"], h["level"]) for h in held} == {(2, 4)}
+    rows = level_rows(samples, held, {}, {})
+    assert [(r["prefills"], r["level"], r["mode"]) for r in rows] == [
+        (2, 4, "layerwise"),
+        (2, 4, "posthoc"),
+    ]
+    assert all(r["requests"] == 8 and not r["errors"] for r in rows)
+    assert table_lines(rows)[2].split()[:2] == ["2", "4"]

@@ -48,8 +48,11 @@ def test_progress_prints_a_line_per_step_with_an_eta():
     assert "1/2" in line and "ETA 0:10" in line and "layerwise" in line
 
 
-def sample(arm, n, rep, tail=None, p=1.0, hit=0.05, load=0, correct=True, error=None):
+def sample(
+    arm, n, rep, tail=None, p=1.0, hit=0.05, load=0, correct=True, error=None, cpu=None
+):
     return {
+        "p_forward_cpu_s": p if cpu is None else cpu,
         "load": load,
         "kv_tokens": n,
         "rep": rep,
@@ -224,3 +227,24 @@ def test_the_layer_hook_share_is_its_cpu_time_over_p_prefill():
     assert ph["layer_hook_cpu_share"] is None
     lines = summary_lines(rows, targets(rows), [])
     assert any("per-layer hook" in ln and "512: 1.00%" in ln for ln in lines)
+
+
+def test_p_slowdown_is_taken_on_ps_own_cpu_clock_not_moved_by_another_process():
+    """Another process takes P's core during the layer-wise reps: P's wall time at
+    the client grows 40%, its forward thread's CPU time 1%. The target's slowdown
+    is the CPU figure; the wall figure stays in the row."""
+    sizes = [512, 2048]
+    s = []
+    for rep in range(3):
+        for n in sizes:
+            s += [
+                sample(PREFILL_ONLY, n, rep, p=1.0, cpu=0.9),
+                sample(LAYERWISE, n, rep, tail=0.055, p=1.4, cpu=0.909),
+                sample(POSTHOC, n, rep, tail=0.3, p=1.0, cpu=0.9),
+            ]
+    rows = build_rows(s, {n: 0.001 for n in sizes}, FACTS)
+    lw = next(r for r in rows if r["mode"] == LAYERWISE and r["kv_tokens"] == 2048)
+    assert abs(lw["prefill_slowdown"]["median"] - 0.01) < 1e-9
+    assert abs(lw["prefill_slowdown_wall"]["median"] - 0.4) < 1e-9
+    slow = next(t for t in targets(rows) if "slowdown" in t["target"])
+    assert slow["met"] is True and abs(slow["value"] - 0.01) < 1e-9
