@@ -13,7 +13,8 @@ Vocabulary
 - ready[slot]: how many of the request's blocks hold final KV in that slot.
   A block is final once every token of it is computed; the last, partial block
   is final when the prompt's last chunk is computed.
-- issued[slot] / written[slot]: blocks handed to the writer / confirmed written.
+- issued[slot] / written[slot]: blocks handed to the writer / confirmed written
+  (a contiguous prefix: a later range that lands first waits in ``ahead``).
 - destination: D's transfer-engine session, KV base addresses and the block
   ids D allocated for the request. It may arrive before, during or after P's
   prefill; whatever is ready by then is issued at once, the rest as computed.
@@ -91,6 +92,9 @@ class Transfer:
     ready: list[int] = field(default_factory=list)
     issued: list[int] = field(default_factory=list)
     written: list[int] = field(default_factory=list)
+    # per slot: ranges [start, end) written beyond written[slot] (a later write
+    # that landed before an earlier one); merged once the gap is written
+    ahead: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     destination: Destination | None = None
     state: TransferState = TransferState.ACTIVE
     error: str | None = None
@@ -163,6 +167,7 @@ class LayerwiseTracker:
                 t.ready = [0] * self.num_slots
                 t.issued = [0] * self.num_slots
                 t.written = [0] * self.num_slots
+                t.ahead = {}
             t.block_ids = list(block_ids)
             if computed >= t.prompt_len:
                 t.step_target = t.total_blocks
@@ -259,8 +264,9 @@ class LayerwiseTracker:
             if not ok:
                 self._fail(t, error or "transfer engine write failed")
                 continue
-            end = op.first_block + len(op.src_blocks)
-            t.written[op.slot] = max(t.written[op.slot], end)
+            _mark_written(
+                t, op.slot, op.first_block, op.first_block + len(op.src_blocks)
+            )
             self._maybe_complete(t)
 
     def request_finished(
@@ -283,6 +289,7 @@ class LayerwiseTracker:
             t.epoch += 1
             t.issued = [0] * self.num_slots
             t.written = [0] * self.num_slots
+            t.ahead = {}
         t.block_ids = list(block_ids)
         final = min(t.total_blocks, len(t.block_ids))
         t.ready = [final] * self.num_slots
@@ -489,3 +496,22 @@ class LayerwiseTracker:
         t.state = TransferState.FAILED
         t.error = reason
         self._finished.append(t)
+
+
+def _mark_written(t: Transfer, slot: int, start: int, end: int) -> None:
+    """Blocks [start, end) of ``slot`` were written. written[slot] only grows over
+    a contiguous prefix: writes of one slot may land out of issue order (issued
+    on different threads), and a later range must not count the earlier blocks,
+    still queued, as written."""
+    if start > t.written[slot]:
+        t.ahead.setdefault(slot, []).append((start, end))
+        return
+    t.written[slot] = max(t.written[slot], end)
+    ahead = t.ahead.get(slot)
+    while ahead:
+        ready = [r for r in ahead if r[0] <= t.written[slot]]
+        if not ready:
+            break
+        for r in ready:
+            ahead.remove(r)
+            t.written[slot] = max(t.written[slot], r[1])

@@ -289,3 +289,23 @@ def test_a_transfer_id_reused_after_its_transfer_was_forgotten_is_a_new_transfer
     tr.forget("x")
     tr.begin_step([step("x", "pb", [5], 4, 4)])
     assert tr.num_duplicates() == 0 and tr.get("x").p_req_id == "pb"
+
+
+def test_a_later_range_written_first_does_not_end_the_transfer_before_the_earlier():
+    """Writes of one slot can reach the writer out of issue order (issued on
+    different threads, queued after the lock is released). A later range written
+    first must not make the transfer look complete: the earlier range, still
+    queued, would then be dropped and D would read blocks nobody wrote."""
+    tr = LayerwiseTracker(SLOTS, BS)
+    tr.set_destination("t", dest(2))
+    tr.begin_step([step("t", "p", [7], 4, 8)])
+    first = run_layers(tr)  # block 0 of every slot
+    tr.begin_step([step("t", "p", [7, 8], 8, 8)])
+    second = run_layers(tr)  # block 1 of every slot: the last
+    finish_all(tr, second)  # the later range lands first
+    assert tr.pop_finished() == [], (
+        "the transfer ended with block 0 of every slot not written yet"
+    )
+    finish_all(tr, first)
+    [t] = tr.pop_finished()
+    assert t.state is TransferState.COMPLETED
