@@ -94,11 +94,6 @@ class HashRecorder:
     def set_hash_config(self, hash_config: HashConfig) -> None:
         self.hash_config = hash_config
 
-    def disable(self) -> None:
-        self.enabled = False
-        self._events = []
-        self._overflowed = False
-
     def _append(self, event: HashEvent) -> None:
         if len(self._events) >= self.max_pending:
             if not self._overflowed:

@@ -34,14 +34,22 @@ from vllm.v1.request import Request
 S, R, C = HashEventKind.STORED, HashEventKind.REMOVED, HashEventKind.CLEARED
 
 
+def switch_off(r) -> None:
+    """The process-wide recorder as a fresh process has it: off, nothing pending
+    (the product never turns it off once a connector enabled it)."""
+    r.enabled = False
+    r._events = []
+    r._overflowed = False
+
+
 @pytest.fixture
 def recorder():
     r = get_recorder()
-    r.disable()
+    switch_off(r)
     listeners, resets = r._reset_listeners[:], r.resets
     r._reset_listeners.clear()
     yield r
-    r.disable()
+    switch_off(r)
     r.hash_config = None
     r._reset_listeners[:], r.resets = listeners, resets
 
@@ -63,7 +71,7 @@ def test_drain_in_order_and_resets(recorder):
     assert d.events == [(S, b"a", 1), (S, b"b", 2), (R, b"a", 1)]
     assert d.hash_config == cfg
     assert recorder.drain().events == []
-    recorder.disable()
+    switch_off(recorder)
     scheduler_recorder.record_stored(b"c", 3)
     assert recorder.drain().events == []
 
