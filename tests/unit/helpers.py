@@ -530,6 +530,11 @@ def refused(c: CServer, body: dict, status: int, *dests: KV, **kw) -> dict:
 # ---- answers and bodies written as raw JSON ---------------------------------------
 
 
+def required_fields(model) -> list[str]:
+    """The fields a request model (pydantic) cannot do without."""
+    return [name for name, f in model.model_fields.items() if f.is_required()]
+
+
 class Raw:
     """A JSON literal written as is (NaN, 1e400, 0x10, ...)."""
 

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import C_SOURCE
+from helpers import C_SOURCE, required_fields
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
@@ -106,19 +106,7 @@ def test_invalid_names_field(over, field):
     assert ei.value.message
 
 
-@pytest.mark.parametrize(
-    "missing",
-    [
-        "token_ids",
-        "block_size",
-        "dst_session",
-        "dst_kv_base_addrs",
-        "dst_block_ids",
-        "deadline_unix_ms",
-        "dst_num_blocks",
-        "fingerprint",
-    ],
-)
+@pytest.mark.parametrize("missing", required_fields(PushBlocksRequest))
 def test_missing_required_field(missing):
     b = body()
     del b[missing]
