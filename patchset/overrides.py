@@ -353,6 +353,7 @@ class _Member:
     name: str
     line: int
     sig: Signature
+    abstract: bool = False  # decorated @abstractmethod (abc)
 
 
 @dataclass
@@ -400,13 +401,21 @@ def _members(node: ast.ClassDef) -> dict[str, _Member]:
             sig = signature_of(stmt)
             if stmt.name in out and out[stmt.name].sig.kind == "property":
                 continue  # @x.setter after @property x
-            out[stmt.name] = _Member(stmt.name, stmt.lineno, sig)
+            out[stmt.name] = _Member(stmt.name, stmt.lineno, sig, _is_abstract(stmt))
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
             for t in targets:
                 if isinstance(t, ast.Name):
                     out[t.id] = _Member(t.id, stmt.lineno, Signature(t.id, "attribute"))
     return out
+
+
+def _is_abstract(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any(
+        (d.id if isinstance(d, ast.Name) else getattr(d, "attr", None))
+        in ("abstractmethod", "abstractproperty")
+        for d in fn.decorator_list
+    )
 
 
 def _absolute(module: str | None, level: int, package: list[str]) -> str | None:
@@ -1073,3 +1082,34 @@ def _check_class(
         for use in _super_uses(target, cls.module, fn, fn.name):
             checked["super_calls"] += 1
             check.super_use(use)
+    for owner, name in _abstract_left(cls, now):
+        check.add(
+            "abstract",
+            ERROR,
+            cls.node.lineno,
+            name,
+            f"{owner.label}.{name} is abstract in {label} and neither "
+            f"{cls.node.name} nor a class between defines it: {cls.node.name} cannot "
+            'be instantiated ("Can\'t instantiate abstract class"); implement it '
+            "(`# vmp: override`)",
+            at=(owner, owner.members[name]),
+            name=name,
+        )
+
+
+def _abstract_left(cls: _Class, now: _Ancestry) -> list[tuple[_Class, str]]:
+    """Abstract methods of upstream classes in ``cls``'s ancestry that nothing
+    before them in the lookup order (``cls`` first) defines: (declaring class,
+    name). Nothing is said when a base is unknown (it may define them)."""
+    if now.open:
+        return []
+    out = []
+    for owner in now.upstream:
+        for name, member in owner.members.items():
+            if not member.abstract or any(name == n for _, n in out):
+                continue
+            first = cls.members.get(name)
+            found = (cls, first) if first is not None else now.lookup(name)
+            if found is not None and found[1].abstract:
+                out.append((found[0], name))
+    return out

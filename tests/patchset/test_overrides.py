@@ -358,3 +358,26 @@ def test_build_py_check_reads_upstream_as_the_series_leaves_it(
     assert (
         "warning [override]: shadowed: connector/ext.py:17: Ext.drain: marked" in r.out
     )
+
+
+def test_an_abstract_method_upstream_adds_is_named_if_nothing_defines_it() -> None:
+    """A new @abstractmethod on an upstream base: our subclass could no longer be
+    instantiated ("Can't instantiate abstract class"), whether or not ours calls
+    super() anywhere. Defined by ours (or a class between): no problem."""
+    abstract = (
+        "from abc import ABC, abstractmethod\n\n\n"
+        + BASE.replace("class Base:", "class Base(ABC):")
+        + "\n    @abstractmethod\n    def get_block_ids_with_load_errors(self):\n        ...\n"
+    )
+    report = check(abstract)
+    assert kinds(report) == [("abstract", "error", "get_block_ids_with_load_errors")]
+    (problem,) = report.problems
+    assert "Base.get_block_ids_with_load_errors is abstract in vllm 0.20.0" in (
+        problem.message
+    )
+    assert problem.upstream == CONNECTOR and problem.upstream_line == 12
+    defined = OURS + (
+        "\n    def get_block_ids_with_load_errors(self):  # vmp: override\n"
+        "        return set()\n"
+    )
+    assert check(abstract, pinned=abstract, sources=overlay(defined)).problems == []
