@@ -18,7 +18,7 @@ from . import confine, overrides, upstream
 from .errors import EXIT_CANNOT_RUN, EXIT_OK, EXIT_PROBLEMS
 from .exactapply import PatchDoesNotApply, apply_patch, touched_paths
 from .headers import backport_reference_problem
-from .project import Project
+from .project import MANIFEST, PATCHES, Project
 from .series import decode
 from .validate import (
     DUPLICATE,
@@ -145,22 +145,74 @@ def check_overrides(
     read: Callable[[str], str | None],
     result: CheckResult,
 ) -> None:
-    """The overlay's subclasses of upstream classes against ``read``'s upstream."""
+    """The overlay's subclasses of upstream classes against ``read``'s upstream; on a
+    roll, also against the pin's (its series applied): a method ours overrides at the
+    pin must be an override in the roll's release too, super() or not."""
     manifest = project.manifest
+    read_pinned, pinned_label = None, None
+    pinned_inputs = pinned_base = None
+    pin = Project(project.root)
+    if project.patches != PATCHES and (pin.patches_dir / MANIFEST).is_file():
+        if upstream.verified_cached_sdist(pin.manifest) is None:
+            result.warnings.append(
+                Problem(
+                    "override",
+                    f"the pin's sdist ({pin.manifest.sdist}) is not cached: the roll's "
+                    "overrides were not compared with the pin's; run "
+                    f"`{pin.cmd('fetch')}`",
+                )
+            )
+        else:
+            # compat's reader of the pinned tree (compat imports this module)
+            from .compat.inputs import PinnedBase, load_inputs
+
+            pinned_inputs = load_inputs(pin)
+            pinned_base = PinnedBase(pinned_inputs)
+            read_pinned = pinned_base.read
+            pinned_label = f"{pin.manifest.name} {pin.manifest.version} (the pin)"
     report = overrides.check_overrides(
         sources,
         read,
+        read_pinned=read_pinned,
         top=manifest.name,
         roots=overlay_roots(manifest),
         label=f"{manifest.name} {manifest.version}",
+        pinned_label=pinned_label,
     )
     result.overrides = report
     for p in report.problems:
         problem = Problem("override", f"{p.kind}: {p.describe()}", detail=p.to_json())
-        if p.severity == overrides.ERROR:
+        added_by = (
+            _added_by_series(pinned_inputs, pinned_base, p)
+            if read_pinned is not None and p.kind == "override-missing"
+            else None
+        )
+        if added_by is not None:
+            # a hook the pin's own series adds: the roll may do without its patch
+            problem.message += (
+                f" (the pin has it only through {added_by}, which this roll does not "
+                "carry: if the release no longer needs that patch, the override is "
+                "unused there, as intended)"
+            )
+            result.warnings.append(problem)
+        elif p.severity == overrides.ERROR:
             result.problems.append(problem)
         else:
             result.warnings.append(problem)
+
+
+def _added_by_series(inputs, base, p: overrides.Problem) -> str | None:
+    """The pinned series' patch that adds the upstream method ``p`` names (absent
+    from the pristine pinned file, present once that patch is applied), else None."""
+    if not p.upstream or not p.name:
+        return None
+    defines = f"def {p.name}("
+    if defines in (base.before(0, p.upstream) or ""):
+        return None
+    for i, patch in enumerate(inputs.patches):
+        if defines in (base.before(i + 1, p.upstream) or ""):
+            return patch.name
+    return None
 
 
 def run_check(project: Project) -> CheckResult:

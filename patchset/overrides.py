@@ -949,6 +949,8 @@ class _ClassCheck:
                 "override is never called. Find what replaced it upstream (renamed, "
                 "moved, inlined) and port the override; if the method is ours, mark it "
                 "`# vmp: new`",
+                # where the method was (the pin's file) when the release has none
+                at=before,
                 ours=sig.render(),
                 theirs=before[1].sig.render() if before else None,
             )

@@ -381,3 +381,55 @@ def test_an_abstract_method_upstream_adds_is_named_if_nothing_defines_it() -> No
         "        return set()\n"
     )
     assert check(abstract, pinned=abstract, sources=overlay(defined)).problems == []
+
+
+def _roll(proj: Project, connector: str) -> None:
+    """rolls/0.19.0: an empty series on a cached 0.19.0 sdist whose connector module
+    is ``connector``."""
+    from test_compat_grid import make_sdist
+
+    files = {**UPSTREAM_FILES, f"{MOONCAKE}/__init__.py": "", CONNECTOR: connector}
+    sha = make_sdist(proj.cache / "vllm-0.19.0.tar.gz", "0.19.0", files)
+    roll = proj.root / "rolls" / "0.19.0"
+    roll.mkdir(parents=True)
+    manifest = (proj.root / "patches" / "upstream.toml").read_text()
+    (roll / "upstream.toml").write_text(
+        manifest.replace("0.18.1", "0.19.0").replace(proj.sha, sha)
+    )
+    (roll / "series").write_text("")
+
+
+def test_check_on_a_roll_names_an_override_of_the_pin_the_roll_lost(
+    tmp_path, monkeypatch
+) -> None:
+    """Ours overrides get_finished without super() and without a marker. The roll's
+    release renamed it upstream: checked alone, ours there looks like a new method
+    of its own; against the pin's overrides it is one that lost its upstream."""
+    ours = OURS.replace("return super().get_finished(x)", "return x")
+    proj = _project(tmp_path, monkeypatch, ours, mooncake_connector=BASE)
+    assert proj.run("check").code == 0
+    _roll(proj, BASE.replace("def get_finished(", "def get_finished_reqs("))
+    r = proj.run("--patches", "rolls/0.19.0", "check")
+    assert r.code == 1, r.text
+    assert "Ext.get_finished" in r.out and "get_finished" in r.out, r.out
+    assert "vllm 0.18.1 (the pin)" in r.out, r.out
+
+
+def test_check_on_a_roll_warns_of_a_pin_hook_the_roll_does_not_carry(
+    tmp_path, monkeypatch
+) -> None:
+    """The pin's own series adds Base.drain (a hook) and ours overrides it; the roll
+    does not carry that patch (its release needs no hook): a warning naming the
+    patch, not an error."""
+    ours = OURS + "\n    def drain(self):  # vmp: override\n        pass\n"
+    proj = _project(tmp_path, monkeypatch, ours, mooncake_connector=BASE)
+    hooked = BASE + "\n    def drain(self):\n        pass\n"
+    proj.add_patch(
+        "0001-drain.patch", patch_text("Add drain", udiff(CONNECTOR, BASE, hooked))
+    )
+    assert proj.run("check").code == 0
+    _roll(proj, BASE)
+    r = proj.run("--patches", "rolls/0.19.0", "check")
+    assert r.code == 0, r.text
+    assert "warning [override]: override-missing" in r.out, r.out
+    assert "only through 0001-drain.patch, which this roll does not carry" in r.out
