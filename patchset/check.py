@@ -18,7 +18,7 @@ from . import confine, overrides, upstream
 from .errors import EXIT_CANNOT_RUN, EXIT_OK, EXIT_PROBLEMS
 from .exactapply import PatchDoesNotApply, apply_patch, touched_paths
 from .headers import backport_reference_problem
-from .project import MANIFEST, PATCHES, Project
+from .project import MANIFEST, Project
 from .series import decode
 from .validate import (
     DUPLICATE,
@@ -144,15 +144,18 @@ def check_overrides(
     sources: list[overrides.OverlaySource],
     read: Callable[[str], str | None],
     result: CheckResult,
+    against: Project | None = None,
+    against_role: str = "the pin",
 ) -> None:
     """The overlay's subclasses of upstream classes against ``read``'s upstream; on a
-    roll, also against the pin's (its series applied): a method ours overrides at the
-    pin must be an override in the roll's release too, super() or not."""
+    roll, also against ``against``'s (default: the pin's; its sdist with its series
+    applied): a method ours overrides there must be an override in the roll's
+    release too, super() or not."""
     manifest = project.manifest
     read_pinned, pinned_label = None, None
     pinned_inputs = pinned_base = None
-    pin = Project(project.root)
-    if project.patches != PATCHES and (pin.patches_dir / MANIFEST).is_file():
+    pin = against or Project(project.root)
+    if pin.patches != project.patches and (pin.patches_dir / MANIFEST).is_file():
         if upstream.verified_cached_sdist(pin.manifest) is None:
             result.warnings.append(
                 Problem(
@@ -169,7 +172,9 @@ def check_overrides(
             pinned_inputs = load_inputs(pin)
             pinned_base = PinnedBase(pinned_inputs)
             read_pinned = pinned_base.read
-            pinned_label = f"{pin.manifest.name} {pin.manifest.version} (the pin)"
+            pinned_label = (
+                f"{pin.manifest.name} {pin.manifest.version} ({against_role})"
+            )
     report = overrides.check_overrides(
         sources,
         read,
@@ -190,7 +195,7 @@ def check_overrides(
         if added_by is not None:
             # a hook the pin's own series adds: the roll may do without its patch
             problem.message += (
-                f" (the pin has it only through {added_by}, which this roll does not "
+                f" ({against_role} has it only through {added_by}, which this roll does not "
                 "carry: if the release no longer needs that patch, the override is "
                 "unused there, as intended)"
             )
@@ -215,7 +220,11 @@ def _added_by_series(inputs, base, p: overrides.Problem) -> str | None:
     return None
 
 
-def run_check(project: Project) -> CheckResult:
+def run_check(
+    project: Project, against: Project | None = None, against_role: str = "the pin"
+) -> CheckResult:
+    """Everything ``check`` checks; a roll's overrides are compared with ``against``'s
+    (default: the pin's)."""
     result = CheckResult()
     manifest = project.manifest
     report = validate_series(project)
@@ -302,5 +311,5 @@ def run_check(project: Project) -> CheckResult:
                 )
             )
     read_upstream = tarball_reader(sdist, manifest, members, raw, files)
-    check_overrides(project, python, read_upstream, result)
+    check_overrides(project, python, read_upstream, result, against, against_role)
     return result

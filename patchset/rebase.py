@@ -45,7 +45,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import build_defaults, identity, mergecheck, releases, state, upstream
+from . import build_defaults, check, identity, mergecheck, releases, state, upstream
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .export import export
 from .gitrepo import GitRepo
@@ -494,7 +494,30 @@ def _finish(project: Project, roll: Project, tree: Tree, say: Say) -> int:
         f"Use it: `python build.py --patches {roll.patches} status|check|apply`. "
         f"The {st.from_version} series in {st.from_patches}/ is unchanged."
     )
-    return EXIT_OK
+    return _check_roll_overrides(project, roll, say)
+
+
+def _check_roll_overrides(project: Project, roll: Project, say: Say) -> int:
+    """The rolled overlay's subclasses against the new release, compared with the
+    release the series came from: a merge can be clean while an override of ours
+    no longer overrides anything, or an abstract method is left undefined."""
+    result = check.run_check(
+        roll, against=project, against_role="the series it came from"
+    )
+    problems = [p for p in result.problems if p.kind == "override"]
+    for p in result.warnings:
+        if p.kind == "override":
+            say(f"warning [override]: {p.message}")
+    if not problems:
+        return EXIT_OK
+    for p in problems:
+        say(f"problem [override]: {p.message}")
+    say(
+        f"rebase: the roll is written, but {len(problems)} override problem(s) remain "
+        f"on {roll.manifest.name} {roll.manifest.version}: port the connector (or the "
+        f"roll's patches), then `{roll.cmd('check')}` re-checks."
+    )
+    return EXIT_PROBLEMS
 
 
 def _describe(repo, commit: str) -> str:
