@@ -1084,6 +1084,28 @@ def _check_class(
         for use in _super_uses(target, cls.module, fn, fn.name):
             checked["super_calls"] += 1
             check.super_use(use)
+    for fn, attr, line in _upstream_attributes_missing(cls, now):
+        check.add(
+            "attribute-missing",
+            ERROR,
+            line,
+            fn,
+            f"reads self.{attr}, which no class of {label} among {check.bases()} sets "
+            f"or defines (nor does {cls.node.name}): it would raise AttributeError "
+            "there. Find what upstream renamed or moved it to and port the code",
+            name=attr,
+        )
+    for fn, attr, line in _upstream_attributes_gone(cls, now, before):
+        check.add(
+            "attribute-missing",
+            ERROR,
+            line,
+            fn,
+            f"sets self.{attr}, which {pinned_label}'s {check.bases(before)} set or "
+            f"read and no class of {label} does: ours would set a name nothing "
+            "reads there. Find what upstream renamed or moved it to and port the code",
+            name=attr,
+        )
     for owner, name in _abstract_left(cls, now):
         check.add(
             "abstract",
@@ -1114,4 +1136,83 @@ def _abstract_left(cls: _Class, now: _Ancestry) -> list[tuple[_Class, str]]:
             found = (cls, first) if first is not None else now.lookup(name)
             if found is not None and found[1].abstract:
                 out.append((found[0], name))
+    return out
+
+
+def _self_attributes(node: ast.AST) -> tuple[set[str], list[tuple[str, int]]]:
+    """(attributes ``node`` sets on self, (attribute, line) of those it reads)."""
+    sets: set[str] = set()
+    reads: list[tuple[str, int]] = []
+    for n in ast.walk(node):
+        if (
+            isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name)
+            and n.value.id == "self"
+        ):
+            if isinstance(n.ctx, ast.Store):
+                sets.add(n.attr)
+            else:
+                reads.append((n.attr, n.lineno))
+    return sets, reads
+
+
+def _upstream_attributes_missing(
+    cls: _Class, now: _Ancestry
+) -> list[tuple[str, str, int]]:
+    """(our method, attribute, line) for each self.<attribute> our class reads that
+    neither it, a class between, nor any upstream class of its ancestry sets (in
+    any method) or defines (a member): an upstream attribute the release renamed or
+    dropped. Nothing is said when a base is unknown (it may set them)."""
+    if now.open or not now.upstream:
+        return []
+    known: set[str] = set(cls.members)
+    for c in [cls, *now.classes]:
+        known |= set(c.members)
+        known |= _self_attributes(c.node)[0]
+    out, seen = [], set()
+    for fn in _body(cls.node.body):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for attr, line in _self_attributes(fn)[1]:
+            if attr in known or _is_dunder(attr) or attr in seen:
+                continue
+            seen.add(attr)
+            out.append((fn.name, attr, line))
+    return out
+
+
+def _upstream_attributes_gone(
+    cls: _Class, now: _Ancestry, before: _Ancestry
+) -> list[tuple[str, str, int]]:
+    """(our method, attribute, line) for each self.<attribute> our class sets that
+    the upstream classes of the pinned release set, read or define and those of
+    the release checked do not: ours would write a name upstream no longer uses."""
+    if now.open or before.open or not before.upstream:
+        return []
+
+    def upstream_names(scope: _Ancestry) -> set[str]:
+        names: set[str] = set()
+        for c in scope.upstream:
+            sets, reads = _self_attributes(c.node)
+            names |= set(c.members) | sets | {a for a, _ in reads}
+        return names
+
+    gone = upstream_names(before) - upstream_names(now)
+    if not gone:
+        return []
+    out, seen = [], set()
+    for fn in _body(cls.node.body):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(fn):
+            if (
+                isinstance(n, ast.Attribute)
+                and isinstance(n.ctx, ast.Store)
+                and isinstance(n.value, ast.Name)
+                and n.value.id == "self"
+                and n.attr in gone
+                and n.attr not in seen
+            ):
+                seen.add(n.attr)
+                out.append((fn.name, n.attr, n.lineno))
     return out

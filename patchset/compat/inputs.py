@@ -25,7 +25,7 @@ from ..series import Patch, decode
 from ..tree import load_patches
 from .imports import ImportRef, overlay_imports
 
-FORMAT = 6  # bump when the analysis changes: cached results are then recomputed
+FORMAT = 7  # bump when the analysis changes: cached results are then recomputed
 
 Say = Callable[[str], None]
 

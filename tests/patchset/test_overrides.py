@@ -433,3 +433,45 @@ def test_check_on_a_roll_warns_of_a_pin_hook_the_roll_does_not_carry(
     assert r.code == 0, r.text
     assert "warning [override]: override-missing" in r.out, r.out
     assert "only through 0001-drain.patch, which this roll does not carry" in r.out
+
+
+def test_an_upstream_attribute_ours_reads_that_the_release_no_longer_sets() -> None:
+    """Ours reads self.pending, which Base sets; the release renamed it: every call
+    of ours would raise AttributeError there. What ours sets itself, and what a base
+    defines as a member, is not reported."""
+    base = BASE.replace(
+        "class Base:\n",
+        "class Base:\n    def __init__(self):\n        self.pending = {}\n"
+        "        self.count = 0\n\n",
+    )
+    ours = OURS.replace(
+        "return super().get_finished(x)",
+        "self.mine = len(self.pending) + self.count\n"
+        "        self.count += 1\n"
+        "        return super().get_finished(self.mine)",
+    )
+    assert check(base, pinned=base, sources=overlay(ours)).problems == []
+    renamed = base.replace("self.pending = {}", "self.waiting = {}")
+    report = check(renamed, pinned=base, sources=overlay(ours))
+    assert kinds(report) == [("attribute-missing", "error", "get_finished")]
+    (problem,) = report.problems
+    assert "self.pending" in problem.message and "vllm 0.20.0" in problem.message
+    assert problem.name == "pending"
+
+
+def test_an_upstream_attribute_ours_sets_that_the_release_no_longer_uses() -> None:
+    """Ours sets self.limit, which Base reads at the pin; the release renamed it:
+    ours would set a name nothing reads (no error at run time, no effect)."""
+    base = BASE.replace(
+        "class Base:\n",
+        "class Base:\n    def allowed(self, n):\n        return n < self.limit\n\n",
+    )
+    ours = OURS.replace(
+        "return super().get_finished(x)",
+        "self.limit = 8\n        return super().get_finished(x)",
+    )
+    assert check(base, pinned=base, sources=overlay(ours)).problems == []
+    renamed = base.replace("self.limit", "self.max_pending")
+    report = check(renamed, pinned=base, sources=overlay(ours))
+    assert kinds(report) == [("attribute-missing", "error", "get_finished")]
+    assert "sets self.limit" in report.problems[0].message
