@@ -160,8 +160,8 @@ def check_overrides(
             result.warnings.append(
                 Problem(
                     "override",
-                    f"the pin's sdist ({pin.manifest.sdist}) is not cached: the roll's "
-                    "overrides were not compared with the pin's; run "
+                    f"{against_role}'s sdist ({pin.manifest.sdist}) is not cached: "
+                    f"the roll's overrides were not compared with {against_role}'s; run "
                     f"`{pin.cmd('fetch')}`",
                 )
             )

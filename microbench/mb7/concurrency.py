@@ -207,6 +207,12 @@ def write_rate(round_samples: list[dict]) -> float | None:
     return sum(t["bytes_written"] for t in tls) / span if span > 0 else None
 
 
+def _key(x: dict) -> tuple[int, int, str]:
+    """(P instances, level, mode) of a sample, a held record or a row (one P when a
+    record predates two-P levels)."""
+    return (x.get("prefills", 1), x["level"], x["mode"])
+
+
 def level_rows(
     samples: list[dict],
     held: list[dict],
@@ -221,12 +227,7 @@ def level_rows(
     ):
         p_lat = {}
         for mode in (LAYERWISE, POSTHOC):
-            mine = [
-                s
-                for s in samples
-                if (s.get("prefills", 1), s["level"], s["mode"])
-                == (prefills, level, mode)
-            ]
+            mine = [s for s in samples if _key(s) == (prefills, level, mode)]
             if not mine:
                 continue
             ok = [s for s in mine if not s["error"]]
@@ -241,12 +242,7 @@ def level_rows(
                 [layer_rates[n] for n in sizes if n in layer_rates] or [float("nan")]
             )
             h = next(
-                (
-                    x
-                    for x in held
-                    if (x.get("prefills", 1), x["level"], x["mode"])
-                    == (prefills, level, mode)
-                ),
+                (x for x in held if _key(x) == (prefills, level, mode)),
                 None,
             )
             rows.append(
@@ -285,12 +281,7 @@ def level_rows(
                 }
             )
         lw = next(
-            (
-                r
-                for r in rows
-                if (r["prefills"], r["level"], r["mode"])
-                == (prefills, level, LAYERWISE)
-            ),
+            (r for r in rows if _key(r) == (prefills, level, LAYERWISE)),
             None,
         )
         if lw and p_lat.get(LAYERWISE) and p_lat.get(POSTHOC):
