@@ -5,13 +5,16 @@
 # areas, two-instance integration tests).
 #   scripts/test.sh [--vllm V] [pytest args...]      e.g. scripts/test.sh -m "not integration"
 # Without --vllm: the rolls' set-up runs in the background beside the pinned release's
-# (no test runs beside a set-up); the pinned release (0.18.1) runs the whole suite, then each roll
-# (0.32.0) the whole suite but the patch manager's tests and the engine-only tests
-# (harness.vllm_series.RELEASE_INDEPENDENT_TESTS), which do not depend on the
-# release and run once, with the pinned release, in the background beside the rolls'
-# set-up and tests (they mostly wait; their report comes at the end); a roll that is
-# checked only (0.33.0: no CPU build exists) gets `build.py check`. With --vllm V: the whole suite on release V alone. Exits
-# non-zero if any run failed.
+# (no test runs beside a set-up); then every release's tests but the integration tests
+# run, all releases at once (one pytest each: they start no vLLM instance), then the
+# integration tests, one release at a time. The pinned release (0.18.1) runs the
+# whole suite, each roll (0.32.0) the whole suite but the patch manager's tests and
+# the tests that do not depend on the release (harness.vllm_series: VMP_ONCE); of
+# those, the engine-only tests run with the pinned release in the background beside
+# the rolls' integration tests (they mostly wait; their report comes at the end). A
+# roll that is checked only (0.33.0: no CPU build exists) gets `build.py check`.
+# With --vllm V: the whole suite on release V alone, in one pytest. Exits non-zero
+# if any run failed.
 # One line per set-up step; apt/pip/build/check output goes to a log named on the
 # first line (.cache/logs/test-<time>.log); pytest's report comes to the terminal.
 # -v / --verbose (also passed on to pytest) or VMP_VERBOSE=1 shows all of it.
@@ -31,6 +34,7 @@ while [ $# -gt 0 ]; do
 done
 vmp_log_open test
 cd "$ROOT"
+mkdir -p "$ROOT/.cache/logs"  # each pytest's report and each test's time
 
 # preload_of PYTHON: the libraries vLLM's CPU backend needs preloaded (tcmalloc, and
 # Intel OpenMP), in pytest's process too, for that virtualenv's interpreter.
@@ -52,14 +56,14 @@ wait_roll_setups() {
   roll_setups=()
 }
 
-# run_release V [pytest paths and args...]: set up release V, check its series, pytest.
-run_release() {
-  local version="$1" py
-  shift
+# prepare_release V: set release V up and check its series (ruff too, in one
+# release's virtualenv); its interpreter goes to PY_OF[V]. Non-zero if a step failed.
+declare -A PY_OF=()
+prepare_release() {
+  local version="$1" py vars
   vmp_say "=== vLLM $version ==="
   # errexit does not hold here (callers run this under ||): each step's status is checked.
   VMP_VLLM="$version" "$ROOT/scripts/setup.sh" || return
-  local vars
   vars="$(VMP_VLLM="$version" "${PYTHON:-python3}" -m harness.vllm_series shell)" || return
   eval "$vars"
   py="${VMP_VENV:-$VMP_DEFAULT_VENV}/bin/python"
@@ -68,13 +72,18 @@ run_release() {
     vmp_run "ruff check (our code, ruff.toml)" "$py" -m ruff check --quiet
     vmp_run "ruff format --check (our code)" "$py" -m ruff format --check --quiet
   fi
-  wait_roll_setups  # no test beside a set-up
-  local preload
+  PY_OF[$version]="$py"
+}
+
+# run_pytest V PART [pytest paths and args...]: pytest on release V (prepared);
+# each test's time goes to .cache/logs/pytest-V[-PART].xml, for the slowest-first
+# view of where CI's minutes go.
+run_pytest() {
+  local version="$1" part="$2" py="${PY_OF[$1]}" preload rc=0
+  shift 2
+  local times="$ROOT/.cache/logs/pytest-$version${part:+-$part}.xml"
   preload="$(preload_of "$py")"
-  # every test's time, for the slowest-first view of where CI's minutes go
-  local times="$ROOT/.cache/logs/pytest-$version.xml"
   vmp_say "vLLM $version: pytest -ra --durations=15${*:+ $*} (each test's time: $times)"
-  local rc=0
   VMP_VLLM="$version" LD_PRELOAD="$preload" "$py" -m pytest -ra --durations=15 \
     --junitxml="$times" "$@" || rc=$?
   if [ "$rc" -eq 5 ]; then  # pytest: no test selected (e.g. by -m) in this release
@@ -91,7 +100,8 @@ LINT_RELEASE="${only:-$VMP_PINNED}"  # ruff runs once, in this release's virtual
 
 if [ -n "$only" ]; then
   rc=0
-  run_release "$only" tests "${args[@]}" || rc=$?
+  prepare_release "$only" || exit
+  run_pytest "$only" "" tests "${args[@]}" || rc=$?
   exit "$rc"
 fi
 
@@ -103,7 +113,7 @@ failed=()
 # system packages, which every release shares (apt takes one process at a time). No
 # test starts before every set-up has ended (wait_roll_setups): the tests keep both
 # cores. A failed background set-up is run again, in the foreground, by its release's
-# run_release, which names the failed step.
+# prepare_release, which names the failed step.
 printf '[%s] system packages (scripts/setup.sh --system-only) ... ' "$VMP_TAG"
 if "$ROOT/scripts/setup.sh" --system-only >> "$VMP_LOG" 2>&1; then
   echo done
@@ -115,27 +125,14 @@ for version in $VMP_ROLLS; do
     > "$(dirname "$VMP_LOG")/setup-$version-background.out" 2>&1 &
   roll_setups+=("$version:$!")
 done
-# The engine-only tests (no vLLM code; they mostly wait out link cuts and the kernel's
-# retransmissions) run with the pinned release's virtualenv, beside the rolls' set-up
-# and tests instead of before them: CI's time.
-engine_only=()
-for path in ${VMP_ENGINE_ONLY:-}; do
-  engine_only+=("--ignore=$path")
-done
-run_release "$VMP_PINNED" tests "${engine_only[@]}" "${args[@]}" || failed+=("$VMP_PINNED")
+ready=()  # the releases whose set-up and check passed, pinned first
+if prepare_release "$VMP_PINNED"; then
+  ready+=("$VMP_PINNED")
+else
+  failed+=("$VMP_PINNED")
+fi
 pinned_py="$(eval "$(VMP_VLLM="$VMP_PINNED" "${PYTHON:-python3}" -m harness.vllm_series shell)"
   echo "$VMP_DEFAULT_VENV/bin/python")"
-engine_pid=""
-engine_log="$ROOT/.cache/logs/pytest-engine-only.log"
-if [ ${#engine_only[@]} -gt 0 ]; then
-  engine_times="$ROOT/.cache/logs/pytest-engine-only.xml"
-  vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_ENGINE_ONLY, in the background (its output: $engine_log, each test's time: $engine_times)"
-  preload="$(preload_of "$pinned_py")"
-  # shellcheck disable=SC2086  # VMP_ENGINE_ONLY: test paths, space-separated
-  VMP_VLLM="$VMP_PINNED" LD_PRELOAD="$preload" "$pinned_py" -m pytest -ra \
-    --junitxml="$engine_times" $VMP_ENGINE_ONLY "${args[@]}" > "$engine_log" 2>&1 &
-  engine_pid=$!
-fi
 # Rolls with no CPU build on the index: their series is checked, never run, with the
 # pinned release's virtualenv (set up above; the check needs no vLLM).
 for folder in $VMP_CHECKED_ONLY; do
@@ -144,14 +141,80 @@ for folder in $VMP_CHECKED_ONLY; do
     vmp_run "python build.py --patches $folder check (not run on CPU)" \
       "$pinned_py" build.py --patches "$folder" check ) || failed+=("$folder")
 done
-# Tests that do not depend on the release ran with the pinned one (harness/vllm_series.py).
+wait_roll_setups  # no test beside a set-up
+for version in $VMP_ROLLS; do
+  if prepare_release "$version"; then
+    ready+=("$version")
+  else
+    failed+=("$version")
+  fi
+done
+
+# What each release runs (harness/vllm_series.py): the pinned one the whole suite but
+# the engine-only tests; a roll the whole suite but the tests that do not depend on
+# the release (VMP_ONCE), which ran with the pinned one.
+engine_only=()
+for path in ${VMP_ENGINE_ONLY:-}; do
+  engine_only+=("--ignore=$path")
+done
 once=()
 for path in $VMP_ONCE; do
   once+=("--ignore=$path")
 done
-for version in $VMP_ROLLS; do
-  run_release "$version" tests/unit tests/upstream tests/integration "${once[@]}" "${args[@]}" \
-    || failed+=("$version")
+# paths_of V PART: release V's pytest paths and --ignore options of one part (unit:
+# every test but the integration tests; integration: those)
+paths_of() {
+  local version="$1" part="$2"
+  if [ "$part" = unit ] && [ "$version" = "$VMP_PINNED" ]; then
+    echo tests --ignore=tests/integration "${engine_only[@]}"
+  elif [ "$part" = unit ]; then
+    echo tests/unit tests/upstream "${once[@]}"
+  elif [ "$version" = "$VMP_PINNED" ]; then
+    echo tests/integration "${engine_only[@]}"
+  else
+    echo tests/integration "${once[@]}"
+  fi
+}
+
+# 1. Every release's tests but the integration tests, all releases at once, each
+# pytest in its own process (one core each: they start no vLLM instance, and none of
+# them measures time against a bound tighter than a loaded core keeps); each one's
+# report follows once all ended.
+unit_pids=()
+for version in ${ready[@]+"${ready[@]}"}; do
+  log="$ROOT/.cache/logs/pytest-$version-unit.log"
+  vmp_say "vLLM $version: the tests but the integration tests, beside the other releases' (output: $log)"
+  # shellcheck disable=SC2046  # paths_of: paths and options, space-separated
+  run_pytest "$version" unit $(paths_of "$version" unit) "${args[@]}" > "$log" 2>&1 &
+  unit_pids+=("$version:$!")
+done
+for entry in ${unit_pids[@]+"${unit_pids[@]}"}; do
+  version="${entry%%:*}" rc=0
+  wait "${entry#*:}" || rc=$?
+  vmp_say "vLLM $version: the report of the tests but the integration tests:"
+  cat "$ROOT/.cache/logs/pytest-$version-unit.log"
+  [ "$rc" -eq 0 ] || failed+=("$version (tests but integration)")
+done
+
+# 2. The integration tests (vLLM instances on both cores), one release at a time.
+# The engine-only tests (no vLLM code; they mostly wait out link cuts and the kernel's
+# retransmissions) run with the pinned release's virtualenv, in the background beside
+# the rolls' integration tests instead of before them: CI's time.
+engine_pid=""
+engine_log="$ROOT/.cache/logs/pytest-engine-only.log"
+for version in ${ready[@]+"${ready[@]}"}; do
+  # shellcheck disable=SC2046  # paths_of: paths and options, space-separated
+  run_pytest "$version" integration $(paths_of "$version" integration) "${args[@]}" \
+    || failed+=("$version (integration)")
+  if [ "$version" = "$VMP_PINNED" ] && [ ${#engine_only[@]} -gt 0 ]; then
+    engine_times="$ROOT/.cache/logs/pytest-engine-only.xml"
+    vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_ENGINE_ONLY, in the background (its output: $engine_log, each test's time: $engine_times)"
+    preload="$(preload_of "$pinned_py")"
+    # shellcheck disable=SC2086  # VMP_ENGINE_ONLY: test paths, space-separated
+    VMP_VLLM="$VMP_PINNED" LD_PRELOAD="$preload" "$pinned_py" -m pytest -ra \
+      --junitxml="$engine_times" $VMP_ENGINE_ONLY "${args[@]}" > "$engine_log" 2>&1 &
+    engine_pid=$!
+  fi
 done
 if [ -n "$engine_pid" ]; then
   engine_rc=0

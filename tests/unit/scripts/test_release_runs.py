@@ -118,13 +118,13 @@ def test_a_checked_only_roll_has_its_sdist_fetched_before_its_check(tmp_path):
 
 def engine_test(root: Path, passes: bool) -> str:
     """An engine-only test of the stand-in project that records that it ran."""
-    (root / "tests" / "engine").mkdir(parents=True)
-    (root / "tests" / "engine" / "test_engine.py").write_text(
+    (root / "tests" / "integration").mkdir(parents=True)  # where they live
+    (root / "tests" / "integration" / "test_engine.py").write_text(
         "def test_engine():\n"
         f"    open({str(root / 'ran')!r}, 'a').write('engine test\\n')\n"
         f"    assert {passes}\n"
     )
-    return "tests/engine/test_engine.py"
+    return "tests/integration/test_engine.py"
 
 
 def test_the_engine_only_tests_run_once_beside_the_rolls_and_count(tmp_path):
@@ -133,7 +133,9 @@ def test_the_engine_only_tests_run_once_beside_the_rolls_and_count(tmp_path):
     for passes in (True, False):
         base = tmp_path / str(passes)
         base.mkdir()
-        root = stand_in_project(base, setup_status=0, engine_only="tests/engine")
+        root = stand_in_project(
+            base, setup_status=0, engine_only="tests/integration/test_engine.py"
+        )
         engine_test(root, passes)
         r = run_tests(root, base)
         ran = (root / "ran").read_text().splitlines()
@@ -148,24 +150,44 @@ def test_the_engine_only_tests_run_once_beside_the_rolls_and_count(tmp_path):
 
 def test_a_rolls_setup_runs_beside_the_pinned_ones_and_ends_before_any_test(tmp_path):
     """After the system packages (one apt at a time), the roll's set-up runs in the
-    background; the pinned release's tests start only once it ended."""
+    background; no test starts before it ended. Then both releases' tests but the
+    integration tests run at once (each waits here until the other's started), then
+    the integration tests, the pinned release's first."""
     root = stand_in_project(tmp_path, setup_status=0, rolls="2.0")
+    ran_file = root / "ran"
     for folder in ("unit", "upstream", "integration"):  # what a roll's run names
         (root / "tests" / folder).mkdir(parents=True)
     (root / "tests" / "unit" / "test_one.py").write_text(
+        textwrap.dedent(
+            f"""\
+            import os, time
+            from pathlib import Path
+            def test_one():
+                ran, me = Path({str(ran_file)!r}), os.environ["VMP_VLLM"]
+                with ran.open("a") as f:
+                    f.write(f"unit {{me}}\\n")
+                other = {{"1.0": "2.0", "2.0": "1.0"}}[me]
+                deadline = time.monotonic() + 15
+                while f"unit {{other}}" not in ran.read_text():
+                    assert time.monotonic() < deadline, "ran alone"
+                    time.sleep(0.05)
+            """
+        )
+    )
+    (root / "tests" / "integration" / "test_two.py").write_text(
         "import os\n"
-        "def test_one():\n"
-        f"    open({str(root / 'ran')!r}, 'a').write("
-        "'pytest ' + os.environ['VMP_VLLM'] + '\\n')\n"
+        "def test_two():\n"
+        f"    open({str(ran_file)!r}, 'a').write("
+        "'integration ' + os.environ['VMP_VLLM'] + '\\n')\n"
     )
     r = run_tests(root, tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    ran = (root / "ran").read_text().splitlines()
+    ran = ran_file.read_text().splitlines()
     assert ran[0] == "setup 1.0 --system-only", ran
     # the roll's set-up (half a second) started before the pinned one's and ended
-    # after it, and before the pinned release's tests
+    # after it; its own run set it up again (a no-op once done), before any test
     ran = [line for line in ran if not line.startswith("build.py")]
-    assert ran[1:4] == ["setup 1.0", "setup 2.0", "pytest 1.0"], ran
-    # the roll's own run: its set-up again (a no-op once done), then its tests
-    assert ran[4:] == ["setup 2.0", "pytest 2.0"], ran
+    assert ran[1:4] == ["setup 1.0", "setup 2.0", "setup 2.0"], ran
+    assert sorted(ran[4:6]) == ["unit 1.0", "unit 2.0"], ran
+    assert ran[6:] == ["integration 1.0", "integration 2.0"], ran
     assert "vLLM 2.0: set-up in the background ended" in r.stdout, r.stdout
