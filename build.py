@@ -14,10 +14,14 @@
     python build.py rebase --onto V [--without-build-default DEVICE]
                                      3-way rebase of the series onto release V -> rolls/V/
     python build.py rebase --continue [--accept] | --skip | --abort
-    python build.py range-diff [--patches rolls/V] [--json]
+    python build.py range-diff [--patches rolls/V] [--against DIR] [--expected] [--json]
                                      the rolled series against the pinned one, patch by
-                                     patch: same / changed (interdiff) / only in one
+                                     patch: same / changed (interdiff) / only in one;
+                                     --expected: fail unless the deltas are the reviewed
+                                     ones (rolls/V/range-diff.expected)
     python build.py --patches rolls/V COMMAND   any command on a rolled series
+    python build.py --vllm V COMMAND            any command on supported release V's series
+                                                (its folder in releases.toml)
 
 Exit codes: 0 ok, 1 problems found, 2 could not run.
 The project root is this file's directory, or --root / $VMP_ROOT.
@@ -33,9 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 try:
-    from patchset import commands
+    from patchset import commands, release_index
     from patchset.errors import EXIT_CANNOT_RUN, PatchsetError
-    from patchset.project import Project
+    from patchset.project import PATCHES, Project
 except ImportError as _exc:  # GitPython or unidiff not installed
     if _exc.name not in ("git", "unidiff"):
         raise
@@ -172,12 +176,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Path(os.environ.get("VMP_ROOT") or Path(__file__).resolve().parent),
         help="project root holding patches/ (default: $VMP_ROOT or this file's directory)",
     )
-    parser.add_argument(
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
         "--patches",
-        default="patches",
         metavar="DIR",
         help="folder (under the root) holding upstream.toml, series and the patches: "
         "patches (default) or a rolled series, rolls/<version>",
+    )
+    which.add_argument(
+        "--vllm",
+        metavar="VERSION",
+        help="a supported release (releases.toml): its patch folder, e.g. --vllm "
+        "0.32.0 for rolls/0.32.0",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     subcommand(
@@ -298,16 +308,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--against",
-        default="patches",
         metavar="DIR",
-        help="the series to compare with (default: patches, the pinned one)",
+        help="the series to compare with (default: patches, the pinned one; with "
+        "--expected, the release releases.toml names as the roll's `against`)",
+    )
+    p.add_argument(
+        "--expected",
+        action="store_true",
+        help="compare the result with the deltas reviewed so far, "
+        "<roll>/range-diff.expected: exit 1 on any difference, showing it",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    project = Project(args.root.resolve(), patches=args.patches.strip("/"))
+    root = args.root.resolve()
+    patches = args.patches or (
+        release_index.patches_of(root, args.vllm) if args.vllm else PATCHES
+    )
+    project = Project(root, patches=patches.strip("/"))
     if args.command == "fetch":
         return commands.fetch(project)
     if args.command == "apply":
@@ -341,9 +361,17 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.command == "range-diff":
         if args.roll:
-            project = Project(args.root.resolve(), patches=args.roll.strip("/"))
+            project = Project(root, patches=args.roll.strip("/"))
+        against = args.against or (
+            release_index.against_of(root, project.patches)
+            if args.expected
+            else PATCHES
+        )
         return commands.range_diff(
-            project, against=args.against.strip("/"), as_json=args.json
+            project,
+            against=against.strip("/"),
+            as_json=args.json,
+            expected=args.expected,
         )
     raise AssertionError(args.command)
 

@@ -6,12 +6,14 @@
                                             shell assignments
 
 One place decides it, read once from ``VMP_VLLM`` (default: the pinned release,
-``patches/``). Every supported release has its own patch folder (``patches/``
-or ``rolls/<version>/``, whose ``upstream.toml`` names the tree), its own
-virtualenv (``.venv`` for the pinned one, ``.venv-<version>`` for a roll, since
-each release needs its own torch) and its own requirements folder
-(``requirements/`` or ``requirements/<version>/``, each with base/cpu/cuda/lock).
-The set-up and test scripts, the doctor and the test suite's guards read it here.
+``patches/``). The releases are those of ``releases.toml`` (patchset/release_index.py):
+each has its own patch folder (``patches/`` or ``rolls/<version>/``, whose
+``upstream.toml`` names the tree), its own virtualenv (``.venv`` for the pinned one,
+``.venv-<version>`` for a roll, since each release needs its own torch) and its own
+requirements folder (``requirements/`` or ``requirements/<version>/``, each with
+base/cpu/cuda/lock). The set-up and test scripts, the doctor and the test suite's
+guards read it here; this module needs the standard library only (the scripts run it
+with the system's python3 before a virtualenv exists).
 """
 
 from __future__ import annotations
@@ -25,18 +27,23 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(
+    0, str(ROOT)
+)  # run as a script too (scripts/*.sh: the system's python3)
+from patchset import release_index  # noqa: E402
 
-PINNED = "0.18.1"
-# every supported release -> its patch folder (relative to ROOT)
+# releases.toml: every supported release, the pinned one, and which are checked only
+# (build.py check: every patch applies with zero fuzz, the overlay's subclasses
+# still fit upstream's classes; no CPU build of them is on the package index, so
+# they are never installed or run here)
+RELEASES = release_index.read(ROOT)
+PINNED = next(r.version for r in RELEASES.values() if r.pinned)
+# every release that is set up and tested -> its patch folder (relative to ROOT)
 SUPPORTED: dict[str, str] = {
-    PINNED: "patches",
-    "0.32.0": "rolls/0.32.0",
+    v: r.patches for v, r in RELEASES.items() if r.status == release_index.TESTED
 }
-# rolls checked statically only (build.py check: every patch applies with zero fuzz,
-# the overlay's subclasses still fit upstream's classes): no CPU build of them is on
-# the package index, so they are never installed or run here
 CHECKED_ONLY: dict[str, str] = {
-    "0.33.0": "rolls/0.33.0",
+    v: r.patches for v, r in RELEASES.items() if r.status == release_index.CHECKED
 }
 
 # Tests whose outcome does not depend on the vLLM release: they run the Mooncake
@@ -88,26 +95,27 @@ class VllmSeries:
 
 
 def series(version: str, root: Path = ROOT) -> VllmSeries:
-    """The series for ``version``; a ValueError naming the supported ones else."""
-    if version not in SUPPORTED:
+    """The series for ``version``, a tested release of ``root``'s releases.toml; a
+    ValueError naming the supported ones (or what is wrong with the index) else."""
+    try:
+        index = release_index.read(root)
+    except release_index.PatchsetError as exc:
+        raise ValueError(str(exc)) from exc
+    release = index.get(version)
+    if release is None or release.status != release_index.TESTED:
+        tested = [v for v, r in index.items() if r.status == release_index.TESTED]
         raise ValueError(
             f"vLLM {version!r} is not a supported release of this series; "
-            f"supported: {', '.join(SUPPORTED)}"
+            f"supported: {', '.join(tested)}"
         )
-    patches = root / SUPPORTED[version]
+    patches = root / release.patches
     manifest = tomllib.loads((patches / "upstream.toml").read_text())
-    if manifest["upstream"]["version"] != version:
-        raise ValueError(
-            f"{patches / 'upstream.toml'} pins vLLM "
-            f"{manifest['upstream']['version']}, not {version}"
-        )
-    pinned = version == PINNED
     return VllmSeries(
         version=version,
         patches=patches,
         tree=root / manifest["upstream"]["tree"],
-        venv=root / (".venv" if pinned else f".venv-{version}"),
-        requirements=root / "requirements" / ("" if pinned else version),
+        venv=root / release.venv,
+        requirements=root / release.requirements,
         overlay={o["src"]: o["dst"] for o in manifest.get("overlay", [])},
     )
 

@@ -171,15 +171,37 @@ def rebase(
     return rebase_.start(project, onto, say, without=without or ())
 
 
-def range_diff(project: Project, *, against: str, as_json: bool) -> int:
+def range_diff(
+    project: Project, *, against: str, as_json: bool, expected: bool = False
+) -> int:
     from . import rangediff
 
     roll, pinned, entries = rangediff.run(project, against)
     if as_json:
         print(json.dumps(rangediff.to_json(roll, pinned, entries), indent=2))
-    else:
-        print(rangediff.render(roll, pinned, entries))
-    return EXIT_OK
+        return EXIT_OK
+    text = rangediff.render(roll, pinned, entries)
+    if not expected:
+        print(text)
+        return EXIT_OK
+    path = roll.patches_dir / rangediff.EXPECTED
+    write = f"`{roll.cmd(f'range-diff --against {against}')} > {roll.rel(path)}`"
+    if not path.is_file():
+        raise PatchsetError(
+            f"{roll.rel(path)} does not exist: review the range-diff, then write it: "
+            f"{write}"
+        )
+    diff = rangediff.unexpected(path.read_text(), text, roll.rel(path))
+    if not diff:
+        print(f"range-diff: {roll.patches} against {against}: the expected deltas")
+        return EXIT_OK
+    print("\n".join(diff))
+    print(
+        f"range-diff: the deltas of {roll.patches} against {against} are not the "
+        f"expected ones ({roll.rel(path)}): review the difference above; if it is "
+        f"right, write them: {write}"
+    )
+    return EXIT_PROBLEMS
 
 
 _HINTS = {

@@ -31,6 +31,8 @@ ONLY_PINNED = "only in pinned"
 ONLY_ROLL = "only in roll"
 MARKS = {SAME: "=", CHANGED: "!", ONLY_PINNED: "<", ONLY_ROLL: ">"}
 CONTEXT = 3  # lines of the reductions around each change in an interdiff
+# in a roll's folder: the deltas against its neighbour reviewed so far (--expected)
+EXPECTED = "range-diff.expected"
 
 
 @dataclass
@@ -205,3 +207,17 @@ def to_json(roll: Project, pinned: Project, entries: list[Entry]) -> dict:
         "roll": {"patches": roll.patches, "version": roll.manifest.version},
         "patches": [e.to_json() for e in entries],
     }
+
+
+def unexpected(expected: str, now: str, name: str) -> list[str]:
+    """The unified diff of the rendered range-diff ``now`` against ``expected``
+    (the file ``name``); empty when they agree."""
+    return list(
+        difflib.unified_diff(
+            expected.splitlines(),
+            now.splitlines(),
+            f"{name} (expected)",
+            "now",
+            lineterm="",
+        )
+    )

@@ -492,7 +492,9 @@ def _finish(project: Project, roll: Project, tree: Tree, say: Say) -> int:
         f"The new series: {roll.rel(roll.patches_dir)}/ (upstream.toml pinned to "
         f"{st.onto} with its sha256); its tree: {roll.rel(tree.path)}.\n"
         f"Use it: `python build.py --patches {roll.patches} status|check|apply`. "
-        f"The {st.from_version} series in {st.from_patches}/ is unchanged."
+        f"The {st.from_version} series in {st.from_patches}/ is unchanged. It becomes "
+        f'a supported release with a [release."{st.onto}"] table in releases.toml '
+        '(status "checked", or "tested" with its requirements and virtualenv).'
     )
     return _check_roll_overrides(project, roll, say)
 

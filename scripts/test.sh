@@ -137,9 +137,12 @@ pinned_py="$(eval "$(VMP_VLLM="$VMP_PINNED" "${PYTHON:-python3}" -m harness.vllm
 # pinned release's virtualenv (set up above; the check needs no vLLM).
 for folder in $VMP_CHECKED_ONLY; do
   # its sdist is fetched here: no set-up of it runs that would (a fresh machine has none)
+  # and verified against its neighbour: the deltas reviewed so far (releases.toml)
   ( vmp_run "python build.py --patches $folder fetch" "$pinned_py" build.py --patches "$folder" fetch
     vmp_run "python build.py --patches $folder check (not run on CPU)" \
-      "$pinned_py" build.py --patches "$folder" check ) || failed+=("$folder")
+      "$pinned_py" build.py --patches "$folder" check
+    vmp_run "python build.py --patches $folder range-diff --expected" \
+      "$pinned_py" build.py --patches "$folder" range-diff --expected ) || failed+=("$folder")
 done
 wait_roll_setups  # no test beside a set-up
 for version in $VMP_ROLLS; do

@@ -140,3 +140,33 @@ def test_range_diff_takes_the_only_roll_by_default(two_series) -> None:
     (two_series.root / "rolls" / "0.20.0" / "upstream.toml").write_text("")
     r = two_series.run("range-diff")
     assert r.code == 2 and "--patches rolls/" in r.err
+
+
+def test_expected_deltas_fail_once_either_series_changes(two_series) -> None:
+    """--expected: the roll's deltas against the release releases.toml names as its
+    `against` are the reviewed ones (rolls/V/range-diff.expected), or exit 1 showing
+    what changed; with no such file, exit 2 saying how to write it."""
+    root = two_series.root
+    pinned_toml = root / "patches" / "upstream.toml"
+    version = pinned_toml.read_text().split('version = "')[1].split('"')[0]
+    (root / "releases.toml").write_text(
+        f'[release."{version}"]\npinned = true\nstatus = "tested"\n'
+        'patches = "patches"\nrequirements = "requirements"\nvenv = ".venv"\n'
+        f'[release."0.19.0"]\nstatus = "checked"\npatches = "{ROLL}"\n'
+        f'against = "{version}"\n'
+    )
+    r = two_series.run("--patches", ROLL, "range-diff", "--expected")
+    assert r.code == 2 and "range-diff.expected does not exist" in r.err, r.text
+    now = two_series.run("--patches", ROLL, "range-diff").out
+    (root / ROLL / "range-diff.expected").write_text(now)
+    r = two_series.run("--patches", ROLL, "range-diff", "--expected")
+    assert r.code == 0 and "the expected deltas" in r.out, r.text
+    # the neighbour's patch changes (a fix edited into one series only)
+    pinned_patch = root / "patches" / "0001-engine-ten.patch"
+    pinned_patch.write_text(
+        pinned_patch.read_text().replace("engine line 10 ours", "engine line 10 fixed")
+    )
+    r = two_series.run("--patches", ROLL, "range-diff", "--expected")
+    assert r.code == 1, r.text
+    assert "+! 1: 0001-engine-ten.patch" in r.out, r.out
+    assert "not the expected ones" in r.out, r.out

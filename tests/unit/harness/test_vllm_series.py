@@ -53,12 +53,16 @@ def test_vmp_vllm_selects_the_release(monkeypatch):
     assert selected().version == roll
 
 
-def test_a_folder_that_pins_another_release_is_refused(tmp_path, monkeypatch):
+def test_a_folder_that_pins_another_release_is_refused(tmp_path):
     (tmp_path / "patches").mkdir()
     (tmp_path / "patches" / "upstream.toml").write_text(
         '[upstream]\nversion = "0.19.0"\ntree = "third_party/vllm"\n'
     )
-    with pytest.raises(ValueError, match="pins vLLM 0.19.0, not " + PINNED):
+    (tmp_path / "releases.toml").write_text(
+        f'[release."{PINNED}"]\npinned = true\nstatus = "tested"\n'
+        'patches = "patches"\nrequirements = "requirements"\nvenv = ".venv"\n'
+    )
+    with pytest.raises(ValueError, match="patches/upstream.toml pins vLLM 0.19.0"):
         series(PINNED, root=tmp_path)
 
 

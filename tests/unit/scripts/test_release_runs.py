@@ -114,6 +114,10 @@ def test_a_checked_only_roll_has_its_sdist_fetched_before_its_check(tmp_path):
     assert calls.index("build.py --patches rolls/2.0 fetch") < calls.index(
         "build.py --patches rolls/2.0 check"
     ), calls
+    # then verified against its neighbour (releases.toml's `against`)
+    assert calls.index("build.py --patches rolls/2.0 check") < calls.index(
+        "build.py --patches rolls/2.0 range-diff --expected"
+    ), calls
 
 
 def engine_test(root: Path, passes: bool) -> str:
