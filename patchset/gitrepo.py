@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,6 +237,10 @@ class GitRepo:
     def subject(self, commit: str) -> str:
         return self.run("log", "-1", "--format=%s", commit)
 
+    def message(self, commit: str) -> str:
+        """The raw commit message of one commit."""
+        return self.run("log", "-1", "--format=%B", commit)
+
     def changed_files(self, commit: str) -> list[str]:
         """Paths a commit changes relative to its first parent."""
         out = self.run(
@@ -352,9 +355,11 @@ class GitRepo:
                 entries.append(StatusEntry(item[:2], item[3:]))
         return entries
 
-    def ignored_untracked(self) -> list[str]:
-        """Untracked files that ignore rules (any source) keep out of ``add -A``."""
-        out = self.run("ls-files", "-z", "--others", "--ignored", "--exclude-standard")
+    def untracked_not_excluded(self) -> list[str]:
+        """Untracked files that ``info/exclude`` does not match: after ``add -A``,
+        those the tree's own ``.gitignore`` files kept out."""
+        exclude = self.git_dir / "info" / "exclude"
+        out = self.run("ls-files", "-z", "--others", f"--exclude-from={exclude}")
         return [p for p in out.split("\0") if p]
 
     def format_patch(self, commit: str, exclude: list[str] = ()) -> bytes:
@@ -570,34 +575,6 @@ class GitRepo:
         """
         self.run("reset", "-q", "--hard", rev)
         self.run("clean", "-q", "-f", "-d")
-
-
-def paths_matching_ignore_rules(patterns: list[str], paths: list[str]) -> set[str]:
-    """Which of paths the gitignore-style patterns match, by git's own rules.
-
-    Only these patterns count: the check runs against an empty scratch work
-    tree, so no ``.gitignore`` file of any real tree is consulted.
-    """
-    if not paths:
-        return set()
-    with tempfile.TemporaryDirectory(prefix="ignore-check-") as tmp:
-        scratch = GitRepo(Path(tmp) / "scratch.git", Path(tmp) / "empty")
-        scratch.work_tree.mkdir()
-        scratch.init()
-        scratch.write_exclude(patterns)
-        listing = Path(tmp) / "paths"
-        listing.write_bytes("\0".join(paths).encode("utf-8", "surrogateescape") + b"\0")
-        with listing.open("rb") as stdin:
-            try:
-                out = scratch._git.execute(
-                    scratch._cmd(["check-ignore", "-z", "--stdin", "--no-index"]),
-                    istream=stdin,
-                )
-            except git.exc.GitCommandError as exc:
-                if exc.status == 1:  # nothing matched
-                    return set()
-                raise GitError(f"git check-ignore failed:\n{_stderr(exc)}") from exc
-    return {p for p in out.split("\0") if p}
 
 
 def _stderr(exc: git.exc.GitCommandError) -> str:

@@ -73,13 +73,6 @@ class ChainIdentity:
     patch_of: dict[str, str] = field(default_factory=dict)  # commit -> patch name
     overlay: str | None = None  # the overlay commit, if any
     amended: dict[str, str] = field(default_factory=dict)  # patch name -> new commit
-    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (commit, name)
-
-    def commit_of(self, name: str) -> str | None:
-        for commit, patch in self.patch_of.items():
-            if patch == name:
-                return commit
-        return None
 
 
 def identify(
@@ -93,7 +86,7 @@ def identify(
     ``recorded`` maps patch name -> the commit ``apply``/``export`` made for it.
     A commit is that patch when its id is the recorded one, or when its
     trailer names the patch (then it was rewritten in the tree: ``amended``).
-    A second commit naming a patch already taken is a new commit (``duplicates``).
+    A second commit naming a patch already taken is a new commit.
     """
     out = ChainIdentity()
     by_commit = {c: n for n, c in recorded.items()}
@@ -107,7 +100,6 @@ def identify(
         if name is None:
             continue
         if name in taken:
-            out.duplicates.append((commit, name))
             continue
         taken.add(name)
         out.patch_of[commit] = name

@@ -48,10 +48,6 @@ def tree_files(tree: Path, overlays: tuple[Overlay, ...]) -> dict[str, Path]:
     return out
 
 
-def in_overlay(path: str, overlays: tuple[Overlay, ...]) -> bool:
-    return any(path == ov.dst or path.startswith(ov.dst + "/") for ov in overlays)
-
-
 def repo_path(root: Path, overlays: tuple[Overlay, ...], tree_path: str) -> Path:
     """Where a tree overlay file lives in the repo."""
     for ov in overlays:

@@ -316,7 +316,7 @@ def _check_step(
     repo: GitRepo, head: str, originals: dict[str, str], old_label: str
 ) -> list[mergecheck.Finding]:
     """``mergecheck`` on every .py file the replayed commit ``head`` touched."""
-    message = repo.messages(f"{head}^", head).get(head, "")
+    message = repo.message(head)
     original = originals.get(_step_key(message) or "")
     findings: list[mergecheck.Finding] = []
     for path in repo.changed_files(head):
@@ -358,7 +358,7 @@ def _step_key(message: str) -> str | None:
 
 def _key_of(repo: GitRepo, commit: str) -> str | None:
     """The series step (patch name, or the overlay) a commit is."""
-    return _step_key(repo.messages(f"{commit}^", commit).get(commit, ""))
+    return _step_key(repo.message(commit))
 
 
 def _text(data: bytes | None) -> str | None:
@@ -523,7 +523,7 @@ def _check_roll_overrides(project: Project, roll: Project, say: Say) -> int:
 
 
 def _describe(repo, commit: str) -> str:
-    message = repo.messages(f"{commit}^", commit).get(commit, "")
+    message = repo.message(commit)
     name = identity.patch_name_of(message)
     subject = repo.subject(commit)
     if identity.is_overlay(message):

@@ -30,7 +30,7 @@ from . import identity, overlay, state, upstream
 from .confine import PathsOutsideTree, disk_violations, project_violations
 from .errors import PatchsetError, ProblemsFound
 from .exactapply import FileResult, PatchDoesNotApply, PatchLeavesTree, apply_patch
-from .gitrepo import GitRepo, paths_matching_ignore_rules
+from .gitrepo import GitRepo
 from .project import Project
 from .series import DEFAULT_AUTHOR, Patch, decode
 from .validate import validate_series
@@ -182,9 +182,7 @@ class Tree:
         self.repo.add_all()
         # The sdist's own .gitignore hides some shipped files from `add -A`;
         # track every sdist file except the build artifacts we ignore.
-        hidden = self.repo.ignored_untracked()
-        artifacts = paths_matching_ignore_rules(list(manifest.artifacts), hidden)
-        self.repo.add_paths(sorted(set(hidden) - artifacts))
+        self.repo.add_paths(sorted(self.repo.untracked_not_excluded()))
         commit = self.repo.commit(
             f"{PRISTINE_TAG}: {manifest.name} {manifest.version} sdist\n\n"
             f"Unpacked from {manifest.sdist} (sha256 {manifest.sha256}).\n",

@@ -71,10 +71,6 @@ class Manifest:
         """The single top directory of the sdist (``vllm-0.18.1``)."""
         return f"{self.name}-{self.version}"
 
-    @property
-    def requirement(self) -> str:
-        return f"{self.name}=={self.version}"
-
 
 class Sha256Mismatch(ProblemsFound):
     def __init__(self, path: Path, expected: str, actual: str, origin: str) -> None:
