@@ -27,9 +27,8 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(
-    0, str(ROOT)
-)  # run as a script too (scripts/*.sh: the system's python3)
+# run as a script too (scripts/*.sh, with the system's python3)
+sys.path.insert(0, str(ROOT))
 from patchset import release_index  # noqa: E402
 
 # releases.toml: every supported release, the pinned one, and which are checked only

@@ -176,6 +176,8 @@ def range_diff(
 ) -> int:
     from . import rangediff
 
+    if as_json and expected:
+        raise PatchsetError("--expected compares the text report: leave out --json")
     roll, pinned, entries = rangediff.run(project, against)
     if as_json:
         print(json.dumps(rangediff.to_json(roll, pinned, entries), indent=2))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from . import overlay, series
 from .errors import PatchsetError, ProblemsFound
+from .release_index import MANIFEST
 from .upstream import Manifest, load_manifest
 
 # the pinned series; `build.py rebase` writes others to rolls/<version>
 PATCHES = "patches"
-MANIFEST = "upstream.toml"
 SERIES = "series"
 
 
