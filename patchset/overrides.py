@@ -1139,9 +1139,11 @@ def _abstract_left(cls: _Class, now: _Ancestry) -> list[tuple[_Class, str]]:
     return out
 
 
-def _self_attributes(node: ast.AST) -> tuple[set[str], list[tuple[str, int]]]:
-    """(attributes ``node`` sets on self, (attribute, line) of those it reads)."""
-    sets: set[str] = set()
+def _self_attributes(
+    node: ast.AST,
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """((attribute, line) of each self.<attribute> ``node`` sets, of each it reads)."""
+    sets: list[tuple[str, int]] = []
     reads: list[tuple[str, int]] = []
     for n in ast.walk(node):
         if (
@@ -1149,11 +1151,24 @@ def _self_attributes(node: ast.AST) -> tuple[set[str], list[tuple[str, int]]]:
             and isinstance(n.value, ast.Name)
             and n.value.id == "self"
         ):
-            if isinstance(n.ctx, ast.Store):
-                sets.add(n.attr)
-            else:
-                reads.append((n.attr, n.lineno))
+            (sets if isinstance(n.ctx, ast.Store) else reads).append((n.attr, n.lineno))
     return sets, reads
+
+
+def _first_uses(
+    cls: _Class, stores: bool, wanted: Callable[[str], bool]
+) -> list[tuple[str, str, int]]:
+    """(our method, attribute, line) of the first self.<attribute> our class sets
+    (``stores``) or reads, for each attribute ``wanted`` picks."""
+    out, seen = [], set()
+    for fn in _body(cls.node.body):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for attr, line in _self_attributes(fn)[0 if stores else 1]:
+            if attr not in seen and wanted(attr):
+                seen.add(attr)
+                out.append((fn.name, attr, line))
+    return out
 
 
 def _upstream_attributes_missing(
@@ -1168,17 +1183,10 @@ def _upstream_attributes_missing(
     known: set[str] = set(cls.members)
     for c in [cls, *now.classes]:
         known |= set(c.members)
-        known |= _self_attributes(c.node)[0]
-    out, seen = [], set()
-    for fn in _body(cls.node.body):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        for attr, line in _self_attributes(fn)[1]:
-            if attr in known or _is_dunder(attr) or attr in seen:
-                continue
-            seen.add(attr)
-            out.append((fn.name, attr, line))
-    return out
+        known |= {attr for attr, _ in _self_attributes(c.node)[0]}
+    return _first_uses(
+        cls, False, lambda attr: attr not in known and not _is_dunder(attr)
+    )
 
 
 def _upstream_attributes_gone(
@@ -1194,25 +1202,10 @@ def _upstream_attributes_gone(
         names: set[str] = set()
         for c in scope.upstream:
             sets, reads = _self_attributes(c.node)
-            names |= set(c.members) | sets | {a for a, _ in reads}
+            names |= set(c.members) | {a for a, _ in sets} | {a for a, _ in reads}
         return names
 
     gone = upstream_names(before) - upstream_names(now)
     if not gone:
         return []
-    out, seen = [], set()
-    for fn in _body(cls.node.body):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        for n in ast.walk(fn):
-            if (
-                isinstance(n, ast.Attribute)
-                and isinstance(n.ctx, ast.Store)
-                and isinstance(n.value, ast.Name)
-                and n.value.id == "self"
-                and n.attr in gone
-                and n.attr not in seen
-            ):
-                seen.add(n.attr)
-                out.append((fn.name, n.attr, n.lineno))
-    return out
+    return _first_uses(cls, True, lambda attr: attr in gone)
