@@ -161,6 +161,9 @@ def test_expected_deltas_fail_once_either_series_changes(two_series) -> None:
     (root / ROLL / "range-diff.expected").write_text(now)
     r = two_series.run("--patches", ROLL, "range-diff", "--expected")
     assert r.code == 0 and "the expected deltas" in r.out, r.text
+    # --json would report without comparing: refused
+    r = two_series.run("--patches", ROLL, "range-diff", "--expected", "--json")
+    assert r.code == 2 and "leave out --json" in r.err, r.text
     # the neighbour's patch changes (a fix edited into one series only)
     pinned_patch = root / "patches" / "0001-engine-ten.patch"
     pinned_patch.write_text(
