@@ -9,9 +9,12 @@ failure semantics (tests/integration/test_engine_failure_semantics.py).
         registers NBYTES of 0xAB, makes a 1-byte write to open the segment
         (the handshake; at offset 0, which no count looks at), prints "READY", waits for a line on stdin, then writes the
         whole buffer with MODE "sync" (the engine's batch_transfer_sync_write) or
-        "terminal" (this series' TerminalWriter) and prints "RETURNED <rc> <n>",
-        n the engine writes it submitted; again for each further "go", until
-        another line.
+        "terminal" (this series' TerminalWriter) and prints "RETURNED <rc> <n> <f>",
+        n the engine writes it submitted, f the seconds its send-queue fence
+        waited (0 in mode sync); again for each further "go", until another line.
+        With $VMP_SS_TRACE set, the writer appends this namespace's TCP sockets
+        (``ss -tinHOn``) to that file every second, each set headed by the
+        seconds since the "go".
 
 Both bind the engine to $VMP_ENGINE_HOST (default 127.0.0.1; P2PHANDSHAKE, TCP);
 the writer finds the receiver at $VMP_PEER_HOST (default 127.0.0.1).
@@ -97,14 +100,46 @@ def writer(port: int, addr: int, nbytes: int, mode: str) -> None:
     dsts = [addr + o for o in offs]
     lens = [min(step, nbytes - o) for o in offs]
     print(ready, flush=True)
+    fence = getattr(write, "fence", None)
     # Each "go" writes the buffer once; anything else (or EOF) ends the process.
     # The engine's threads stay alive in between.
     for line in sys.stdin:
         if line.strip() != "go":
             break
         submitted = engine.submitted
-        rc = write(session, srcs, dsts, lens)
-        print(f"RETURNED {rc} {engine.submitted - submitted}", flush=True)
+        fenced = getattr(fence, "fence_seconds", 0.0)
+        with _socket_trace(os.environ.get("VMP_SS_TRACE")):
+            rc = write(session, srcs, dsts, lens)
+        fenced = getattr(fence, "fence_seconds", 0.0) - fenced
+        print(f"RETURNED {rc} {engine.submitted - submitted} {fenced:.1f}", flush=True)
+
+
+@contextlib.contextmanager
+def _socket_trace(path: str | None) -> Iterator[None]:
+    """While the block runs: this namespace's TCP sockets, every second, appended
+    to ``path`` (nothing when None). What a failed write waited for, afterwards."""
+    if not path:
+        yield
+        return
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def trace() -> None:
+        with open(path, "a") as out:
+            while True:
+                r = subprocess.run(["ss", "-tinHOn"], capture_output=True, text=True)
+                out.write(f"--- {time.monotonic() - t0:.1f} s\n{r.stdout}")
+                out.flush()
+                if done.wait(1.0):
+                    return
+
+    thread = threading.Thread(target=trace, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=10)
 
 
 class _CountingEngine:

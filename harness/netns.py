@@ -343,6 +343,19 @@ class Topology:
         fault matrix's ``nic_down_short`` (docs/faults.md), not the CI rows."""
         _run("ip", "link", "set", self.hosts[name].port_dev, "down")
 
+    def pin_neighbour(self, name: str, peer: str) -> None:
+        """Host ``name``'s neighbour (ARP) entry for ``peer`` made permanent, as for
+        a peer behind a router whose own address always resolves: a connect to
+        ``peer`` while its link is down then lasts until the kernel gives up the
+        SYN (net.ipv4.tcp_syn_retries), not until ARP fails (about 3 s)."""
+        h, p = self.host(name), self.host(peer)
+        mac = _run(*p.exec_prefix(), "cat", "/sys/class/net/eth0/address").stdout
+        _run(
+            *h.exec_prefix(),
+            "ip", "neigh", "replace", p.ip, "lladdr", mac.strip(),
+            "nud", "permanent", "dev", "eth0",
+        )  # fmt: skip
+
     def link_up(self, name: str) -> None:
         """Undo :meth:`link_down` and :meth:`nic_down`."""
         port = self.hosts[name].port_dev

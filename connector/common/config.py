@@ -115,6 +115,31 @@ TCP_RTO_MIN_S = 0.2
 TCP_RTO_MAX_S = 120.0
 LINUX_ORPHAN_RETRIES = 8  # what tcp_orphan_retries=0 (the default) means
 TCP_ORPHAN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_orphan_retries"
+# A dropped connection is not the end of a write either: the transport (0.3.13,
+# connection pool, tcp_transport_lane_impl.h) keeps the write's slices that no
+# connection had taken yet queued for the peer and opens its connections ("lanes",
+# MC_TCP_LANES_PER_PEER, 4 by default) again, one at a time, with no timeout of its
+# own; the queued slices fail only once every lane failed to connect. A connect to
+# a peer whose link is down lasts until the kernel gives up the SYN
+# (tcp_syn_span_s: net.ipv4.tcp_syn_retries, and tcp_syn_linear_timeouts where the
+# kernel has it; 131 s with 6 and 4), unless an ICMP error or a failed ARP ends it
+# sooner; had the link come back meanwhile, the connect succeeds and the slices are
+# written. Measured (a write cut off for good while the machine was loaded): the
+# first connect lasted 133 s after the watchdog, three more about 3 s each (ARP had
+# failed), and the write returned 174.4 s after the cut.
+MC_TCP_LANES_PER_PEER = "MC_TCP_LANES_PER_PEER"
+MC_TCP_MAX_CONNECTIONS_PER_PEER = "MC_TCP_MAX_CONNECTIONS_PER_PEER"  # its old name
+# What transport_env.py sets where the user did not: one lane, so that a write's
+# reconnect (ENGINE_CONNECT_ALLOWANCE_S + one SYN span after the watchdog) ends
+# before the orphans' last delivery, and the bound keeps its size. The engine's own
+# default is 4.
+SERIES_ENGINE_LANES = 1
+ENGINE_DEFAULT_LANES = 4
+ENGINE_CONNECT_ALLOWANCE_S = 5  # name resolution, the 1 s reconnect cooldown, load
+TCP_SYN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_syn_retries"
+TCP_SYN_LINEAR_TIMEOUTS_PATH = "/proc/sys/net/ipv4/tcp_syn_linear_timeouts"
+LINUX_SYN_RETRIES = 6
+TCP_TIMEOUT_INIT_S = 1.0  # a SYN's first retransmission timeout
 # Time allowed for the segment handshake of a first write to a peer (it has no
 # timeout of its own in the engine).
 ENGINE_HANDSHAKE_ALLOWANCE_S = 5
@@ -233,6 +258,11 @@ class ExtConfig:
     # this host's net.ipv4.tcp_orphan_retries as the kernel applies it (0 -> 8);
     # a push source reports its own in /match_blocks (PushJob carries it to D's hold)
     tcp_orphan_retries: int = LINUX_ORPHAN_RETRIES
+    # how long the transport may spend connecting to a peer again for a write's
+    # queued slices once it dropped a stalled connection (engine_reconnect_s: its
+    # lanes, one after the other, each up to the kernel's SYN span); a push source
+    # reports its own in /match_blocks
+    engine_reconnect_s: int = 136  # as from_env computes it with the defaults
     # D: a source's engine timeout beyond this is refused (its hold would be longer)
     push_source_timeout_max_s: int = 120
     # empty engine steps while finished requests hold blocks: at most one per this
@@ -282,7 +312,9 @@ class ExtConfig:
         kernel's: how long bytes queued on a connection that stalled can still
         be delivered (:func:`stalled_delivery_bound_s`, which covers the
         transport's no-progress watchdog, ``engine_no_progress_s``, and the
-        orphaned connections it leaves). engine_write.py waits for every slice
+        orphaned connections it leaves), or, if longer, the watchdog and then the
+        transport's reconnect for the slices still queued (``engine_reconnect_s``).
+        engine_write.py waits for every slice
         to be terminal and for the kernel's queues (send_queues.py); past this bound it logs the write
         as overdue and keeps waiting (its blocks stay out of use). A peer that
         holds blocks for someone else's write uses this bound, computed with
@@ -291,8 +323,11 @@ class ExtConfig:
             ENGINE_HANDSHAKE_ALLOWANCE_S
             + self.engine_transfer_timeout_s
             + nbytes * ENGINE_NS_PER_BYTE * 1e-9
-            + stalled_delivery_bound_s(
-                self.tcp_orphan_retries, self.engine_no_progress_s
+            + max(
+                stalled_delivery_bound_s(
+                    self.tcp_orphan_retries, self.engine_no_progress_s
+                ),
+                self.engine_no_progress_s + self.engine_reconnect_s,
             )
         )
 
@@ -302,6 +337,7 @@ class ExtConfig:
         source_engine_timeout_s: int | None = None,
         source_tcp_orphan_retries: int | None = None,
         source_engine_no_progress_s: int | None = None,
+        source_engine_reconnect_s: int | None = None,
     ) -> float:
         """How long D keeps a push's blocks when C never answers. C starts no write
         once the push's budget (push_timeout_s, from when C received the request)
@@ -309,9 +345,10 @@ class ExtConfig:
         D measured within push_clock_skew_s) has passed; a write started by then
         ends within C's engine_write_bound_s for the ``nbytes`` asked for,
         computed with C's MC_TRANSFER_TIMEOUT (``source_engine_timeout_s``), its
-        kernel's orphan retries (``source_tcp_orphan_retries``) and its transport's
-        no-progress watchdog (``source_engine_no_progress_s``), all from C's
-        /match_blocks answer (None: this instance's own)."""
+        kernel's orphan retries (``source_tcp_orphan_retries``), its transport's
+        no-progress watchdog (``source_engine_no_progress_s``) and reconnect
+        (``source_engine_reconnect_s``), all from C's /match_blocks answer (None:
+        this instance's own)."""
         source = self
         if source_engine_timeout_s is not None:
             source = replace(source, engine_transfer_timeout_s=source_engine_timeout_s)
@@ -319,6 +356,8 @@ class ExtConfig:
             source = replace(source, tcp_orphan_retries=source_tcp_orphan_retries)
         if source_engine_no_progress_s is not None:
             source = replace(source, engine_no_progress_s=source_engine_no_progress_s)
+        if source_engine_reconnect_s is not None:
+            source = replace(source, engine_reconnect_s=source_engine_reconnect_s)
         return (
             self.push_timeout_s
             + source.engine_write_bound_s(nbytes)
@@ -351,8 +390,9 @@ class ExtConfig:
                 f"this prefill instance may answer up to {needed:g} s after a pull "
                 f"(MOONCAKE_LAYERWISE_TIMEOUT_S={self.layerwise_timeout_s:g} + the bound on "
                 f"an in-flight write, {self.engine_write_bound_s(0):g} s from its "
-                f"MC_TRANSFER_TIMEOUT and its transport's {self.engine_no_progress_s} s "
-                "no-progress watchdog), but the decode instance gives up after "
+                f"MC_TRANSFER_TIMEOUT, its transport's {self.engine_no_progress_s} s "
+                f"no-progress watchdog and {self.engine_reconnect_s} s reconnect), but "
+                "the decode instance gives up after "
                 f"{give_up:g} s (its VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower the "
                 "prefill's MOONCAKE_LAYERWISE_TIMEOUT_S or raise the decode's "
                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"
@@ -409,6 +449,7 @@ class ExtConfig:
         engine_timeout = engine_timeout_s(env)
         orphan_retries = tcp_orphan_retries()
         no_progress = engine_no_progress_s(env)
+        reconnect = engine_reconnect_s(env)
         # D's pull socket gives up after VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s
         # (upstream) and then frees the blocks; P must have answered by then. P
         # answers after its timeout once the in-flight write is terminal, which the
@@ -419,6 +460,7 @@ class ExtConfig:
             engine_transfer_timeout_s=engine_timeout,
             tcp_orphan_retries=orphan_retries,
             engine_no_progress_s=no_progress,
+            engine_reconnect_s=reconnect,
         ).engine_write_bound_s(0)
         default_layerwise_timeout = max(
             0.1, min(abort_timeout, math.floor(d_gives_up - write_bound - 5))
@@ -450,6 +492,7 @@ class ExtConfig:
             engine_transfer_timeout_s=engine_timeout,
             tcp_orphan_retries=orphan_retries,
             engine_no_progress_s=no_progress,
+            engine_reconnect_s=reconnect,
             push_source_timeout_max_s=int(
                 _number(
                     env,
@@ -496,11 +539,13 @@ class ExtConfig:
             raise ConfigError(
                 f"MOONCAKE_LAYERWISE_TIMEOUT_S={cfg.layerwise_timeout_s:g} + the bound on an "
                 f"in-flight write ({write_bound:g} s, from MC_TRANSFER_TIMEOUT, the "
-                f"transport's {no_progress} s no-progress watchdog and "
-                f"net.ipv4.tcp_orphan_retries={orphan_retries}) must "
+                f"transport's {no_progress} s no-progress watchdog, its {reconnect} s "
+                f"reconnect and net.ipv4.tcp_orphan_retries={orphan_retries}) must "
                 f"stay below the decode side's {d_gives_up:g} s "
-                "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, or raise "
-                "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both instances"
+                "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, shorten the "
+                "bound (MC_TCP_LANES_PER_PEER, the kernel's tcp_syn_retries or "
+                "tcp_orphan_retries), or raise VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on "
+                "both instances"
             )
         # P holds a finished prefill's KV for D's pull MOONCAKE_LAYERWISE_TIMEOUT_S:
         # a pull that waited its whole turn on D must still find it
@@ -585,16 +630,70 @@ def stalled_delivery_bound_s(
     return span + min(span, TCP_RTO_MAX_S) + 1.0
 
 
+def tcp_syn_span_s(syn_retries: int, linear_timeouts: int = 0) -> float:
+    """How long the kernel tries to connect before it gives up (no answer, no
+    error): the SYN is retransmitted ``syn_retries`` times (net.ipv4.tcp_syn_retries)
+    after the first ``linear_timeouts`` retransmissions at the initial 1 s
+    (net.ipv4.tcp_syn_linear_timeouts, where the kernel has it), the timeout
+    doubling from 1 s up to TCP_RTO_MAX; the last timeout ends it. 127 s with 6
+    and none, 131 s with 6 and 4."""
+    return linear_timeouts * TCP_TIMEOUT_INIT_S + sum(
+        min(TCP_TIMEOUT_INIT_S * (1 << k), TCP_RTO_MAX_S)
+        for k in range(syn_retries + 1)
+    )
+
+
+def engine_lanes(env: Mapping[str, str]) -> int:
+    """The connections the transport opens to a peer, as it reads them:
+    MC_TCP_LANES_PER_PEER (or its old name) when above 0, else what this series
+    sets where unset (transport_env.py)."""
+    for name in (MC_TCP_LANES_PER_PEER, MC_TCP_MAX_CONNECTIONS_PER_PEER):
+        value = _atoi(env.get(name) or "")
+        if value > 0:
+            return value
+    return SERIES_ENGINE_LANES
+
+
+def engine_reconnect_s(
+    env: Mapping[str, str],
+    syn_retries_path: str = TCP_SYN_RETRIES_PATH,
+    syn_linear_path: str = TCP_SYN_LINEAR_TIMEOUTS_PATH,
+) -> int:
+    """How long the transport may spend connecting again to a peer whose link is
+    down, for a write's slices still queued after it dropped a stalled connection:
+    each of its lanes, one after the other, up to this host's SYN span
+    (:func:`tcp_syn_span_s`) plus ENGINE_CONNECT_ALLOWANCE_S."""
+    syn_retries = _read_int(syn_retries_path)
+    if syn_retries is None or syn_retries <= 0:
+        syn_retries = LINUX_SYN_RETRIES
+    linear = _read_int(syn_linear_path) or 0
+    per_lane = tcp_syn_span_s(syn_retries, max(0, linear)) + ENGINE_CONNECT_ALLOWANCE_S
+    return math.ceil(engine_lanes(env) * per_lane)
+
+
+# The longest reconnect D accepts from a push source unless its own is longer: the
+# engine's default lanes, each the span of the kernel's defaults (6 SYN retries
+# after 4 linear ones).
+ENGINE_RECONNECT_MAX_S = math.ceil(
+    ENGINE_DEFAULT_LANES
+    * (tcp_syn_span_s(LINUX_SYN_RETRIES, 4) + ENGINE_CONNECT_ALLOWANCE_S)
+)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def tcp_orphan_retries(path: str = TCP_ORPHAN_RETRIES_PATH) -> int:
     """net.ipv4.tcp_orphan_retries of this process's network namespace as the
     kernel applies it to a connection that was still sending (0 means 8); the
     Linux default when it cannot be read."""
-    try:
-        with open(path) as f:
-            value = int(f.read().strip())
-    except (OSError, ValueError):
-        return LINUX_ORPHAN_RETRIES
-    return value if value > 0 else LINUX_ORPHAN_RETRIES
+    value = _read_int(path)
+    return value if value is not None and value > 0 else LINUX_ORPHAN_RETRIES
 
 
 def is_loopback(host: str) -> bool:

@@ -16,9 +16,9 @@ bytes; the admission timeout (20 s) is below a push's deadline
 (MOONCAKE_PUSH_TIMEOUT_S, 30 s). Every write of this series waits until the
 engine reports each of its entries done or failed (engine_write.py); the
 bound peers hold blocks for is ``ExtConfig.engine_write_bound_s``, computed
-from the writer's MC_TRANSFER_TIMEOUT and its transport's no-progress watchdog
-(MC_TCP_PROGRESS_TIMEOUT_SEC, MC_TCP_STATUS_TIMEOUT_SEC); C reports both to D in
-/match_blocks.
+from the writer's MC_TRANSFER_TIMEOUT, its transport's no-progress watchdog
+(MC_TCP_PROGRESS_TIMEOUT_SEC, MC_TCP_STATUS_TIMEOUT_SEC) and its reconnect
+(MC_TCP_LANES_PER_PEER, one here); C reports them to D in /match_blocks.
 
 The defaults below apply only to the ``tcp`` protocol and only where the user
 has not set the variable: an explicit setting always wins. They must be in the
@@ -36,9 +36,12 @@ from vllm.logger import init_logger
 from .config import (
     DEFAULT_ENGINE_TRANSFER_TIMEOUT_S,
     ENGINE_NO_PROGRESS_S,
+    MC_TCP_LANES_PER_PEER,
+    MC_TCP_MAX_CONNECTIONS_PER_PEER,
     MC_TCP_PROGRESS_TIMEOUT_SEC,
     MC_TCP_STATUS_TIMEOUT_SEC,
     MC_TRANSFER_TIMEOUT,
+    SERIES_ENGINE_LANES,
     is_loopback,
     load,
 )
@@ -57,6 +60,10 @@ TCP_TRANSPORT_DEFAULTS: dict[str, str] = {
     # (config.engine_no_progress_s): a later engine's other default cannot slip in
     MC_TCP_PROGRESS_TIMEOUT_SEC: str(ENGINE_NO_PROGRESS_S),
     MC_TCP_STATUS_TIMEOUT_SEC: str(ENGINE_NO_PROGRESS_S),
+    # one connection to a peer: once the watchdog dropped it, the transport connects
+    # again for the write's queued slices, and with each more lane a connect to a
+    # peer whose link is down adds a SYN span to the write (config.engine_reconnect_s)
+    MC_TCP_LANES_PER_PEER: str(SERIES_ENGINE_LANES),
 }
 
 
@@ -68,6 +75,8 @@ def apply_transport_env_defaults(
     if protocol != "tcp":
         return {}
     applied = {k: v for k, v in TCP_TRANSPORT_DEFAULTS.items() if k not in env}
+    if MC_TCP_MAX_CONNECTIONS_PER_PEER in env:  # the lanes' old name, set by the user
+        applied.pop(MC_TCP_LANES_PER_PEER, None)
     host = load().bootstrap_host
     if host not in ("0.0.0.0", "::") and "MC_TCP_BIND_ADDRESS" not in env:
         # the engine listens where the bootstrap server does (MOONCAKE_BOOTSTRAP_HOST)

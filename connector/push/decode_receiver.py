@@ -197,6 +197,7 @@ class PushReceiver:
             job.source_engine_timeout_s,
             job.source_tcp_orphan_retries,
             job.source_engine_no_progress_s,
+            job.source_engine_reconnect_s,
         )
 
     def start(self, jobs: list[PushJob]) -> None:

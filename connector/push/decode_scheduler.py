@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from ..common.auth import request_headers
-from ..common.config import LINUX_ORPHAN_RETRIES, ExtConfig
+from ..common.config import ENGINE_RECONNECT_MAX_S, LINUX_ORPHAN_RETRIES, ExtConfig
 from ..common.fingerprint import WarnLimiter
 from .decode_client import SourceLanes, source_origin
 from .decode_cost import Decision, PrefillTimer, PushCostModel
@@ -116,6 +116,7 @@ class _Match:
     tcp_orphan_retries: int | None = None  # the source's kernel's (None: ours)
     round_trip_s: float = 0.0  # the /match_blocks call, as D timed it
     engine_no_progress_s: int | None = None  # the source's transport's (None: ours)
+    engine_reconnect_s: int | None = None  # the source's transport's (None: ours)
 
 
 def push_source(request: Request) -> str | None:
@@ -342,6 +343,18 @@ class PushScheduler:
                 "would hold them. Lower the source's setting or raise "
                 "MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S here"
             )
+        reconnect = resp.engine_reconnect_s
+        reconnect_most = max(ENGINE_RECONNECT_MAX_S, self.config.engine_reconnect_s)
+        if reconnect is not None and not 0 < reconnect <= reconnect_most:
+            raise SourceRefusedError(
+                f"it reports a transport reconnect of {reconnect} s (its "
+                "MC_TCP_LANES_PER_PEER connections, each up to its kernel's "
+                "net.ipv4.tcp_syn_retries span); this instance accepts 1 .. "
+                f"{reconnect_most} s (the engine's default lanes with the kernel's "
+                "default, or its own if larger): a write of it could land in this "
+                "instance's blocks for longer than it would hold them. Lower the "
+                "source's MC_TCP_LANES_PER_PEER or tcp_syn_retries"
+            )
         return _Match(
             resp.matched_blocks,
             resp.engine_timeout_s,
@@ -349,6 +362,7 @@ class PushScheduler:
             retries,
             round_trip,
             stall,
+            reconnect,
         )
 
     def _allowed(self, rid: str, source: str) -> bool:
@@ -585,6 +599,7 @@ class PushScheduler:
                 source_id=match.source_id,
                 source_tcp_orphan_retries=match.tcp_orphan_retries,
                 source_engine_no_progress_s=match.engine_no_progress_s,
+                source_engine_reconnect_s=match.engine_reconnect_s,
             )
         )
         self.stats["requests"] += 1

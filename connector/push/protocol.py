@@ -140,6 +140,9 @@ class MatchBlocksResponse(_Strict):
     # how long C's transport lets a stalled connection keep its queued bytes before
     # it drops it (config.engine_no_progress_s, s); None: D assumes its own
     engine_no_progress_s: StrictInt | None = None
+    # how long C's transport may then spend connecting to D again for a write's
+    # queued slices (config.engine_reconnect_s, s); None: D assumes its own
+    engine_reconnect_s: StrictInt | None = None
 
 
 class PushBlocksRequest(_Strict):
@@ -394,6 +397,8 @@ class PushJob:
     source_tcp_orphan_retries: int | None = None
     # C's transport's no-progress watchdog from the same answer (None: ours)
     source_engine_no_progress_s: int | None = None
+    # C's transport's reconnect from the same answer (None: ours)
+    source_engine_reconnect_s: int | None = None
 
 
 @dataclass

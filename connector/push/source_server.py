@@ -306,6 +306,7 @@ class PushServer:
             source_id=self.source_id,
             tcp_orphan_retries=self.config.tcp_orphan_retries,
             engine_no_progress_s=self.config.engine_no_progress_s,
+            engine_reconnect_s=self.config.engine_reconnect_s,
         ).model_dump()
 
     def push(

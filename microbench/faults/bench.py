@@ -79,6 +79,11 @@ ENGINE_TIMEOUT_S = 5  # MC_TRANSFER_TIMEOUT: the engine's sync call gives up aft
 # 5 + 5 + 61 s (connector/common/config.py, stalled_delivery_bound_s); with the
 # kernel's default (205.4 s instead of 61) D's pull give-up would have to be minutes.
 ORPHAN_RETRIES = 1
+# ... and on a connect after two SYN retransmissions past the linear ones
+# (net.ipv4.tcp_syn_retries; 11 s with 4 linear ones instead of 131): the
+# transport's reconnect for a write's queued slices after its watchdog
+# (config.engine_reconnect_s, 16 s) ends within those 61 s.
+SYN_RETRIES = 2
 # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT: D's pull gives up 60 s after it, which must
 # come after P's LAYERWISE_TIMEOUT_S + the bound on a write (20 + 71 s)
 ABORT_TIMEOUT_S = 35
@@ -144,15 +149,18 @@ FAULT_ENV = {
 
 def cluster_specs(model: str, kernel_defaults: bool = False) -> list[InstanceSpec]:
     """P and D, armed with the fault hooks above. ``kernel_defaults``: the cut rows'
-    cluster (the kernel's own orphan retries, D's pull waiting accordingly, and a
-    small KV cache on D)."""
+    cluster (the kernel's own orphan and SYN retries, D's pull waiting accordingly,
+    and a small KV cache on D)."""
     args = ["--enable-prompt-tokens-details"]
     common = dict(
         model=model,
         kv_cache_gib=2,
         max_model_len=4096,
         env=dict(FAULT_ENV),
-        sysctls={"net.ipv4.tcp_orphan_retries": ORPHAN_RETRIES},
+        sysctls={
+            "net.ipv4.tcp_orphan_retries": ORPHAN_RETRIES,
+            "net.ipv4.tcp_syn_retries": SYN_RETRIES,
+        },
         extra_args=args,
     )
     decode_args = args

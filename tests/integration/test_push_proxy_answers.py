@@ -79,14 +79,16 @@ class SourceBehindAProxy:
             self.c_bootstrap, raw, authorization, BLOCK
         )
         self.fingerprint = out["fingerprint"]
-        # the engine's floor, its short watchdog and a kernel that gives up on
-        # orphaned connections at once: D's hold for this source is as short as it
-        # can be (5 + 5 + 5 + 11 + 5 s)
+        # the engine's floor, its short watchdog, a kernel that gives up on
+        # orphaned connections at once and a transport that connects again for no
+        # longer than a second: D's hold for this source is as short as it can be
+        # (5 + 5 + 5 + 11 + 5 s)
         return {
             **out,
             "engine_timeout_s": 5,
             "tcp_orphan_retries": 1,
             "engine_no_progress_s": WATCHDOG_S,
+            "engine_reconnect_s": 1,
         }
 
     def write_late(self, push: dict) -> None:

@@ -6,22 +6,42 @@ from dataclasses import replace
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ENGINE_RECONNECT_MAX_S,
     ConfigError,
     ExtConfig,
+    engine_lanes,
     engine_no_progress_s,
+    engine_reconnect_s,
     stalled_delivery_bound_s,
     tcp_orphan_retries,
     tcp_retransmission_span_s,
+    tcp_syn_span_s,
 )
 
 
+def syn_files(tmp_path, retries: str | None, linear: str | None) -> tuple[str, str]:
+    """net.ipv4.tcp_syn_retries and tcp_syn_linear_timeouts as files (None: absent)."""
+    tmp_path.mkdir(exist_ok=True)
+    paths = []
+    for name, text in (("tcp_syn_retries", retries), ("linear", linear)):
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
 @pytest.fixture(autouse=True)
-def linux_default_orphan_retries(monkeypatch):
-    """from_env reads this host's net.ipv4.tcp_orphan_retries; these tests assume
-    the kernel's default (0, applied as 8)."""
+def linux_defaults(monkeypatch, tmp_path):
+    """from_env reads this host's net.ipv4.tcp_orphan_retries, tcp_syn_retries and
+    tcp_syn_linear_timeouts; these tests assume the kernel's defaults (0, applied
+    as 8; 6; 4)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import config
 
     monkeypatch.setattr(config, "tcp_orphan_retries", lambda: 8)
+    paths = syn_files(tmp_path / "defaults", "6\n", "4\n")
+    real = config.engine_reconnect_s
+    monkeypatch.setattr(config, "engine_reconnect_s", lambda env: real(env, *paths))
 
 
 def test_defaults_and_derived_bounds():
@@ -198,10 +218,10 @@ def test_the_write_bound_follows_a_raised_transport_watchdog():
     must cover it (with the 30 s it assumed before, it was 5 + 5 + 61 s with one
     orphan retry: blocks freed while the write could still land)."""
     env = {"MC_TRANSFER_TIMEOUT": "5", "MC_TCP_PROGRESS_TIMEOUT_SEC": "200"}
-    cfg = replace(ExtConfig.from_env(env), tcp_orphan_retries=1)
+    cfg = replace(ExtConfig.from_env(env), tcp_orphan_retries=1, engine_reconnect_s=1)
     assert cfg.engine_write_bound_s(0) == pytest.approx(5 + 5 + 200 + 120 + 1)
     # D's hold for a push of a source that reports it, whatever D's own setting
-    d = replace(ExtConfig.from_env({}), tcp_orphan_retries=1)
+    d = replace(ExtConfig.from_env({}), tcp_orphan_retries=1, engine_reconnect_s=1)
     assert d.push_hold_for_s(0, 5, 1, 200) > 200 + 120 + 1
     assert d.push_hold_for_s(0, 5, 1) < 200
     assert stalled_delivery_bound_s(1, 200) == pytest.approx(200 + 120 + 1)
@@ -218,6 +238,77 @@ def test_the_kernels_retransmission_model():
     assert stalled_delivery_bound_s(1) == pytest.approx(30 + 30 + 1)
     assert stalled_delivery_bound_s(8) == pytest.approx(102.2 + 102.2 + 1)
     assert stalled_delivery_bound_s(15) == pytest.approx(924.6 + 120 + 1)
+
+
+def test_the_write_bound_covers_the_transports_reconnect_after_its_watchdog():
+    """Once the watchdog dropped a stalled connection, the transport connects to the
+    peer again for the write's slices still queued, one lane after the other, each
+    connect lasting up to the kernel's SYN span while the link is down; had the
+    link come back meanwhile, they are written. Measured with the real engine (four
+    lanes, a loaded machine, the link cut for good): the write returned 174.4 s
+    after the cut, past the 113.5 s bound of the orphans alone (tcp_orphan_retries
+    7, MC_TRANSFER_TIMEOUT=5): peers would have freed blocks it could still write."""
+    env = {"MC_TRANSFER_TIMEOUT": "5", "MC_TCP_LANES_PER_PEER": "4"}
+    # four lanes with upstream's abort timeout: refused at start, naming the reconnect
+    with pytest.raises(ConfigError, match="544 s reconnect"):
+        ExtConfig.from_env(env)
+    env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = "900"
+    cfg = replace(ExtConfig.from_env(env), tcp_orphan_retries=7)
+    assert cfg.engine_reconnect_s == 4 * (131 + 5)
+    assert cfg.engine_write_bound_s(512 << 20) > 174.4
+    assert cfg.engine_write_bound_s(0) == pytest.approx(5 + 5 + 30 + 4 * 136)
+    # one lane, as this series sets it: one SYN span after the watchdog, which ends
+    # before the default orphans' last delivery (the bound keeps its size)
+    one = ExtConfig.from_env({"MC_TRANSFER_TIMEOUT": "5"})
+    assert one.engine_reconnect_s == 136
+    assert one.engine_write_bound_s(0) == pytest.approx(5 + 5 + 205.4)
+    seven = replace(one, tcp_orphan_retries=7)
+    assert seven.engine_write_bound_s(0) == pytest.approx(5 + 5 + 30 + 136)
+    # D's hold for a push follows the reconnect C reports
+    assert one.push_hold_for_s(0, 5, 7, 30, 4 * 136) == pytest.approx(
+        30 + 5 + 5 + 30 + 4 * 136 + 5
+    )
+    assert ENGINE_RECONNECT_MAX_S == 4 * 136
+
+
+def test_the_kernels_syn_model():
+    # 1, 2, 4 ... 64 s, the last timeout ending it; linear timeouts first at 1 s
+    assert tcp_syn_span_s(6) == pytest.approx(127)
+    assert tcp_syn_span_s(6, 4) == pytest.approx(131)
+    assert tcp_syn_span_s(2) == pytest.approx(7)
+    assert tcp_syn_span_s(8) == pytest.approx(127 + 120 + 120)  # TCP_RTO_MAX
+
+
+@pytest.mark.parametrize(
+    "env,lanes",
+    [
+        ({}, 1),  # as transport_env.py sets it
+        ({"MC_TCP_LANES_PER_PEER": "4"}, 4),
+        ({"MC_TCP_LANES_PER_PEER": "0"}, 1),
+        ({"MC_TCP_MAX_CONNECTIONS_PER_PEER": "3"}, 3),  # the old name
+        ({"MC_TCP_LANES_PER_PEER": "2", "MC_TCP_MAX_CONNECTIONS_PER_PEER": "3"}, 2),
+    ],
+)
+def test_the_lanes_are_read_as_the_engine_reads_them(env, lanes):
+    assert engine_lanes(env) == lanes
+
+
+@pytest.mark.parametrize(
+    "retries,linear,span",
+    [
+        ("6\n", "4\n", 131),
+        ("6", None, 127),
+        ("3", "0", 15),
+        ("0", None, 127),
+        (None, None, 127),
+    ],
+)
+def test_the_syn_settings_are_read_as_the_kernel_applies_them(
+    tmp_path, retries, linear, span
+):
+    paths = syn_files(tmp_path, retries, linear)
+    assert engine_reconnect_s({}, *paths) == span + 5
+    assert engine_reconnect_s({"MC_TCP_LANES_PER_PEER": "2"}, *paths) == 2 * (span + 5)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
+    engine_lanes,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.transport_env import (
     TCP_TRANSPORT_DEFAULTS,
@@ -38,6 +39,22 @@ def test_user_setting_wins():
     assert env["MC_TCP_ADMISSION_TIMEOUT_MS"] == "1234"
     assert "MC_TCP_ADMISSION_TIMEOUT_MS" not in applied
     assert env["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "65535"
+
+
+def test_one_lane_unless_the_user_set_the_lanes_under_either_name():
+    """One connection to a peer (config.engine_reconnect_s: each lane more adds a SYN
+    span to the bound a write's peers hold blocks for), and what the configuration
+    computes the bound with is what the transport gets."""
+    env = {}
+    apply_transport_env_defaults("tcp", env)
+    assert env["MC_TCP_LANES_PER_PEER"] == "1"
+    assert engine_lanes(env) == 1 == engine_lanes({})
+    env = {"MC_TCP_LANES_PER_PEER": "4"}
+    apply_transport_env_defaults("tcp", env)
+    assert env["MC_TCP_LANES_PER_PEER"] == "4" and engine_lanes(env) == 4
+    env = {"MC_TCP_MAX_CONNECTIONS_PER_PEER": "4"}  # the old name
+    apply_transport_env_defaults("tcp", env)
+    assert "MC_TCP_LANES_PER_PEER" not in env and engine_lanes(env) == 4
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3", "::1"])

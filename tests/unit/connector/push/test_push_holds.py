@@ -359,6 +359,23 @@ def push_job_from(c, caplog, **d_env: str) -> tuple[tuple, PushJob | None, ExtCo
     return got, job, d_cfg
 
 
+PUSHED_BYTES = 3 * (1 << 20)  # push_job_from's 3 blocks of D's one 1 MiB layer
+
+
+def held_for(d_cfg: ExtConfig, job, stalled_s: float) -> float:
+    """D's hold for ``job``: the push's deadline, then C's bound on its write (the
+    handshake, C's engine timeout, the bytes, and ``stalled_s``: how long after a
+    stall its bytes can still land), then the clock skew allowed."""
+    return (
+        d_cfg.push_timeout_s
+        + 5
+        + job.source_engine_timeout_s
+        + PUSHED_BYTES * 1e-9
+        + stalled_s
+        + d_cfg.push_clock_skew_s
+    )
+
+
 @pytest.mark.parametrize(
     ("reported", "pushed"), [(1, True), (8, True), (9, False), (255, False)]
 )
@@ -370,24 +387,21 @@ def test_the_hold_follows_the_sources_kernel_and_refuses_one_beyond_what_d_accep
     the push is computed with it; beyond the kernel's default (or D's own, if
     larger) D prefills locally and says why."""
     c = c_server()
-    c.server.config = replace(c.server.config, tcp_orphan_retries=reported)
+    # C's reconnect shorter than its orphans' (ExtConfig.engine_reconnect_s)
+    c.server.config = replace(
+        c.server.config, tcp_orphan_retries=reported, engine_reconnect_s=1
+    )
     got, job, d_cfg = push_job_from(c, caplog)
     assert got == ((3 * BS, True) if pushed else (0, False))
     if pushed:
         assert job.source_tcp_orphan_retries == reported
         rec = PushReceiver(D_SESSION, [3 << 40], 1 << 20, BS, NBLK, FP, d_cfg)
         try:
-            nbytes = 3 * (1 << 20)
             assert rec.hold_s(job) == d_cfg.push_hold_for_s(
-                nbytes, job.source_engine_timeout_s, reported
+                PUSHED_BYTES, job.source_engine_timeout_s, reported, None, 1
             )
             assert rec.hold_s(job) == pytest.approx(
-                d_cfg.push_timeout_s
-                + 5
-                + job.source_engine_timeout_s
-                + nbytes * 1e-9
-                + stalled_delivery_bound_s(reported)
-                + d_cfg.push_clock_skew_s
+                held_for(d_cfg, job, stalled_delivery_bound_s(reported))
             )
         finally:
             rec.shutdown()
@@ -409,7 +423,10 @@ def test_the_hold_follows_the_sources_transport_watchdog(
     D prefills locally and says why."""
     c = c_server()
     c.server.config = replace(
-        c.server.config, engine_no_progress_s=reported, tcp_orphan_retries=1
+        c.server.config,
+        engine_no_progress_s=reported,
+        tcp_orphan_retries=1,
+        engine_reconnect_s=1,
     )
     got, job, d_cfg = push_job_from(c, caplog, MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S="300")
     assert got == ((3 * BS, True) if pushed else (0, False))
@@ -420,18 +437,41 @@ def test_the_hold_follows_the_sources_transport_watchdog(
     assert job.source_engine_no_progress_s == reported
     rec = PushReceiver(D_SESSION, [3 << 40], 1 << 20, BS, NBLK, FP, d_cfg)
     try:
-        nbytes = 3 * (1 << 20)
         assert rec.hold_s(job) == pytest.approx(
-            d_cfg.push_timeout_s
-            + 5
-            + job.source_engine_timeout_s
-            + nbytes * 1e-9
-            + stalled_delivery_bound_s(1, reported)
-            + d_cfg.push_clock_skew_s
+            held_for(d_cfg, job, stalled_delivery_bound_s(1, reported))
         )
         if reported > 30:  # what D held for before: C's write could outlive it
             assert rec.hold_s(job) > d_cfg.push_timeout_s + reported + min(
                 reported, 120
             )
+    finally:
+        rec.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("reported", "pushed"), [(136, True), (544, True), (545, False), (0, False)]
+)
+def test_the_hold_follows_the_sources_reconnect(c_server, caplog, reported, pushed):
+    """Once C's transport dropped a stalled connection it connects to D again for
+    the write's queued slices, for up to ``reported`` s (its lanes, each a SYN
+    span): a write of C's can land in D's blocks until then, so D's hold for the
+    push is computed with it; beyond what D accepts (the engine's default four
+    lanes with the kernel's defaults, 544 s) D prefills locally and says why."""
+    c = c_server()
+    c.server.config = replace(
+        c.server.config, tcp_orphan_retries=1, engine_reconnect_s=reported
+    )
+    got, job, d_cfg = push_job_from(c, caplog)
+    assert got == ((3 * BS, True) if pushed else (0, False))
+    if not pushed:
+        (warning,) = [w for w in warnings_of(caplog) if "reconnect" in w]
+        assert f"{reported} s" in warning and "1 .. 544 s" in warning, warning
+        return
+    assert job.source_engine_reconnect_s == reported
+    rec = PushReceiver(D_SESSION, [3 << 40], 1 << 20, BS, NBLK, FP, d_cfg)
+    try:
+        assert rec.hold_s(job) == pytest.approx(
+            held_for(d_cfg, job, job.source_engine_no_progress_s + reported)
+        )
     finally:
         rec.shutdown()
