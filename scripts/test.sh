@@ -11,7 +11,8 @@
 # whole suite, each roll (0.32.0) the whole suite but the patch manager's tests and
 # the tests that do not depend on the release (harness.vllm_series: VMP_ONCE); of
 # those, the engine-only tests run with the pinned release in the background beside
-# the rolls' integration tests (they mostly wait; their report comes at the end). A
+# the rolls' integration tests, and the pinned release's fault matrix beside the unit
+# tests (they mostly wait out link cuts and deadlines; their reports come after). A
 # roll that is checked only (0.33.0: no CPU build exists) gets `build.py check`.
 # With --vllm V: the whole suite on release V alone, in one pytest. Exits non-zero
 # if any run failed.
@@ -156,9 +157,10 @@ done
 # What each release runs (harness/vllm_series.py): the pinned one the whole suite but
 # the engine-only tests; a roll the whole suite but the tests that do not depend on
 # the release (VMP_ONCE), which ran with the pinned one.
-engine_only=()
-for path in ${VMP_ENGINE_ONLY:-}; do
-  engine_only+=("--ignore=$path")
+# the pinned release's tests that run on their own, beside others
+elsewhere=()
+for path in ${VMP_ENGINE_ONLY:-} ${VMP_BESIDE_UNIT:-}; do
+  elsewhere+=("--ignore=$path")
 done
 once=()
 for path in $VMP_ONCE; do
@@ -169,11 +171,11 @@ done
 paths_of() {
   local version="$1" part="$2"
   if [ "$part" = unit ] && [ "$version" = "$VMP_PINNED" ]; then
-    echo tests --ignore=tests/integration "${engine_only[@]}"
+    echo tests --ignore=tests/integration "${elsewhere[@]}"
   elif [ "$part" = unit ]; then
     echo tests/unit tests/upstream "${once[@]}"
   elif [ "$version" = "$VMP_PINNED" ]; then
-    echo tests/integration "${engine_only[@]}"
+    echo tests/integration "${elsewhere[@]}"
   else
     echo tests/integration "${once[@]}"
   fi
@@ -181,22 +183,42 @@ paths_of() {
 
 # 1. Every release's tests but the integration tests, all releases at once, each
 # pytest in its own process (one core each: they start no vLLM instance, and none of
-# them measures time against a bound tighter than a loaded core keeps); each one's
-# report follows once all ended.
+# them measures time against a bound tighter than a loaded core keeps); beside them
+# the pinned release's integration tests that mostly wait (VMP_BESIDE_UNIT: one
+# cluster each, whose deadlines are minutes). Each one's report follows once all
+# ended.
 unit_pids=()
 for version in ${ready[@]+"${ready[@]}"}; do
   log="$ROOT/.cache/logs/pytest-$version-unit.log"
   vmp_say "vLLM $version: the tests but the integration tests, beside the other releases' (output: $log)"
   # shellcheck disable=SC2046  # paths_of: paths and options, space-separated
   run_pytest "$version" unit $(paths_of "$version" unit) "${args[@]}" > "$log" 2>&1 &
-  unit_pids+=("$version:$!")
+  unit_pids+=("$version:unit:$!")
+  if [ "$version" = "$VMP_PINNED" ] && [ -n "${VMP_BESIDE_UNIT:-}" ]; then
+    log="$ROOT/.cache/logs/pytest-$version-beside-unit.log"
+    vmp_say "vLLM $version: $VMP_BESIDE_UNIT, beside the tests but the integration tests (output: $log)"
+    # shellcheck disable=SC2086  # VMP_BESIDE_UNIT: test paths, space-separated
+    run_pytest "$version" beside-unit $VMP_BESIDE_UNIT "${args[@]}" > "$log" 2>&1 &
+    unit_pids+=("$version:beside-unit:$!")
+  fi
 done
 for entry in ${unit_pids[@]+"${unit_pids[@]}"}; do
-  version="${entry%%:*}" rc=0
-  wait "${entry#*:}" || rc=$?
-  vmp_say "vLLM $version: the report of the tests but the integration tests:"
-  cat "$ROOT/.cache/logs/pytest-$version-unit.log"
-  [ "$rc" -eq 0 ] || failed+=("$version (tests but integration)")
+  version="${entry%%:*}" part="${entry#*:}" rc=0
+  part="${part%%:*}"
+  wait "${entry##*:}" || rc=$?
+  if [ "$part" = unit ]; then
+    vmp_say "vLLM $version: the report of the tests but the integration tests:"
+  else
+    vmp_say "vLLM $version: the report of $VMP_BESIDE_UNIT:"
+  fi
+  cat "$ROOT/.cache/logs/pytest-$version-$part.log"
+  if [ "$rc" -ne 0 ]; then
+    if [ "$part" = unit ]; then
+      failed+=("$version (tests but integration)")
+    else
+      failed+=("$version (integration tests beside the unit tests)")
+    fi
+  fi
 done
 
 # 2. The integration tests (vLLM instances on both cores), one release at a time.
@@ -209,7 +231,7 @@ for version in ${ready[@]+"${ready[@]}"}; do
   # shellcheck disable=SC2046  # paths_of: paths and options, space-separated
   run_pytest "$version" integration $(paths_of "$version" integration) "${args[@]}" \
     || failed+=("$version (integration)")
-  if [ "$version" = "$VMP_PINNED" ] && [ ${#engine_only[@]} -gt 0 ]; then
+  if [ "$version" = "$VMP_PINNED" ] && [ -n "${VMP_ENGINE_ONLY:-}" ]; then
     engine_times="$ROOT/.cache/logs/pytest-engine-only.xml"
     vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_ENGINE_ONLY, in the background (its output: $engine_log, each test's time: $engine_times)"
     preload="$(preload_of "$pinned_py")"

@@ -19,12 +19,14 @@ def stand_in_project(
     checked_only: dict[str, str] | None = None,
     engine_only: str = "",
     rolls: str = "",
+    beside_unit: str = "",
 ) -> Path:
     """A project with the real scripts/test.sh, a scripts/setup.sh that defines the
     real output functions when sourced and, run, records "setup <release> <args>"
     (a roll's after half a second) and exits ``setup_status``; the pinned release 1.0
     (and ``rolls``, space-separated; ``checked_only`` rolls; ``engine_only``: the
-    engine-only test paths), and a build.py that records each call's arguments."""
+    engine-only test paths; ``beside_unit``: the tests run beside the unit tests),
+    and a build.py that records each call's arguments."""
     root = tmp_path / "project"
     (root / "scripts").mkdir(parents=True)
     (root / "harness").mkdir()
@@ -59,6 +61,7 @@ def stand_in_project(
             if sys.argv[1:] == ["releases"]:
                 print("VMP_PINNED=1.0 VMP_ROLLS='{rolls}' VMP_ONCE='{engine_only}'")
                 print("VMP_ENGINE_ONLY='{engine_only}'")
+                print("VMP_BESIDE_UNIT='{beside_unit}'")
                 print("VMP_CHECKED_ONLY='{" ".join((checked_only or {}).values())}'")
             else:
                 print("VMP_PATCHES=patches VMP_DEFAULT_VENV={root / "venv"}")
@@ -195,3 +198,59 @@ def test_a_rolls_setup_runs_beside_the_pinned_ones_and_ends_before_any_test(tmp_
     assert sorted(ran[4:6]) == ["unit 1.0", "unit 2.0"], ran
     assert ran[6:] == ["integration 1.0", "integration 2.0"], ran
     assert "vLLM 2.0: set-up in the background ended" in r.stdout, r.stdout
+
+
+def test_the_tests_that_wait_run_once_beside_the_unit_tests_and_count(tmp_path):
+    """VMP_BESIDE_UNIT's integration tests run while the unit tests run (each waits
+    here until the other started), once: the pinned release's integration run
+    ignores them. One that fails fails the run, with its report shown."""
+    for passes in (True, False):
+        base = tmp_path / str(passes)
+        base.mkdir()
+        root = stand_in_project(
+            base, setup_status=0, beside_unit="tests/integration/test_waits.py"
+        )
+        ran_file = root / "ran"
+        (root / "tests" / "integration").mkdir(parents=True)
+        (root / "tests" / "unit").mkdir()
+        meets = textwrap.dedent(
+            f"""\
+            import time
+            from pathlib import Path
+            def meet(me, other):
+                ran = Path({str(ran_file)!r})
+                with ran.open("a") as f:
+                    f.write(me + "\\n")
+                deadline = time.monotonic() + 15
+                while other not in ran.read_text().splitlines():
+                    assert time.monotonic() < deadline, "ran alone"
+                    time.sleep(0.05)
+            """
+        )
+        (root / "tests" / "unit" / "test_one.py").write_text(
+            meets + "def test_one():\n    meet('unit', 'waits')\n"
+        )
+        (root / "tests" / "integration" / "test_waits.py").write_text(
+            meets
+            + f"def test_waits():\n    meet('waits', 'unit')\n    assert {passes}\n"
+        )
+        (root / "tests" / "integration" / "test_other.py").write_text(
+            "def test_other():\n"
+            f"    open({str(ran_file)!r}, 'a').write('integration\\n')\n"
+        )
+        r = run_tests(root, base)
+        ran = [
+            line
+            for line in ran_file.read_text().splitlines()
+            if not line.startswith(("build.py", "setup"))
+        ]
+        assert sorted(ran[:2]) == ["unit", "waits"], r.stdout + r.stderr
+        assert ran[2:] == ["integration"], ran
+        assert "test_waits.py" in r.stdout, r.stdout
+        if passes:
+            assert r.returncode == 0, r.stdout + r.stderr
+        else:
+            assert r.returncode != 0, r.stdout
+            assert (
+                "FAILED: 1.0 (integration tests beside the unit tests)" in r.stdout
+            ), r.stdout
