@@ -121,14 +121,19 @@ def _socket_trace(path: str | None) -> Iterator[None]:
     if not path:
         yield
         return
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
+        read_ss,
+    )
+
     done = threading.Event()
     t0 = time.monotonic()
 
     def trace() -> None:
         with open(path, "a") as out:
             while True:
-                r = subprocess.run(["ss", "-tinHOn"], capture_output=True, text=True)
-                out.write(f"--- {time.monotonic() - t0:.1f} s\n{r.stdout}")
+                sockets = read_ss()  # the fence's own reading, with its timeout
+                out.write(f"--- {time.monotonic() - t0:.1f} s\n")
+                out.write("(ss failed)\n" if sockets is None else sockets)
                 out.flush()
                 if done.wait(1.0):
                     return

@@ -139,6 +139,7 @@ ENGINE_CONNECT_ALLOWANCE_S = 5  # name resolution, the 1 s reconnect cooldown, l
 TCP_SYN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_syn_retries"
 TCP_SYN_LINEAR_TIMEOUTS_PATH = "/proc/sys/net/ipv4/tcp_syn_linear_timeouts"
 LINUX_SYN_RETRIES = 6
+LINUX_SYN_LINEAR_TIMEOUTS = 4  # where the kernel has the setting
 TCP_TIMEOUT_INIT_S = 1.0  # a SYN's first retransmission timeout
 # Time allowed for the segment handshake of a first write to a peer (it has no
 # timeout of its own in the engine).
@@ -676,7 +677,10 @@ def engine_reconnect_s(
 # after 4 linear ones).
 ENGINE_RECONNECT_MAX_S = math.ceil(
     ENGINE_DEFAULT_LANES
-    * (tcp_syn_span_s(LINUX_SYN_RETRIES, 4) + ENGINE_CONNECT_ALLOWANCE_S)
+    * (
+        tcp_syn_span_s(LINUX_SYN_RETRIES, LINUX_SYN_LINEAR_TIMEOUTS)
+        + ENGINE_CONNECT_ALLOWANCE_S
+    )
 )
 
 
