@@ -10,10 +10,12 @@
 # integration tests, one release at a time. The pinned release (0.18.1) runs the
 # whole suite, each roll (0.32.0) the whole suite but the patch manager's tests and
 # the tests that do not depend on the release (harness.vllm_series: VMP_ONCE); of
-# those, the engine-only tests run with the pinned release in the background beside
-# the rolls' integration tests, and the pinned release's fault matrix beside the unit
-# tests (they mostly wait out link cuts and deadlines; their reports come after). A
-# roll that is checked only (0.33.0: no CPU build exists) gets `build.py check`.
+# those, the ones that mostly wait run with the pinned release in the background
+# beside the rolls' integration tests (VMP_BESIDE_ROLLS: the engine-only tests, a
+# push source's answers), and the pinned release's fault matrix and every release's
+# bootstrap-port test beside the unit tests (VMP_BESIDE_UNIT: link cuts, deadlines,
+# one instance's start; their reports come after). A roll that is checked only
+# (0.33.0: no CPU build exists) gets `build.py check`.
 # With --vllm V: the whole suite on release V alone, in one pytest. Exits non-zero
 # if any run failed.
 # One line per set-up step; apt/pip/build/check output goes to a log named on the
@@ -154,18 +156,28 @@ for version in $VMP_ROLLS; do
   fi
 done
 
-# What each release runs (harness/vllm_series.py): the pinned one the whole suite but
-# the engine-only tests; a roll the whole suite but the tests that do not depend on
-# the release (VMP_ONCE), which ran with the pinned one.
-# the pinned release's tests that run on their own, beside others
+# What each release runs (harness/vllm_series.py): the pinned one the whole suite; a
+# roll the whole suite but the tests that do not depend on the release (VMP_ONCE),
+# which ran with the pinned one. Some run on their own, beside others (below).
+# the pinned release's integration tests that run on their own, beside others
 elsewhere=()
-for path in ${VMP_ENGINE_ONLY:-} ${VMP_BESIDE_UNIT:-}; do
+for path in ${VMP_BESIDE_ROLLS:-} ${VMP_BESIDE_UNIT:-}; do
   elsewhere+=("--ignore=$path")
 done
 once=()
 for path in $VMP_ONCE; do
   once+=("--ignore=$path")
 done
+# beside_unit_of V: the integration tests release V runs beside the unit tests
+# (VMP_BESIDE_UNIT; a roll those of them it runs: not the ones run once)
+beside_unit_of() {
+  local path
+  for path in ${VMP_BESIDE_UNIT:-}; do
+    if [ "$1" = "$VMP_PINNED" ] || [[ " $VMP_ONCE " != *" $path "* ]]; then
+      printf '%s ' "$path"
+    fi
+  done
+}
 # paths_of V PART: release V's pytest paths and --ignore options of one part (unit:
 # every test but the integration tests; integration: those)
 paths_of() {
@@ -177,16 +189,20 @@ paths_of() {
   elif [ "$version" = "$VMP_PINNED" ]; then
     echo tests/integration "${elsewhere[@]}"
   else
-    echo tests/integration "${once[@]}"
+    local path beside=()
+    for path in $(beside_unit_of "$version"); do
+      beside+=("--ignore=$path")
+    done
+    echo tests/integration "${once[@]}" ${beside[@]+"${beside[@]}"}
   fi
 }
 
 # 1. Every release's tests but the integration tests, all releases at once, each
 # pytest in its own process (one core each: they start no vLLM instance, and none of
 # them measures time against a bound tighter than a loaded core keeps); beside them
-# the pinned release's integration tests that mostly wait (VMP_BESIDE_UNIT: one
-# cluster each, whose deadlines are minutes). Each one's report follows once all
-# ended.
+# each release's integration tests that mostly wait (VMP_BESIDE_UNIT: one cluster
+# each, whose deadlines are minutes, or one instance's start). Each one's report
+# follows once all ended.
 unit_pids=()
 for version in ${ready[@]+"${ready[@]}"}; do
   log="$ROOT/.cache/logs/pytest-$version-unit.log"
@@ -194,11 +210,12 @@ for version in ${ready[@]+"${ready[@]}"}; do
   # shellcheck disable=SC2046  # paths_of: paths and options, space-separated
   run_pytest "$version" unit $(paths_of "$version" unit) "${args[@]}" > "$log" 2>&1 &
   unit_pids+=("$version:unit:$!")
-  if [ "$version" = "$VMP_PINNED" ] && [ -n "${VMP_BESIDE_UNIT:-}" ]; then
+  beside="$(beside_unit_of "$version")"
+  if [ -n "$beside" ]; then
     log="$ROOT/.cache/logs/pytest-$version-beside-unit.log"
-    vmp_say "vLLM $version: $VMP_BESIDE_UNIT, beside the tests but the integration tests (output: $log)"
-    # shellcheck disable=SC2086  # VMP_BESIDE_UNIT: test paths, space-separated
-    run_pytest "$version" beside-unit $VMP_BESIDE_UNIT "${args[@]}" > "$log" 2>&1 &
+    vmp_say "vLLM $version: ${beside% }, beside the tests but the integration tests (output: $log)"
+    # shellcheck disable=SC2086  # beside: test paths, space-separated
+    run_pytest "$version" beside-unit $beside "${args[@]}" > "$log" 2>&1 &
     unit_pids+=("$version:beside-unit:$!")
   fi
 done
@@ -209,7 +226,7 @@ for entry in ${unit_pids[@]+"${unit_pids[@]}"}; do
   if [ "$part" = unit ]; then
     vmp_say "vLLM $version: the report of the tests but the integration tests:"
   else
-    vmp_say "vLLM $version: the report of $VMP_BESIDE_UNIT:"
+    vmp_say "vLLM $version: the report of the integration tests beside them:"
   fi
   cat "$ROOT/.cache/logs/pytest-$version-$part.log"
   if [ "$rc" -ne 0 ]; then
@@ -222,32 +239,33 @@ for entry in ${unit_pids[@]+"${unit_pids[@]}"}; do
 done
 
 # 2. The integration tests (vLLM instances on both cores), one release at a time.
-# The engine-only tests (no vLLM code; they mostly wait out link cuts and the kernel's
-# retransmissions) run with the pinned release's virtualenv, in the background beside
-# the rolls' integration tests instead of before them: CI's time.
+# The tests run once that mostly wait (VMP_BESIDE_ROLLS: the engine-only ones, no
+# vLLM code, wait out link cuts and the kernel's retransmissions; a push source's
+# answers, D's hold) run with the pinned release's virtualenv, in the background
+# beside the rolls' integration tests instead of before them: CI's time.
 engine_pid=""
-engine_log="$ROOT/.cache/logs/pytest-engine-only.log"
+engine_log="$ROOT/.cache/logs/pytest-beside-rolls.log"
 for version in ${ready[@]+"${ready[@]}"}; do
   # shellcheck disable=SC2046  # paths_of: paths and options, space-separated
   run_pytest "$version" integration $(paths_of "$version" integration) "${args[@]}" \
     || failed+=("$version (integration)")
-  if [ "$version" = "$VMP_PINNED" ] && [ -n "${VMP_ENGINE_ONLY:-}" ]; then
-    engine_times="$ROOT/.cache/logs/pytest-engine-only.xml"
-    vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_ENGINE_ONLY, in the background (its output: $engine_log, each test's time: $engine_times)"
+  if [ "$version" = "$VMP_PINNED" ] && [ -n "${VMP_BESIDE_ROLLS:-}" ]; then
+    engine_times="$ROOT/.cache/logs/pytest-beside-rolls.xml"
+    vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_BESIDE_ROLLS, in the background (its output: $engine_log, each test's time: $engine_times)"
     preload="$(preload_of "$pinned_py")"
-    # shellcheck disable=SC2086  # VMP_ENGINE_ONLY: test paths, space-separated
+    # shellcheck disable=SC2086  # VMP_BESIDE_ROLLS: test paths, space-separated
     VMP_VLLM="$VMP_PINNED" LD_PRELOAD="$preload" "$pinned_py" -m pytest -ra \
-      --junitxml="$engine_times" $VMP_ENGINE_ONLY "${args[@]}" > "$engine_log" 2>&1 &
+      --junitxml="$engine_times" $VMP_BESIDE_ROLLS "${args[@]}" > "$engine_log" 2>&1 &
     engine_pid=$!
   fi
 done
 if [ -n "$engine_pid" ]; then
   engine_rc=0
   wait "$engine_pid" || engine_rc=$?
-  vmp_say "vLLM $VMP_PINNED: the engine-only tests' report ($engine_log):"
+  vmp_say "vLLM $VMP_PINNED: the report of the tests beside the rolls' ($engine_log):"
   cat "$engine_log"
   if [ "$engine_rc" -ne 0 ] && [ "$engine_rc" -ne 5 ]; then  # 5: none selected (-m)
-    failed+=("engine-only tests")
+    failed+=("the tests beside the rolls' integration tests")
   fi
 fi
 if [ ${#failed[@]} -gt 0 ]; then

@@ -87,7 +87,10 @@ def test_release_independent_tests_exist_and_every_release_pins_one_engine():
 
 def shell_values(mode: str) -> dict[str, str]:
     """What bash sees after ``eval "$(python -m harness.vllm_series MODE)"``."""
-    names = "VMP_PINNED VMP_ROLLS VMP_CHECKED_ONLY VMP_ONCE VMP_BESIDE_UNIT VMP_VLLM VMP_PATCHES"
+    names = (
+        "VMP_PINNED VMP_ROLLS VMP_CHECKED_ONLY VMP_ONCE VMP_BESIDE_UNIT VMP_BESIDE_ROLLS"
+        " VMP_VLLM VMP_PATCHES"
+    )
     script = (
         f'eval "$({sys.executable} -m harness.vllm_series {mode})" || exit 9; '
         f'for n in {names}; do printf "%s=%s\\n" "$n" "${{!n-}}"; done'
@@ -115,9 +118,16 @@ def test_the_releases_mode_gives_test_sh_every_list_in_one_call():
     )
     for path in got["VMP_ONCE"].split():  # --ignore of a missing path is silent
         assert (vllm_series.ROOT / path).exists(), path
-    # what runs beside the unit tests is run once, with the pinned release
+    # beside the unit tests: integration tests (each release those of them it runs)
     beside = got["VMP_BESIDE_UNIT"].split()
-    assert beside and set(beside) <= set(vllm_series.PINNED_ONLY_TESTS), beside
+    assert beside and all(p.startswith("tests/integration/") for p in beside), beside
+    # beside the rolls' integration tests: tests run once, with the pinned release
+    beside = got["VMP_BESIDE_ROLLS"].split()
+    assert set(RELEASE_INDEPENDENT_TESTS) <= set(beside), beside
+    assert set(beside) <= set(got["VMP_ONCE"].split()), beside
+    assert not set(beside) & set(got["VMP_BESIDE_UNIT"].split()), beside
+    for path in got["VMP_BESIDE_UNIT"].split() + beside:
+        assert (vllm_series.ROOT / path).exists(), path
     assert got["VMP_VLLM"] == ""  # the selection is the other mode's
 
 

@@ -20,13 +20,15 @@ def stand_in_project(
     engine_only: str = "",
     rolls: str = "",
     beside_unit: str = "",
+    once: str | None = None,
 ) -> Path:
     """A project with the real scripts/test.sh, a scripts/setup.sh that defines the
     real output functions when sourced and, run, records "setup <release> <args>"
     (a roll's after half a second) and exits ``setup_status``; the pinned release 1.0
     (and ``rolls``, space-separated; ``checked_only`` rolls; ``engine_only``: the
-    engine-only test paths; ``beside_unit``: the tests run beside the unit tests),
-    and a build.py that records each call's arguments."""
+    tests run beside the rolls' integration tests; ``beside_unit``: the tests run
+    beside the unit tests; ``once``: the tests a roll does not run, else
+    ``engine_only``), and a build.py that records each call's arguments."""
     root = tmp_path / "project"
     (root / "scripts").mkdir(parents=True)
     (root / "harness").mkdir()
@@ -59,8 +61,8 @@ def stand_in_project(
             f"""\
             import sys
             if sys.argv[1:] == ["releases"]:
-                print("VMP_PINNED=1.0 VMP_ROLLS='{rolls}' VMP_ONCE='{engine_only}'")
-                print("VMP_ENGINE_ONLY='{engine_only}'")
+                print("VMP_PINNED=1.0 VMP_ROLLS='{rolls}' VMP_ONCE='{engine_only if once is None else once}'")
+                print("VMP_BESIDE_ROLLS='{engine_only}'")
                 print("VMP_BESIDE_UNIT='{beside_unit}'")
                 print("VMP_CHECKED_ONLY='{" ".join((checked_only or {}).values())}'")
             else:
@@ -134,7 +136,7 @@ def engine_test(root: Path, passes: bool) -> str:
     return "tests/integration/test_engine.py"
 
 
-def test_the_engine_only_tests_run_once_beside_the_rolls_and_count(tmp_path):
+def test_the_tests_beside_the_rolls_run_once_and_count(tmp_path):
     """They run in the background (the pinned release's run ignores them), and the
     run waits for them: one that fails fails the run, with its report shown."""
     for passes in (True, False):
@@ -152,7 +154,9 @@ def test_the_engine_only_tests_run_once_beside_the_rolls_and_count(tmp_path):
             assert r.returncode == 0, r.stdout + r.stderr
         else:
             assert r.returncode != 0, r.stdout
-            assert "FAILED: engine-only tests" in r.stdout, r.stdout
+            assert (
+                "FAILED: the tests beside the rolls' integration tests" in r.stdout
+            ), r.stdout
 
 
 def test_a_rolls_setup_runs_beside_the_pinned_ones_and_ends_before_any_test(tmp_path):
@@ -254,3 +258,41 @@ def test_the_tests_that_wait_run_once_beside_the_unit_tests_and_count(tmp_path):
             assert (
                 "FAILED: 1.0 (integration tests beside the unit tests)" in r.stdout
             ), r.stdout
+
+
+def test_a_roll_runs_beside_its_unit_tests_those_of_them_it_runs_at_all(tmp_path):
+    """VMP_BESIDE_UNIT's tests run beside each release's unit tests, a roll's those
+    not run once (VMP_ONCE); no integration run repeats them."""
+    root = stand_in_project(
+        tmp_path,
+        setup_status=0,
+        rolls="2.0",
+        beside_unit="tests/integration/test_start.py tests/integration/test_cut.py",
+        once="tests/integration/test_cut.py",
+    )
+    ran_file = root / "ran"
+    for folder in ("unit", "upstream", "integration"):  # what a roll's run names
+        (root / "tests" / folder).mkdir(parents=True)
+    for name in ("start", "cut", "other"):
+        (root / "tests" / "integration" / f"test_{name}.py").write_text(
+            "import os\n"
+            f"def test_{name}():\n"
+            f"    open({str(ran_file)!r}, 'a').write("
+            f"'{name} ' + os.environ['VMP_VLLM'] + '\\n')\n"
+        )
+    r = run_tests(root, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ran = [
+        line
+        for line in ran_file.read_text().splitlines()
+        if not line.startswith(("build.py", "setup"))
+    ]
+    assert sorted(ran) == [
+        "cut 1.0",
+        "other 1.0",
+        "other 2.0",
+        "start 1.0",
+        "start 2.0",
+    ]
+    # beside the unit tests: before every integration run
+    assert sorted(ran[:3]) == ["cut 1.0", "start 1.0", "start 2.0"], ran
