@@ -235,6 +235,7 @@ def push_source_cluster(
 
 UNREACHABLE_SOURCE = "http://127.0.0.1:9"  # on D's allowlist, nothing listens there
 PUSH_FAIL_WRITE_PROMPT_LEN = 5 * BLOCK + 11  # C fails every push of a prompt this long
+PD_MAX_BATCHED = 512  # C's prefill chunk: below test_pd_baseline's 600-token prompt
 
 
 @dataclass(frozen=True)
@@ -246,20 +247,24 @@ class SharedCluster:
 LAYERWISE_FROM_256 = {"MOONCAKE_LAYERWISE": "1", "MOONCAKE_LAYERWISE_MIN_TOKENS": "256"}
 SHARED_CLUSTERS: dict[str, SharedCluster] = {
     # C and D share a token; C fails the push of one prompt length (and serves
-    # POST /reset_prefix_cache); D takes pushes
-    # from C, from an address where nothing listens, and from the source this
-    # process serves (shared_source); x64, of another block size, never matches.
-    # test_posthoc_write_failure kills D: it runs last.
+    # POST /reset_prefix_cache) and prefills in chunks of PD_MAX_BATCHED tokens;
+    # D takes pushes from C, from an address where nothing listens, and from the
+    # source this process serves (shared_source); x64, of another block size, never
+    # matches; d_faulty, a second decode instance, zeroes the first block it
+    # receives (test_pd_baseline: the check going red). test_posthoc_write_failure
+    # kills D: it runs last but test_teardown, which stops the cluster.
     "push": SharedCluster(
         (
+            "test_pd_baseline.py",
             "test_push.py",
             "test_push_partial_writer.py",
             "test_push_exposed.py",
             "test_push_auto.py",
             "test_posthoc_write_failure.py",
+            "test_teardown.py",
         ),
         lambda source: dict(
-            roles={**CD_ROLES, "x64": "kv_both"},
+            roles={**CD_ROLES, "x64": "kv_both", "d_faulty": "kv_consumer"},
             token=PUSH_TOKEN,
             env={
                 "MOONCAKE_PUSH_MATCH_TIMEOUT_S": "5",
@@ -273,10 +278,12 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
                         ),
                         # POST /reset_prefix_cache (vLLM 0.32.0 serves it only so)
                         "VLLM_SERVER_DEV_MODE": "1",
-                    }
+                    },
+                    "max_num_batched_tokens": PD_MAX_BATCHED,
                 },
                 "d": {"extra_push_sources": [UNREACHABLE_SOURCE, source.url]},
                 "x64": {"block_size": 64},
+                "d_faulty": {"env": {"MOONCAKE_FAULT_ZERO_RECV_BLOCK": "0"}},
             },
         ),
     ),

@@ -3,14 +3,14 @@
 P (kv_producer) prefills, D (kv_consumer) pulls the KV over the transfer engine
 (TCP on loopback) and decodes. A second decode instance has the fault injection
 armed (one received block zeroed) so the correctness check is seen going red.
-max_num_batched_tokens is below the longer prompt, forcing chunked prefill.
+P's max_num_batched_tokens is below the longer prompt, forcing chunked prefill.
+The instances are the shared "push" cluster's (conftest.SHARED_CLUSTERS): C the
+prefill, D and d_faulty the decode instances, on upstream's post-hoc path.
 """
 
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
+import json
 
 import pytest
 
@@ -24,25 +24,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat impor
 
 pytestmark = pytest.mark.integration
 
-MAX_BATCHED = 256  # below the 600-token prompt: chunked prefill on P
+LONG = 600  # tokens: more than P prefills in one step
 
 
 @pytest.fixture(scope="module")
-def cluster(pd_cluster):
-    return pd_cluster(
-        {
-            "prefill": "kv_producer",
-            "decode": "kv_consumer",
-            "decode_faulty": "kv_consumer",
-        },
-        max_num_batched_tokens=MAX_BATCHED,
-        instances={"decode_faulty": {"env": {"MOONCAKE_FAULT_ZERO_RECV_BLOCK": "0"}}},
-    )
+def cluster(shared_cluster):
+    """P prefills LONG tokens in chunks, on upstream's post-hoc path (no
+    MOONCAKE_LAYERWISE); d_faulty zeroes the first block it receives."""
+    cl = shared_cluster("push")
+    assert cl["c"].spec.max_num_batched_tokens < LONG
+    assert "MOONCAKE_LAYERWISE" not in cl["c"].spec.env
+    assert cl["d_faulty"].spec.env["MOONCAKE_FAULT_ZERO_RECV_BLOCK"] == "0"
+    assert "MOONCAKE_FAULT_ZERO_RECV_BLOCK" not in cl["d"].spec.env
+    return cl
 
 
-@pytest.mark.parametrize("n", [300, 600], ids=["single-chunk", "chunked-prefill"])
+@pytest.mark.parametrize("n", [300, LONG], ids=["single-chunk", "chunked-prefill"])
 def test_kv_lands_byte_exact(cluster, n):
-    p, d = cluster["prefill"], cluster["decode"]
+    p, d = cluster["c"], cluster["d"]
     ids = prompt(n, seed=n)
     r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=4, logprobs=5)
     ref = reference_completion(p.url, ids, max_tokens=4)
@@ -55,19 +54,19 @@ def test_kv_lands_byte_exact(cluster, n):
 
 
 def test_check_goes_red_when_a_transferred_block_is_zeroed(cluster):
-    p, d = cluster["prefill"], cluster["decode_faulty"]
-    ids = prompt(600, seed=7)
+    p, d = cluster["c"], cluster["d_faulty"]
+    ids = prompt(LONG, seed=7)
     r = pd_generate(p.url, p.bootstrap_url, d.url, ids, max_tokens=4, logprobs=5)
     ref = reference_completion(p.url, ids, max_tokens=4)
     check = compare(
-        r.decode, ref, expected_cached_tokens=cached_tokens_of_whole_prompt(600)
+        r.decode, ref, expected_cached_tokens=cached_tokens_of_whole_prompt(LONG)
     )
     assert not check.ok
     assert any(
         "logprobs" in x or "top-k" in x or "tokens differ" in x for x in check.problems
     )
     # The transfer itself happened: the failure is the KV content, not a fallback.
-    assert r.decode.cached_tokens == cached_tokens_of_whole_prompt(600)
+    assert r.decode.cached_tokens == cached_tokens_of_whole_prompt(LONG)
 
 
 def test_block_hash_sync_tracks_the_prefix_cache(cluster):
@@ -77,8 +76,8 @@ def test_block_hash_sync_tracks_the_prefix_cache(cluster):
 
     from harness.pd_client import complete, match_blocks, wait_for_matched_blocks
 
-    p = cluster["prefill"]
-    ids = prompt(600, seed=11)  # 4 full blocks of 128 tokens
+    p = cluster["c"]
+    ids = prompt(LONG, seed=11)  # 4 full blocks of 128 tokens
     complete(p.url, ids, max_tokens=1, logprobs=None, cache_salt="salt-a")
 
     def match(token_ids, salt=None):
@@ -97,44 +96,17 @@ def test_block_hash_sync_tracks_the_prefix_cache(cluster):
         p.bootstrap_url + "/hashsync", timeout=30, headers=bootstrap_headers()
     ).json()
     assert dbg["size"] >= 4 and dbg["hash_algo"]
+    body = json.dumps({"token_ids": []}).encode()  # signed: the cluster has a token
     bad = httpx.post(
         p.bootstrap_url + "/match_blocks",
-        json={"token_ids": []},
+        content=body,
         timeout=30,
-        headers=bootstrap_headers(),
+        headers={
+            "content-type": "application/json",
+            **bootstrap_headers("POST", "/match_blocks", body),
+        },
     )
     assert bad.status_code == 422 and "token_ids" in bad.text
-
-
-def live_processes_in_group(pgid: int) -> list[int]:
-    """Pids of the process group that are still running (zombies count as gone)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            pids.append(int(entry))
-    return pids
-
-
-def test_teardown_leaves_no_processes(cluster):
-    pgids = [inst.proc.pid for inst in cluster.instances.values()]
-    assert all(
-        live_processes_in_group(g) for g in pgids
-    )  # API server + EngineCore each
-    cluster.stop()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(
-        live_processes_in_group(g) for g in pgids
-    ):
-        time.sleep(0.5)
-    assert not any(live_processes_in_group(g) for g in pgids)
 
 
 def test_start_failure_reports_log_tail(tmp_path):
