@@ -57,6 +57,23 @@ def bootstrap_headers(
     return {"authorization": sign(token, method, path, body)}
 
 
+def post_bootstrap(
+    bootstrap_url: str, path: str, raw: bytes, timeout: float = 30.0
+) -> httpx.Response:
+    """POST ``raw`` (JSON, or a test's malformed body) to one of our routes on a
+    bootstrap server, signed as D signs when the instances have a token
+    (bootstrap_headers); the answer as it came."""
+    return CLIENT.post(
+        bootstrap_url + path,
+        content=raw,
+        timeout=timeout,
+        headers={
+            "content-type": "application/json",
+            **bootstrap_headers("POST", path, raw),
+        },
+    )
+
+
 def _post(url: str, body: dict, timeout: float, headers: dict | None = None) -> dict:
     try:
         r = CLIENT.post(url, json=body, timeout=timeout, headers=headers)
@@ -289,15 +306,7 @@ def match_blocks(
     url = bootstrap_url + "/match_blocks"
     body = json.dumps({"token_ids": token_ids, "cache_salt": cache_salt}).encode()
     try:
-        r = CLIENT.post(
-            url,
-            content=body,
-            timeout=timeout,
-            headers={
-                "content-type": "application/json",
-                **bootstrap_headers("POST", "/match_blocks", body),
-            },
-        )
+        r = post_bootstrap(bootstrap_url, "/match_blocks", body, timeout)
     except httpx.HTTPError as e:
         raise RequestFailed(f"POST {url} failed: {e!r}") from e
     if r.status_code != 200:

@@ -243,28 +243,28 @@ done
 # vLLM code, wait out link cuts and the kernel's retransmissions; a push source's
 # answers, D's hold) run with the pinned release's virtualenv, in the background
 # beside the rolls' integration tests instead of before them: CI's time.
-engine_pid=""
-engine_log="$ROOT/.cache/logs/pytest-beside-rolls.log"
+beside_rolls_pid=""
+beside_rolls_log="$ROOT/.cache/logs/pytest-beside-rolls.log"
 for version in ${ready[@]+"${ready[@]}"}; do
   # shellcheck disable=SC2046  # paths_of: paths and options, space-separated
   run_pytest "$version" integration $(paths_of "$version" integration) "${args[@]}" \
     || failed+=("$version (integration)")
   if [ "$version" = "$VMP_PINNED" ] && [ -n "${VMP_BESIDE_ROLLS:-}" ]; then
-    engine_times="$ROOT/.cache/logs/pytest-beside-rolls.xml"
-    vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_BESIDE_ROLLS, in the background (its output: $engine_log, each test's time: $engine_times)"
+    beside_rolls_times="$ROOT/.cache/logs/pytest-beside-rolls.xml"
+    vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_BESIDE_ROLLS, in the background (its output: $beside_rolls_log, each test's time: $beside_rolls_times)"
     preload="$(preload_of "$pinned_py")"
     # shellcheck disable=SC2086  # VMP_BESIDE_ROLLS: test paths, space-separated
     VMP_VLLM="$VMP_PINNED" LD_PRELOAD="$preload" "$pinned_py" -m pytest -ra \
-      --junitxml="$engine_times" $VMP_BESIDE_ROLLS "${args[@]}" > "$engine_log" 2>&1 &
-    engine_pid=$!
+      --junitxml="$beside_rolls_times" $VMP_BESIDE_ROLLS "${args[@]}" > "$beside_rolls_log" 2>&1 &
+    beside_rolls_pid=$!
   fi
 done
-if [ -n "$engine_pid" ]; then
-  engine_rc=0
-  wait "$engine_pid" || engine_rc=$?
-  vmp_say "vLLM $VMP_PINNED: the report of the tests beside the rolls' ($engine_log):"
-  cat "$engine_log"
-  if [ "$engine_rc" -ne 0 ] && [ "$engine_rc" -ne 5 ]; then  # 5: none selected (-m)
+if [ -n "$beside_rolls_pid" ]; then
+  beside_rolls_rc=0
+  wait "$beside_rolls_pid" || beside_rolls_rc=$?
+  vmp_say "vLLM $VMP_PINNED: the report of the tests beside the rolls' ($beside_rolls_log):"
+  cat "$beside_rolls_log"
+  if [ "$beside_rolls_rc" -ne 0 ] && [ "$beside_rolls_rc" -ne 5 ]; then  # 5: none selected (-m)
     failed+=("the tests beside the rolls' integration tests")
   fi
 fi

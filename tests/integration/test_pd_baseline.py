@@ -10,13 +10,11 @@ prefill, D and d_faulty the decode instances, on upstream's post-hoc path.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.launcher import Cluster, InstanceSpec, InstanceStartError
-from harness.pd_client import bootstrap_headers, pd_generate
+from harness.pd_client import bootstrap_headers, pd_generate, post_bootstrap
 from harness.prompts import random_prompt as prompt
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
     cached_tokens_of_whole_prompt,
@@ -96,16 +94,8 @@ def test_block_hash_sync_tracks_the_prefix_cache(cluster):
         p.bootstrap_url + "/hashsync", timeout=30, headers=bootstrap_headers()
     ).json()
     assert dbg["size"] >= 4 and dbg["hash_algo"]
-    body = json.dumps({"token_ids": []}).encode()  # signed: the cluster has a token
-    bad = httpx.post(
-        p.bootstrap_url + "/match_blocks",
-        content=body,
-        timeout=30,
-        headers={
-            "content-type": "application/json",
-            **bootstrap_headers("POST", "/match_blocks", body),
-        },
-    )
+    # signed: the cluster has a token
+    bad = post_bootstrap(p.bootstrap_url, "/match_blocks", b'{"token_ids": []}')
     assert bad.status_code == 422 and "token_ids" in bad.text
 
 

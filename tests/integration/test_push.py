@@ -23,9 +23,9 @@ from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK
 from harness.pd_client import (
-    bootstrap_headers,
     complete,
     match_blocks,
+    post_bootstrap,
     push_stats,
     wait_for_matched_blocks,
 )
@@ -189,13 +189,7 @@ def test_malformed_push_is_422_naming_the_field(cluster):
         (b"not json", "body"),
     ):
         # signed as D signs (off loopback the POST routes take a signature, not the token)
-        headers = {
-            "content-type": "application/json",
-            **bootstrap_headers("POST", "/push_blocks", raw),
-        }
-        r = httpx.post(
-            c.bootstrap_url + "/push_blocks", content=raw, timeout=30, headers=headers
-        )
+        r = post_bootstrap(c.bootstrap_url, "/push_blocks", raw)
         assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
     after = push_stats(c.bootstrap_url)
     assert after == before  # rejected before any match or write

@@ -17,7 +17,7 @@ def stand_in_project(
     tmp_path: Path,
     setup_status: int,
     checked_only: dict[str, str] | None = None,
-    engine_only: str = "",
+    beside_rolls: str = "",
     rolls: str = "",
     beside_unit: str = "",
     once: str | None = None,
@@ -25,10 +25,10 @@ def stand_in_project(
     """A project with the real scripts/test.sh, a scripts/setup.sh that defines the
     real output functions when sourced and, run, records "setup <release> <args>"
     (a roll's after half a second) and exits ``setup_status``; the pinned release 1.0
-    (and ``rolls``, space-separated; ``checked_only`` rolls; ``engine_only``: the
+    (and ``rolls``, space-separated; ``checked_only`` rolls; ``beside_rolls``: the
     tests run beside the rolls' integration tests; ``beside_unit``: the tests run
     beside the unit tests; ``once``: the tests a roll does not run, else
-    ``engine_only``), and a build.py that records each call's arguments."""
+    ``beside_rolls``), and a build.py that records each call's arguments."""
     root = tmp_path / "project"
     (root / "scripts").mkdir(parents=True)
     (root / "harness").mkdir()
@@ -61,8 +61,8 @@ def stand_in_project(
             f"""\
             import sys
             if sys.argv[1:] == ["releases"]:
-                print("VMP_PINNED=1.0 VMP_ROLLS='{rolls}' VMP_ONCE='{engine_only if once is None else once}'")
-                print("VMP_BESIDE_ROLLS='{engine_only}'")
+                print("VMP_PINNED=1.0 VMP_ROLLS='{rolls}' VMP_ONCE='{beside_rolls if once is None else once}'")
+                print("VMP_BESIDE_ROLLS='{beside_rolls}'")
                 print("VMP_BESIDE_UNIT='{beside_unit}'")
                 print("VMP_CHECKED_ONLY='{" ".join((checked_only or {}).values())}'")
             else:
@@ -143,7 +143,7 @@ def test_the_tests_beside_the_rolls_run_once_and_count(tmp_path):
         base = tmp_path / str(passes)
         base.mkdir()
         root = stand_in_project(
-            base, setup_status=0, engine_only="tests/integration/test_engine.py"
+            base, setup_status=0, beside_rolls="tests/integration/test_engine.py"
         )
         engine_test(root, passes)
         r = run_tests(root, base)
