@@ -114,10 +114,11 @@ class VllmSeries:
 
 
 def series(version: str, root: Path = ROOT) -> VllmSeries:
-    """The series for ``version``, a tested release of ``root``'s releases.toml; a
-    ValueError naming the supported ones (or what is wrong with the index) else."""
+    """The series for ``version``, a tested release of ``root``'s releases.toml (this
+    checkout's: the index read once at import); a ValueError naming the supported
+    ones (or what is wrong with the index) else."""
     try:
-        index = release_index.read(root)
+        index = RELEASES if root == ROOT else release_index.read(root)
     except release_index.PatchsetError as exc:
         raise ValueError(str(exc)) from exc
     release = index.get(version)

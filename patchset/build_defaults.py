@@ -55,15 +55,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PatchsetError, ProblemsFound
-from .upstream import set_aside, sha256_file
+from .upstream import Say, reuse_cached, sha256_file
 
 DEVICE_ENV = "VMP_DEVICE"
 CACHE_ENV = "VMP_CACHE_DIR"
 DEVICES = ("cpu", "cuda")
 MANIFEST = "patches/upstream.toml"
 TABLE = "build_defaults"
-
-Say = Callable[[str], None]
+# the whole `pip download` of one kernel wheel (a few hundred MB), not one socket read
+PIP_TIMEOUT_S = 1800
 
 
 @dataclass(frozen=True)
@@ -210,14 +210,15 @@ def ensure_wheel(
     cache = wheel_cache()
     for name in names:
         path = cache / name
-        if path.is_file():
-            if sha256_file(path) == wheel.sha256[name]:
-                return path
-            aside = set_aside(path, sha256_file(path))
-            say(
+        if reuse_cached(
+            path,
+            wheel.sha256[name],
+            lambda aside, _, path=path: say(
                 f"build defaults: cached {path} fails its sha256 check; moved it "
                 f"aside to {aside} (kept to look at) and downloading it again"
-            )
+            ),
+        ):
+            return path
     cache.mkdir(parents=True, exist_ok=True)
     say(
         f"build defaults: downloading {wheel.requirement} (its precompiled kernels) into {cache}"
@@ -246,7 +247,16 @@ def ensure_wheel(
             tmp,
         ]
         # pip's own --require-hashes check, then ours against the file name.
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, check=False, timeout=PIP_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            raise PatchsetError(
+                f"could not download {wheel.requirement}: no answer in {PIP_TIMEOUT_S} s "
+                f"(stopped).\ncommand: {' '.join(cmd)}\nFix the network/index, or put the "
+                f"wheel into {cache} yourself (its sha256 must match {wheel.manifest})"
+            ) from None
         got = [p for p in Path(tmp).glob("*.whl")]
         if proc.returncode != 0 or len(got) != 1:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])

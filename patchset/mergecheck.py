@@ -32,7 +32,7 @@ import ast
 import builtins
 from dataclasses import dataclass
 
-from .pynames import top_level_names
+from .pynames import is_self, top_level_names
 
 DUPLICATE = "duplicate"
 REMOVED_ATTRIBUTE = "removed-attribute"
@@ -197,7 +197,7 @@ def attribute_definitions(tree: ast.Module) -> dict[str, int]:
         if (
             isinstance(node, ast.Attribute)
             and isinstance(node.ctx, (ast.Store, ast.Del))
-            and _is_self(node.value)
+            and is_self(node.value)
         ):
             add(node.attr, node.lineno)
         elif (
@@ -205,7 +205,7 @@ def attribute_definitions(tree: ast.Module) -> dict[str, int]:
             and isinstance(node.func, ast.Name)
             and node.func.id == "setattr"
             and len(node.args) >= 2
-            and _is_self(node.args[0])
+            and is_self(node.args[0])
             and isinstance(node.args[1], ast.Constant)
             and isinstance(node.args[1].value, str)
         ):
@@ -266,7 +266,7 @@ def _removed_names(
         if (
             isinstance(node, ast.Attribute)
             and isinstance(node.ctx, ast.Load)
-            and _is_self(node.value)
+            and is_self(node.value)
         ):
             used_attrs.setdefault(node.attr, line)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
@@ -325,10 +325,6 @@ def _star_import(tree: ast.Module) -> bool:
         isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names)
         for node in ast.walk(tree)
     )
-
-
-def _is_self(node: ast.expr) -> bool:
-    return isinstance(node, ast.Name) and node.id == "self"
 
 
 def _parse(text: str) -> ast.Module | None:

@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
+from .pynames import absolute_module, is_self, module_candidates, package_of, statements
+
 Read = Callable[[str], "str | None"]
 
 ERROR = "error"
@@ -87,7 +89,7 @@ class OverlaySource:
     @property
     def package(self) -> list[str]:
         """The package a relative import in this file starts from."""
-        return list(PurePosixPath(self.dst).parent.parts)
+        return package_of(self.dst)
 
 
 @dataclass(frozen=True)
@@ -378,25 +380,9 @@ class _Class:
         return _members(self.node)
 
 
-def _body(stmts: list[ast.stmt]) -> Iterable[ast.stmt]:
-    """Statements of a module or class body, looking into if/try blocks."""
-    for stmt in stmts:
-        if isinstance(stmt, ast.If):
-            yield from _body(stmt.body)
-            yield from _body(stmt.orelse)
-        elif isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
-            yield from _body(stmt.body)
-            for h in stmt.handlers:
-                yield from _body(h.body)
-            yield from _body(stmt.orelse)
-            yield from _body(stmt.finalbody)
-        else:
-            yield stmt
-
-
 def _members(node: ast.ClassDef) -> dict[str, _Member]:
     out: dict[str, _Member] = {}
-    for stmt in _body(node.body):
+    for stmt in statements(node.body):
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             sig = signature_of(stmt)
             if stmt.name in out and out[stmt.name].sig.kind == "property":
@@ -418,21 +404,12 @@ def _is_abstract(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     )
 
 
-def _absolute(module: str | None, level: int, package: list[str]) -> str | None:
-    if not level:
-        return module
-    keep = len(package) - (level - 1)
-    if keep <= 0:
-        return None
-    return ".".join(package[:keep] + (module.split(".") if module else []))
-
-
 def _parse_module(
     name: str, path: str, origin: str, package: list[str], text: str
 ) -> _Module:
     tree = ast.parse(text, filename=path)
     mod = _Module(name, path, origin, package)
-    for stmt in _body(tree.body):
+    for stmt in statements(tree.body):
         if isinstance(stmt, ast.ClassDef):
             mod.classes[stmt.name] = stmt
         elif isinstance(stmt, ast.Import):
@@ -443,7 +420,7 @@ def _parse_module(
                     head = a.name.split(".")[0]
                     mod.imports[head] = head
         elif isinstance(stmt, ast.ImportFrom):
-            base = _absolute(stmt.module, stmt.level, package)
+            base = absolute_module(stmt.module, stmt.level, package)
             if base is None:
                 continue
             for a in stmt.names:
@@ -456,11 +433,6 @@ def _parse_module(
         ):
             mod.aliases[stmt.targets[0].id] = stmt.value
     return mod
-
-
-def _candidates(module: str) -> list[str]:
-    base = module.replace(".", "/")
-    return [f"{base}.py", f"{base}/__init__.py"]
 
 
 class _Index:
@@ -497,18 +469,12 @@ class _Index:
             except SyntaxError:
                 mod = None  # reported by the scan of the overlay
         elif name == self.top or name.startswith(self.top + "."):
-            for path in _candidates(name):
+            for path in module_candidates(name):
                 text = self.read(path)
                 if text is None:
                     continue
                 try:
-                    mod = _parse_module(
-                        name,
-                        path,
-                        "upstream",
-                        list(PurePosixPath(path).parent.parts),
-                        text,
-                    )
+                    mod = _parse_module(name, path, "upstream", package_of(path), text)
                 except SyntaxError as exc:
                     self.unparsable[path] = str(exc)
                 break
@@ -633,7 +599,7 @@ def ancestry(index: _Index, cls: _Class) -> _Ancestry:
 def _unverifiable(index: _Index, qualified: str) -> bool:
     parts = qualified.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        for path in _candidates(".".join(parts[:i])):
+        for path in module_candidates(".".join(parts[:i])):
             if path in index.unparsable:
                 return True
     return False
@@ -696,8 +662,7 @@ def _super_uses(
             elif (
                 isinstance(recv, (ast.Name, ast.Attribute))
                 and node.args
-                and isinstance(node.args[0], ast.Name)
-                and node.args[0].id == "self"
+                and is_self(node.args[0])
             ):
                 q = index.qualify(mod, recv)
                 target = index.find_class(q) if q and index.upstream(q) else None
@@ -742,7 +707,7 @@ def wanted_paths(sources: Iterable[OverlaySource], top: str = "vllm") -> set[str
             if parts[0] != top:
                 continue
             for i in range(1, len(parts) + 1):
-                out.update(_candidates(".".join(parts[:i])))
+                out.update(module_candidates(".".join(parts[:i])))
     return out
 
 
@@ -1063,7 +1028,7 @@ def _check_class(
     }
     methods = [
         s
-        for s in _body(cls.node.body)
+        for s in statements(cls.node.body)
         if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
     ]
     for fn in methods:
@@ -1146,11 +1111,7 @@ def _self_attributes(
     sets: list[tuple[str, int]] = []
     reads: list[tuple[str, int]] = []
     for n in ast.walk(node):
-        if (
-            isinstance(n, ast.Attribute)
-            and isinstance(n.value, ast.Name)
-            and n.value.id == "self"
-        ):
+        if isinstance(n, ast.Attribute) and is_self(n.value):
             (sets if isinstance(n.ctx, ast.Store) else reads).append((n.attr, n.lineno))
     return sets, reads
 
@@ -1161,7 +1122,7 @@ def _first_uses(
     """(our method, attribute, line) of the first self.<attribute> our class sets
     (``stores``) or reads, for each attribute ``wanted`` picks."""
     out, seen = [], set()
-    for fn in _body(cls.node.body):
+    for fn in statements(cls.node.body):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         for attr, line in _self_attributes(fn)[0 if stores else 1]:

@@ -23,24 +23,18 @@ import functools
 import json
 import os
 import re
-import shutil
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
 from .errors import PatchsetError
-from .upstream import cache_dir, set_aside, sha256_file
+from .upstream import TIMEOUT_S, Say, cache_dir, cache_verified, copy_url, sha256_file
 
 INDEX_ENV = "VMP_INDEX_URL"
 DEFAULT_INDEX = "https://pypi.org/pypi"
-TIMEOUT_S = 120
-
-Say = Callable[[str], None]
 
 
 class ReleaseError(PatchsetError):
@@ -205,49 +199,30 @@ def fetch_release(
                 return target, sha
         raise
     target = cache_dir() / filename
-    if target.is_file():
-        if sha256_file(target) == sha:
-            _recorded_sha(target).write_text(sha + "\n")
-            say(f"{filename} cached (sha256 verified)")
-            return target, sha
-        aside = set_aside(target, sha256_file(target))
-        say(
+    if cache_verified(
+        target,
+        sha,
+        lambda dest: download(url, dest, say),
+        lambda _, actual: ReleaseError(
+            f"sha256 mismatch for {filename} from {url}:\n"
+            f"  expected (index): {sha}\n  actual:           {actual}\n"
+            "refusing it; nothing was cached"
+        ),
+        lambda aside, _: say(
             f"cached {target} does not match the index sha256; moved it aside to "
             f"{aside} (kept to look at) and fetching it again"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
-        got = Path(tmp) / filename
-        download(url, got, say)
-        actual = sha256_file(got)
-        if actual != sha:
-            raise ReleaseError(
-                f"sha256 mismatch for {filename} from {url}:\n"
-                f"  expected (index): {sha}\n  actual:           {actual}\n"
-                "refusing it; nothing was cached"
-            )
-        os.replace(got, target)
+        ),
+    ):
+        say(f"{filename} cached (sha256 verified)")
+    else:
+        say(f"{filename} verified (sha256 {sha[:12]}...) and cached")
     _recorded_sha(target).write_text(sha + "\n")
-    say(f"{filename} verified (sha256 {sha[:12]}...) and cached")
     return target, sha
 
 
-def download(url: str, dest: Path, say: Say) -> None:
-    """Copy ``url`` (http(s), file:// or a path) to ``dest``; no checks."""
-    parsed = urllib.parse.urlparse(url)
+def download(url: str, dest: Path, say: Say) -> str:
+    """Copy ``url`` (http(s), file:// or a path) to ``dest``; no checks; return it."""
     try:
-        if parsed.scheme in ("http", "https"):
-            with urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp:
-                size = resp.headers.get("Content-Length")
-                mb = f"{int(size) / 1e6:.0f} MB" if size else "size unknown"
-                say(f"downloading {dest.name} ({mb}) ...")
-                with dest.open("wb") as f:
-                    shutil.copyfileobj(resp, f, 1 << 20)
-        else:
-            src = Path(
-                urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else url
-            )
-            say(f"copying {dest.name} from {src} ...")
-            shutil.copyfile(src, dest)
-    except (OSError, urllib.error.URLError) as exc:
+        return copy_url(url, dest, say)
+    except OSError as exc:
         raise ReleaseError(f"could not download {url}: {exc}") from exc

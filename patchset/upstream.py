@@ -34,6 +34,9 @@ from .errors import PatchsetError, ProblemsFound
 
 CACHE_ENV = "VMP_CACHE_DIR"
 SOURCE_ENV = "VMP_SDIST_URL"
+TIMEOUT_S = 120  # seconds any network wait may take
+
+Say = Callable[[str], None]
 
 # Written to the tree's git dir ``info/exclude`` when the manifest has no
 # ``[artifacts] ignore``: what ``pip install -e`` and precompiled kernels
@@ -168,83 +171,107 @@ def sha256_file(path: Path) -> str:
 def verified_cached_sdist(manifest: Manifest) -> Path | None:
     """The cached sdist if present and its sha256 matches, else None."""
     path = cached_sdist(manifest)
-    if path.is_file() and sha256_file(path) == manifest.sha256:
-        return path
-    return None
+    return path if path.is_file() and sha256_file(path) == manifest.sha256 else None
 
 
-def fetch(manifest: Manifest, say: Callable[[str], None] = print) -> Path:
-    """Make sure the verified sdist is in the cache; return its path."""
-    target = cached_sdist(manifest)
-    if target.is_file():
-        actual = sha256_file(target)
-        if actual == manifest.sha256:
-            say(
-                f"fetch: {target.name} is cached at {target} (sha256 verified); no download"
-            )
-            return target
-        aside = set_aside(target, actual)
-        say(
-            f"fetch: cached {target} has sha256 {actual}, not {manifest.sha256}; "
-            f"moved it aside to {aside} (kept to look at) and fetching again"
-        )
+def reuse_cached(path: Path, sha256: str, moved: Callable[[Path, str], None]) -> bool:
+    """Whether ``path`` has that sha256; a bad file there is set aside, ``moved`` told."""
+    if not path.is_file():
+        return False
+    actual = sha256_file(path)
+    if actual == sha256:
+        return True
+    aside = path.with_name(f"{path.name}.corrupt-{actual[:12]}")
+    os.replace(path, aside)
+    moved(aside, actual)
+    return False
+
+
+def cache_verified(
+    target: Path,
+    sha256: str,
+    get: Callable[[Path], str],
+    mismatch: Callable[[str, str], Exception],
+    moved: Callable[[Path, str], None],
+) -> bool:
+    """Make sure ``target`` has that sha256; True if it had (:func:`reuse_cached`).
+
+    Else ``get(tmp)`` writes the file to a temporary name next to it and returns
+    where it came from; it is moved into place once verified, else
+    ``mismatch(where it came from, its sha256)`` is raised.
+    """
+    if reuse_cached(target, sha256, moved):
+        return True
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
-        tmpdir = Path(tmp)
-        source = os.environ.get(SOURCE_ENV)
-        if source:
-            say(f"fetch: copying {manifest.sdist} from {source} ({SOURCE_ENV})")
-            got = _copy_source(source, tmpdir / manifest.sdist)
-            origin = source
-        else:
-            got, origin = _index_download(manifest, tmpdir, say)
+        got = Path(tmp) / target.name
+        origin = get(got)
         actual = sha256_file(got)
-        if actual != manifest.sha256:
-            raise Sha256Mismatch(got, manifest.sha256, actual, origin)
+        if actual != sha256:
+            raise mismatch(origin, actual)
         os.replace(got, target)
-    say(f"fetch: verified sha256 {manifest.sha256}; cached at {target}")
+    return False
+
+
+def copy_url(source: str, dest: Path, say: Say) -> str:
+    """Copy ``source`` (http(s) or file:// URL, or a path) to ``dest``; return it."""
+    parsed = urllib.parse.urlparse(source)
+    if parsed.scheme in ("http", "https"):
+        with urllib.request.urlopen(source, timeout=TIMEOUT_S) as resp:
+            size = resp.headers.get("Content-Length")
+            mb = (
+                f"{int(size) / 1e6:.0f} MB"
+                if size and size.isdigit()
+                else "size unknown"
+            )
+            say(f"downloading {dest.name} ({mb}) ...")
+            with dest.open("wb") as f:
+                shutil.copyfileobj(resp, f, 1 << 20)
+    else:
+        path = Path(
+            urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else source
+        )
+        say(f"copying {dest.name} from {path} ...")
+        shutil.copyfile(path, dest)
+    return source
+
+
+def fetch(manifest: Manifest, say: Say = print) -> Path:
+    """Make sure the verified sdist is in the cache; return its path."""
+    target, pin = cached_sdist(manifest), manifest.sha256
+    if cache_verified(
+        target,
+        pin,
+        lambda dest: _download(manifest, dest, say),
+        lambda origin, actual: Sha256Mismatch(target, pin, actual, origin),
+        lambda aside, actual: say(
+            f"fetch: cached {target} has sha256 {actual}, not {pin}; "
+            f"moved it aside to {aside} (kept to look at) and fetching again"
+        ),
+    ):
+        say(
+            f"fetch: {target.name} is cached at {target} (sha256 verified); no download"
+        )
+    else:
+        say(f"fetch: verified sha256 {pin}; cached at {target}")
     return target
 
 
-def _copy_source(source: str, dest: Path) -> Path:
-    parsed = urllib.parse.urlparse(source)
-    try:
-        if parsed.scheme in ("http", "https"):
-            with (
-                urllib.request.urlopen(source, timeout=120) as resp,
-                dest.open("wb") as f,
-            ):
-                shutil.copyfileobj(resp, f)
-        else:
-            path = Path(
-                urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else source
-            )
-            shutil.copyfile(path, dest)
-    except OSError as exc:
-        raise PatchsetError(
-            f"could not get the sdist from {source} ({SOURCE_ENV}): {exc}"
-        ) from exc
-    return dest
+def _download(manifest: Manifest, dest: Path, say: Say) -> str:
+    """The sdist into dest (no pip, nothing built); where it came from.
 
-
-def set_aside(path: Path, actual: str) -> Path:
-    """Move a cached file that failed its sha256 check out of the way, keeping it.
-
-    It stays in the same folder as ``<name>.corrupt-<first 12 digits of its
-    sha256>``, where nothing reads it, so the evidence survives the re-fetch.
+    From ``$VMP_SDIST_URL``, else the index's file, whose digest must be the
+    pin before anything is downloaded.
     """
-    aside = path.with_name(f"{path.name}.corrupt-{actual[:12]}")
-    os.replace(path, aside)
-    return aside
-
-
-def _index_download(
-    manifest: Manifest, dest: Path, say: Callable[[str], None]
-) -> tuple[Path, str]:
-    """The index's sdist file into dest (no pip, nothing built); (path, URL).
-
-    The index's digest must be the pin before anything is downloaded.
-    """
+    source = os.environ.get(SOURCE_ENV)
+    if source:
+        say(f"fetch: copying {manifest.sdist} from {source} ({SOURCE_ENV})")
+        try:
+            return copy_url(source, dest, lambda _: None)
+        except OSError as exc:
+            raise PatchsetError(
+                f"could not get the sdist from {source} ({SOURCE_ENV}): {exc}"
+            ) from exc
     from . import releases  # releases reads this module's cache settings
 
     _, url, sha = releases.sdist_info(
@@ -259,9 +286,7 @@ def _index_download(
             "sha256 in patches/upstream.toml"
         )
     say(f"fetch: downloading {manifest.sdist} from {url}")
-    got = dest / manifest.sdist
-    releases.download(url, got, say)
-    return got, url
+    return releases.download(url, dest, say)
 
 
 # -- the tarball ------------------------------------------------------------

@@ -49,28 +49,6 @@ class UpstreamGit:
                 return name
         return None
 
-    def lines(self, old: str, new: str, path: str, start: int, end: int) -> list[dict]:
-        """Commits in old..new that changed lines start..end (of ``path`` at ``new``)."""
-        return _as_dicts(self.repo.commits_changing_lines(old, new, path, start, end))
-
-    def removed(self, old: str, new: str, *paths: str) -> list[dict]:
-        """Commits in old..new that deleted (or renamed away) any of paths."""
-        return _as_dicts(self.repo.commits_removing(old, new, list(paths)))
-
-    def pickaxe(self, old: str, new: str, text: str, path: str) -> list[dict]:
-        """Commits in old..new that changed how often ``text`` occurs in path."""
-        return _as_dicts(self.repo.commits_changing_count(old, new, text, path))
-
-    def grep_changes(self, old: str, new: str, regex: str, path: str) -> list[dict]:
-        """Commits in old..new that added or removed a line of path matching regex."""
-        return _as_dicts(
-            self.repo.commits_changing_lines_matching(old, new, regex, path)
-        )
-
-
-def _as_dicts(commits: list[tuple[str, str]]) -> list[dict]:
-    return [{"sha": sha, "subject": subject} for sha, subject in commits]
-
 
 def first_breaks(
     results: list[dict], inputs: Inputs, git: UpstreamGit | None, pinned: str
@@ -123,7 +101,7 @@ def first_breaks(
                     git,
                     prev,
                     res["version"],
-                    git.grep_changes,
+                    git.repo.commits_changing_lines_matching,
                     rf"def {problem['name']}\(",
                     problem["upstream"],
                 )
@@ -134,17 +112,14 @@ def first_breaks(
 def _override_label(problem: dict) -> str:
     """Stable across releases (unlike the message, which names the release)."""
     subject = ".".join(x for x in (problem["cls"], problem["method"]) if x)
-    return " ".join(
-        str(x)
-        for x in (
-            problem["file"],
-            subject,
-            problem["kind"],
-            problem["severity"],
-            problem["name"],
-        )
-        if x
+    fields = (
+        problem["file"],
+        subject,
+        problem["kind"],
+        problem["severity"],
+        problem["name"],
     )
+    return " ".join(str(x) for x in fields if x)
 
 
 def _patch_break(row: dict, prev: str, version: str, git: UpstreamGit | None) -> dict:
@@ -159,7 +134,7 @@ def _patch_break(row: dict, prev: str, version: str, git: UpstreamGit | None) ->
             cause = {"file": f["path"], "moved_to": f.get("moved_to")}
             if git:
                 cause["commits"] = _attribute(
-                    git, prev, version, git.removed, f["path"]
+                    git, prev, version, git.repo.commits_removing, [f["path"]]
                 )
             entry["causes"].append(cause)
             continue
@@ -183,7 +158,13 @@ def _patch_break(row: dict, prev: str, version: str, git: UpstreamGit | None) ->
                 if end < start:  # the region is gone: take its neighbours
                     start, end = max(1, start - 1), start + 1
                 cause["commits"] = _attribute(
-                    git, prev, version, git.lines, f["path"], start, end
+                    git,
+                    prev,
+                    version,
+                    git.repo.commits_changing_lines,
+                    f["path"],
+                    start,
+                    end,
                 )
             entry["causes"].append(cause)
     if row.get("after_failed_same_files"):
@@ -203,24 +184,21 @@ def _import_break(row: dict, prev: str, version: str, git: UpstreamGit | None) -
     }
     if git:
         if row["status"] == "name missing":
-            entry["commits"] = _attribute(
-                git, prev, version, git.pickaxe, row["name"], row["file"]
-            )
+            find, args = git.repo.commits_changing_count, (row["name"], row["file"])
         else:
-            entry["commits"] = _attribute(
-                git, prev, version, git.removed, *module_candidates(row["module"])
-            )
+            find, args = git.repo.commits_removing, (module_candidates(row["module"]),)
+        entry["commits"] = _attribute(git, prev, version, find, *args)
     return entry
 
 
 def _attribute(
     git: UpstreamGit, prev: str, version: str, find: Callable, *args
 ) -> list[dict] | str:
-    """``find(old_tag, new_tag, *args)``, or why it could not run."""
+    """``find(old_tag, new_tag, *args)``'s commits, or why it could not run."""
     a, b = git.tag(prev), git.tag(version)
     if a is None or b is None:
         return f"no tag v{prev if a is None else version} in {git.path}"
     try:
-        return find(a, b, *args)
+        return [{"sha": sha, "subject": subject} for sha, subject in find(a, b, *args)]
     except PatchsetError as exc:
         return str(exc)

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from .. import upstream
-from ..pynames import top_level_names
+from ..pynames import absolute_module, module_candidates, package_of, top_level_names
 
 if TYPE_CHECKING:
     from .inputs import TreeState
@@ -38,11 +38,6 @@ class ImportRef:
     @property
     def target(self) -> tuple[str, str | None]:
         return (self.module, self.name)
-
-
-def _module_of(path: str) -> list[str]:
-    """Package parts of a tree .py path (the package a relative import starts at)."""
-    return list(PurePosixPath(path).parent.parts)
 
 
 def _catches_import_error(node: ast.Try) -> bool:
@@ -75,7 +70,7 @@ def overlay_imports(
             errors.append(f"{dst}: {exc}")
             continue
         for node, guarded in _import_nodes(tree, False):
-            for module, name in _imported(node, _module_of(dst)):
+            for module, name in _imported(node, package_of(dst)):
                 if module != top and not module.startswith(top + "."):
                     continue
                 if any(module == o or module.startswith(o + ".") for o in own):
@@ -105,27 +100,14 @@ def _imported(
     """(absolute module, name) pairs of one import statement in ``package``."""
     if isinstance(node, ast.Import):
         return [(a.name, None) for a in node.names]
-    if node.level:
-        keep = len(package) - (node.level - 1)
-        if keep <= 0:
-            return []
-        module = ".".join(
-            package[:keep] + (node.module.split(".") if node.module else [])
-        )
-    else:
-        module = node.module or ""
-    return [(module, a.name) for a in node.names]
+    module = absolute_module(node.module, node.level, package)
+    return [] if module is None else [(module, a.name) for a in node.names]
 
 
 def defined_names(tree: ast.Module) -> tuple[set[str], bool]:
     """Top-level names a module defines, and whether it can define more (``*``, ``__getattr__``)."""
     names = top_level_names(tree)
     return set(names.lines), names.dynamic
-
-
-def module_candidates(module: str) -> list[str]:
-    base = module.replace(".", "/")
-    return [f"{base}.py", f"{base}/__init__.py"]
 
 
 # -- on one release ---------------------------------------------------------

@@ -118,23 +118,11 @@ def render(report: dict) -> str:
             )
             cells.append(f"{code:>6}")
         ov = res["overlay"]
-        ovl = (
-            "C"
-            if ov["collisions"]
-            else (
-                "P" if any(not d["parent_exists"] for d in ov["destinations"]) else "."
-            )
-        )
+        gone = any(not d["parent_exists"] for d in ov["destinations"])
+        ovl = "C" if ov["collisions"] else "P" if gone else "."
         broken = _broken_imports(res)
-        imp = (
-            str(len(broken))
-            if broken
-            else (
-                "?"
-                if any(i["status"] == "unverifiable" for i in res["imports"])
-                else "."
-            )
-        )
+        unsure = any(i["status"] == "unverifiable" for i in res["imports"])
+        imp = str(len(broken)) if broken else "?" if unsure else "."
         c = res["counts"]
         applies = sum(c.get(s, 0) for s in APPLIES)
         detail = ", ".join(f"{c[s]} {s}" for s in APPLIES if c.get(s))
@@ -191,15 +179,8 @@ def render(report: dict) -> str:
                     f"        {cause['file']} is gone"
                     + (f"; likely moved to {moved}" if moved else "")
                 )
-            commits = cause.get("commits")
-            if isinstance(commits, str):
-                lines.append(f"        upstream commits: {commits}")
-            elif commits is not None:
-                shown = (
-                    ", ".join(f"{c['sha'][:12]} {c['subject']!r}" for c in commits[:5])
-                    or "none found"
-                )
-                lines.append(f"        upstream commits: {shown}")
+            if (commits := cause.get("commits")) is not None:
+                lines.append(f"        upstream commits: {_commits_text(commits)}")
     for res in report["versions"]:
         ov = res["overlay"]
         for path in ov["collisions"]:
@@ -219,14 +200,8 @@ def render(report: dict) -> str:
             + (f"; now in {', '.join(where)}" if where else "")
         )
         commits = entry.get("commits")
-        if isinstance(commits, list):
-            shown = (
-                ", ".join(f"{c['sha'][:12]} {c['subject']!r}" for c in commits[:5])
-                or "none found"
-            )
-            lines.append(f"        upstream commits: {shown}")
-        elif commits:
-            lines.append(f"        upstream commits: {commits}")
+        if isinstance(commits, list) or commits:
+            lines.append(f"        upstream commits: {_commits_text(commits)}")
     for entry in (fb.get("overrides") or {}).values():
         subject = ".".join(x for x in (entry["cls"], entry["method"]) if x)
         lines.append(

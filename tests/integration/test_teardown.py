@@ -38,10 +38,7 @@ def live_processes_in_group(pgid: int) -> list[int]:
 def test_teardown_leaves_no_processes(cluster_pool, shared_cluster):
     # the live "push" cluster as the modules before left it (no hand-over check:
     # D may have been killed); started when this module runs alone
-    if cluster_pool.name == "push" and cluster_pool.cluster is not None:
-        cluster = cluster_pool.cluster
-    else:
-        cluster = shared_cluster("push")
+    cluster = cluster_pool.live("push") or shared_cluster("push")
     running = [i for i in cluster.instances.values() if i.proc is not None]
     assert len(running) >= 3, [i.spec.name for i in running]
     pgids = [inst.proc.pid for inst in running]

@@ -116,6 +116,18 @@ def test_a_cached_wheel_failing_its_sha256_is_never_used(
     assert any("fails its sha256 check" in m for m in said)
 
 
+def test_a_download_that_hangs_ends_with_an_error(project, monkeypatch, tmp_path):
+    add_policy(project, {CPU_WHEEL: b"cpu kernels"})
+    (project.cache / "wheels" / CPU_WHEEL).unlink()
+    policy = build_defaults.load_policy(project.root)
+    hangs = tmp_path / "python"  # a stand-in for pip that never answers
+    hangs.write_text("#!/bin/sh\nexec sleep 60\n")
+    hangs.chmod(0o755)
+    monkeypatch.setattr(build_defaults, "PIP_TIMEOUT_S", 1)
+    with pytest.raises(PatchsetError, match="no answer in 1 s"):
+        build_defaults.ensure_wheel(policy.wheels["cpu"], print, python=str(hangs))
+
+
 def _setup_py_hook():
     """apply_build_defaults() exactly as patch 0011 adds it to vLLM's setup.py."""
     patch = next((REPO / "patches").glob("0011-setup.py-*.patch")).read_text()

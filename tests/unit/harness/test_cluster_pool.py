@@ -92,6 +92,16 @@ def test_another_cluster_or_a_fresh_one_stops_the_live_one():
     assert not h2.running and pool.cluster is None and pool.name is None
 
 
+def test_live_is_the_running_cluster_of_that_name_without_a_check():
+    pool = pool_with([])  # a hand-over check would fail: no verdict to pop
+    assert pool.live("g") is None
+    g = pool.get("g")
+    assert pool.live("g") is g and pool.live("h") is None
+    assert all(i.marks == 0 for i in g.instances.values())
+    pool.release()
+    assert pool.live("g") is None
+
+
 class StubInstanceServer:
     """/health and a /metrics with the KV usage the test sets."""
 
