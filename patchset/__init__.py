@@ -10,8 +10,9 @@ Layout, one concern per module:
   files, parse errors, headers), written once for every command.
 - ``exactapply``: zero-fuzz, zero-offset hunk validation and application.
 - ``upstream``: the manifest (``patches/upstream.toml``), sdist fetch (the
-  index's file, no pip), sha256 verification, unpacking and reading members
-  straight from the tarball.
+  index's file, no pip), the one verified download every cached file goes
+  through (sha256, set-aside), unpacking and reading members straight from the
+  tarball.
 - ``overlay``: our own new files placed into the tree and copied back.
 - ``state``: what ``apply`` recorded in the tree's git dir.
 - ``project``: where things are in a project checkout.
@@ -23,11 +24,12 @@ Layout, one concern per module:
 - ``compat``: the series and the overlay on newer releases (a package, one
   module per job).
 - ``rebase``: the series carried onto another release by ``git rebase``;
-  ``mergecheck`` checks each step's Python files, ``pynames`` reads the names
-  a module defines.
+  ``mergecheck`` checks each step's Python files.
+- ``pynames``: what ``overrides``, ``mergecheck`` and ``compat`` read from
+  Python source alike (the names a module defines, imports made absolute,
+  ``self`` attributes).
 - ``rangediff``: a rolled series against the pinned one, patch by patch.
-- ``releases``: the package index: versions, sdists and wheels, verified
-  downloads.
+- ``releases``: the package index: versions, sdists and wheels.
 - ``build_defaults``: what ``pip install -e`` of the tree builds with (device,
   precompiled kernels' wheel), recorded in the tree by ``apply``, re-pinned
   by ``rebase``.

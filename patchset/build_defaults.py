@@ -55,10 +55,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PatchsetError, ProblemsFound
-from .upstream import Say, reuse_cached, sha256_file
+from .upstream import CACHE_ENV, Say, cache_dir, reuse_cached, sha256_file
 
 DEVICE_ENV = "VMP_DEVICE"
-CACHE_ENV = "VMP_CACHE_DIR"
 DEVICES = ("cpu", "cuda")
 MANIFEST = "patches/upstream.toml"
 TABLE = "build_defaults"
@@ -188,11 +187,9 @@ def detect_device(requested: str | None = None) -> tuple[str, str]:
 
 
 def wheel_cache() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser() / "wheels"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vllm-mooncake-patches" / "wheels"
+    """``wheels`` in $VMP_CACHE_DIR, else beside the default sdist cache."""
+    sdist = cache_dir()
+    return sdist / "wheels" if os.environ.get(CACHE_ENV) else sdist.with_name("wheels")
 
 
 def ensure_wheel(
