@@ -22,6 +22,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from .errors import PatchsetError, ProblemsFound
 CACHE_ENV = "VMP_CACHE_DIR"
 SOURCE_ENV = "VMP_SDIST_URL"
 TIMEOUT_S = 120  # seconds any network wait may take
+DOWNLOAD_DEADLINE_S = 1800  # a whole download (one read may add TIMEOUT_S)
 
 Say = Callable[[str], None]
 
@@ -225,8 +227,14 @@ def copy_url(source: str, dest: Path, say: Say) -> str:
                 else "size unknown"
             )
             say(f"downloading {dest.name} ({mb}) ...")
+            deadline = time.monotonic() + DOWNLOAD_DEADLINE_S
             with dest.open("wb") as f:
-                shutil.copyfileobj(resp, f, 1 << 20)
+                while chunk := resp.read1(1 << 20):
+                    f.write(chunk)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"not finished after {DOWNLOAD_DEADLINE_S} s (stopped)"
+                        )
     else:
         path = Path(
             urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else source

@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from conftest import TOP, VERSION, manifest_text
 
-from patchset import releases
+from patchset import releases, upstream
 
 
 def test_fetch_verifies_and_caches(project) -> None:
@@ -146,3 +149,38 @@ def test_bad_manifest_cannot_run(project) -> None:
     )
     r = project.run("status")
     assert r.code == 2 and "version" in r.err
+
+
+class _Drip(BaseHTTPRequestHandler):
+    """A file served a byte every 0.1 s: each read is answered in time, the whole
+    file takes 20 s."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.send_header("Content-Length", "200")
+        self.end_headers()
+        for _ in range(200):
+            try:
+                self.wfile.write(b"x")
+                self.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.1)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_download_that_never_ends_stops_at_its_deadline(tmp_path, monkeypatch):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Drip)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(upstream, "DOWNLOAD_DEADLINE_S", 1)
+    url = f"http://127.0.0.1:{server.server_address[1]}/vllm.tar.gz"
+    start = time.monotonic()
+    try:
+        with pytest.raises(releases.ReleaseError, match="not finished after 1 s"):
+            releases.download(url, tmp_path / "vllm.tar.gz", print)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert time.monotonic() - start < 5
