@@ -20,6 +20,7 @@ Project-agnostic: nothing here knows about patches or vLLM.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import re
@@ -31,7 +32,15 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from .errors import PatchsetError
-from .upstream import TIMEOUT_S, Say, cache_dir, cache_verified, copy_url, sha256_file
+from .upstream import (
+    TIMEOUT_S,
+    Say,
+    cache_dir,
+    cache_verified,
+    copy_url,
+    read_within_deadline,
+    sha256_file,
+)
 
 INDEX_ENV = "VMP_INDEX_URL"
 DEFAULT_INDEX = "https://pypi.org/pypi"
@@ -56,7 +65,8 @@ def _index_json(location: str) -> dict:
     try:
         if location.startswith(("http://", "https://")):
             with urllib.request.urlopen(location, timeout=TIMEOUT_S) as resp:
-                data = resp.read()
+                read_within_deadline(resp, buf := io.BytesIO())
+                data = buf.getvalue()
         else:
             data = Path(location).read_bytes()
         return json.loads(data)

@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 import tomllib
 
@@ -215,6 +216,16 @@ def cache_verified(
     return False
 
 
+def read_within_deadline(resp: BinaryIO, out: BinaryIO) -> None:
+    """Copy an HTTP response to ``out`` as it comes; TimeoutError once the whole of
+    it took longer than DOWNLOAD_DEADLINE_S."""
+    deadline = time.monotonic() + DOWNLOAD_DEADLINE_S
+    while chunk := resp.read1(1 << 20):
+        out.write(chunk)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not finished after {DOWNLOAD_DEADLINE_S} s (stopped)")
+
+
 def copy_url(source: str, dest: Path, say: Say) -> str:
     """Copy ``source`` (http(s) or file:// URL, or a path) to ``dest``; return it."""
     parsed = urllib.parse.urlparse(source)
@@ -227,14 +238,8 @@ def copy_url(source: str, dest: Path, say: Say) -> str:
                 else "size unknown"
             )
             say(f"downloading {dest.name} ({mb}) ...")
-            deadline = time.monotonic() + DOWNLOAD_DEADLINE_S
             with dest.open("wb") as f:
-                while chunk := resp.read1(1 << 20):
-                    f.write(chunk)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"not finished after {DOWNLOAD_DEADLINE_S} s (stopped)"
-                        )
+                read_within_deadline(resp, f)
     else:
         path = Path(
             urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else source

@@ -171,7 +171,8 @@ class _Drip(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_download_that_never_ends_stops_at_its_deadline(tmp_path, monkeypatch):
+@pytest.mark.parametrize("what", ["file", "index"])
+def test_a_download_that_never_ends_stops_at_its_deadline(what, tmp_path, monkeypatch):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Drip)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setattr(upstream, "DOWNLOAD_DEADLINE_S", 1)
@@ -179,7 +180,10 @@ def test_a_download_that_never_ends_stops_at_its_deadline(tmp_path, monkeypatch)
     start = time.monotonic()
     try:
         with pytest.raises(releases.ReleaseError, match="not finished after 1 s"):
-            releases.download(url, tmp_path / "vllm.tar.gz", print)
+            if what == "file":
+                releases.download(url, tmp_path / "vllm.tar.gz", print)
+            else:
+                releases._index_json(url)
     finally:
         server.shutdown()
         server.server_close()
