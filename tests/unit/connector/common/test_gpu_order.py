@@ -126,6 +126,10 @@ def test_write_issued_when_destination_arrives_waits_on_the_layers_it_reads():
     s.on_metadata(LayerwiseMetadata(steps=[step()]))
     s.layer_saved("l0", torch.zeros(1))
     s.layer_saved("l1", torch.zeros(1))
+    # both layers handed to the tracker before D asks (the issuer thread may not
+    # have got to them yet; a layer it issues after D's addresses arrived waits on
+    # its own event only, test_layer_write_waits_on_its_layer_event)
+    s.issue_computed_layers()
     assert rec.writes == []  # nowhere to write yet
     loop = asyncio.new_event_loop()
     th = threading.Thread(target=loop.run_forever, daemon=True)
