@@ -249,16 +249,16 @@ def ensure_wheel(
                 cmd, capture_output=True, text=True, check=False, timeout=PIP_TIMEOUT_S
             )
         except subprocess.TimeoutExpired:
+            why, out = f": no answer in {PIP_TIMEOUT_S} s (stopped)", ""
+        else:
+            got = [p for p in Path(tmp).glob("*.whl")]
+            ok = proc.returncode == 0 and len(got) == 1
+            why = None if ok else f" (exit {proc.returncode})"
+            out = proc.stdout + proc.stderr
+        if why is not None:
+            tail = "\n".join(out.strip().splitlines()[-15:])
             raise PatchsetError(
-                f"could not download {wheel.requirement}: no answer in {PIP_TIMEOUT_S} s "
-                f"(stopped).\ncommand: {' '.join(cmd)}\nFix the network/index, or put the "
-                f"wheel into {cache} yourself (its sha256 must match {wheel.manifest})"
-            ) from None
-        got = [p for p in Path(tmp).glob("*.whl")]
-        if proc.returncode != 0 or len(got) != 1:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise PatchsetError(
-                f"could not download {wheel.requirement} (exit {proc.returncode}).\n"
+                f"could not download {wheel.requirement}{why}.\n"
                 f"command: {' '.join(cmd)}\n{tail}\n"
                 "It carries the precompiled kernels `pip install -e` takes. Fix the "
                 "network/index, or put the wheel into "

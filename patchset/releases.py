@@ -65,7 +65,8 @@ def _index_json(location: str) -> dict:
     try:
         if location.startswith(("http://", "https://")):
             with urllib.request.urlopen(location, timeout=TIMEOUT_S) as resp:
-                read_within_deadline(resp, buf := io.BytesIO())
+                buf = io.BytesIO()
+                read_within_deadline(resp, buf)
                 data = buf.getvalue()
         else:
             data = Path(location).read_bytes()

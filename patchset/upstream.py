@@ -18,6 +18,7 @@ tarball, so they never touch the network.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import shutil
 import tarfile
@@ -216,7 +217,7 @@ def cache_verified(
     return False
 
 
-def read_within_deadline(resp: BinaryIO, out: BinaryIO) -> None:
+def read_within_deadline(resp: http.client.HTTPResponse, out: BinaryIO) -> None:
     """Copy an HTTP response to ``out`` as it comes; TimeoutError once the whole of
     it took longer than DOWNLOAD_DEADLINE_S."""
     deadline = time.monotonic() + DOWNLOAD_DEADLINE_S
