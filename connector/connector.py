@@ -319,6 +319,13 @@ class ExtMooncakeConnector(MooncakeConnector):
             )
 
     # ---- scheduler side ---------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        """The scheduler received a request (vLLM 0.32.0 calls this; 0.18.1 through
+        this series' scheduler patch, which backports the call)."""
+        super().on_new_request(request)
+        assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
+        self.connector_scheduler.ext.on_new_request(request)
+
     def update_connector_output(self, connector_output: KVConnectorOutput):
         super().update_connector_output(connector_output)
         assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)

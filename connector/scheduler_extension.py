@@ -144,6 +144,22 @@ class SchedulerExtension:
         return {**(params or {}), TIMELINE_PARAM: timeline}
 
     # ---- upstream's P/D requests ------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        """P: a request entered the scheduler (its waiting queue). With
+        layer-wise on, the worker learns of a do_remote_decode request's transfer
+        now, so a pull D sends while the prompt waits behind others is kept until
+        P computes it, instead of being refused as an id P never received."""
+        if self.layerwise is None:
+            return
+        params = request.kv_transfer_params or {}
+        transfer_id = params.get("transfer_id")
+        if (
+            params.get("do_remote_decode")
+            and isinstance(transfer_id, str)
+            and transfer_id
+        ):
+            self.layerwise.received(transfer_id)
+
     def takes_send(self, request: Request, transfer_id: str) -> bool:
         """P: a do_remote_decode request was allocated. True: layer-wise sends it
         (upstream's send path must not track it)."""

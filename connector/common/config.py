@@ -19,9 +19,10 @@ MOONCAKE_LAYERWISE_TIMEOUT_S           see →    P's wait for D's request, and 
                                                 that it + the write bound + 5 s ends before D
                                                 gives up (that timeout + 60 s), in whole
                                                 seconds (294 with the defaults)
-MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S    60       P fails D's request for a transfer P has not
-                                                scheduled within this (a queue longer than
-                                                this on P needs a larger value)
+MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S    60       P fails D's request for a transfer P has
+                                                neither scheduled nor received within this
+                                                (a request queued on P is waited for up to
+                                                MOONCAKE_LAYERWISE_TIMEOUT_S)
 MOONCAKE_DECODE_MAX_PULLS=N            8        D: P->D transfers written into this instance
                                                 at once (0: no bound); beyond it a request
                                                 waits in D's queue, without blocks, before

@@ -5,9 +5,8 @@ A P/D request on D (``do_remote_prefill``) gets its blocks and asks P for its
 KV as soon as D's scheduler takes it. In a burst (many first turns at once, a
 "seed storm" after a restart) every pull then reaches P together, while P
 computes the prompts one after another: a pull whose prompt is still queued on
-P waits there, and P refuses it once it has waited
-MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S (the bound that keeps forged pulls from
-holding P's state). The request fails though nothing was wrong.
+P waits there (P knows the request is queued: prefill_sender.py), holding D's
+blocks for as long as P's queue takes to drain.
 
 :class:`PullAdmission` bounds the pulls in flight into this D
 (``MOONCAKE_DECODE_MAX_PULLS``; a pull is in flight from its allocation until
@@ -15,7 +14,8 @@ its end reaches the scheduler, or its request finishes). A request beyond the
 bound stays in D's waiting queue, in order, without blocks and without asking
 P (the scheduler's connector answers "not yet": ``None`` matched tokens), so
 the burst becomes a queue on D: the pull it sends later reaches P about when P
-computes the prompt, and D's blocks are not held while P's queue drains. A
+computes the prompt (when D's order differs from P's, it waits on P for its
+prompt), and D's blocks are not held while P's queue drains. A
 request waits at most ``MOONCAKE_DECODE_PULL_WAIT_S``; past that it is
 prefilled on D itself (the connector answers 0 matched tokens: upstream then
 sends P the block-less pull that frees P's copy), with a warning that names the

@@ -65,6 +65,11 @@ class LayerwiseScheduler:
             else TransferMode.POSTHOC
         )
 
+    def received(self, transfer_id: str) -> None:
+        """A do_remote_decode request entered P's scheduler (its waiting queue):
+        the worker learns, with the next step, that its transfer is coming."""
+        self._pending.received.append(transfer_id)
+
     def track(self, request: Request, transfer_id: str) -> None:
         """Register a do_remote_decode request. Post-hoc requests are not pushed
         per layer; they are sent whole when the request finishes (through the

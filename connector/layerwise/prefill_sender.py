@@ -26,14 +26,18 @@ No byte after the end (the invariant this class owns):
   logged as an error while D's answer keeps waiting for it.
 
 Only ids P's scheduler handed over are reported: a transfer is created by the
-scheduler's metadata, never by D's request; a destination for an id P has not
-scheduled waits at most MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S in a bounded
+scheduler's metadata, never by D's request; a destination for an id P's
+scheduler has neither scheduled nor received (queued, ``received`` in the
+metadata) waits at most MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S in a bounded
 table and then leaves no trace (a request P schedules later under that id runs
 as if it had never been named), and poll() reports only P request ids whose
-blocks the scheduler handed over (:class:`~.protocol.FinishedRequest`).
+blocks the scheduler handed over (:class:`~.protocol.FinishedRequest`). A
+destination for a queued request waits for its prefill, like one for a
+scheduled request, up to the transfer timeout: D's order of pulls need not be
+P's order of prefills.
 
 Bounded state: at most MAX_TRANSFERS_PER_REQUEST transfers are served from one
-of D's requests and MAX_UNKNOWN destinations wait for unannounced ids; a
+of D's requests and MAX_UNKNOWN destinations wait for unknown ids; a
 writer thread serves one decode session while it has work and retires after
 ``writer_idle_s`` idle (MAX_PEERS counts sessions with work); the forward
 thread's per-step calls cost O(transfers the step names or that ended), its
@@ -260,6 +264,7 @@ class LayerwiseSender:
         ops: list[WriteOp] = []
         now = self._clock()
         with self._lock:
+            self.tracker.received(meta.received)
             # Before this step's forward: a preempted request's blocks may be
             # computed into for another request by it; its queued writes must
             # not read them (start_writes drops them once the transfer ended).
@@ -421,7 +426,7 @@ class LayerwiseSender:
                 return self._results[transfer_id][1] or "the transfer already ended"
             if transfer_id in self._waiters:
                 return "a second request for a transfer that is being served"
-            if self.tracker.unannounced(transfer_id) and (
+            if self.tracker.unknown(transfer_id) and (
                 self.tracker.num_unannounced() >= MAX_UNKNOWN
                 or self.tracker.num_unannounced_block_ids() + len(dest.block_ids)
                 > MAX_UNKNOWN_BLOCK_IDS
@@ -553,8 +558,8 @@ class LayerwiseSender:
         self, transfer_id: str, fut: asyncio.Future
     ) -> str | None:
         """Wait for the transfer's end (None), or return why it must be failed: P
-        never scheduled it within MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S (an id
-        nobody announced: a stale or forged request on P's unauthenticated ZMQ
+        neither scheduled nor received it within MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S
+        (an id nobody announced: a stale or forged request on P's unauthenticated ZMQ
         socket, which would otherwise hold a waiter for the whole timeout), or
         it did not end within the transfer timeout."""
         start = time.monotonic()
@@ -565,11 +570,12 @@ class LayerwiseSender:
         except asyncio.TimeoutError:
             pass
         with self._lock:
-            unknown = self.tracker.unannounced(transfer_id)
+            unknown = self.tracker.unknown(transfer_id)
         if unknown:
             return (
                 f"this prefill instance never scheduled transfer {transfer_id} within "
-                f"{unknown_s:.0f}s (MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S)"
+                f"{unknown_s:.0f}s (MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S) and holds no "
+                "request for it"
             )
         try:
             await asyncio.wait_for(

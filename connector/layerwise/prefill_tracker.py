@@ -43,12 +43,18 @@ requests, the ended ones); nothing scans every transfer.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from .protocol import ComputedStep
+
+# transfer ids of requests P's scheduler received and has not scheduled yet
+# that are remembered (the oldest forgotten: a pull for one then waits only
+# the unknown timeout, as for an id P never received)
+MAX_RECEIVED = 65536
 
 
 class TransferState(str, Enum):
@@ -136,6 +142,9 @@ class LayerwiseTracker:
         self._releasable: dict[str, Transfer] = {}  # end reported and P request done
         # D's addresses that arrived before P's scheduler announced the transfer.
         self._pending: dict[str, Destination] = {}
+        # Transfers whose request P's scheduler received (it is queued there) and
+        # has not announced yet, oldest first, at most MAX_RECEIVED.
+        self._received: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.inflight = 0  # writes in flight, all transfers
         # P requests that reused the transfer_id of another live request: never
         # sent (the id's transfer fails: D cannot tell whose KV it would get)
@@ -143,6 +152,18 @@ class LayerwiseTracker:
         self._released_duplicates: list[str] = []  # ended: P frees their blocks
 
     # ---- prefill side events -------------------------------------------------
+    def received(self, transfer_ids: Iterable[str]) -> None:
+        """P's scheduler received these transfers' requests (queued, not yet
+        scheduled): a destination for one is not :meth:`unknown`. Creates no
+        transfer; the mark ends when the scheduler announces the transfer."""
+        for transfer_id in transfer_ids:
+            if transfer_id in self.transfers:
+                continue
+            self._received[transfer_id] = None
+            self._received.move_to_end(transfer_id)
+            while len(self._received) > MAX_RECEIVED:
+                self._received.popitem(last=False)
+
     def begin_step(self, steps: Iterable[ComputedStep]) -> list[WriteOp]:
         """A forward step starts; ``steps`` are the layer-wise requests it computes.
 
@@ -387,9 +408,12 @@ class LayerwiseTracker:
     def get(self, transfer_id: str) -> Transfer | None:
         return self.transfers.get(transfer_id)
 
-    def unannounced(self, transfer_id: str) -> bool:
-        """D asked for this transfer and P's scheduler has not announced it (yet)."""
-        return transfer_id in self._pending or transfer_id not in self.transfers
+    def unknown(self, transfer_id: str) -> bool:
+        """P's scheduler has neither announced this transfer nor received its
+        request: an id P may never see (D too early, or stale, or forged)."""
+        return transfer_id not in self._received and (
+            transfer_id in self._pending or transfer_id not in self.transfers
+        )
 
     def num_unannounced(self) -> int:
         """Destinations waiting for a transfer P's scheduler has not announced."""
@@ -410,6 +434,7 @@ class LayerwiseTracker:
         cannot tell whose KV it gets; the duplicate is never sent and its blocks
         are released when it ends (pop_released_duplicates). The sender logs the
         failure, which names both requests."""
+        self._received.pop(transfer_id, None)
         if p_req_id and p_req_id in self._duplicates:
             return None
         t = self.transfers.get(transfer_id)

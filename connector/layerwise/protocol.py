@@ -76,6 +76,17 @@ class LayerwiseMetadata:
     # fail them before the forward; the request itself goes on and is reported
     # when it finishes.
     preempted: list[str] = field(default_factory=list)
+    # Transfers of do_remote_decode requests that entered P's scheduler since the
+    # last step: queued here, not yet scheduled. A pull for one waits for its
+    # prefill, however long P's queue is, instead of being refused as an id P
+    # never received (MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S).
+    received: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.steps or self.finished or self.aborted or self.preempted)
+        return bool(
+            self.steps
+            or self.finished
+            or self.aborted
+            or self.preempted
+            or self.received
+        )

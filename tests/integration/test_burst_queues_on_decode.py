@@ -20,6 +20,7 @@ import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
+from harness.metrics import samples, scrape
 from harness.pd_client import (
     complete,
     layerwise_transfer,
@@ -130,6 +131,61 @@ def test_a_burst_longer_than_ps_wait_queues_on_d_and_every_request_ends_well(
     queued = [t for t in timelines if t["queued"] is not None]
     assert len(queued) >= burst - MAX_PULLS, timelines
     assert all(t["queued"] <= t["allocated"] for t in queued), queued
+    assert wait_no_blocks_in_use(p.url, d.url, timeout=120) == (0.0, 0.0)
+
+
+def waiting_on(url: str) -> float:
+    """Requests waiting in an instance's scheduler queue."""
+    return sum(samples(scrape(url), "vllm:num_requests_waiting"))
+
+
+def test_a_pull_for_a_prompt_queued_behind_others_on_p_waits_for_its_prefill(
+    cluster,
+):
+    """D has a free slot and asks P at once for a prompt that P's scheduler has
+    queued behind other prompts, which keep P busy longer than P waits for a
+    transfer it has never received (MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S). P
+    knows the request is queued, so D's pull waits for its prefill: the request
+    ends well, with P's KV."""
+    p, d = cluster["prefill"], cluster["decode"]
+    started = time.monotonic()
+    complete(p.url, prompt(PROMPT_TOKENS, seed=4300), max_tokens=1, logprobs=None)
+    prefill_s = time.monotonic() - started
+    # queued ahead of it: more prompts than P computes in its wait + 2 s
+    need = min(64, math.ceil((UNKNOWN_TIMEOUT_S + 2) / prefill_s))
+    ahead = need + 4
+    ids = prompt(PROMPT_TOKENS, seed=4301)
+    transfer_id = f"xfer-queued-{time.time_ns()}"
+    with cf.ThreadPoolExecutor(ahead) as pool:
+        busy = [
+            pool.submit(
+                complete,
+                p.url,
+                prompt(PROMPT_TOKENS, seed=4310 + i),
+                max_tokens=1,
+                logprobs=None,
+            )
+            for i in range(ahead)
+        ]
+        deadline = time.monotonic() + 30
+        while waiting_on(p.url) < need:
+            assert time.monotonic() < deadline, "P never took the prompts ahead"
+            time.sleep(0.05)
+        r = pd(p, d, ids, transfer_id=transfer_id)
+        for f in busy:
+            f.result()
+    check = compare(
+        r.decode,
+        reference_completion(p.url, ids, max_tokens=3),
+        expected_cached_tokens=cached_tokens_of_whole_prompt(len(ids)),
+    )
+    assert check.ok, check.problems  # D's answer came from P's KV
+    t = layerwise_transfer(p.bootstrap_url, transfer_id)
+    asked = r.decode.kv_transfer_params["mooncake_timeline"]["allocated"]
+    # D asked (its pull started) while the prompt was still queued on P, longer
+    # before P began computing it than P waits for a transfer it never received
+    assert t["prefill_end"] - prefill_s - asked > UNKNOWN_TIMEOUT_S, (t, asked)
+    assert t["outcome"] == "completed", t
     assert wait_no_blocks_in_use(p.url, d.url, timeout=120) == (0.0, 0.0)
 
 

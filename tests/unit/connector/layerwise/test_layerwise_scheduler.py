@@ -17,6 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protoco
     ComputedStep,
     FinishedRequest,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extension import (
+    SchedulerExtension,
+)
 
 
 def request(req_id, prompt_len, status=None):
@@ -208,3 +211,23 @@ def test_a_bad_mode_value_falls_back_to_the_default_with_one_warning(bad):
     warnings = [r for r in records if "mooncake_mode" in r.getMessage()]
     assert len(warnings) == 1
     assert all(len(r.getMessage()) < 400 for r in warnings)
+
+
+def test_a_new_request_to_send_is_announced_to_the_worker_as_received():
+    """P's scheduler received requests (on_new_request): the next step's metadata
+    names the transfers of those P sends (do_remote_decode), and only those."""
+    ext = SchedulerExtension.__new__(SchedulerExtension)
+    ext.layerwise = LayerwiseScheduler(min_tokens=100)
+
+    def new(req_id, **params):
+        ext.on_new_request(NS(request_id=req_id, kv_transfer_params=params or None))
+
+    new("a", do_remote_decode=True, transfer_id="xa")
+    new("b", do_remote_prefill=True, transfer_id="xb")  # D's side of a pull
+    new("c")  # no P/D
+    new("d", do_remote_decode=True)  # no transfer id: upstream's path
+    new("e", do_remote_decode=True, transfer_id=["not", "a", "string"])
+    assert ext.layerwise.build(output()).received == ["xa"]
+    assert ext.layerwise.build(output()).received == []  # told once
+    ext.layerwise = None  # MOONCAKE_LAYERWISE unset: nothing to tell
+    new("f", do_remote_decode=True, transfer_id="xf")

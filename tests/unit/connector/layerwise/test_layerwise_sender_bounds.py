@@ -85,6 +85,44 @@ def test_an_unknown_id_that_timed_out_is_later_reported_under_the_real_request_i
     sender.shutdown()
 
 
+def test_a_pull_for_a_request_queued_on_p_waits_past_the_unknown_timeout(loop):
+    """P's scheduler received X's request (queued behind others, not scheduled):
+    D's pull for X waits for X's prefill however long that takes past the
+    unknown timeout, and is served; a pull for an id P never received is still
+    refused at the unknown timeout."""
+    sender = make_layerwise_sender(timeout_s=30.0, unknown_s=0.2)
+    sender.on_metadata(LayerwiseMetadata(received=["X"]))
+    queued = loop.submit(sender.push("X", lw_dest("d:1", 100)))
+    err = loop.submit(sender.push("Y", lw_dest("d:1", 200))).result(5)
+    assert err and "never scheduled" in err
+    time.sleep(0.6)  # three unknown timeouts
+    assert not queued.done()
+    sender.on_metadata(LayerwiseMetadata(steps=[lw_step("X", "req-X")]))
+    sender.layer_saved("l0", LW_TENSOR)
+    assert queued.result(5) is None
+    assert sender.write_fn.writes == {"d:1": 1}
+    sender.on_metadata(LayerwiseMetadata(finished=[lw_finished("X", "req-X")]))
+    assert poll_finished_sending(sender, {"req-X"}) == {"req-X"}
+    assert sender.tracker.num_unannounced() == 0
+    sender.shutdown()
+
+
+def test_a_pull_for_a_queued_request_aborted_on_p_is_answered_at_once(loop):
+    """X's request was queued on P and aborted there before it was scheduled
+    (no blocks): D's pull waiting for it is answered with the abort, and no
+    trace of X stays."""
+    sender = make_layerwise_sender(timeout_s=30.0, unknown_s=0.2)
+    sender.on_metadata(LayerwiseMetadata(received=["X"]))
+    fut = loop.submit(sender.push("X", lw_dest()))
+    time.sleep(0.4)
+    assert not fut.done()
+    sender.on_metadata(LayerwiseMetadata(aborted=["X"]))
+    assert "aborted" in fut.result(5)
+    assert poll_finished_sending(sender, set(), timeout=0.3) == set()
+    assert "X" not in sender.tracker._received
+    sender.shutdown()
+
+
 def test_a_request_whose_decode_was_told_never_scheduled_frees_its_blocks_early(loop):
     """D asked for X before P scheduled it and was answered "never scheduled"
     (D gave up and prefills locally). When P later runs X and nobody asks again,

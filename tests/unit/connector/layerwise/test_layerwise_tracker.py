@@ -1,6 +1,9 @@
 """connector/layerwise/prefill_tracker.py: chunked prefill, late/early decode metadata,
 concurrent transfers, abort, exactly-once completion. Pure logic, no engine."""
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
+    prefill_tracker,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.prefill_tracker import (
     Destination,
     LayerwiseTracker,
@@ -309,3 +312,25 @@ def test_a_later_range_written_first_does_not_end_the_transfer_before_the_earlie
     finish_all(tr, first)
     [t] = tr.pop_finished()
     assert t.state is TransferState.COMPLETED
+
+
+def test_a_received_request_is_not_unknown_until_its_transfer_is_announced():
+    """P's scheduler received X's request: a destination for X is not unknown;
+    the mark ends when a step (or the request's end) announces X."""
+    tr = LayerwiseTracker(num_slots=2, block_size=4)
+    assert tr.unknown("X")
+    tr.received(["X"])
+    tr.set_destination("X", Destination("d:1", [0, 0], [7, 8]))
+    assert not tr.unknown("X") and tr.num_unannounced() == 1
+    tr.begin_step([ComputedStep("X", "req-X", (1, 2), 8, 8)])
+    assert "X" not in tr._received and tr.num_unannounced() == 0
+    assert not tr.unknown("X")  # announced now
+
+
+def test_received_marks_are_bounded_and_ids_already_known_are_not_marked(monkeypatch):
+    monkeypatch.setattr(prefill_tracker, "MAX_RECEIVED", 3)
+    tr = LayerwiseTracker(num_slots=2, block_size=4)
+    tr.begin_step([ComputedStep("K", "req-K", (1, 2), 8, 8)])
+    tr.received(["K", "a", "b", "c", "d"])
+    assert list(tr._received) == ["b", "c", "d"]  # the oldest forgotten
+    assert tr.unknown("a") and not tr.unknown("d")
