@@ -107,6 +107,23 @@ def test_a_pull_for_a_request_queued_on_p_waits_past_the_unknown_timeout(loop):
     sender.shutdown()
 
 
+def test_a_pull_for_a_queued_request_p_never_computes_ends_at_the_transfer_timeout(
+    loop,
+):
+    """X's request stays queued on P: D's pull for it waits past the unknown
+    timeout but not past the transfer timeout, nothing was written, and nothing
+    of X stays but its result."""
+    sender = make_layerwise_sender(timeout_s=0.8, unknown_s=0.2)
+    sender.on_metadata(LayerwiseMetadata(received=["X"]))
+    started = time.monotonic()
+    err = loop.submit(sender.push("X", lw_dest())).result(5)
+    waited = time.monotonic() - started
+    assert err and "timed out" in err and 0.7 < waited < 3, (err, waited)
+    assert sender.write_fn.writes == {}
+    assert sender.tracker.num_unannounced() == 0 and not sender._waiters
+    sender.shutdown()
+
+
 def test_a_pull_for_a_queued_request_aborted_on_p_is_answered_at_once(loop):
     """X's request was queued on P and aborted there before it was scheduled
     (no blocks): D's pull waiting for it is answered with the abort, and no
