@@ -161,11 +161,10 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
         assert kv_transfer_config is not None
         # TCP: the transport's queue limits and timeouts, set before the engine is
         # built; explicit MC_* settings win (transport_env.py).
-        apply_transport_env_defaults(
-            kv_transfer_config.kv_connector_extra_config.get(
-                "mooncake_protocol", "rdma"
-            )
+        self._protocol = kv_transfer_config.kv_connector_extra_config.get(
+            "mooncake_protocol", "rdma"
         )
+        apply_transport_env_defaults(self._protocol)
         # MOONCAKE_IO_CPUS: the transfer threads start off the compute cores.
         with threads_started_on_io_cpus():
             super().__init__(
@@ -197,6 +196,7 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
                 block_size=geometry.block_size,
                 num_blocks=geometry.num_blocks,
                 tp_size=self.tp_size,
+                protocol=self._protocol,
             )
         )
 

@@ -37,6 +37,13 @@ WRITES = {
         "counter",
         "Failed writes that waited for the kernel's send queues to the peer.",
     ),
+    "blind_holds": (
+        "writes_held_blind_total",
+        "counter",
+        "Failed writes held for the longest time their bytes can still land, because "
+        "the kernel's send queues to the peer could not be read or no socket to it "
+        "was seen (fail closed).",
+    ),
     "fence_seconds": (
         "fence_seconds_total",
         "counter",

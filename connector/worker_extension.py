@@ -82,6 +82,7 @@ class RegisteredKV:
     block_size: int
     num_blocks: int
     tp_size: int
+    protocol: str = "tcp"  # the transfer engine's (kv_connector_extra_config)
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ class WorkerExtension(UpstreamHooks):
         cfg, roles = self.config, self.roles
         # Every write (layer-wise, push, upstream's post-hoc send) returns only
         # once none of its bytes can still land (engine_write.py).
-        write_fn = self._write = terminal_write_fn(kv.write_fn, cfg)
+        write_fn = self._write = terminal_write_fn(kv.write_fn, cfg, kv.protocol)
         layout = kv_layout(
             kv.kv_caches, kv.split_k_and_v, attention_backend_name(self.vllm_config)
         )

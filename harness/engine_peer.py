@@ -121,19 +121,14 @@ def _socket_trace(path: str | None) -> Iterator[None]:
     if not path:
         yield
         return
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
-        read_ss,
-    )
-
     done = threading.Event()
     t0 = time.monotonic()
 
     def trace() -> None:
         with open(path, "a") as out:
             while True:
-                sockets = read_ss()  # the fence's own reading, with its timeout
                 out.write(f"--- {time.monotonic() - t0:.1f} s\n")
-                out.write("(ss failed)\n" if sockets is None else sockets)
+                out.write(_ss())
                 out.flush()
                 if done.wait(1.0):
                     return
@@ -145,6 +140,17 @@ def _socket_trace(path: str | None) -> Iterator[None]:
     finally:
         done.set()
         thread.join(timeout=10)
+
+
+def _ss() -> str:
+    """``ss -tinHOn``'s view of this namespace's TCP sockets, for the trace."""
+    try:
+        r = subprocess.run(
+            ["ss", "-tinHOn"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(ss failed: {e})\n"
+    return r.stdout
 
 
 class _CountingEngine:

@@ -62,6 +62,7 @@ RELEASE_INDEPENDENT_TESTS = (
 PINNED_ONLY_TESTS = (
     "tests/integration/test_faults.py",
     "tests/integration/test_faults_cut.py",
+    "tests/integration/test_faults_blind.py",
     "tests/integration/test_push_proxy_answers.py",
 )
 
@@ -83,6 +84,7 @@ BESIDE_UNIT_TESTS = (
 # hold of about 31 s).
 BESIDE_ROLLS_TESTS = RELEASE_INDEPENDENT_TESTS + (
     "tests/integration/test_push_proxy_answers.py",
+    "tests/integration/test_faults_blind.py",
 )
 
 # Unit tests of the project's own tooling (the harness, the scripts, the benchmarks'

@@ -115,6 +115,10 @@ ENGINE_NO_PROGRESS_S = 30
 TCP_RTO_MIN_S = 0.2
 TCP_RTO_MAX_S = 120.0
 LINUX_ORPHAN_RETRIES = 8  # what tcp_orphan_retries=0 (the default) means
+# RDMA (reliable-connected queue pairs): how long after the engine reports a write
+# FAILED its packets can still be placed in the peer's memory (docs/architecture.md,
+# "RDMA"); no kernel queue shows it, so a failed RDMA write is held this long.
+RDMA_FAILED_WRITE_HOLD_S = 10.0
 TCP_ORPHAN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_orphan_retries"
 # A dropped connection is not the end of a write either: the transport (0.3.13,
 # connection pool, tcp_transport_lane_impl.h) keeps the write's slices that no
@@ -224,11 +228,15 @@ class FaultConfig:
     hold_write_prompt_len: int | None = None
     hold_write_after: int = 0
     hold_write_s: float = 0.0
+    # every writer's send-queue fence reads nothing, as where the kernel cannot be
+    # read (it must then hold failed writes for the bound)
+    fence_blind: bool = False
 
     @property
     def armed(self) -> bool:
         return (
-            self.zero_recv_block is not None
+            self.fence_blind
+            or self.zero_recv_block is not None
             or self.fail_write_prompt_len is not None
             or self.delay_write_prompt_len is not None
             or self.hold_write_prompt_len is not None
@@ -267,6 +275,9 @@ class ExtConfig:
     engine_reconnect_s: int = 136  # as from_env computes it with the defaults
     # D: a source's engine timeout beyond this is refused (its hold would be longer)
     push_source_timeout_max_s: int = 120
+    # RDMA: how long a failed write is held before its transfer ends (no kernel
+    # queue to read; RDMA_FAILED_WRITE_HOLD_S)
+    rdma_failed_write_hold_s: float = RDMA_FAILED_WRITE_HOLD_S
     # empty engine steps while finished requests hold blocks: at most one per this
     idle_step_interval_s: float = 0.001
     push_sources: tuple[str, ...] = ()
@@ -447,6 +458,7 @@ class ExtConfig:
             fail_write_prompt_len=_opt_int(env, "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"),
             delay_write_prompt_len=delay_len,
             delay_write_s=delay_s,
+            fence_blind=_flag(env, "MOONCAKE_FAULT_FENCE_BLIND"),
         )
         engine_timeout = engine_timeout_s(env)
         orphan_retries = tcp_orphan_retries()

@@ -52,9 +52,9 @@ from typing import Any, Protocol
 
 from vllm.logger import init_logger
 
-from .config import ExtConfig
-from .peer_refusal import RefusedPeers
-from .send_queues import SendQueueFence, fence_stats
+from .config import ExtConfig, stalled_delivery_bound_s
+from .peer_refusal import Layout, RefusedPeers
+from .send_queues import KernelSockets, SendQueueFence, fence_stats
 
 logger = init_logger(__name__)
 
@@ -95,11 +95,25 @@ class TerminalWriter:
         sleep: Callable[[float], None] = time.sleep,
         fence: SendQueueFence | None = None,
         peers: RefusedPeers | None = None,
+        protocol: str = "tcp",
     ):
         self.engine = engine
         self.config = config
-        # after a failed write: the bytes still in the kernel's send queues (TCP)
-        self.fence = fence if fence is not None else SendQueueFence()
+        # after a failed write: the bytes still in the kernel's send queues (TCP),
+        # or the fabric's bound (RDMA)
+        self.fence = (
+            fence
+            if fence is not None
+            else SendQueueFence(
+                hold_s=stalled_delivery_bound_s(
+                    config.tcp_orphan_retries, config.engine_no_progress_s
+                ),
+                rdma=protocol == "rdma",
+                rdma_hold_s=config.rdma_failed_write_hold_s,
+                # a fault test's fence that reads nothing (fault_injection.py)
+                kernel=KernelSockets(readers={}) if config.faults.fence_blind else None,
+            )
+        )
         # peers whose writes keep failing, refused for a while
         self.peers = peers if peers is not None else RefusedPeers(clock=clock)
         self._clock = clock
@@ -108,7 +122,12 @@ class TerminalWriter:
         self.overdue = 0  # writes that outlived engine_write_bound_s (observability)
 
     def __call__(
-        self, session: str, src: Sequence[int], dst: Sequence[int], lens: Sequence[int]
+        self,
+        session: str,
+        src: Sequence[int],
+        dst: Sequence[int],
+        lens: Sequence[int],
+        layout: Layout = None,
     ) -> int:
         if not (len(src) == len(dst) == len(lens)):
             logger.error(
@@ -119,49 +138,78 @@ class TerminalWriter:
                 len(lens),
             )
             return -1
-        why = self.peers.refusal(session)
+        why = self.peers.refusal(session, layout)
         if why is not None:
             logger.debug("engine write: %s", why)
             return -1
         rc = self._write(session, src, dst, lens)
-        self.peers.record(session, rc == 0)
+        self.peers.record(session, rc == 0, layout)
         return rc
 
-    def refusal(self, session: str) -> str | None:
-        """Why a write to ``session`` would be refused now (peer_refusal.py), or
-        None. Callers that can name the reason to their requester ask first."""
-        return self.peers.refusal(session)
+    def refusal(self, session: str, layout: Layout = None) -> str | None:
+        """Why a write to ``session`` (its KV ``layout``, where the caller knows it)
+        would be refused now (peer_refusal.py), or None. Callers that can name the
+        reason to their requester ask first."""
+        return self.peers.refusal(session, layout)
 
     def _write(
         self, session: str, src: Sequence[int], dst: Sequence[int], lens: Sequence[int]
     ) -> int:
         start = self._clock()
+        self.fence.note(session)
         tasks: list[int] = []
         submitted_all = True
-        for s, d, n in zip(src, dst, lens):
-            batch_id = self.engine.transfer_submit_write(
-                session, int(s), int(d), int(n)
-            )
-            if batch_id == SUBMIT_FAILED:
-                # Nothing of this entry was queued; what was queued before it
-                # still has to become terminal before we may return.
-                submitted_all = False
-                logger.error(
-                    "engine write to %s: submitting an entry of %d bytes failed "
-                    "(%d of %d entries queued)",
-                    session,
-                    n,
-                    len(tasks),
-                    len(src),
+        try:
+            for s, d, n in zip(src, dst, lens):
+                batch_id = self.engine.transfer_submit_write(
+                    session, int(s), int(d), int(n)
                 )
-                break
-            tasks.append(batch_id)
+                if batch_id == SUBMIT_FAILED:
+                    # Nothing of this entry was queued; what was queued before it
+                    # still has to become terminal before we may return.
+                    submitted_all = False
+                    logger.error(
+                        "engine write to %s: submitting an entry of %d bytes failed "
+                        "(%d of %d entries queued)",
+                        session,
+                        n,
+                        len(tasks),
+                        len(src),
+                    )
+                    break
+                tasks.append(batch_id)
+        except Exception:
+            # NOTE: what was queued before the entry that raised can still land:
+            # it is waited for and fenced like any failed write before we report.
+            submitted_all = False
+            logger.exception(
+                "engine write to %s: submitting entry %d of %d raised",
+                session,
+                len(tasks),
+                len(src),
+            )
         nbytes = sum(int(n) for n in lens)
-        failed = self._wait_terminal(session, tasks, nbytes, start)
+        bound = self.config.engine_write_bound_s(nbytes)
+        try:
+            failed = self._wait_terminal(session, tasks, nbytes, start)
+        except Exception:
+            # NOTE: fail closed. The engine cannot say whether its tasks ended:
+            # they may still be queued in the transport, which no kernel reading
+            # shows, so the write is held for its whole bound, then fenced.
+            logger.exception(
+                "engine write to %s: reading its tasks' status raised; held for its "
+                "bound (%.0f s from its start)",
+                session,
+                bound,
+            )
+            while (left := start + bound - self._clock()) > 0:
+                self._sleep(min(left, 1.0))
+            failed = len(tasks)
         if failed or not submitted_all:
-            # A FAILED task is no proof: its bytes may sit in the kernel's send
-            # queues and land when the link returns (send_queues.py).
-            self.fence.wait(session, self.config.engine_write_bound_s(nbytes), start)
+            if tasks:
+                # A FAILED task is no proof: its bytes may sit in the kernel's
+                # send queues and land when the link returns (send_queues.py).
+                self.fence.wait(session, bound, start)
             return -1
         return 0
 
@@ -210,11 +258,11 @@ class TerminalWriter:
         return failed
 
 
-def write_refusal(write_fn: Any, session: str) -> str | None:
+def write_refusal(write_fn: Any, session: str, layout: Layout = None) -> str | None:
     """Why ``write_fn`` (a :class:`TerminalWriter`, or another write function:
     never refused) refuses writes to ``session`` now, or None."""
     refusal = getattr(write_fn, "refusal", None)
-    return refusal(session) if refusal is not None else None
+    return refusal(session, layout) if refusal is not None else None
 
 
 def write_stats(write_fn: Any) -> dict[str, float]:
@@ -232,18 +280,23 @@ def write_stats(write_fn: Any) -> dict[str, float]:
     }
 
 
-def terminal_write_fn(write_fn: WriteFn, config: ExtConfig) -> WriteFn:
+def terminal_write_fn(
+    write_fn: WriteFn, config: ExtConfig, protocol: str = "tcp"
+) -> WriteFn:
     """The write function this series uses for ``write_fn`` (the engine's
     ``batch_transfer_sync_write``, as upstream registers it): a
     :class:`TerminalWriter` over the same engine when the engine has the
-    per-task calls, else ``write_fn`` itself (unit tests' stand-ins)."""
+    per-task calls, else ``write_fn`` itself (unit tests' stand-ins). Says once
+    what a failed write waits for on this host."""
     engine: Any = getattr(write_fn, "__self__", None)
     if (
         engine is not None
         and hasattr(engine, "transfer_submit_write")
         and hasattr(engine, "transfer_check_status")
     ):
-        return TerminalWriter(engine, config)
+        writer = TerminalWriter(engine, config, protocol=protocol)
+        writer.fence.say_at_start()
+        return writer
     return write_fn
 
 

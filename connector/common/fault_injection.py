@@ -19,6 +19,9 @@ MOONCAKE_FAULT_HOLD_WRITE=N:W:S         P: after W writes of a layer-wise transf
                                         next one: the moment a fault test acts (the
                                         transfer's "writes" in GET /layerwise/transfers
                                         reads W while it waits)
+MOONCAKE_FAULT_FENCE_BLIND=1            P/C: every writer's send-queue fence reads nothing,
+                                        as on a host whose kernel it cannot read (failed
+                                        writes are held for the bound)
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ write submits nothing, so it can end at once: no byte of it can land.
 
 A refusal starts with one warning naming the peer, the failures and how long;
 the stats routes and ``/metrics`` count refused peers and refused writes.
+
+A peer is its session *and* the KV layout the write was asked for (its base
+addresses, where the caller knows them): anyone who can ask for a write can name
+a victim's session with a layout of their own, and the failures of those writes
+must not refuse the writes the victim asks for with its real layout.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ REFUSE_AFTER = 3  # failed writes in a row to one peer
 REFUSE_FIRST_S = 30.0
 REFUSE_MAX_S = 240.0
 PEERS_KEPT = 4096  # peers remembered (least recently written to forgotten first)
+
+# A destination's KV layout (its base addresses, in order); None where the caller
+# does not know it (upstream's post-hoc send).
+Layout = tuple[int, ...] | None
 
 
 @dataclass
@@ -60,15 +69,17 @@ class RefusedPeers:
         self.kept = kept
         self._clock = clock
         self._lock = threading.Lock()
-        self._peers: collections.OrderedDict[str, _Peer] = collections.OrderedDict()
+        self._peers: collections.OrderedDict[tuple[str, Layout], _Peer] = (
+            collections.OrderedDict()
+        )
         self.refusals = 0  # refusals started (observability)
         self.refused_writes = 0  # writes refused in all
 
-    def refusal(self, session: str) -> str | None:
-        """Why a write to ``session`` is refused now (counted as one refused
-        write), or None: it may be written to."""
+    def refusal(self, session: str, layout: Layout = None) -> str | None:
+        """Why a write to ``session`` with ``layout`` is refused now (counted as one
+        refused write), or None: it may be written to."""
         with self._lock:
-            peer = self._peers.get(session)
+            peer = self._peers.get((session, layout))
             if peer is None:
                 return None
             left = peer.refused_until - self._clock()
@@ -81,21 +92,22 @@ class RefusedPeers:
                 "nothing written"
             )
 
-    def record(self, session: str, ok: bool) -> None:
-        """A write to ``session`` ended, written (``ok``) or failed."""
+    def record(self, session: str, ok: bool, layout: Layout = None) -> None:
+        """A write to ``session`` with ``layout`` ended, written (``ok``) or failed."""
+        key = (session, layout)
         with self._lock:
             if ok:
-                peer = self._peers.pop(session, None)
+                peer = self._peers.pop(key, None)
                 if peer is not None and peer.refusal_s:
                     logger.info(
                         "transfer-engine writes to %s succeed again; no longer refused",
                         session,
                     )
                 return
-            peer = self._peers.get(session)
+            peer = self._peers.get(key)
             if peer is None:
-                peer = self._peers[session] = _Peer()
-            self._peers.move_to_end(session)
+                peer = self._peers[key] = _Peer()
+            self._peers.move_to_end(key)
             while len(self._peers) > self.kept:
                 self._peers.popitem(last=False)
             peer.failures += 1
@@ -128,4 +140,4 @@ class RefusedPeers:
             return sum(1 for p in self._peers.values() if p.refused_until > now)
 
 
-__all__ = ["RefusedPeers"]
+__all__ = ["Layout", "RefusedPeers"]

@@ -383,7 +383,9 @@ class PushServer:
             over_ms = int((self.clock() - received) * 1000) - req.budget_ms
             if over_ms > late_ms:
                 late_ms, what = over_ms, f"budget of {req.budget_ms} ms"
-        refused = write_refusal(self._writer.write_fn, req.dst_session)
+        # refusals are kept per destination session and layout (peer_refusal.py)
+        layout = tuple(req.dst_kv_base_addrs)
+        refused = write_refusal(self._writer.write_fn, req.dst_session, layout)
         if refused is not None:
             # nothing submitted: D may free its blocks at once
             resp.status = "failed"
@@ -411,7 +413,7 @@ class PushServer:
                 with self.destinations.writing(
                     dst_key, req.dst_num_blocks, req.dst_kv_base_addrs
                 ):
-                    rc = self._writer(req.dst_session, src, dst, lens)
+                    rc = self._writer(req.dst_session, src, dst, lens, layout)
                 if rc != 0:
                     err = f"transfer engine returned {rc} writing to {req.dst_session}"
         except PushRequestError as e:  # re-registered before the write started

@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 from ..common.io_affinity import POLLER_NICE, lower_current_thread_priority
 
-WriteFn = Callable[[str, list[int], list[int], list[int]], int]
+# (session, src, dst, lens, the destination's layout or None) -> 0 | -1
+WriteFn = Callable[[str, list[int], list[int], list[int], tuple[int, ...] | None], int]
 
 WRITER_NICE = POLLER_NICE
 
@@ -49,7 +50,12 @@ class LowPriorityWriter:
         self.nice = nice
 
     def __call__(
-        self, session: str, src: list[int], dst: list[int], lens: list[int]
+        self,
+        session: str,
+        src: list[int],
+        dst: list[int],
+        lens: list[int],
+        layout: tuple[int, ...] | None = None,
     ) -> int:
         result: list[int] = []
         error: list[BaseException] = []
@@ -57,7 +63,7 @@ class LowPriorityWriter:
         def run() -> None:
             lower_current_thread_priority(self.nice)  # best effort (io_affinity)
             try:
-                result.append(self.write_fn(session, src, dst, lens))
+                result.append(self.write_fn(session, src, dst, lens, layout))
             except BaseException as e:  # handed to the caller, who decides
                 error.append(e)
 

@@ -18,6 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .bench import (
+    BLIND_REQUEST_DEADLINE_S,
+    BLIND_SCENARIOS,
     CUT_REQUEST_DEADLINE_S,
     CUT_SCENARIOS,
     SCENARIOS,
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m microbench.faults", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--runs", type=int, default=3, help="runs per fault (default 3)")
-    known = [*SCENARIOS, *CUT_SCENARIOS]
+    known = [*SCENARIOS, *CUT_SCENARIOS, *BLIND_SCENARIOS]
     ap.add_argument("--only", help="comma-separated faults: " + ", ".join(known))
     ap.add_argument("--out", type=Path, default=Path("results/faults.json"))
     args = ap.parse_args(argv)
@@ -72,21 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     t0 = time.monotonic()
     done = 0
-    # the rows of each cluster (the cut rows' hosts keep the kernel's defaults)
-    for kernel_defaults, group in ((False, SCENARIOS), (True, CUT_SCENARIOS)):
+    # the rows of each cluster (the cut rows' hosts keep the kernel's defaults; the
+    # blind row's P cannot read its kernel's send queues)
+    groups = (
+        ("faults-logs", False, False, SCENARIOS, None),
+        ("faults-cut-logs", True, False, CUT_SCENARIOS, CUT_REQUEST_DEADLINE_S),
+        ("faults-blind-logs", True, True, BLIND_SCENARIOS, BLIND_REQUEST_DEADLINE_S),
+    )
+    for log_name, kernel_defaults, blind, group, deadline_s in groups:
         mine = [n for n in names if n in group]
         if not mine:
             continue
-        logs = args.out.parent / (
-            "faults-cut-logs" if kernel_defaults else "faults-logs"
-        )
+        logs = args.out.parent / log_name
         print(
             f"[faults {time.monotonic() - t0:5.0f}s] starting P and D ...", flush=True
         )
-        with fault_cluster(logs, kernel_defaults) as cluster:
-            bench = FaultBench(
-                cluster, CUT_REQUEST_DEADLINE_S if kernel_defaults else None
-            )
+        with fault_cluster(logs, kernel_defaults, blind) as cluster:
+            bench = FaultBench(cluster, deadline_s)
             try:
                 for name in mine:
                     done += 1

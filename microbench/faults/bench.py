@@ -96,6 +96,11 @@ REQUEST_DEADLINE_S = ABORT_TIMEOUT_S + 60 + 60
 # that (20 + 215.4 s): its give-up is CUT_ABORT_TIMEOUT_S + 60.
 CUT_ABORT_TIMEOUT_S = 180
 CUT_REQUEST_DEADLINE_S = CUT_ABORT_TIMEOUT_S + 60 + 60
+# The cut row with P's fence blind: P holds its failed write 205.4 s (the kernel's
+# default orphan retries) from the failure, which comes up to ~40 s into the cut:
+# D's pull must wait past that (give-up at this + 60 s).
+BLIND_ABORT_TIMEOUT_S = 240
+BLIND_REQUEST_DEADLINE_S = BLIND_ABORT_TIMEOUT_S + 60 + 60
 # > the transport's 30 s no-progress watchdog (after the writer resumes): every
 # task of the write in flight turns FAILED while the data network is still cut
 CUT_PAST_S = 45.0
@@ -147,10 +152,14 @@ FAULT_ENV = {
 }
 
 
-def cluster_specs(model: str, kernel_defaults: bool = False) -> list[InstanceSpec]:
+def cluster_specs(
+    model: str, kernel_defaults: bool = False, fence_blind: bool = False
+) -> list[InstanceSpec]:
     """P and D, armed with the fault hooks above. ``kernel_defaults``: the cut rows'
     cluster (the kernel's own orphan and SYN retries, D's pull waiting accordingly,
-    and a small KV cache on D)."""
+    and a small KV cache on D). ``fence_blind``: P's send-queue fence reads nothing,
+    as where the kernel cannot be read; it must hold a failed write for the bound,
+    past which D's pull must wait (BLIND_ABORT_TIMEOUT_S)."""
     args = ["--enable-prompt-tokens-details"]
     common = dict(
         model=model,
@@ -168,6 +177,11 @@ def cluster_specs(model: str, kernel_defaults: bool = False) -> list[InstanceSpe
         common["env"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(CUT_ABORT_TIMEOUT_S)
         common["sysctls"] = {}
         decode_args = [*args, "--num-gpu-blocks-override", str(CUT_D_BLOCKS)]
+    if fence_blind:
+        common["env"]["MOONCAKE_FAULT_FENCE_BLIND"] = "1"
+        common["env"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(
+            BLIND_ABORT_TIMEOUT_S
+        )
     return [
         InstanceSpec("prefill", role="kv_producer", cores="0", **common),
         InstanceSpec(
@@ -179,10 +193,12 @@ def cluster_specs(model: str, kernel_defaults: bool = False) -> list[InstanceSpe
     ]
 
 
-def fault_cluster(log_dir: Path, kernel_defaults: bool = False) -> Cluster:
+def fault_cluster(
+    log_dir: Path, kernel_defaults: bool = False, fence_blind: bool = False
+) -> Cluster:
     """P and D, each on a host of its own, armed with the fault hooks above."""
     return Cluster(
-        cluster_specs(str(ensure_model(ModelShape())), kernel_defaults),
+        cluster_specs(str(ensure_model(ModelShape())), kernel_defaults, fence_blind),
         log_dir,
         hosts=True,
     )
@@ -828,12 +844,29 @@ CUT_SCENARIOS: dict[str, Callable[[FaultBench, Outcome], None]] = {
 }
 
 
+def assert_reused_blocks_intact(out: Outcome) -> None:
+    """A cut row's verdict on the blocks D reused after the fault (the tests')."""
+    assert out.holds, out
+    assert out.lost == 0 and out.wrong == 0 and out.stranded_runs == 0, out
+    # every block D hands out but the first filler's was read back, unchanged
+    assert out.reused_unchecked == 0 and out.reused_wrong == 0, out
+    assert out.reused_blocks_checked == CUT_D_BLOCKS - 1 - FIRST_FILLER_BLOCKS, out
+    assert len(out.recovery_s) == out.runs, out
+
+
+# on a cut cluster whose P cannot read its kernel's send queues
+# (fault_cluster(kernel_defaults=True, fence_blind=True)): held for the bound
+BLIND_SCENARIOS: dict[str, Callable[[FaultBench, Outcome], None]] = {
+    "link_cut_fence_blind": FaultBench.link_cut_past_progress_deadline,
+}
+
+
 def run_fault(bench: FaultBench, name: str, runs: int = 1) -> Outcome:
     out = Outcome(name)
     if name in NEEDS_NETEM and (why := netem_available()):
         out.skipped = why
         return out
-    scenario = SCENARIOS.get(name) or CUT_SCENARIOS[name]
+    scenario = SCENARIOS.get(name) or CUT_SCENARIOS.get(name) or BLIND_SCENARIOS[name]
     for _ in range(runs):
         out.runs += 1
         scenario(bench, out)

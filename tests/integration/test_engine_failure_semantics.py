@@ -98,13 +98,17 @@ CUT_S = 40  # longer than the TCP transport's 30 s no-progress watchdog
 WATCH_AFTER_S = 20  # late bytes came 7-13 s after the return in measurements
 
 
-def write_across_a_link_cut() -> dict:
+def write_across_a_link_cut(env: dict[str, str] | None = None) -> dict:
     """Writer and receiver on two hosts (network namespaces on a bridge); the
     receiver's link is cut 80 ms into a 512 MiB terminal write and restored
     after CUT_S. Returns the writer's rc and the receiver's landed chunks when
     the write returned and WATCH_AFTER_S after that (and after the link came
     back)."""
-    with terminal_write_on_two_hosts(CUT_NBYTES, ENV) as (topo, writer, recv):
+    with terminal_write_on_two_hosts(CUT_NBYTES, {**ENV, **(env or {})}) as (
+        topo,
+        writer,
+        recv,
+    ):
         writer.send("go")
         time.sleep(0.08)
         topo.link_down("receiver")
@@ -115,7 +119,7 @@ def write_across_a_link_cut() -> dict:
         topo.link_up("receiver")
         t_up = time.monotonic()
         if line is None:
-            line, t_ret = writer.expect("RETURNED", 300)
+            line, t_ret = writer.expect("RETURNED", 400)
         at_return = landed(recv)
         time.sleep(max(0.0, max(t_ret, t_up) + WATCH_AFTER_S - time.monotonic()))
         return {
@@ -264,3 +268,19 @@ def test_a_peer_whose_writes_keep_failing_is_refused_without_a_write():
     assert runs[-1][1] == 0, f"a peer whose writes keep failing was written to: {runs}"
     assert len(runs) >= 3, f"refused after {len(runs) - 1} failed write(s): {runs}"
     assert all(n >= 1 for _, n, _ in runs[:-1]), runs
+
+
+@pytest.mark.hosts
+def test_a_failed_write_whose_fence_cannot_read_the_kernel_is_held_until_nothing_lands():
+    """As above, with a fence that cannot read the kernel's send queues (no
+    sock_diag, no /proc/net/tcp). Measured before, with no ``ss`` on the writer's
+    PATH: the write returned -1 41.9 s after the cut, and 2,494,464 bytes landed
+    after it returned. It must hold for the bound: nothing lands afterwards."""
+    r = write_across_a_link_cut({"MOONCAKE_FAULT_FENCE_BLIND": "1"})
+    assert r["rc"] == -1, r
+    assert r["landed_later"] == r["landed_at_return"], (
+        f"bytes of a write that returned -1 landed after it returned: {r}"
+    )
+    # held for the kernel's bound on queued bytes (205.4 s with its default
+    # orphan retries), counted from the failure, which came after the watchdog
+    assert r["returned_after_cut_s"] > 205, r

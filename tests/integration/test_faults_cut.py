@@ -21,10 +21,9 @@ import pytest
 
 from harness.model import TEST_SHAPE, ensure_model
 from microbench.faults.bench import (
-    CUT_D_BLOCKS,
     CUT_REQUEST_DEADLINE_S,
-    FIRST_FILLER_BLOCKS,
     FaultBench,
+    assert_reused_blocks_intact,
     cluster_specs,
     run_fault,
 )
@@ -38,15 +37,6 @@ def bench(pd_cluster):
     bench = FaultBench(pd_cluster(specs=specs, hosts=True), CUT_REQUEST_DEADLINE_S)
     yield bench
     bench.close()
-
-
-def assert_reused_blocks_intact(out) -> None:
-    assert out.holds, out
-    assert out.lost == 0 and out.wrong == 0 and out.stranded_runs == 0, out
-    # every block D hands out but the first filler's was read back, unchanged
-    assert out.reused_unchecked == 0 and out.reused_wrong == 0, out
-    assert out.reused_blocks_checked == CUT_D_BLOCKS - 1 - FIRST_FILLER_BLOCKS, out
-    assert len(out.recovery_s) == out.runs, out
 
 
 def test_layerwise_write_cut_past_the_watchdog_lands_nothing_in_reused_blocks(bench):

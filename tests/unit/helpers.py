@@ -92,6 +92,10 @@ class RecordedFence:
 
     def __init__(self):
         self.waited: list[str] = []
+        self.noted: list[str] = []
+
+    def note(self, session):
+        self.noted.append(session)
 
     def wait(self, session, bound_s, started):
         self.waited.append(session)
@@ -176,7 +180,7 @@ class MemEngine:
         with self.lock:
             return sum(sum(lens) for _, _, lens in self.log)
 
-    def __call__(self, session, src, dst, lens) -> int:
+    def __call__(self, session, src, dst, lens, layout=None) -> int:
         with self.lock:
             self.log.append((session, tuple(dst), tuple(lens)))
             self.entered += 1
@@ -403,7 +407,7 @@ class LayerwiseEngine:
         self.gates[session] = threading.Event()
         return self.gates[session]
 
-    def __call__(self, session, src, dst, lens):
+    def __call__(self, session, src, dst, lens, layout=None):
         if session in self.gates:
             self.entered[session].set()
             assert self.gates[session].wait(10), "test gate never opened"

@@ -80,7 +80,7 @@ class GatedEngine:
         self.entered[session] = threading.Event()
         return self.gates[session]
 
-    def __call__(self, session, src, dst, lens) -> int:
+    def __call__(self, session, src, dst, lens, layout=None) -> int:
         label = self.label(session, dst)
         if label in self.gates:
             self.entered[label].set()
@@ -346,7 +346,7 @@ def addr(buf):
 class MemEngine(GatedEngine):
     """Gated write_fn that really copies bytes (memmove between numpy buffers)."""
 
-    def __call__(self, session, src, dst, lens) -> int:
+    def __call__(self, session, src, dst, lens, layout=None) -> int:
         rc = super().__call__(session, src, dst, lens)
         for s, d, n in zip(src, dst, lens):
             ctypes.memmove(d, s, n)

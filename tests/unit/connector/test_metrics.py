@@ -51,7 +51,10 @@ class FailingEngine:
 
 
 class NoFence:
-    fenced, fence_seconds, fencing = 2, 7.5, 1
+    fenced, blind_holds, fence_seconds, fencing = 2, 3, 7.5, 1
+
+    def note(self, session):
+        pass
 
     def wait(self, session, bound_s, started):
         return 0.0
@@ -74,6 +77,7 @@ def test_refused_peers_and_fenced_writes_are_exposed():
     assert got["vllm_mooncake_ext_writes_fencing"] == 1
     assert got["vllm_mooncake_ext_writes_fenced_total"] == 2
     assert got["vllm_mooncake_ext_fence_seconds_total"] == 7.5
+    assert got["vllm_mooncake_ext_writes_held_blind_total"] == 3
     # before the KV caches are registered: zeros, not an error
     assert samples(exposition(None))["vllm_mooncake_ext_peers_refused"] == 0
 

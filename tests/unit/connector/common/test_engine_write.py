@@ -174,3 +174,56 @@ def test_the_write_bound_grows_with_the_bytes_and_the_timeout():
     assert a.engine_write_bound_s(4 << 30) - a.engine_write_bound_s(0) == pytest.approx(
         4.29, 0.01
     )
+
+
+class RaisingEngine(ScriptedEngine):
+    """Submitting entry ``raise_at`` raises (the binding's error), after the ones
+    before it were queued."""
+
+    def __init__(self, scripts, raise_at):
+        super().__init__(scripts)
+        self.raise_at = raise_at
+
+    def transfer_submit_write(self, session, src, dst, length):
+        if len(self.submitted) == self.raise_at:
+            raise RuntimeError("transfer engine: submit failed")
+        return super().transfer_submit_write(session, src, dst, length)
+
+
+def test_a_write_raising_midway_waits_for_and_fences_what_it_submitted():
+    """Entry 1 raises after entry 0 was queued: before, the exception left at once
+    while entry 0 could still land; the caller answered D, which freed its blocks."""
+    fence = RecordedFence()
+    eng = RaisingEngine([[0] * 5 + [1]], raise_at=1)
+    assert writer(eng, fence)("d:1", [1, 2], [3, 4], [8, 8]) == -1
+    assert len(eng.submitted) == 1 and eng.polls[1] == 6
+    assert fence.waited == ["d:1"]
+
+
+def test_a_write_raising_at_its_first_entry_fails_without_a_fence():
+    fence = RecordedFence()
+    eng = RaisingEngine([[1]], raise_at=0)
+    assert writer(eng, fence)("d:1", [1], [2], [8]) == -1
+    assert eng.submitted == [] and fence.waited == []
+
+
+def test_a_status_read_that_raises_holds_the_write_for_its_bound():
+    """The engine cannot say whether its tasks ended (they may still be queued in
+    the transport, where no kernel reading shows them): held for the bound."""
+
+    class Broken(ScriptedEngine):
+        def transfer_check_status(self, batch_id):
+            raise RuntimeError("transfer engine: status failed")
+
+    now = [0.0]
+    fence = RecordedFence()
+    cfg = ExtConfig(engine_transfer_timeout_s=5)
+    w = TerminalWriter(
+        Broken([[1]]),
+        cfg,
+        clock=lambda: now[0],
+        sleep=lambda s: now.__setitem__(0, now[0] + s),
+        fence=fence,
+    )
+    assert w("d:1", [1], [2], [8]) == -1
+    assert now[0] >= cfg.engine_write_bound_s(8) and fence.waited == ["d:1"]

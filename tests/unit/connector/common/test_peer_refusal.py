@@ -192,3 +192,63 @@ def test_a_push_to_a_destination_whose_writes_keep_failing_is_answered_at_once()
     assert len(eng.submitted) == submitted, "written to a refused destination"
     assert server.stats["peer_refused"] == 1
     assert server.write_stats()["refused_peers_now"] == 1
+
+
+def test_failures_for_one_layout_do_not_refuse_the_same_session_with_another():
+    peers = RefusedPeers(refuse_after=2)
+    for _ in range(2):
+        peers.record("d:1", False, (100, 200))
+    assert peers.refusal("d:1", (100, 200)) is not None
+    assert peers.refusal("d:1", (300, 400)) is None
+    assert peers.refusal("d:1") is None  # a caller that does not know the layout
+
+
+class RangeEngine(FailingEngine):
+    """Writes land only inside ``ranges`` (the destination's registered memory):
+    a task to any other address ends FAILED, as Mooncake's does."""
+
+    def __init__(self, ranges):
+        super().__init__()
+        self.ranges = ranges
+        self.dst: dict[int, int] = {}
+
+    def transfer_submit_write(self, session, src, dst, length):
+        batch_id = super().transfer_submit_write(session, src, dst, length)
+        self.dst[batch_id] = dst
+        return batch_id
+
+    def transfer_check_status(self, batch_id):
+        d = self.dst[batch_id]
+        return 1 if any(lo <= d < hi for lo, hi in self.ranges) else -1
+
+
+def test_pushes_that_re_register_a_victims_session_with_another_layout_do_not_refuse_it():
+    """A token holder names D's session with a layout of its own (C re-registers
+    it), and its writes fail: before, three of them refused D's session on every
+    path, D's own pushes (with its real layout) included."""
+    c, d, forged = KV(fill=True), KV(fill=False), KV(fill=False)
+    eng = RangeEngine([(b, b + t.nbytes) for b, t in zip(d.bases, d.kv)])
+    w = TerminalWriter(
+        eng,
+        ExtConfig(),
+        sleep=lambda s: None,
+        fence=RecordedFence(),
+        peers=RefusedPeers(refuse_after=3),
+    )
+    server = PushServer(
+        filled_mirror(BS, TOKENS, C_BLOCKS, HCFG),
+        w,
+        c.bases,
+        BLEN,
+        FP,
+        C_SESSION,
+        ExtConfig(),
+        source_id=C_SOURCE,
+    )
+    for i in range(3):
+        body = push_body(forged, dst_kv_base_addrs=forged.bases, request_id=f"x{i}")
+        code, resp = server.push(body)
+        assert code == 200 and resp["status"] == "failed", resp
+    code, resp = server.push(push_body(d, request_id="real"))
+    assert code == 200 and resp["status"] == "ok", resp
+    assert server.write_stats()["refused_peers_now"] == 1  # the forged layout only

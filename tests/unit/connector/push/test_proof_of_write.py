@@ -63,7 +63,7 @@ class Engine:
         self.writes = writes
         self.calls = 0
 
-    def __call__(self, session, src, dst, lens):
+    def __call__(self, session, src, dst, lens, layout=None):
         self.calls += 1
         if self.writes:
             for s, d, n in zip(src, dst, lens):

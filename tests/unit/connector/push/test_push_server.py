@@ -57,7 +57,7 @@ def instance(fill: bool) -> KV:
 
 
 def memmove_write(log):
-    def write(session, src, dst, lens):
+    def write(session, src, dst, lens, layout=None):
         log.append((session, list(src), list(dst), list(lens)))
         for s, d, n in zip(src, dst, lens):
             ctypes.memmove(d, s, n)
@@ -229,7 +229,7 @@ def test_write_runs_on_a_thread_at_nice_19_and_the_caller_keeps_its_priority():
     seen = []
     inner = memmove_write([])
 
-    def write(session, src, dst, lens):
+    def write(session, src, dst, lens, layout=None):
         seen.append(
             (
                 threading.get_native_id(),
@@ -250,7 +250,7 @@ def test_write_runs_on_a_thread_at_nice_19_and_the_caller_keeps_its_priority():
 
 
 def test_engine_raising_on_the_writer_thread_fails_the_push():
-    def write(session, src, dst, lens):
+    def write(session, src, dst, lens, layout=None):
         raise RuntimeError("engine gone")
 
     server, _, d, _ = make(write=write)

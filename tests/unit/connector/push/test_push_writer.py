@@ -18,7 +18,7 @@ def nice_of_this_thread() -> int:
 def test_returns_the_engines_code_after_it_returned_from_a_lowered_thread():
     calls = []
 
-    def write(session, src, dst, lens):
+    def write(session, src, dst, lens, layout=None):
         calls.append(
             (session, src, dst, lens, threading.get_native_id(), nice_of_this_thread())
         )
