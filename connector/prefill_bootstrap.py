@@ -11,9 +11,10 @@ socket in the caller and waits at most ``timeout`` seconds; there the error is a
 server the 0.32.0 way on every release (upstream's ``start`` is not called; its
 ``shutdown`` is, and stops what this one started on both) and fails with one
 :class:`BootstrapServerStartError`. Its connections are limited
-(common/http_limits.py: headers within a deadline, a bounded number open).
-Verified on the
-CPU backend of both releases (tests/unit/connector/test_prefill_bootstrap.py,
+(common/http_limits.py: headers and body within deadlines, bodies up to the
+largest a route accepts, a bounded number open, from one address too), on
+upstream's routes as on ours. Verified on the CPU backend of both releases
+(tests/unit/connector/test_prefill_bootstrap.py,
 tests/integration/test_bootstrap_port_taken.py); nothing in it depends on the device.
 """
 
@@ -30,12 +31,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import
 )
 from vllm.logger import init_logger
 
+from .common.config import ExtConfig, load
 from .common.http_limits import LimitedH11Protocol
+from .push.source_server import PROOF_MAX_BODY_BYTES
 
 logger = init_logger(__name__)
 
 START_TIMEOUT_S = 30.0
 PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+# upstream's POST /register: one small JSON object (ids, ranks, an address)
+UPSTREAM_MAX_BODY_BYTES = 64 * 1024
+
+
+def largest_body_bytes(config: ExtConfig) -> int:
+    """The largest request body a route of this server accepts: upstream's, or
+    ours (routes.py: a proof's cap, every other route's push_max_body_bytes)."""
+    return max(
+        UPSTREAM_MAX_BODY_BYTES, PROOF_MAX_BODY_BYTES, config.push_max_body_bytes
+    )
 
 
 class BootstrapServerStartError(RuntimeError):
@@ -47,6 +60,8 @@ class PrefillBootstrapServer(MooncakeBootstrapServer):
     ``START_TIMEOUT_S``."""
 
     _listener: socket.socket | None = None
+    # the connections' body cap; None: largest_body_bytes(this process's config)
+    max_body_bytes: int | None = None
 
     def _cannot_listen(self, error: BaseException) -> BootstrapServerStartError:
         reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
@@ -70,13 +85,14 @@ class PrefillBootstrapServer(MooncakeBootstrapServer):
             raise self._cannot_listen(e) from e
         self._listener = listener
         self.port = listener.getsockname()[1]
+        max_body = self.max_body_bytes or largest_body_bytes(load())
         server = self.server = uvicorn.Server(
             uvicorn.Config(
                 app=self.app,
                 host=self.host,
                 port=self.port,
-                # headers within a deadline, a bounded number of connections
-                http=LimitedH11Protocol,
+                # deadlines, a body cap and bounded connections (http_limits.py)
+                http=LimitedH11Protocol.admitting(max_body),
             )
         )
         failure: list[BaseException] = []

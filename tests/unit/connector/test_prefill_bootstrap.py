@@ -1,6 +1,7 @@
 """connector/prefill_bootstrap.py: P's bootstrap server starts, or fails within a
 deadline naming its address, on every release (upstream's own start waits for ever
-up to 0.18.1 when the port is taken)."""
+up to 0.18.1 when the port is taken), and admits request bodies up to the largest
+one of its routes accepts."""
 
 import json
 import socket
@@ -87,3 +88,69 @@ def test_a_start_that_never_completes_ends_at_the_deadline(monkeypatch):
     assert not t.is_alive()
     [error] = outcome
     assert isinstance(error, BootstrapServerStartError), error
+
+
+def register_status(port: int, length: int) -> bytes:
+    """The status line of a POST /register whose body (upstream's payload padded
+    with spaces) is ``length`` bytes; b"" if the connection was closed without one."""
+    payload = json.dumps(
+        {"engine_id": "e", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "a"}
+    ).encode()
+    head = (
+        b"POST /register HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n" % length
+    )
+    out = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        try:
+            s.sendall(head + payload.ljust(length))
+            while chunk := s.recv(4096):
+                out += chunk
+        except OSError:  # refused: reset while sending or reading
+            pass
+    return out.split(b"\r\n", 1)[0]
+
+
+def test_bodies_are_admitted_up_to_the_largest_a_route_accepts_and_no_larger(
+    monkeypatch,
+):
+    """The server's body cap comes from the configuration: a push's largest
+    body (push_max_body_bytes) is admitted, on upstream's /register too; one
+    byte more is refused before any route reads it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext import (
+        prefill_bootstrap,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+        ExtConfig,
+    )
+
+    config = ExtConfig(push_max_tokens=100)  # 64 KiB + 4,800 bytes
+    monkeypatch.setattr(prefill_bootstrap, "load", lambda: config, raising=False)
+    cap = config.push_max_body_bytes
+    server = vllm_compat.bootstrap_server(None, "127.0.0.1", 0)
+    server.start(timeout=BOUND_S)
+    try:
+        assert register_status(server.port, cap) == b"HTTP/1.1 200 OK"
+        refused = register_status(server.port, cap + 1)
+        assert refused in (b"HTTP/1.1 413 Request Entity Too Large", b""), refused
+    finally:
+        server.shutdown()
+
+
+def test_the_body_cap_is_at_least_every_routes_own():
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+        ExtConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.prefill_bootstrap import (
+        UPSTREAM_MAX_BODY_BYTES,
+        largest_body_bytes,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+        PROOF_MAX_BODY_BYTES,
+    )
+
+    for tokens in (1, 100, 131072, 1 << 20):
+        config = ExtConfig(push_max_tokens=tokens)
+        cap = largest_body_bytes(config)
+        assert cap >= config.push_max_body_bytes, tokens
+        assert cap >= max(PROOF_MAX_BODY_BYTES, UPSTREAM_MAX_BODY_BYTES), tokens
