@@ -37,11 +37,18 @@ scheduled request, up to the transfer timeout: D's order of pulls need not be
 P's order of prefills.
 
 Bounded state: at most MAX_TRANSFERS_PER_REQUEST transfers are served from one
-of D's requests and MAX_UNKNOWN destinations wait for unknown ids; a
+of D's requests, MAX_UNKNOWN destinations wait for unknown ids and
+MAX_WAITING_QUEUED for requests queued on P (each kind with its own bound on
+the block ids it names, so neither crowds out the other); a
 writer thread serves one decode session while it has work and retires after
 ``writer_idle_s`` idle (MAX_PEERS counts sessions with work); the forward
 thread's per-step calls cost O(transfers the step names or that ended), its
 per-layer call O(1).
+
+Shutdown: once :meth:`LayerwiseSender.shutdown` has closed the writer pool no
+write enters the engine; queued writes are dropped and their transfers end
+failed (D is answered), and it waits up to SHUTDOWN_WAIT_S for the writes in
+the engine.
 
 GPU ordering: on CUDA the attention kernels run asynchronously. Each write
 waits, before the engine reads P's blocks, on the event recorded after the
@@ -56,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -79,7 +87,7 @@ from ..common.gpu_order import (
 from ..common.io_affinity import move_current_thread_to_io_cpus
 from .prefill_stats import TransferLog, TransferStats
 from .prefill_tracker import Destination, LayerwiseTracker, TransferState, WriteOp
-from .prefill_writers import WriterPool
+from .prefill_writers import SHUTDOWN_WAIT_S, WriterPool
 from .protocol import LayerwiseMetadata
 
 logger = init_logger(__name__)
@@ -88,8 +96,14 @@ WriteFn = Callable[[str, list[int], list[int], list[int]], int]
 # reply(ok transfer's D request ids, {D request id: error}, last reply?)
 Reply = Callable[[list[str], dict[str, str], bool], Awaitable[None]]
 
-MAX_UNKNOWN = 1024  # destinations waiting for a transfer this instance has not seen
-MAX_UNKNOWN_BLOCK_IDS = 1 << 20  # ... and the block ids they name, in all
+# destinations waiting for a transfer this instance has neither scheduled nor
+# received, and the block ids they name, in all
+MAX_UNKNOWN = 1024
+MAX_UNKNOWN_BLOCK_IDS = 1 << 20
+# ... and for a request queued on this instance (received, not yet scheduled):
+# these wait up to the transfer timeout, not the unknown one
+MAX_WAITING_QUEUED = 1024
+MAX_WAITING_QUEUED_BLOCK_IDS = 1 << 20
 # Transfers served from one of D's requests (D sends one per P worker and step:
 # at most its max_num_seqs); the rest of a larger one is refused at once.
 MAX_TRANSFERS_PER_REQUEST = 1024
@@ -102,6 +116,7 @@ OVERDUE_CHECK_S = 1.0
 MAX_LATE_PEERS = 64
 # The issuer thread wakes at least this often to check for shutdown.
 ISSUER_WAIT_S = 1.0
+SHUTDOWN_REASON = "the prefill instance is shutting down"
 
 
 def slots_by_layer(
@@ -184,6 +199,7 @@ class LayerwiseSender:
             # frozen or cut off, and healthy peers must not wait for it
             overdue_after_s=config.engine_write_bound_s(0),
             clock=clock,
+            drop=self._drop_batch,
         )
         self._in_flight: dict[str, _InFlight] = {}  # decode session -> its engine write
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -426,18 +442,10 @@ class LayerwiseSender:
                 return self._results[transfer_id][1] or "the transfer already ended"
             if transfer_id in self._waiters:
                 return "a second request for a transfer that is being served"
-            if self.tracker.unknown(transfer_id) and (
-                self.tracker.num_unannounced() >= MAX_UNKNOWN
-                or self.tracker.num_unannounced_block_ids() + len(dest.block_ids)
-                > MAX_UNKNOWN_BLOCK_IDS
-            ):
-                return (
-                    f"{self.tracker.num_unannounced()} requests naming "
-                    f"{self.tracker.num_unannounced_block_ids()} blocks already wait "
-                    "for transfers this prefill instance has not scheduled (at most "
-                    f"{MAX_UNKNOWN} requests, {MAX_UNKNOWN_BLOCK_IDS} blocks); "
-                    "refusing more"
-                )
+            if self.tracker.get(transfer_id) is None:  # waits for the scheduler
+                refusal = self._waiting_refusal(transfer_id, len(dest.block_ids))
+                if refusal is not None:
+                    return refusal
             self._waiters[transfer_id] = (loop, fut)
             late = self._note_destination(transfer_id, dest.session)
             ops = self.tracker.set_destination(transfer_id, dest)
@@ -479,6 +487,24 @@ class LayerwiseSender:
         finally:
             with self._lock:
                 self._waiters.pop(transfer_id, None)
+
+    def _waiting_refusal(self, transfer_id: str, num_blocks: int) -> str | None:
+        """Why a destination for a transfer P's scheduler has not announced may
+        not wait (its kind's bound is reached), or None. Under the lock."""
+        queued = self.tracker.queued(transfer_id)
+        waiting, blocks = self.tracker.waiting(queued)
+        if queued:
+            max_n, max_blocks = MAX_WAITING_QUEUED, MAX_WAITING_QUEUED_BLOCK_IDS
+            what = "requests queued on this prefill instance"
+        else:
+            max_n, max_blocks = MAX_UNKNOWN, MAX_UNKNOWN_BLOCK_IDS
+            what = "transfers this prefill instance has not scheduled"
+        if waiting < max_n and blocks + num_blocks <= max_blocks:
+            return None
+        return (
+            f"{waiting} requests naming {blocks} blocks already wait for {what} "
+            f"(at most {max_n} requests, {max_blocks} blocks); refusing more"
+        )
 
     def _note_destination(self, transfer_id: str, session: str) -> bool:
         """Record when D's pull arrived (under the lock); True the first time a
@@ -661,13 +687,15 @@ class LayerwiseSender:
         now = self._clock()
         for session, sops in by_session.items():
             if not self.writers.submit(session, _Batch(sops, uniq, now)):
+                reason = (
+                    SHUTDOWN_REASON
+                    if self.writers.closed
+                    else f"more than {self.writers.max_peers} decode peers with "
+                    f"writes at once; refusing a writer for {session}"
+                )
                 with self._lock:
                     for tid in {op.transfer_id for op in sops}:
-                        self.tracker.fail(
-                            tid,
-                            f"more than {self.writers.max_peers} decode peers with "
-                            f"writes at once; refusing a writer for {session}",
-                        )
+                        self.tracker.fail(tid, reason)
                 self._dispatch()
 
     @property
@@ -678,6 +706,17 @@ class LayerwiseSender:
     @writer_idle_s.setter
     def writer_idle_s(self, seconds: float) -> None:
         self.writers.idle_s = seconds
+
+    def _drop_batch(self, session: str, batch: _Batch) -> None:
+        """The writer pool dropped a queued batch at shutdown: its writes never
+        run, its transfers end failed."""
+        with self._lock:
+            for op in batch.ops:
+                self.log.totals.writes_dropped += 1
+                self.log.of(op.transfer_id).writes_dropped += 1
+            for tid in {op.transfer_id for op in batch.ops}:
+                self.tracker.fail(tid, SHUTDOWN_REASON)
+        self._dispatch()
 
     def _run_batch(self, session: str, batch: _Batch) -> None:
         with self._lock:
@@ -721,10 +760,19 @@ class LayerwiseSender:
             for plen, writes_done in prompt_lens.items():
                 err = err or write_fault(self.config.faults, plen, writes_done)
         # a peer whose writes keep failing: refused for a while, nothing written
-        err = err or write_refusal(self.write_fn, session)
+        # refusals are kept per session and layout (peer_refusal.py): a pull naming
+        # D's session with a layout of its own does not get D's own pulls refused
+        layouts = {op.dst_layout for op in ops}
+        layout = layouts.pop() if len(layouts) == 1 else None
+        err = err or write_refusal(self.write_fn, session, layout)
+        if err is None and self.writers.closed:
+            # NOTE: a batch that started before shutdown and reaches the engine
+            # after it began is failed, not written: shutdown waits only for
+            # writes already in the engine
+            err = SHUTDOWN_REASON
         try:
             if err is None:
-                rc = self.write_fn(session, src, dst, lens)
+                rc = self.write_fn(session, src, dst, lens, layout)
                 if rc != 0:
                     err = f"transfer engine returned {rc} writing to {session}"
         except Exception as e:  # never let the writer thread die
@@ -747,11 +795,21 @@ class LayerwiseSender:
             logger.error("Layer-wise push: %s", err)
 
     def shutdown(self) -> None:
+        """No write starts after this returns (see the module docstring)."""
         with self._issue_ready:
             self._stopping = True
             self._issue_ready.notify()
         self._issuer.join(timeout=2 * ISSUER_WAIT_S)
-        self.writers.shutdown()
+        running = self.writers.shutdown(SHUTDOWN_WAIT_S)
+        if running:
+            logger.error(
+                "Layer-wise push: shutting down while writes to %s have not "
+                "returned %.0f s later; their transfers end (and their decode "
+                "instances are answered) only when those writes return",
+                sorted(running),
+                SHUTDOWN_WAIT_S,
+            )
+        self._dispatch()
 
     # ---- completion ------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -787,13 +845,18 @@ class LayerwiseSender:
                     self._finished_sending.add(t.p_req_id)
                 self.tracker.forget(t.transfer_id)
         for loop, fut, err in resolved:
-            loop.call_soon_threadsafe(_set_result, fut, err)
+            # a closed loop (shutdown) raises RuntimeError: nobody waits there
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_set_result, fut, err)
 
     # ---- observability ---------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Totals and the last transfers' timelines (GET /layerwise/transfers)."""
         with self._lock:
-            out = self.log.snapshot(self.tracker.num_unannounced())
+            # pulls waiting for an id P has neither scheduled nor received
+            out = self.log.snapshot(self.tracker.waiting(queued=False)[0])
+            # pulls waiting for a request queued on P (received, not scheduled)
+            out["totals"]["waiting_queued"] = self.tracker.waiting(queued=True)[0]
             out["writes_in_flight"] = self.tracker.inflight
             # live P requests that reused another live request's transfer_id
             out["duplicate_transfer_ids"] = self.tracker.num_duplicates()

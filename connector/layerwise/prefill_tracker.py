@@ -24,10 +24,12 @@ block) or failed (abort, preemption, expiry, a write error, an inconsistent
 destination).
 
 Only P's scheduler creates transfers (a step, a finished or an aborted
-request). A destination for an id it has not announced waits in a bounded
-side table; if it is given up (:meth:`drop_pending`) nothing of it remains,
-so a request P schedules later under the same id starts a transfer of its own
-and is reported under its own P request id.
+request). A destination for an id it has not announced waits in a side table
+(the sender bounds it); if it is given up (:meth:`drop_pending`) nothing of it
+remains, so a request P schedules later under the same id starts a transfer of
+its own and is reported under its own P request id. The table's destinations
+are counted in two kinds (:meth:`waiting`): for a request P's scheduler holds
+queued (:meth:`received`) and for an id it has not received.
 
 Invariant "no byte after the end" (enforced here, relied on by prefill_sender.py):
 - a write runs only if :meth:`start_writes` admitted it, which it does only
@@ -84,6 +86,7 @@ class WriteOp:
     dst_base_addr: int
     first_block: int  # index (in the request) of src_blocks[0]
     epoch: int  # bumped when P re-allocates the request's blocks (preemption)
+    dst_layout: tuple[int, ...] = ()  # D's KV base addresses, every slot's
 
 
 @dataclass
@@ -140,11 +143,17 @@ class LayerwiseTracker:
         self._step: list[str] = []  # transfers computed by the current forward step
         self._finished: list[Transfer] = []  # ended, not yet collected
         self._releasable: dict[str, Transfer] = {}  # end reported and P request done
-        # D's addresses that arrived before P's scheduler announced the transfer.
+        # D's addresses that arrived before P's scheduler announced the transfer,
+        # and the block ids they name in all; changed only through
+        # _add_pending/_pop_pending, which keep the counts of waiting()
         self._pending: dict[str, Destination] = {}
+        self._pending_block_ids = 0
         # Transfers whose request P's scheduler received (it is queued there) and
         # has not announced yet, oldest first, at most MAX_RECEIVED.
         self._received: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # the ids in both _pending and _received, and the block ids they name
+        self._pending_received: set[str] = set()
+        self._pending_received_block_ids = 0
         self.inflight = 0  # writes in flight, all transfers
         # P requests that reused the transfer_id of another live request: never
         # sent (the id's transfer fails: D cannot tell whose KV it would get)
@@ -161,8 +170,12 @@ class LayerwiseTracker:
                 continue
             self._received[transfer_id] = None
             self._received.move_to_end(transfer_id)
+            dest = self._pending.get(transfer_id)
+            if dest is not None and transfer_id not in self._pending_received:
+                self._pending_received.add(transfer_id)
+                self._pending_received_block_ids += len(dest.block_ids)
             while len(self._received) > MAX_RECEIVED:
-                self._received.popitem(last=False)
+                self._unmark_received(next(iter(self._received)))
 
     def begin_step(self, steps: Iterable[ComputedStep]) -> list[WriteOp]:
         """A forward step starts; ``steps`` are the layer-wise requests it computes.
@@ -221,7 +234,7 @@ class LayerwiseTracker:
         if t is None:
             if transfer_id in self._pending:
                 return []  # a duplicate; the first one stands
-            self._pending[transfer_id] = dest
+            self._add_pending(transfer_id, dest)
             return []
         if t.done:
             return []
@@ -338,7 +351,7 @@ class LayerwiseTracker:
         if t is None:
             self._release_duplicate(p_req_id, holds_blocks)
             return
-        self._pending.pop(transfer_id, None)
+        self._pop_pending(transfer_id)
         t.holds_blocks = t.holds_blocks and holds_blocks
         self._mark_request_finished(t)
         self._fail(t, reason)
@@ -356,7 +369,7 @@ class LayerwiseTracker:
         (stale, or forged on P's unauthenticated socket). True if there was one.
         Nothing of it remains: no write of it ever existed, and a request P
         schedules later under the same id starts afresh."""
-        return self._pending.pop(transfer_id, None) is not None
+        return self._pop_pending(transfer_id) is not None
 
     # ---- results -------------------------------------------------------------
     def pop_finished(self) -> list[Transfer]:
@@ -400,7 +413,7 @@ class LayerwiseTracker:
                 f"forget({transfer_id}) with {t.inflight} writes in flight"
             )
         self.transfers.pop(transfer_id, None)
-        self._pending.pop(transfer_id, None)
+        self._pop_pending(transfer_id)
         self._releasable.pop(transfer_id, None)
         if transfer_id in self._step:
             self._step.remove(transfer_id)
@@ -415,13 +428,30 @@ class LayerwiseTracker:
             transfer_id in self._pending or transfer_id not in self.transfers
         )
 
+    def queued(self, transfer_id: str) -> bool:
+        """P's scheduler received this transfer's request and has not announced
+        the transfer yet (the request is queued on P)."""
+        return transfer_id in self._received
+
     def num_unannounced(self) -> int:
-        """Destinations waiting for a transfer P's scheduler has not announced."""
+        """Destinations waiting for a transfer P's scheduler has not announced
+        (both kinds of :meth:`waiting`)."""
         return len(self._pending)
 
     def num_unannounced_block_ids(self) -> int:
         """The block ids those destinations hold (what they cost in memory)."""
-        return sum(len(d.block_ids) for d in self._pending.values())
+        return self._pending_block_ids
+
+    def waiting(self, queued: bool) -> tuple[int, int]:
+        """(destinations, block ids they name) waiting for a transfer not
+        announced yet: whose request P's scheduler holds queued (``queued``), or
+        whose id it has not received (the others). O(1)."""
+        if queued:
+            return len(self._pending_received), self._pending_received_block_ids
+        return (
+            len(self._pending) - len(self._pending_received),
+            self._pending_block_ids - self._pending_received_block_ids,
+        )
 
     # ---- internals -----------------------------------------------------------
     def _announced(
@@ -434,7 +464,7 @@ class LayerwiseTracker:
         cannot tell whose KV it gets; the duplicate is never sent and its blocks
         are released when it ends (pop_released_duplicates). The sender logs the
         failure, which names both requests."""
-        self._received.pop(transfer_id, None)
+        self._unmark_received(transfer_id)
         if p_req_id and p_req_id in self._duplicates:
             return None
         t = self.transfers.get(transfer_id)
@@ -474,8 +504,35 @@ class LayerwiseTracker:
             self._releasable[t.transfer_id] = t
 
     def _attach_pending(self, t: Transfer) -> list[WriteOp]:
-        dest = self._pending.pop(t.transfer_id, None)
+        dest = self._pop_pending(t.transfer_id)
         return [] if dest is None else self.set_destination(t.transfer_id, dest)
+
+    def _add_pending(self, transfer_id: str, dest: Destination) -> None:
+        self._pending[transfer_id] = dest
+        self._pending_block_ids += len(dest.block_ids)
+        if transfer_id in self._received:
+            self._pending_received.add(transfer_id)
+            self._pending_received_block_ids += len(dest.block_ids)
+
+    def _pop_pending(self, transfer_id: str) -> Destination | None:
+        dest = self._pending.pop(transfer_id, None)
+        if dest is None:
+            return None
+        self._pending_block_ids -= len(dest.block_ids)
+        if transfer_id in self._pending_received:
+            self._pending_received.remove(transfer_id)
+            self._pending_received_block_ids -= len(dest.block_ids)
+        return dest
+
+    def _unmark_received(self, transfer_id: str) -> None:
+        """The received mark ends (announced, or the oldest forgotten): a
+        destination waiting for it counts as waiting for an unknown id."""
+        self._received.pop(transfer_id, None)
+        if transfer_id in self._pending_received:
+            self._pending_received.remove(transfer_id)
+            self._pending_received_block_ids -= len(
+                self._pending[transfer_id].block_ids
+            )
 
     def _issue(self, t: Transfer, slots: list[int]) -> list[WriteOp]:
         if t.destination is None or t.done:
@@ -499,6 +556,7 @@ class LayerwiseTracker:
                     t.destination.base_addrs[s],
                     start,
                     t.epoch,
+                    tuple(t.destination.base_addrs),
                 )
             )
             t.issued[s] = end

@@ -4,6 +4,8 @@
 A dead or slow decode peer stalls only the transfers to it. What a batch
 means (which writes may still start, the write itself, what ends) is the
 sender's (prefill_sender.py); this module only owns the threads and their queues.
+After :meth:`WriterPool.shutdown` returns no batch starts: the queued ones are
+handed to ``drop`` instead, never run.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ MAX_PEERS = 64  # decode sessions with queued or running writes at once
 # Writers whose write has outlived its bound (a frozen or cut-off peer) leave the
 # cap to the others, up to this many times MAX_PEERS writers in all.
 OVERDUE_FACTOR = 4
+# shutdown waits this long for the batches being run (a write to a frozen peer
+# may last the engine's bound; shutdown does not wait for that)
+SHUTDOWN_WAIT_S = 5.0
 
 Batch = TypeVar("Batch")
 
@@ -38,6 +43,7 @@ class _Writer(Generic[Batch]):
     # put), so 0 means nothing is queued and nothing is in flight
     pending: int = 0
     running_since: float | None = None  # the batch being run started then (clock)
+    thread: threading.Thread | None = None
 
 
 class WriterPool(Generic[Batch]):
@@ -47,7 +53,9 @@ class WriterPool(Generic[Batch]):
     whose batch has run longer than ``overdue_after_s`` (the engine's bound: its
     peer is frozen or cut off) is counted as overdue and no longer counts
     toward that cap, so healthy peers proceed; its write goes on (its blocks stay
-    out of use), and at most OVERDUE_FACTOR x MAX_PEERS writers exist at all."""
+    out of use), and at most OVERDUE_FACTOR x MAX_PEERS writers exist at all.
+    ``drop(session, batch)`` is called for each batch that will never run
+    (queued, or taken from the queue but not started, at shutdown)."""
 
     def __init__(
         self,
@@ -58,8 +66,10 @@ class WriterPool(Generic[Batch]):
         max_peers: int = MAX_PEERS,
         overdue_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        drop: Callable[[str, Batch], None] | None = None,
     ):
         self._run = run
+        self._drop = drop
         self._after = after
         self._io_cpus = io_cpus
         self.idle_s = idle_s
@@ -69,10 +79,18 @@ class WriterPool(Generic[Batch]):
         self._lock = threading.Lock()
         self._writers: dict[str, _Writer[Batch]] = {}  # decode session -> its writer
         self._started = 0
+        self._closed = False  # shut down: nothing starts any more
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def submit(self, session: str, batch: Batch) -> bool:
-        """Queue ``batch`` to the session's writer; False: refused (too many peers)."""
+        """Queue ``batch`` to the session's writer; False: refused (too many peers,
+        or shut down)."""
         with self._lock:  # the put too: a writer retires only with nothing queued
+            if self._closed:
+                return False
             writer = self._writer_for(session)
             if writer is None:
                 return False
@@ -99,12 +117,13 @@ class WriterPool(Generic[Batch]):
                 return None
         w = self._writers[session] = _Writer(session, queue.Queue())
         self._started += 1
-        threading.Thread(
+        w.thread = threading.Thread(
             target=self._loop,
             args=(w,),
             daemon=True,
             name=f"vllm-mooncake-layerwise-{self._started}",
-        ).start()
+        )
+        w.thread.start()
         return w
 
     def _num_overdue(self) -> int:
@@ -150,7 +169,16 @@ class WriterPool(Generic[Batch]):
             if batch is None:
                 return
             with self._lock:
-                w.running_since = self._clock()
+                closed = self._closed
+                if closed:
+                    w.pending -= 1
+                else:
+                    w.running_since = self._clock()
+            if closed:
+                # NOTE: taken from the queue just before shutdown drained it:
+                # shutdown waits for this thread, so it is dropped before it returns
+                self._dropped(w.session, batch)
+                return
             try:
                 self._run(w.session, batch)
             finally:
@@ -159,8 +187,36 @@ class WriterPool(Generic[Batch]):
                     w.running_since = None
             self._after()
 
-    def shutdown(self) -> None:
-        with self._lock:
-            for w in self._writers.values():
-                w.queue.put(None)
+    def _dropped(self, session: str, batch: Batch) -> None:
+        if self._drop is not None:
+            self._drop(session, batch)
+
+    def shutdown(self, wait_s: float = SHUTDOWN_WAIT_S) -> list[str]:
+        """Stop: no batch starts once this is called; the queued ones go to
+        ``drop``. Waits up to ``wait_s`` for the batches being run to return;
+        returns the sessions whose batch still runs then."""
+        dropped: list[tuple[str, Batch]] = []
+        with self._lock:  # submit and the loops check _closed under it
+            self._closed = True
+            writers = list(self._writers.values())
             self._writers.clear()
+            for w in writers:
+                while True:
+                    try:
+                        batch = w.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if batch is not None:
+                        w.pending -= 1
+                        dropped.append((w.session, batch))
+                w.queue.put(None)
+        for session, batch in dropped:
+            self._dropped(session, batch)
+        deadline = time.monotonic() + wait_s
+        me = threading.current_thread()
+        for w in writers:
+            if w.thread is not None and w.thread is not me:
+                w.thread.join(max(0.0, deadline - time.monotonic()))
+        return [
+            w.session for w in writers if w.thread is not None and w.thread.is_alive()
+        ]

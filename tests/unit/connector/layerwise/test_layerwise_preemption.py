@@ -47,7 +47,7 @@ class Engine:
         self.log: list[tuple[float, int]] = []
         self.lock = threading.Lock()
 
-    def __call__(self, session, src, dst, lens):
+    def __call__(self, session, src, dst, lens, layout=None):
         if not self.entered.is_set():
             self.entered.set()
             assert self.gate.wait(10), "test gate never opened"

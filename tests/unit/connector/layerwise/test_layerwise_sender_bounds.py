@@ -124,6 +124,72 @@ def test_a_pull_for_a_queued_request_p_never_computes_ends_at_the_transfer_timeo
     sender.shutdown()
 
 
+def test_pulls_for_requests_queued_on_p_are_capped_like_pulls_for_unknown_ids(
+    loop, monkeypatch
+):
+    """Pulls for received (queued) ids wait up to the transfer timeout, so they
+    have a bound of their own: beyond it a pull is refused at once, naming the
+    bound, by their number or by the block ids they name; the ones within it
+    are served once P computes them."""
+    monkeypatch.setattr(prefill_sender, "MAX_WAITING_QUEUED", 3, raising=False)
+    monkeypatch.setattr(
+        prefill_sender, "MAX_WAITING_QUEUED_BLOCK_IDS", 7, raising=False
+    )
+    sender = make_layerwise_sender(timeout_s=30.0, unknown_s=0.2)
+    ids = [f"Q{i}" for i in range(5)]
+    sender.on_metadata(LayerwiseMetadata(received=ids))
+    futs = [
+        loop.submit(sender.push(t, lw_dest("d:1", 100 + 2 * i)))
+        for i, t in enumerate(ids)
+    ]
+    time.sleep(0.5)  # past the unknown timeout
+    done = [t for t, f in zip(ids, futs) if f.done()]
+    assert done == ["Q3", "Q4"], f"pulls answered: {done} (expected the two past 3)"
+    for f in futs[3:]:
+        assert "already wait for requests queued" in f.result(), f.result()
+        assert "at most 3 requests" in f.result()
+    totals = sender.snapshot()["totals"]
+    assert (totals["waiting_queued"], totals["waiting_unknown"]) == (3, 0), totals
+    # by block ids: 3 x 2 waiting, a fourth pull naming 2 more would pass 7
+    monkeypatch.setattr(prefill_sender, "MAX_WAITING_QUEUED", 10)
+    sender.on_metadata(LayerwiseMetadata(received=["Q5"]))
+    err = loop.submit(sender.push("Q5", lw_dest("d:1", 300))).result(5)
+    assert err and "6 blocks already wait" in err, err
+    for t in ids[:3]:
+        sender.on_metadata(LayerwiseMetadata(steps=[lw_step(t, blocks=(1, 2))]))
+        sender.layer_saved("l0", LW_TENSOR)
+    assert [f.result(5) for f in futs[:3]] == [None, None, None]
+    sender.shutdown()
+
+
+def test_pulls_for_queued_requests_leave_the_unknown_ids_room_and_count_apart(
+    loop, monkeypatch
+):
+    """Pulls waiting for queued requests are not pulls for unknown ids: they are
+    reported as waiting_queued, and do not use up MAX_UNKNOWN, so a pull D sent
+    before P's scheduler received its request still waits."""
+    monkeypatch.setattr(prefill_sender, "MAX_UNKNOWN", 2)
+    sender = make_layerwise_sender(timeout_s=30.0, unknown_s=5.0)
+    sender.on_metadata(LayerwiseMetadata(received=["Q0", "Q1"]))
+    queued = [loop.submit(sender.push(t, lw_dest("d:1", 100))) for t in ("Q0", "Q1")]
+    assert wait_until(lambda: sender.tracker.num_unannounced() == 2)
+    totals = sender.snapshot()["totals"]
+    assert totals["waiting_unknown"] == 0, totals
+    assert totals.get("waiting_queued") == 2, totals
+    early = loop.submit(sender.push("U", lw_dest("d:2", 100)))
+    time.sleep(0.2)
+    assert not early.done(), f"a pull for an unknown id was refused: {early.result()}"
+    assert sender.snapshot()["totals"]["waiting_unknown"] == 1
+    sender.on_metadata(LayerwiseMetadata(received=["U"]))  # P receives it now
+    totals = sender.snapshot()["totals"]
+    assert (totals["waiting_unknown"], totals["waiting_queued"]) == (0, 3), totals
+    sender.on_metadata(LayerwiseMetadata(aborted=["Q0", "Q1", "U"]))
+    assert all("aborted" in f.result(5) for f in [*queued, early])
+    totals = sender.snapshot()["totals"]
+    assert (totals["waiting_unknown"], totals["waiting_queued"]) == (0, 0), totals
+    sender.shutdown()
+
+
 def test_a_pull_for_a_queued_request_aborted_on_p_is_answered_at_once(loop):
     """X's request was queued on P and aborted there before it was scheduled
     (no blocks): D's pull waiting for it is answered with the abort, and no
@@ -408,7 +474,7 @@ def test_a_transfer_to_a_refused_decode_session_fails_with_why_and_writes_nothin
     answered, and nothing is written; other sessions are served."""
 
     class RefusingEngine(LayerwiseEngine):
-        def refusal(self, session):
+        def refusal(self, session, layout=None):
             if session == "d:bad":
                 return "writes to d:bad are refused for another 30 s: ..."
             return None

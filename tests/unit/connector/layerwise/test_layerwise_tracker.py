@@ -334,3 +334,28 @@ def test_received_marks_are_bounded_and_ids_already_known_are_not_marked(monkeyp
     tr.received(["K", "a", "b", "c", "d"])
     assert list(tr._received) == ["b", "c", "d"]  # the oldest forgotten
     assert tr.unknown("a") and not tr.unknown("d")
+
+
+def test_waiting_destinations_are_counted_by_whether_their_request_is_queued_on_p(
+    monkeypatch,
+):
+    """A destination waiting for an unannounced transfer counts as waiting for a
+    queued request while P's scheduler holds the request (received), else as
+    waiting for an unknown id; it moves between the two as the mark comes and
+    goes, and leaves both when the transfer is announced or it is given up."""
+    monkeypatch.setattr(prefill_tracker, "MAX_RECEIVED", 2)
+    tr = LayerwiseTracker(SLOTS, BS)
+    tr.received(["Q"])
+    tr.set_destination("Q", dest(2))
+    tr.set_destination("U", dest(3))
+    assert tr.queued("Q") and not tr.queued("U")
+    assert tr.waiting(queued=True) == (1, 2) and tr.waiting(queued=False) == (1, 3)
+    tr.received(["U"])  # P's scheduler received U after D's pull for it
+    assert tr.waiting(queued=True) == (2, 5) and tr.waiting(queued=False) == (0, 0)
+    tr.received(["R"])  # Q's mark is the oldest of three: forgotten
+    assert tr.waiting(queued=True) == (1, 3) and tr.waiting(queued=False) == (1, 2)
+    tr.begin_step([ComputedStep("U", "req-U", (1, 2, 3), 12, 12)])  # attached
+    assert tr.waiting(queued=True) == (0, 0) and tr.get("U").destination is not None
+    assert tr.drop_pending("Q")
+    assert tr.waiting(queued=False) == (0, 0)
+    assert (tr.num_unannounced(), tr.num_unannounced_block_ids()) == (0, 0)
