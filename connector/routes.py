@@ -259,9 +259,9 @@ def bootstrap_router(
             notice = ResetNotice.model_validate_json(caller.body)
         except ValueError as e:
             raise refusal(422, f"not a reset notice: {str(e)[:300]}") from None
-        why = sync.on_reset_notice(notice)
-        if why is not None:
-            raise refusal(409, why)
+        denied = sync.on_reset_notice(notice)
+        if denied is not None:
+            raise refusal(*denied)
         return JSONResponse({"resets": notice.resets, "size": sync.table.size()})
 
     @router.get("/layerwise/transfers")

@@ -20,7 +20,10 @@ peer hashes a prompt as the source does without sharing PYTHONHASHSEED.
 ``POST /hashsync/reset`` (signed): the instance's own scheduler, when it runs in
 another process than the worker, tells the worker's mirror at once that the
 prefix cache was reset (its ``resets``-th reset; scheduler_recorder.py), so an
-idle instance stops offering the forgotten blocks before the reset returns.
+idle instance stops offering the forgotten blocks before the reset returns. The
+notice carries :func:`reset_proof`, keyed by a secret the scheduler process
+draws at start and ships to its worker only in the connector metadata (never in
+a page or an answer): the bootstrap token alone cannot make a mirror reset.
 
 Everything here is untrusted on the receiving side: the models are strict and
 bounded (unknown fields, coercions, oversize lists and strings are refused).
@@ -28,15 +31,15 @@ bounded (unknown fields, coercions, oversize lists and strings are refused).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 FEED_PATH = "/hashsync/feed"
 RESET_PATH = "/hashsync/reset"
-# a notice may run this far ahead of the resets the mirror applied (notices that
-# failed in between); beyond it, it is refused and the next step's delta clears
-RESET_NOTICE_MAX_AHEAD = 1024
+RESET_CONTEXT = b"mooncake-reset-v1"
 FEED_MAX_WAIT_MS = 10_000  # the longest a feed request waits for a change
 FEED_PAGE_MAX_EVENTS = 32_768  # keys a page of changes lists at most
 FEED_SNAPSHOT_MAX_KEYS = 65_536  # keys a reset page lists at most
@@ -72,7 +75,7 @@ class FeedPage(_Strict):
     events: Annotated[
         list[Event], Field(max_length=max(FEED_PAGE_MAX_EVENTS, FEED_SNAPSHOT_MAX_KEYS))
     ]
-    more: StrictBool  # more changes are waiting: ask again at once
+    more: StrictBool  # more changes are waiting: ask again without waiting for one
     hash_algo: Annotated[StrictStr, Field(min_length=1, max_length=64)]
     none_hash: Annotated[StrictStr, Field(min_length=2, max_length=256)]  # hex
     scheduler_id: Annotated[StrictStr, Field(max_length=64)]
@@ -81,10 +84,20 @@ class FeedPage(_Strict):
 
 class ResetNotice(_Strict):
     """The scheduler process ``scheduler_id`` reset its prefix cache, for the
-    ``resets``-th time."""
+    ``resets``-th time; ``proof``: :func:`reset_proof` of both."""
 
     scheduler_id: Annotated[StrictStr, Field(min_length=1, max_length=64)]
     resets: Annotated[StrictInt, Field(ge=1, le=2**62)]
+    proof: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def reset_proof(key: str, scheduler_id: str, resets: int) -> str:
+    """hex HMAC-SHA256(key, "mooncake-reset-v1" LF scheduler id LF resets): only
+    the scheduler process (and its worker, told ``key``) can make it."""
+    if not key:
+        raise ValueError("no reset key: a notice cannot be proved")
+    msg = b"\n".join([RESET_CONTEXT, scheduler_id.encode(), str(resets).encode()])
+    return hmac.new(key.encode(), msg, hashlib.sha256).hexdigest()
 
 
 def decode_event(event: str) -> tuple[bool, bytes]:
@@ -102,10 +115,10 @@ __all__ = [
     "FEED_PATH",
     "FEED_SNAPSHOT_MAX_KEYS",
     "FeedPage",
-    "RESET_NOTICE_MAX_AHEAD",
     "RESET_PATH",
     "ResetNotice",
     "KEY_HEX_MAX",
     "FeedRequest",
     "decode_event",
+    "reset_proof",
 ]

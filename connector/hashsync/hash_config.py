@@ -5,11 +5,14 @@ Stdlib only, so that the recorder (imported by ``block_pool.py``) stays light.
 """
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # this process's scheduler, as peers' holder indexes see it: an instance that
 # follows its own feed knows itself by it (push/decode_index.py)
 SCHEDULER_ID = secrets.token_hex(8)
+# the key of this scheduler process's reset notices (feed_protocol.reset_proof):
+# it reaches the worker only in the connector metadata, never a page or an answer
+RESET_KEY = secrets.token_hex(32)
 
 
 class HashConfigMismatchError(RuntimeError):
@@ -18,11 +21,14 @@ class HashConfigMismatchError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class HashConfig:
-    """What the worker needs to hash like this instance's scheduler."""
+    """What the worker needs to hash like this instance's scheduler, and to know
+    its scheduler's reset notices."""
 
     hash_algo: str  # cache_config.prefix_caching_hash_algo
     none_hash: bytes  # kv_cache_utils.NONE_HASH of the scheduler process
     scheduler_id: str = ""  # SCHEDULER_ID of the scheduler process
+    # RESET_KEY of the scheduler process ("": its notices are refused)
+    reset_key: str = field(default="", repr=False)
 
     def check_same(self, other: "HashConfig") -> None:
         if self != other:

@@ -34,7 +34,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from .hash_config import SCHEDULER_ID, HashConfig, HashConfigMismatchError
+from .hash_config import RESET_KEY, SCHEDULER_ID, HashConfig, HashConfigMismatchError
 
 __all__ = [
     "BlockHash",
@@ -64,7 +64,10 @@ def scheduler_hash_config(hash_algo: str) -> HashConfig:
         )
     get_hash_fn_by_name(hash_algo)  # raise early on an unknown name
     return HashConfig(
-        hash_algo=hash_algo, none_hash=bytes(none_hash), scheduler_id=SCHEDULER_ID
+        hash_algo=hash_algo,
+        none_hash=bytes(none_hash),
+        scheduler_id=SCHEDULER_ID,
+        reset_key=RESET_KEY,
     )
 
 

@@ -12,12 +12,12 @@ the listeners registered in this process (:meth:`HashRecorder.add_reset_listener
 the worker's mirror, when the worker runs in the engine core's process, vLLM's
 "uni" executor), or, when there is none, to ``worker_notifier`` (the scheduler's
 ``POST /hashsync/reset`` to its worker's bootstrap server; scheduler_sync.py). An
-idle instance takes
-no step, so a reset carried only by the next step's delta would leave the mirror
-offering blocks the cache has forgotten (after a weight update: the old
-weights' KV) for as long as the instance stays idle. Each delta carries the
-number of resets recorded before it was drained (``resets``), so a mirror that
-has applied a reset at once drops a delta drained before it.
+idle instance takes no step, so a reset carried only by the next step's delta
+would leave the mirror offering blocks the cache has forgotten (after a weight
+update: the old weights' KV) for as long as the instance stays idle. Each delta
+carries the number of resets recorded before it was drained (``resets``), so a
+mirror that has applied a reset at once drops a delta drained before it, and one
+that missed a reset forgets its blocks on the first delta counting it.
 
 This module imports nothing heavy so that ``vllm/v1/core/block_pool.py`` can
 import it without an import cycle. Single-threaded by design: the block pool

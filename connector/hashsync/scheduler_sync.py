@@ -9,15 +9,18 @@ worker (worker_sync.py).
 
 A reset of the prefix cache reaches a worker in another process before the reset
 returns: :class:`WorkerResetNotifier` posts it to the worker's bootstrap server
-(signed like every POST; the whole call within RESET_NOTICE_DEADLINE_S, by the
-single-deadline client D uses for push sources, push/decode_client.py).
-If that fails, the worker forgets the cache with the next step, and the warning
-says so.
+(signed like every POST, proved with this process's RESET_KEY, which the worker
+has from the hash configuration in the metadata; the whole call within
+RESET_NOTICE_DEADLINE_S, by the single-deadline client D uses for push sources,
+push/decode_client.py). Only once a delta has been built: before, the worker's
+mirror holds nothing and has no key. If the notice fails, the worker forgets the
+cache with the next step, and the warning says so.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import httpcore
 
@@ -26,8 +29,8 @@ from vllm.logger import init_logger
 from ..common.auth import request_headers
 from ..common.config import ExtConfig
 from ..push.decode_client import AnswerTooLarge, DeadlinePassed, SourceLanes
-from .feed_protocol import RESET_PATH, ResetNotice
-from .hash_config import SCHEDULER_ID
+from .feed_protocol import RESET_PATH, ResetNotice, reset_proof
+from .hash_config import RESET_KEY, SCHEDULER_ID
 from .hashing import scheduler_hash_config
 from .scheduler_recorder import HashDelta, get_recorder
 
@@ -48,7 +51,11 @@ class WorkerResetNotifier:
         self.lanes = SourceLanes("mooncake-reset-notice", 1)
 
     def __call__(self, resets: int) -> None:
-        body = ResetNotice(scheduler_id=SCHEDULER_ID, resets=resets)
+        body = ResetNotice(
+            scheduler_id=SCHEDULER_ID,
+            resets=resets,
+            proof=reset_proof(RESET_KEY, SCHEDULER_ID, resets),
+        )
         content = body.model_dump_json().encode()
         headers = request_headers(self.config, "POST", RESET_PATH, content)
         deadline = time.monotonic() + RESET_NOTICE_DEADLINE_S
@@ -80,7 +87,7 @@ class WorkerResetNotifier:
 class SchedulerHashSync:
     """Scheduler side: turns BlockPool's cache/evict events into per-step deltas."""
 
-    def __init__(self, hash_algo: str, notifier: WorkerResetNotifier | None = None):
+    def __init__(self, hash_algo: str, notifier: Callable[[int], None] | None = None):
         from vllm.v1.core import block_pool
 
         self.hash_algo = hash_algo
@@ -88,8 +95,9 @@ class SchedulerHashSync:
         # before build() runs for that step.
         recorder = get_recorder()
         recorder.enable()
-        recorder.worker_notifier = notifier
+        recorder.worker_notifier = None
         block_pool.block_hash_observer = recorder
+        self._notifier = notifier  # told of resets from the first delta on
         self._configured = False
 
     def build(self) -> HashDelta:
@@ -98,6 +106,9 @@ class SchedulerHashSync:
             # NONE_HASH is drawn when the engine core starts, after the
             # connector is built: read it on the first step, not in __init__.
             recorder.set_hash_config(scheduler_hash_config(self.hash_algo))
+            # NOTE: before this delta the worker's mirror holds nothing and has no
+            # key to check a notice with: a reset until now needs no notice
+            recorder.worker_notifier = self._notifier
             self._configured = True
             logger.info("Mooncake block-hash sync enabled (%s)", self.hash_algo)
         return recorder.drain()

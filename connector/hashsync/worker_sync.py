@@ -18,14 +18,19 @@ update) empties the table before the reset returns: directly when the scheduler
 runs in this process (vLLM's "uni" executor: TP 1 on CUDA, vLLM 0.18.1's CPU
 backend), by ``POST /hashsync/reset`` from the scheduler when it does not
 (the "mp" executor: vLLM 0.32.0's CPU backend); both verified on the CPU backend
-(tests/integration/test_push.py). The next step's delta clears it too.
+(tests/integration/test_push.py). The next step's delta clears it too. A notice is
+taken only from this instance's scheduler (its proof, keyed by what the
+scheduler shipped in the metadata) and only for the next reset: whoever else
+holds the bootstrap token can neither empty the mirror nor make it drop the
+scheduler's later deltas.
 """
 
 from __future__ import annotations
 
+import hmac
 from typing import TYPE_CHECKING, Any
 
-from .feed_protocol import RESET_NOTICE_MAX_AHEAD, FeedPage, FeedRequest, ResetNotice
+from .feed_protocol import FeedPage, FeedRequest, ResetNotice, reset_proof
 from .hashing import hash_prompt_blocks
 from .scheduler_recorder import get_recorder
 from .worker_table import BlockHashTable
@@ -50,23 +55,35 @@ class WorkerHashSync:
         if delta is not None and (len(delta) or delta.hash_config is not None):
             self.table.apply(delta)
 
-    def on_reset_notice(self, notice: ResetNotice) -> str | None:
+    def on_reset_notice(self, notice: ResetNotice) -> tuple[int, str] | None:
         """The scheduler's reset, told over HTTP (``POST /hashsync/reset``): None once
-        the table is empty, else why the notice is refused."""
+        the table is empty, else (HTTP status, why) the notice is refused."""
         cfg = self.table.hash_config
-        if cfg is not None and notice.scheduler_id != cfg.scheduler_id:
-            return (
+        if cfg is None:
+            # NOTE: no delta has arrived, so no key to check the notice with; the
+            # mirror holds nothing, and the first delta carries the reset count
+            return 409, "no step has reached this mirror yet: it holds nothing"
+        if notice.scheduler_id != cfg.scheduler_id:
+            return 409, (
                 f"a reset of scheduler {notice.scheduler_id}; this mirror follows "
                 f"scheduler {cfg.scheduler_id}"
             )
-        applied = self.table.resets_applied()
-        if notice.resets > applied + RESET_NOTICE_MAX_AHEAD:
-            return (
-                f"reset {notice.resets} is more than {RESET_NOTICE_MAX_AHEAD} ahead of "
-                f"the {applied} this mirror applied"
+        if not cfg.reset_key or not hmac.compare_digest(
+            notice.proof, reset_proof(cfg.reset_key, cfg.scheduler_id, notice.resets)
+        ):
+            return 403, (
+                "its proof is not this instance's scheduler's: only the scheduler "
+                "may reset this mirror"
             )
-        self.table.clear(notice.resets)
-        return None
+        applied = self.table.clear_next(notice.resets)
+        if applied is None:
+            return None
+        if notice.resets <= applied:
+            return 409, f"reset {notice.resets} is applied already (applied: {applied})"
+        return 409, (
+            f"reset {notice.resets} is not the next one (applied: {applied}); the "
+            "next step's delta brings the mirror up to date"
+        )
 
     def close(self) -> None:
         get_recorder().remove_reset_listener(self.table.clear)

@@ -29,10 +29,12 @@ effect at once (also on stores not yet published).
 
 A reset of the scheduler's prefix cache reaches the table at once through
 :meth:`clear`: called by the recorder when both run in one process, by the
-``POST /hashsync/reset`` route when they do not (worker_sync.py). A delta drained
-before the latest reset the table has applied is then dropped whole: its stores
-name blocks the cache has forgotten. The next step's delta carries the reset too
-(its CLEARED event), the backstop if the notice failed.
+``POST /hashsync/reset`` route when they do not (worker_sync.py; only the next
+reset, :meth:`clear_next`). A delta drained before the latest reset the table has
+applied is then dropped whole: its stores name blocks the cache has forgotten.
+Each delta carries the scheduler's own count of resets: one counting more than
+the table applied forgets every block first (resets it was not told of), so the
+count only moves forward, with the scheduler's deltas.
 
 The table also keeps the feed peers follow (hashsync/feed_protocol.py): each
 key it begins to hold (its first published block) and stops holding (its last
@@ -95,7 +97,12 @@ class BlockHashTable:
                     self.hash_config.check_same(delta.hash_config)
             if delta.resets < self._resets:
                 return  # drained before a reset this table has applied already
-            self._resets = delta.resets
+            if delta.resets > self._resets:
+                self._resets = delta.resets
+                # NOTE: resets this table was not told of (a notice failed): what it
+                # holds predates them, unless the delta opens with the reset itself
+                if not delta.events or delta.events[0][0] != HashEventKind.CLEARED:
+                    self._clear()
             for kind, key, block_id in delta.events:
                 if kind == HashEventKind.STORED:
                     self._store(key, block_id)
@@ -113,6 +120,16 @@ class BlockHashTable:
             if resets > self._resets:
                 self._resets = resets
                 self._clear()
+
+    def clear_next(self, resets: int) -> int | None:
+        """:meth:`clear` if ``resets`` is the next reset (one more than applied):
+        None once cleared, else the resets applied (nothing changed)."""
+        with self._lock:
+            if resets != self._resets + 1:
+                return self._resets
+            self._resets = resets
+            self._clear()
+            return None
 
     def resets_applied(self) -> int:
         with self._lock:

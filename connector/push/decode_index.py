@@ -21,10 +21,14 @@ collision can only make D ask the wrong source, which answers the truth), at
 most ``MOONCAKE_PUSH_INDEX_MAX_BLOCKS`` blocks over all sources (split evenly);
 a source's further keys are dropped and counted. Untrusted: every page is
 validated (feed_protocol.py), a malformed one is counted and dropped whole, a
-source whose block size differs from D's is not indexed, a source that stops
-answering is forgotten after FORGET_AFTER_S, and a source whose advertised
+source whose blocks can never match D's (another block size, a hash algorithm
+D's vLLM lacks) is refused at its first page with one warning naming the
+difference and asked again only every REFUSED_RETRY_S, a source that stops
+answering is forgotten after FORGET_AFTER_S, a source whose advertised
 blocks repeatedly fail its own ``/match_blocks`` or the push itself is demoted
-for DEMOTE_S (a warning names it). An instance that follows its own feed (its
+for DEMOTE_S (a warning names it), and a source is asked for its next page no
+sooner than :func:`feed_pause` allows (one answering at once, ``more`` or not,
+cannot spin D's thread). An instance that follows its own feed (its
 own bootstrap URL is in MOONCAKE_PUSH_SOURCES) knows itself by its scheduler's
 id and stops following it.
 
@@ -71,7 +75,9 @@ FEED_CALL_SLACK_S = 5.0  # and its answer this much longer
 FEED_MAX_ANSWER_BYTES = (
     max(FEED_PAGE_MAX_EVENTS, FEED_SNAPSHOT_MAX_KEYS) * (1 + KEY_HEX_MAX + 3) + 4096
 )
-FEED_MIN_INTERVAL_S = 0.05  # an empty answer sooner than this: wait the rest
+FEED_MIN_INTERVAL_S = 0.05  # a source is asked at most once in this long
+FEED_WORK_PAUSE = 3.0  # and after a page, this many times what applying it took
+REFUSED_RETRY_S = 60.0  # a source whose blocks cannot match is asked again after
 FEED_BACKOFF_MAX_S = 5.0  # a failing source is asked again after 1, 2, 4, 5, 5 .. s
 NOT_READY_RETRY_S = 1.0  # a source that has not run a step yet is asked again after
 FORGET_AFTER_S = 30.0  # a source not answering this long is forgotten
@@ -85,8 +91,24 @@ class FeedRejected(ValueError):
     """A page that is not applied (counted and dropped)."""
 
 
+class SourceRefused(FeedRejected):
+    """A source whose blocks can never match this instance's (not a failure)."""
+
+
 class SourceNotReady(RuntimeError):
     """The source has not run a step yet (503): it holds nothing."""
+
+
+def feed_pause(started: float, received: float, done: float) -> float:
+    """How long to wait before asking a source again, after a call sent at
+    ``started``, answered at ``received`` and applied by ``done`` (monotonic s):
+    calls FEED_MIN_INTERVAL_S apart at least, and FEED_WORK_PAUSE times the page's
+    cost here, so a source answering at once takes at most 1 / (1 +
+    FEED_WORK_PAUSE) of its thread's time (and of the GIL it shares with D's
+    scheduler)."""
+    return max(
+        FEED_MIN_INTERVAL_S - (done - started), FEED_WORK_PAUSE * (done - received)
+    )
 
 
 def held_runs(
@@ -124,6 +146,7 @@ class _Source:
     failing_since: float | None = None
     misses: int = 0
     demoted_until: float = 0.0
+    refused: str | None = None  # why its blocks cannot match this instance's
 
 
 class HolderIndex:
@@ -155,6 +178,7 @@ class HolderIndex:
             "feed_failures": 0,
             "forgotten": 0,
             "demoted": 0,
+            "pages_refused": 0,
         }
 
     @property
@@ -169,23 +193,44 @@ class HolderIndex:
     # ---- the feed (follower threads) -----------------------------------------
     def apply(self, origin: str, page: FeedPage) -> bool:
         """Apply one page of ``origin``'s feed; True if more changes are waiting.
-        FeedRejected (nothing applied) if the page cannot be used."""
+        FeedRejected (nothing applied) if the page cannot be used; SourceRefused if
+        the source's blocks can never match this instance's."""
         try:
             events = [decode_event(e) for e in page.events]
             none_hash = bytes.fromhex(page.none_hash)
-            get_hash_fn_by_name(page.hash_algo)
-        except (ValueError, KeyError) as e:
+        except ValueError as e:
             self.malformed()
             raise FeedRejected(f"a malformed page ({str(e)[:200]})") from None
-        if page.block_size != self.block_size:
-            raise FeedRejected(
-                f"its block size is {page.block_size}, this instance's "
-                f"{self.block_size}: its blocks can never be pushed here"
-            )
+        why = self._mismatch(page)
+        first, was = False, None
         with self._lock:
             s = self._sources[origin]
-            self.stats["pages"] += 1
             s.answered_at, s.failing_since = self._clock(), None
+            if why is not None:
+                self.stats["pages_refused"] += 1
+                s.keys, s.epoch, s.seq, s.config = set(), None, 0, None
+                first, s.refused = s.refused != why, why
+            else:
+                self.stats["pages"] += 1
+                was, s.refused = s.refused, None
+        if why is not None:
+            if first:  # one warning per difference, not one per page
+                logger.warning(
+                    "Prefix push index: %s is not indexed: %s, so its blocks can "
+                    "never be pushed here. Give both instances the same setting; it "
+                    "is asked again every %.0f s",
+                    origin,
+                    why,
+                    REFUSED_RETRY_S,
+                )
+            raise SourceRefused(why)
+        if was is not None:
+            logger.info(
+                "Prefix push index: %s is indexed again (it was refused: %s)",
+                origin,
+                was,
+            )
+        with self._lock:
             if page.scheduler_id and page.scheduler_id == self._own:
                 s.itself = True
                 s.keys = set()
@@ -204,6 +249,23 @@ class HolderIndex:
             if s.keys is keys:
                 s.epoch, s.seq = page.epoch, page.seq
         return page.more
+
+    def _mismatch(self, page: FeedPage) -> str | None:
+        """Why ``page``'s source's blocks can never match this instance's, if so. Its
+        NONE_HASH (seed) is no reason: a prompt is hashed with the source's own."""
+        if page.block_size != self.block_size:
+            return (
+                f"its block size is {page.block_size}, this instance's "
+                f"{self.block_size}"
+            )
+        try:
+            get_hash_fn_by_name(page.hash_algo)
+        except (ValueError, KeyError):
+            return (
+                f"it hashes blocks with {page.hash_algo[:64]!r}, which this "
+                "instance's vLLM does not implement"
+            )
+        return None
 
     def _apply_slice(
         self, s: _Source, keys: set[int], events: list[tuple[bool, bytes]]
@@ -346,6 +408,7 @@ class HolderIndex:
                         "seq": s.seq,
                         "itself": s.itself,
                         "demoted_for_s": max(0.0, round(s.demoted_until - now, 1)),
+                        "refused": s.refused,
                     }
                     for o, s in self._sources.items()
                 },
@@ -354,7 +417,8 @@ class HolderIndex:
 
 class FeedFollower:
     """One thread per source following its feed into ``index``, each call signed
-    and bounded (decode_client.py); a failing source is asked again with backoff."""
+    and bounded (decode_client.py), paced by :func:`feed_pause`; a failing source
+    is asked again with backoff."""
 
     def __init__(self, index: HolderIndex, config: ExtConfig):
         self.index = index
@@ -386,15 +450,20 @@ class FeedFollower:
                     raise SourceNotReady(r.text())
                 if r.status != 200:
                     raise RuntimeError(f"it answered {r.status}: {r.text()}")
+                received = time.monotonic()
                 try:
                     page = FeedPage.model_validate_json(r.body)
                 except ValueError as e:
                     self.index.malformed()
                     raise FeedRejected(f"a malformed page ({str(e)[:200]})") from None
-                more = self.index.apply(origin, page)
+                self.index.apply(origin, page)
             except SourceNotReady:  # just started: asked again shortly, quietly
                 self.index.not_ready(origin)
                 if self._stop.wait(NOT_READY_RETRY_S):
+                    return
+                continue
+            except SourceRefused:  # warned once; asked again rarely (it may restart)
+                if self._stop.wait(REFUSED_RETRY_S):
                     return
                 continue
             except Exception as e:
@@ -411,8 +480,10 @@ class FeedFollower:
                     "Prefix push index: %s is this instance; not following it", origin
                 )
                 return
-            quick = FEED_MIN_INTERVAL_S - (time.monotonic() - started)
-            if not more and quick > 0 and self._stop.wait(quick):
+            # NOTE: after every page, ``more`` or not: a source answering at once
+            # (hostile, or buggy) must not keep this thread (and the GIL) busy
+            pause = feed_pause(started, received, time.monotonic())
+            if pause > 0 and self._stop.wait(pause):
                 return
 
     def shutdown(self) -> None:

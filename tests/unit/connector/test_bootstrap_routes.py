@@ -5,6 +5,7 @@ series runs the guard first, by construction (routes.py)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 from fastapi import FastAPI
@@ -17,6 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth impor
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+    reset_proof,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
     HashConfig,
@@ -129,10 +133,19 @@ def test_a_feature_this_instance_never_runs_is_404_and_one_not_ready_yet_503():
 
 def test_a_reset_notice_empties_the_mirror_only_from_its_own_scheduler():
     """POST /hashsync/reset: the instance's scheduler in another process tells the
-    mirror of a reset; a notice naming another scheduler, running too far ahead,
-    or malformed is refused and leaves the mirror as it was."""
+    mirror of a reset; a notice naming another scheduler, not the next reset, not
+    proved by the scheduler's key, or malformed is refused and leaves the mirror
+    as it was."""
     sync = WorkerHashSync(block_size=4)
-    cfg = HashConfig("sha256", b"\x01" * 32, scheduler_id="sched-a")
+    key = "5e" * 32
+    cfg = HashConfig("sha256", b"\x01" * 32, scheduler_id="sched-a", reset_key=key)
+
+    def notice(sid: str, resets: int, proof_key: str = key) -> bytes:
+        proof = reset_proof(proof_key, sid, resets)
+        return json.dumps(
+            {"scheduler_id": sid, "resets": resets, "proof": proof}
+        ).encode()
+
     sync.on_metadata(
         HashDelta(
             events=[(HashEventKind.STORED, b"k" * 36, 3)], hash_config=cfg, resets=0
@@ -151,8 +164,10 @@ def test_a_reset_notice_empties_the_mirror_only_from_its_own_scheduler():
     client = TestClient(app)
     try:
         for body, status in (
-            (b'{"scheduler_id": "sched-b", "resets": 1}', 409),
-            (b'{"scheduler_id": "sched-a", "resets": 1025}', 409),
+            (notice("sched-b", 1), 409),
+            (notice("sched-a", 2), 409),
+            (notice("sched-a", 1, "another key"), 403),
+            (b'{"scheduler_id": "sched-a", "resets": 1}', 422),
             (b'{"scheduler_id": "sched-a", "resets": "1"}', 422),
             (b'{"scheduler_id": "sched-a", "resets": 0}', 422),
             (b"[]", 422),
@@ -160,9 +175,7 @@ def test_a_reset_notice_empties_the_mirror_only_from_its_own_scheduler():
             r = client.post("/hashsync/reset", content=body)
             assert r.status_code == status, (body, r.text)
             assert sync.table.size() == 1
-        r = client.post(
-            "/hashsync/reset", content=b'{"scheduler_id": "sched-a", "resets": 1}'
-        )
+        r = client.post("/hashsync/reset", content=notice("sched-a", 1))
         assert r.json() == {"resets": 1, "size": 0}
         assert sync.table.size() == 0
         # a delta drained before that reset (a step in flight) brings nothing back

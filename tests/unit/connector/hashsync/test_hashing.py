@@ -6,6 +6,7 @@ import os
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    RESET_KEY,
     SCHEDULER_ID,
     HashConfig,
     HashConfigMismatchError,
@@ -151,7 +152,7 @@ def test_pool_key_roundtrip(scheduler_none_hash):
 
 def test_scheduler_hash_config(monkeypatch, scheduler_none_hash):
     cfg = scheduler_hash_config("sha256")
-    assert cfg == HashConfig("sha256", scheduler_none_hash, SCHEDULER_ID)
+    assert cfg == HashConfig("sha256", scheduler_none_hash, SCHEDULER_ID, RESET_KEY)
     with pytest.raises(ValueError):
         scheduler_hash_config("nope")
     monkeypatch.delattr(kv_cache_utils, "NONE_HASH")

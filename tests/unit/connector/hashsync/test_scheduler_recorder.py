@@ -6,6 +6,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync import (
     scheduler_recorder,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    RESET_KEY,
     SCHEDULER_ID,
     HashConfig,
 )
@@ -261,12 +262,34 @@ def test_blocks_cached_before_the_first_build_reach_the_worker(
     tokens = list(range(1, 1 + 2 * BS))
     ids = run_request(pool, make_request("first", tokens))
     delta = sync.build()
-    assert delta.hash_config == HashConfig("sha256", none_hash, SCHEDULER_ID)
+    assert delta.hash_config == HashConfig("sha256", none_hash, SCHEDULER_ID, RESET_KEY)
     table = BlockHashTable()
     table.apply(delta)
     assert (
         table.match_prefix(hash_prompt_blocks(tokens, BS, "sha256", none_hash)) == ids
     )
+
+
+def test_the_worker_is_told_of_resets_only_once_a_delta_has_been_built_for_it(
+    recorder, none_hash, monkeypatch
+):
+    """Before the first delta the worker's mirror holds nothing and has no key to
+    check a notice with: a reset then is told to nobody; from the first build on,
+    every reset is."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_sync import (
+        SchedulerHashSync,
+    )
+    from vllm.v1.core import block_pool
+
+    monkeypatch.setattr(block_pool, "block_hash_observer", None)
+    monkeypatch.setattr(recorder, "worker_notifier", None)
+    told: list[int] = []
+    sync = SchedulerHashSync("sha256", told.append)
+    scheduler_recorder.record_cleared()
+    assert told == []
+    sync.build()
+    scheduler_recorder.record_cleared()
+    assert told == [recorder.resets]
 
 
 def test_a_reset_empties_the_mirror_before_it_returns_and_a_stale_delta_is_dropped(

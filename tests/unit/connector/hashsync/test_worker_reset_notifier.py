@@ -20,7 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config imp
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync import (
     scheduler_sync,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+    reset_proof,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    RESET_KEY,
     SCHEDULER_ID,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.scheduler_sync import (
@@ -57,13 +61,20 @@ def server():
     httpd.server_close()
 
 
-def test_the_notice_is_signed_and_names_this_scheduler(server):
+def test_the_notice_is_signed_names_this_scheduler_and_proves_it_is_its(server):
     url, seen, _ = server
     config = ExtConfig(bootstrap_host="0.0.0.0", bootstrap_token=TOKEN)
     WorkerResetNotifier(url, config)(3)
     ((path, headers, body),) = seen
     assert path == "/hashsync/reset"
-    assert json.loads(body) == {"scheduler_id": SCHEDULER_ID, "resets": 3}
+    assert json.loads(body) == {
+        "scheduler_id": SCHEDULER_ID,
+        "resets": 3,
+        "proof": reset_proof(RESET_KEY, SCHEDULER_ID, 3),
+    }
+    assert RESET_KEY.encode() not in body and all(
+        RESET_KEY not in v for v in headers.values()
+    )
     verified = EndpointGuard(config).verify(
         "POST", path, headers.get("authorization") or headers.get("Authorization"), body
     )

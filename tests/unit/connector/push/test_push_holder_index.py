@@ -129,7 +129,6 @@ def blocks_of(idx: HolderIndex, origin: str) -> int:
         {"events": ["+" + "zz" * 36]},  # not hex
         {"events": ["+" + "ab" * 36 + "a"]},  # odd length
         {"none_hash": "not hex"},
-        {"hash_algo": "md5-of-nothing"},
     ],
 )
 def test_a_malformed_page_is_counted_and_nothing_of_it_applied(bad):
@@ -147,12 +146,41 @@ def test_a_malformed_page_is_counted_and_nothing_of_it_applied(bad):
     assert idx.best(PROMPT, None, None, 0) is None
 
 
-def test_a_source_of_another_block_size_is_not_indexed():
+@pytest.mark.parametrize(
+    "mismatch,named",
+    [
+        ({"block_size": 2 * BS}, f"its block size is {2 * BS}, this instance's {BS}"),
+        ({"hash_algo": "md5-of-nothing"}, "it hashes blocks with 'md5-of-nothing'"),
+    ],
+    ids=["block-size", "hash-algorithm"],
+)
+def test_a_source_whose_blocks_cannot_match_is_refused_with_one_warning_naming_why(
+    mismatch, named
+):
+    """Refused at its first page (nothing of it indexed), one warning however many
+    pages follow, not counted as malformed; indexed once it sends pages that fit.
+    Another NONE_HASH (seed) is no mismatch: D hashes with the source's own
+    (test_sources_with_different_none_hashes_match_only_their_own_hashes)."""
     idx = HolderIndex([SRC], BS)
-    with pytest.raises(FeedRejected, match="block size"):
-        idx.apply(SRC, page(keys(), block_size=2 * BS))
-    assert blocks_of(idx, SRC) == 0 and idx.position(SRC) == (None, 0)
-    assert idx.best(PROMPT, None, None, 0) is None
+    rec = Recorded()
+    decode_index.logger.addHandler(rec)
+    try:
+        for _ in range(3):
+            bad = page(keys()).model_dump() | mismatch
+            with pytest.raises(FeedRejected, match=named.split(",")[0]):
+                idx.apply(SRC, FeedPage.model_construct(**bad))
+        assert blocks_of(idx, SRC) == 0 and idx.position(SRC) == (None, 0)
+        assert idx.best(PROMPT, None, None, 0) is None
+        snap = idx.snapshot()
+        assert named in snap["sources"][SRC]["refused"]
+        assert (snap["pages_refused"], snap["pages_malformed"]) == (3, 0)
+        idx.apply(SRC, page(keys()[:2]))  # it restarted with a matching setting
+    finally:
+        decode_index.logger.removeHandler(rec)
+    warned = [r.getMessage() for r in rec.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and named in warned[0] and SRC in warned[0], warned
+    assert idx.snapshot()["sources"][SRC]["refused"] is None
+    assert idx.best(PROMPT, None, None, 0) == HeldPrefix(SRC, 2)
 
 
 def test_each_source_keeps_at_most_its_share_of_the_blocks():
@@ -406,9 +434,8 @@ def test_the_follower_applies_a_real_sources_feed_as_it_changes(monkeypatch):
         ((200, b"{not json"), 1),
         ((200, b'{"epoch": "e", "seq": 1}'), 1),  # fields missing
         ((500, b'{"detail": "boom"}'), 0),
-        ((200, page(block_size=2 * BS).model_dump_json().encode()), 0),
     ],
-    ids=["garbage", "incomplete", "500", "block-size"],
+    ids=["garbage", "incomplete", "500"],
 )
 def test_a_bad_answer_is_counted_and_the_follower_keeps_following(first, malformed):
     server = FeedServer(answering_from(table_of(), first))
@@ -454,6 +481,71 @@ def test_the_follower_stops_following_this_instance_itself():
             assert idx.best(PROMPT, None, None, 0) is None
     finally:
         server.close()
+
+
+def test_a_refused_source_is_asked_again_only_rarely_and_counts_no_failure():
+    """A source whose block size differs answers every call the same: it is not
+    asked again within the second a failing source would be (its snapshot each
+    time), nor counted as failing."""
+    bad = page(keys(), block_size=2 * BS).model_dump_json().encode()
+    server = FeedServer(lambda body: (200, bad))
+    try:
+        with following(server.url) as (idx, _):
+            assert server.arrived.wait(5)
+            time.sleep(2.5)  # a failure's backoff asks again after 1 s, then 2 s
+            assert len(server.bodies) == 1
+            assert idx.stats["feed_failures"] == 0
+            assert "block size" in idx.snapshot()["sources"][server.url]["refused"]
+    finally:
+        server.close()
+
+
+def test_a_source_answering_more_at_once_is_asked_at_most_k_times_in_t_seconds():
+    """A source that always says ``more`` (hostile, or buggy) is asked again no
+    sooner than FEED_MIN_INTERVAL_S after the call before: it cannot spin the
+    follower's thread (and the GIL D's scheduler needs)."""
+    spin = page(reset=False, more=True).model_dump_json().encode()
+    server = FeedServer(lambda body: (200, spin))
+    try:
+        with following(server.url) as (idx, _):
+            assert server.arrived.wait(5)
+            began, seen = time.monotonic(), len(server.bodies)
+            time.sleep(1.0)
+            asked = len(server.bodies) - seen
+            took = time.monotonic() - began
+            assert idx.stats["pages"] >= 2  # it is followed all the same
+    finally:
+        server.close()
+    at_most = int(took / decode_index.FEED_MIN_INTERVAL_S) + 2  # +1: scheduling jitter
+    assert 2 <= asked <= at_most, f"asked {asked} times in {took:.2f} s"
+
+
+def test_a_source_whose_pages_cost_time_here_is_asked_again_after_a_longer_pause(
+    monkeypatch,
+):
+    """Each page costing D 0.1 s to apply: the source is asked again only
+    FEED_WORK_PAUSE times that later, so it takes at most 1 / (1 + FEED_WORK_PAUSE)
+    of the thread's time."""
+    spin = page(reset=False, more=True).model_dump_json().encode()
+    server = FeedServer(lambda body: (200, spin))
+    apply = HolderIndex.apply
+
+    def costly(self, origin, p):
+        time.sleep(0.1)
+        return apply(self, origin, p)
+
+    monkeypatch.setattr(HolderIndex, "apply", costly)
+    try:
+        with following(server.url):
+            assert server.arrived.wait(5)
+            began, seen = time.monotonic(), len(server.bodies)
+            time.sleep(1.5)
+            asked = len(server.bodies) - seen
+            took = time.monotonic() - began
+    finally:
+        server.close()
+    per_call = 0.1 * (1 + decode_index.FEED_WORK_PAUSE)
+    assert 1 <= asked <= int(took / per_call) + 2, f"asked {asked} in {took:.2f} s"
 
 
 def test_shutdown_returns_at_once_while_a_long_poll_is_in_flight():
