@@ -258,6 +258,23 @@ class TerminalWriter:
         return failed
 
 
+def write_to(
+    write_fn: Any,
+    session: str,
+    src: Sequence[int],
+    dst: Sequence[int],
+    lens: Sequence[int],
+    layout: Layout = None,
+) -> int:
+    """``write_fn``'s write, naming the destination's ``layout`` to a
+    :class:`TerminalWriter` (its refusals are kept per layout); another write
+    function (upstream's engine call, a test's stand-in) gets the four
+    arguments it takes."""
+    if isinstance(write_fn, TerminalWriter):
+        return write_fn(session, src, dst, lens, layout)
+    return write_fn(session, src, dst, lens)
+
+
 def write_refusal(write_fn: Any, session: str, layout: Layout = None) -> str | None:
     """Why ``write_fn`` (a :class:`TerminalWriter`, or another write function:
     never refused) refuses writes to ``session`` now, or None."""
@@ -305,5 +322,6 @@ __all__ = [
     "WriteFn",
     "terminal_write_fn",
     "write_refusal",
+    "write_to",
     "write_stats",
 ]

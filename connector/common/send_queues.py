@@ -508,9 +508,11 @@ class SendQueueFence:
                 "RDMA holds a failed write for its fabric's bound"
                 if rdma_only
                 else (
-                    "this host's TCP send queues cannot be read"
+                    "its host name resolves to no address"
+                    if not peers
+                    else "this host's TCP send queues cannot be read"
                     if sockets is None
-                    else f"no TCP socket to {sorted(peers) or 'its host'} is seen"
+                    else f"no TCP socket to {', '.join(sorted(peers))} is seen"
                 ),
                 hold,
             )

@@ -76,7 +76,7 @@ from vllm.logger import init_logger
 
 from ..common.block_runs import contiguous_runs
 from ..common.config import ExtConfig
-from ..common.engine_write import write_refusal, write_stats
+from ..common.engine_write import write_refusal, write_stats, write_to
 from ..common.fault_injection import write_fault
 from ..common.gpu_order import (
     ComputeEvent,
@@ -772,7 +772,7 @@ class LayerwiseSender:
             err = SHUTDOWN_REASON
         try:
             if err is None:
-                rc = self.write_fn(session, src, dst, lens, layout)
+                rc = write_to(self.write_fn, session, src, dst, lens, layout)
                 if rc != 0:
                     err = f"transfer engine returned {rc} writing to {session}"
         except Exception as e:  # never let the writer thread die

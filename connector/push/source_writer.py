@@ -27,12 +27,9 @@ accounting. The layer-wise writer's threads poll at the same nice
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
+from ..common.engine_write import WriteFn, write_to
 from ..common.io_affinity import POLLER_NICE, lower_current_thread_priority
-
-# (session, src, dst, lens, the destination's layout or None) -> 0 | -1
-WriteFn = Callable[[str, list[int], list[int], list[int], tuple[int, ...] | None], int]
 
 WRITER_NICE = POLLER_NICE
 
@@ -63,7 +60,7 @@ class LowPriorityWriter:
         def run() -> None:
             lower_current_thread_priority(self.nice)  # best effort (io_affinity)
             try:
-                result.append(self.write_fn(session, src, dst, lens, layout))
+                result.append(write_to(self.write_fn, session, src, dst, lens, layout))
             except BaseException as e:  # handed to the caller, who decides
                 error.append(e)
 
