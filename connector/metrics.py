@@ -145,7 +145,8 @@ def exposition(
             "Requests this instance considered for a prefix push, by what became of "
             "them: pushed (every block landed), no_holder, below_minimum "
             "(MOONCAKE_PUSH_MIN_TOKENS), not_worth_it (expected transfer >= expected "
-            "local prefill), refused (by the source, busy, or of the source), "
+            "local prefill, failed pushes counted at their cost, or the source's last "
+            "pushes landed nothing), refused (by the source, busy, or of the source), "
             "fell_back (the match failed or fewer blocks landed: prefilled locally).",
             [
                 (f'{{reason="{d.value}"}}', push_decisions.get(d.value, 0))

@@ -231,6 +231,9 @@ class FaultConfig:
     # every writer's send-queue fence reads nothing, as where the kernel cannot be
     # read (it must then hold failed writes for the bound)
     fence_blind: bool = False
+    # D: failed pushes from this source (a test's hostile source, asked many times)
+    # neither cost nor count against it
+    keep_asking_source: str | None = None
 
     @property
     def armed(self) -> bool:
@@ -459,6 +462,7 @@ class ExtConfig:
             delay_write_prompt_len=delay_len,
             delay_write_s=delay_s,
             fence_blind=_flag(env, "MOONCAKE_FAULT_FENCE_BLIND"),
+            keep_asking_source=env.get("MOONCAKE_FAULT_KEEP_ASKING_SOURCE") or None,
         )
         engine_timeout = engine_timeout_s(env)
         orphan_retries = tcp_orphan_retries()

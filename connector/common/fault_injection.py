@@ -22,6 +22,9 @@ MOONCAKE_FAULT_HOLD_WRITE=N:W:S         P: after W writes of a layer-wise transf
 MOONCAKE_FAULT_FENCE_BLIND=1            P/C: every writer's send-queue fence reads nothing,
                                         as on a host whose kernel it cannot read (failed
                                         writes are held for the bound)
+MOONCAKE_FAULT_KEEP_ASKING_SOURCE=URL   D: failed pushes from this source neither cost nor
+                                        count against it (a test of hostile answers asks
+                                        one fake source many times)
 """
 
 from __future__ import annotations

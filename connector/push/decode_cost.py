@@ -3,10 +3,11 @@
 prefill of the same tokens, both measured on D.
 
 - **A push**, per source: the round trip of its ``/match_blocks`` (one HTTP call,
-  the source's hashing included) and, from every push that landed whole, the
-  time from D's allocation of the blocks to the worker's report that they
-  landed, less that round trip, per block. Expected: one round trip (the push
-  call) plus the blocks times the time per block.
+  the source's hashing included) and, from every push that ended, the time from
+  D's allocation of the blocks to the worker's report, less that round trip, per
+  block; a push that did not land whole counts that time plus the local prefill
+  of the blocks it did not land (the request still needs it). Expected: one
+  round trip (the push call) plus the blocks times the time per block.
 - **A local prefill**: every request D prefills itself from its own hit (nothing
   pulled or pushed, at least MIN_BUCKET's tokens, not resumed after a
   preemption) is timed from its allocation to its first output token, per
@@ -23,9 +24,15 @@ they get measured); a source judged not worth it is tried again once its
 measurement is older than PROBE_AFTER_S, so a better link is noticed (the
 scheduler judges a request once: a push granted before its /match_blocks is
 not judged again on the answer, only held to the minimum). Fewer tokens than
-MOONCAKE_PUSH_MIN_TOKENS beyond D's own hit are never pushed. With
-MOONCAKE_PUSH_POLICY=always the minimum is the only rule (a push then saves D's
-compute even where it is not faster). Sources are keyed
+MOONCAKE_PUSH_MIN_TOKENS beyond D's own hit are never pushed. A source whose
+last FAILURES_TO_DEMOTE pushes landed nothing (failed, or late: not ended within
+twice their budget) is failing: not pushed from, whatever the policy, until one
+probe PROBE_AFTER_S after its last failure; a push that lands ends it. With
+MOONCAKE_PUSH_POLICY=always the minimum is the only other rule (a push then saves
+D's compute even where it is not faster; one that lands nothing saves nothing).
+A push's budget (how long its source may take to start writing) is its expected
+transfer times BUDGET_FACTOR plus a round trip and BUDGET_FLOOR_S, within
+MOONCAKE_PUSH_TIMEOUT_S (that timeout while unmeasured). Sources are keyed
 by their origin (decode_client.SourceLanes.key), so spellings of one source share
 its figures and a client cannot add entries.
 
@@ -46,6 +53,9 @@ PROBE_AFTER_S = 60.0  # a source's transfer measurement older than this is tried
 MIN_BUCKET = 6  # 64 tokens: shorter prefills share this bucket
 MAX_BUCKET = 20  # 1,048,576 tokens
 MAX_TRACKED = 4096  # local prefills timed at once (more are not timed)
+FAILURES_TO_DEMOTE = 3  # pushes in a row that landed nothing: the source is failing
+BUDGET_FACTOR = 4.0  # a push's budget: its expected transfer times this,
+BUDGET_FLOOR_S = 5.0  # plus one round trip and this
 
 
 class Decision(str, Enum):
@@ -55,7 +65,8 @@ class Decision(str, Enum):
     PUSHED = "pushed"  # every promised block landed
     NO_HOLDER = "no_holder"  # no source holds more than D's own hit
     BELOW_MINIMUM = "below_minimum"  # fewer tokens than MOONCAKE_PUSH_MIN_TOKENS
-    NOT_WORTH_IT = "not_worth_it"  # expected transfer >= expected local prefill
+    # expected transfer >= expected local prefill, or the source is failing
+    NOT_WORTH_IT = "not_worth_it"
     REFUSED = "refused"  # the source refused or was busy, or D refused the source
     FELL_BACK = "fell_back"  # match failed, or fewer blocks landed: local prefill
 
@@ -72,6 +83,15 @@ class _Average:
         self.value = x if self.n == 0 else self.value + ALPHA * (x - self.value)
         self.n += 1
         self.at = now
+
+
+@dataclass
+class _Failures:
+    """A source's pushes in a row that landed nothing, and when the last one (or
+    the last probe) was counted."""
+
+    in_a_row: int = 0
+    at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,7 @@ class PushCostModel:
         self._round_trip: dict[str, _Average] = {}
         self._per_block: dict[str, _Average] = {}
         self._per_token: dict[int, _Average] = {}
+        self._failures: dict[str, _Failures] = {}
 
     # ---- observations ------------------------------------------------------------
     def observe_round_trip(self, source: str, seconds: float) -> None:
@@ -111,9 +132,47 @@ class PushCostModel:
 
     def observe_push(self, source: str, blocks: int, seconds: float) -> None:
         """A push of ``blocks`` that landed whole, ``seconds`` from allocation to
-        the worker's report."""
+        the worker's report: it also ends the source's failures."""
         if blocks <= 0:
             return
+        self._failures.pop(source, None)
+        self._add_per_block(source, blocks, seconds)
+
+    def observe_shortfall(
+        self, source: str, blocks: int, landed: int, seconds: float, block_size: int
+    ) -> None:
+        """A push of ``blocks`` of which only the first ``landed`` landed (the
+        source refused, failed or was late), ``seconds`` from allocation to the
+        worker's report. It cost the request that wait and then the local prefill
+        of the rest (counted once measured), so a source whose pushes do not land
+        costs more than the prefill they were to save. One that landed some
+        blocks ends the source's failures (what it lands is judged by cost)."""
+        if blocks <= 0:
+            return
+        landed = max(0, min(landed, blocks))
+        if landed:
+            self._failures.pop(source, None)
+        rest = self.prefill_s((blocks - landed) * block_size) or 0.0
+        self._add_per_block(source, blocks, max(0.0, seconds) + rest)
+
+    def failed(self, source: str) -> int:
+        """A push from ``source`` landed nothing, or is late: its failures in a row
+        (from FAILURES_TO_DEMOTE on, the source is failing)."""
+        f = self._failures.setdefault(source, _Failures())
+        f.in_a_row += 1
+        f.at = self._clock()
+        return f.in_a_row
+
+    def failing(self, source: str) -> bool:
+        """Whether ``source`` is failing and not yet due for its probe."""
+        f = self._failures.get(source)
+        return (
+            f is not None
+            and f.in_a_row >= FAILURES_TO_DEMOTE
+            and self._clock() - f.at < PROBE_AFTER_S
+        )
+
+    def _add_per_block(self, source: str, blocks: int, seconds: float) -> None:
         rtt = self._round_trip.get(source)
         fixed = rtt.value if rtt is not None else 0.0
         self._per_block.setdefault(source, _Average()).add(
@@ -142,6 +201,17 @@ class PushCostModel:
         nearest = min(self._per_token, key=lambda b: (abs(b - want), -b))
         return tokens * self._per_token[nearest].value
 
+    def budget_s(self, source: str, blocks: int, cap: float) -> float:
+        """How long a push of ``blocks`` from ``source`` may take to start writing
+        (the push's timeout): its expected transfer times BUDGET_FACTOR, plus a
+        round trip and BUDGET_FLOOR_S, at most ``cap`` (MOONCAKE_PUSH_TIMEOUT_S),
+        which is also the budget while the source is unmeasured."""
+        expected = self.transfer_s(source, blocks)
+        if expected is None:
+            return cap
+        rtt = self._round_trip[source].value
+        return min(cap, BUDGET_FACTOR * expected + rtt + BUDGET_FLOOR_S)
+
     def decide(
         self, source: str, blocks: int, block_size: int, judge: bool = True
     ) -> Estimate:
@@ -150,7 +220,16 @@ class PushCostModel:
         tokens = blocks * block_size
         if tokens < max(1, self.min_tokens):
             return Estimate(Decision.BELOW_MINIMUM, None, None)
-        if not judge or self.always:
+        if not judge:
+            return Estimate(None, None, None)
+        f = self._failures.get(source)
+        if f is not None and f.in_a_row >= FAILURES_TO_DEMOTE:
+            # NOTE: under "always" too: a push that lands nothing saves no compute
+            if self._clock() - f.at < PROBE_AFTER_S:
+                return Estimate(Decision.NOT_WORTH_IT, None, None)
+            f.at = self._clock()  # one probe: a landing ends the failures
+            return Estimate(None, None, None)
+        if self.always:
             return Estimate(None, None, None)
         transfer, prefill = self.transfer_s(source, blocks), self.prefill_s(tokens)
         if transfer is None or prefill is None or transfer < prefill:
@@ -225,4 +304,13 @@ class PrefillTimer:
         self._model.observe_prefill(prompt - computed, self._clock() - started)
 
 
-__all__ = ["Decision", "Estimate", "PrefillTimer", "PushCostModel", "bucket"]
+__all__ = [
+    "BUDGET_FACTOR",
+    "BUDGET_FLOOR_S",
+    "FAILURES_TO_DEMOTE",
+    "Decision",
+    "Estimate",
+    "PrefillTimer",
+    "PushCostModel",
+    "bucket",
+]

@@ -9,9 +9,10 @@ vLLM leaves WAITING_FOR_REMOTE_KVS or frees an aborted request's blocks),
 with the number of leading blocks that landed in the worker metadata
 (decode_scheduler.py cuts back the rest, which D prefills itself).
 
-No byte after the end: the request carries a deadline (now +
-MOONCAKE_PUSH_TIMEOUT_S, D's wall clock) and a budget (what is left of that
-timeout when it is sent, counted by C from its receipt); C starts no write
+No byte after the end: the request carries a deadline (now + the push's
+timeout, D's wall clock: MOONCAKE_PUSH_TIMEOUT_S, or less as the scheduler set
+it, PushJob.timeout_s) and a budget (what is left of that timeout when it is
+sent, counted by C from its receipt); C starts no write
 once either has passed. A push ends when C answered (its write has returned:
 nothing more can arrive), when it was never sent (its start deadline passed
 while it waited for one of its source's threads: C was never asked), or, if C
@@ -76,7 +77,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllm.logger import init_logger
 
@@ -189,10 +190,16 @@ class PushReceiver:
         # the scheduler's push decisions by reason, as it last sent them (/metrics)
         self.decisions: dict[str, int] = {}
 
+    def timeout_s(self, job: PushJob) -> float:
+        """The push's timeout: the scheduler's, within MOONCAKE_PUSH_TIMEOUT_S."""
+        cap = self.config.push_timeout_s
+        return cap if job.timeout_s is None else min(cap, job.timeout_s)
+
     def hold_s(self, job: PushJob) -> float:
         """How long this push's blocks are kept if C never answers."""
         nbytes = len(job.dst_block_ids) * self.block_len * len(self.base_addrs)
-        return self.config.push_hold_for_s(
+        config = replace(self.config, push_timeout_s=self.timeout_s(job))
+        return config.push_hold_for_s(
             nbytes,
             job.source_engine_timeout_s,
             job.source_tcp_orphan_retries,
@@ -204,14 +211,14 @@ class PushReceiver:
         if not jobs:
             return
         now, wall = self._clock(), self._wall_clock()
-        cfg = self.config
         for job in jobs:
+            timeout = self.timeout_s(job)
             t = PushTransfer(
                 job,
                 now,
-                int((wall + cfg.push_timeout_s) * 1000),
+                int((wall + timeout) * 1000),
                 now + self.hold_s(job),
-                now + cfg.push_timeout_s,
+                now + timeout,
                 probes=self.make_probes(job),
             )
             t.canaries = self.plant_canaries(job, t.probes)
@@ -310,6 +317,8 @@ class PushReceiver:
                 # It waited for a thread (its source's other pushes are slow) until
                 # its start deadline, or its end: C is never asked, nothing lands.
                 t.answered(0)
+                if not t.ended:  # busy here: reported as a refusal, not a failure
+                    self._refused.add(job.req_id)
                 logger.warning(
                     "push for %s from %s not sent: %s",
                     job.req_id,

@@ -42,6 +42,15 @@ A request that finishes while its push is in flight keeps its blocks until
 the worker reports the push ended, which it does only once C can no longer
 write into them (decode_receiver.py); one that finishes before its job reached the
 worker frees them at once (C was never asked).
+
+Every push ended is measured (decode_cost.py), whole or not: one that lands
+nothing counts against its source, and so does one not ended within twice its
+budget (late), at once, while its request still waits for its end. A source
+failing FAILURES_TO_DEMOTE pushes in a row is not asked, named or picked, until
+its probe. A push's budget (its timeout, sent with the job) follows what D
+expects of the source, so a late source starts no write after it and the
+push's hold ends sooner; the request is prefilled locally only after that end,
+in the same blocks (vLLM gives a waiting request no others).
 """
 
 from __future__ import annotations
@@ -58,7 +67,13 @@ from ..common.auth import request_headers
 from ..common.config import ENGINE_RECONNECT_MAX_S, LINUX_ORPHAN_RETRIES, ExtConfig
 from ..common.fingerprint import WarnLimiter
 from .decode_client import SourceLanes, source_origin
-from .decode_cost import Decision, PrefillTimer, PushCostModel
+from .decode_cost import (
+    FAILURES_TO_DEMOTE,
+    PROBE_AFTER_S,
+    Decision,
+    PrefillTimer,
+    PushCostModel,
+)
 from .decode_index import FeedFollower, HeldPrefix, HolderIndex
 from .protocol import (
     KVFingerprint,
@@ -143,6 +158,8 @@ class _Inflight:
     allocated: float = field(default_factory=time.monotonic)
     finished: bool = False  # request_finished while the push was in flight
     auto: bool = False  # the source was picked from the index
+    budget_s: float = 0.0  # the push's timeout (PushJob.timeout_s)
+    late: bool = False  # not ended within twice its budget: counted as failed
 
 
 class PushScheduler:
@@ -152,12 +169,14 @@ class PushScheduler:
         config: ExtConfig,
         fingerprint: KVFingerprint,
         wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.block_size = block_size
         self.config = config
         self.fingerprint = fingerprint  # this instance's (scheduler-side fields)
         self.match_timeout_s = config.push_match_timeout_s
         self._wall_clock = wall_clock
+        self._clock = clock  # monotonic: pushes' allocation, end and lateness
         # per source: its threads and connections; every call bounded in time and bytes
         self._lanes = SourceLanes("mooncake-push-match", MATCH_THREADS_PER_SOURCE)
         self._matches: dict[str, Future] = {}  # req id -> _Match (or raises)
@@ -186,6 +205,8 @@ class PushScheduler:
             "auto_no_holder": 0,
             "auto_picked": 0,
             "auto_missed": 0,
+            "failed_pushes": 0,
+            "late_pushes": 0,
         }
         # every request this instance considered for a push, once, by what became
         # of it (decode_cost.Decision); the worker serves them on /metrics
@@ -194,7 +215,7 @@ class PushScheduler:
         self._granted: set[str] = set()  # req ids judged worth a push (judged once)
         self._decisions_sent: dict[str, int] | None = None
         self.cost = PushCostModel(
-            config.push_min_tokens, always=config.push_policy == "always"
+            config.push_min_tokens, clock, always=config.push_policy == "always"
         )
         # local prefills are timed only where a push could replace one
         self.prefill_timer = PrefillTimer(self.cost) if config.push_sources else None
@@ -424,6 +445,21 @@ class PushScheduler:
             self._ended.add(rid)
             self._decide(rid, Decision.REFUSED)
             return 0, False
+        if (
+            fut is None
+            and rid not in self._granted  # auto: judged above
+            and self.cost.failing(SourceLanes.key(source))
+        ):
+            # NOTE: a named source too: its match would be a round trip for nothing
+            logger.debug(
+                "Prefix push for %s from %s: the source is failing (its last pushes "
+                "landed nothing); prefilling locally",
+                rid,
+                source,
+            )
+            self._ended.add(rid)
+            self._decide(rid, Decision.NOT_WORTH_IT)
+            return 0, False
         if fut is None:
             asked = time.monotonic()
             try:
@@ -538,13 +574,20 @@ class PushScheduler:
         """Whether pushing ``blocks`` from ``source`` is expected to beat prefilling
         them here; counts the reason when not. A request is judged once (a push
         granted before the source's answer is then held only to the minimum)."""
-        judge = rid not in self._granted
-        est = self.cost.decide(SourceLanes.key(source), blocks, self.block_size, judge)
+        judge, key = rid not in self._granted, SourceLanes.key(source)
+        est = self.cost.decide(key, blocks, self.block_size, judge)
         if est.decision is None:
             self._granted.add(rid)
             return True
         self._decide(rid, est.decision)
-        if est.decision is Decision.NOT_WORTH_IT:
+        if est.decision is Decision.NOT_WORTH_IT and self.cost.failing(key):
+            logger.debug(
+                "Prefix push for %s from %s: the source is failing (its last pushes "
+                "landed nothing); prefilling locally",
+                rid,
+                source,
+            )
+        elif est.decision is Decision.NOT_WORTH_IT:
             logger.debug(
                 "Prefix push for %s from %s: %d blocks would take %.1f ms, their local "
                 "prefill %.1f ms; prefilling locally",
@@ -555,6 +598,50 @@ class PushScheduler:
                 1e3 * (est.prefill_s or 0.0),
             )
         return False
+
+    def _learns_from(self, key: str) -> bool:
+        """Whether this source's failed pushes count (all but the one a test of
+        hostile answers keeps asking: MOONCAKE_FAULT_KEEP_ASKING_SOURCE)."""
+        kept = self.config.faults.keep_asking_source
+        return kept is None or key != SourceLanes.key(kept)
+
+    def _failed(self, source: str, why: str) -> None:
+        """A push from ``source`` landed nothing, or is late: one more failure in
+        a row; the one that makes it failing is told."""
+        key = SourceLanes.key(source)
+        if not self._learns_from(key):
+            return
+        if self.cost.failed(key) == FAILURES_TO_DEMOTE:
+            logger.warning(
+                "Prefix push: %s is not pushed from for %.0f s: its last %d pushes "
+                "landed nothing (last: %s); its requests are prefilled locally, then "
+                "one push probes it again. Check the source's log and the data "
+                "network between it and this instance",
+                key,
+                PROBE_AFTER_S,
+                FAILURES_TO_DEMOTE,
+                why,
+            )
+
+    def _mark_late(self, now: float) -> None:
+        """Count a push not ended within twice its budget as failed now: its
+        request and blocks wait for its end, the next requests need not."""
+        for rid, inf in self._inflight.items():
+            if inf.late or now - inf.allocated < 2 * inf.budget_s:
+                continue
+            inf.late = True
+            self.stats["late_pushes"] += 1
+            logger.warning(
+                "Prefix push for %s from %s: not ended %.1f s after its blocks were "
+                "allocated (its budget: %.1f s); counted as a failure of the source. "
+                "Its blocks stay held until the source answers or the push's hold "
+                "has passed, then the request is prefilled locally",
+                rid,
+                inf.source,
+                now - inf.allocated,
+                inf.budget_s,
+            )
+            self._failed(inf.source, f"{rid} late")
 
     def _missed(self, origin: str, why: str) -> None:
         self.stats["auto_missed"] += 1
@@ -577,6 +664,9 @@ class PushScheduler:
         dst = list(block_ids[first : first + n])
         assert len(dst) == n, f"{len(dst)} blocks allocated for {n} pushed blocks"
         asked, matched_at = self._times.pop(rid, (time.monotonic(), time.monotonic()))
+        budget = self.cost.budget_s(
+            SourceLanes.key(source), n, self.config.push_timeout_s
+        )
         self._inflight[rid] = _Inflight(
             request,
             source,
@@ -584,7 +674,9 @@ class PushScheduler:
             n,
             asked,
             matched_at,
+            self._clock(),
             auto=self._auto.pop(rid, None) is not None,
+            budget_s=budget,
         )
         self._jobs.append(
             PushJob(
@@ -600,12 +692,14 @@ class PushScheduler:
                 source_tcp_orphan_retries=match.tcp_orphan_retries,
                 source_engine_no_progress_s=match.engine_no_progress_s,
                 source_engine_reconnect_s=match.engine_reconnect_s,
+                timeout_s=budget,
             )
         )
         self.stats["requests"] += 1
 
     def take_jobs(self) -> list[PushJob]:
         """Once a step: the jobs for the worker."""
+        self._mark_late(self._clock())
         self._ended.difference_update(self._ended_finished)
         self._ended_finished = []
         jobs, self._jobs = self._jobs, []
@@ -625,18 +719,28 @@ class PushScheduler:
                 self._ended_finished.append(rid)
             landed = max(0, min(landed, inf.n_blocks))
             self.stats["pushed_blocks"] += landed
-            now = time.monotonic()
+            now = self._clock()
             # what D expected (before this push is measured), for the log
             key = SourceLanes.key(inf.source)
             expected = self.cost.transfer_s(key, inf.n_blocks)
             local = self.cost.prefill_s(inf.n_blocks * self.block_size)
+            held = now - inf.allocated
             if landed == inf.n_blocks:
                 self._decide(rid, Decision.PUSHED)
-                self.cost.observe_push(key, landed, now - inf.allocated)
-            elif rid in meta.refused:
-                self._decide(rid, Decision.REFUSED)
+                self.cost.observe_push(key, landed, held)
             else:
-                self._decide(rid, Decision.FELL_BACK)
+                refused = rid in meta.refused
+                self._decide(rid, Decision.REFUSED if refused else Decision.FELL_BACK)
+                if self._learns_from(key):
+                    self.cost.observe_shortfall(
+                        key, inf.n_blocks, landed, held, self.block_size
+                    )
+                # NOTE: a refusal (busy, say) is answered at once and holds nothing:
+                # its cost is measured, but it does not make the source failing
+                if landed == 0 and not refused:
+                    self.stats["failed_pushes"] += 1
+                    if not inf.late:  # a late one was counted when it became late
+                        self._failed(inf.source, f"{rid}: nothing landed")
             if inf.finished:
                 self._decided.discard(rid)
             logger.info(

@@ -399,6 +399,8 @@ class PushJob:
     source_engine_no_progress_s: int | None = None
     # C's transport's reconnect from the same answer (None: ours)
     source_engine_reconnect_s: int | None = None
+    # this push's timeout, at most MOONCAKE_PUSH_TIMEOUT_S (None: that timeout)
+    timeout_s: float | None = None
 
 
 @dataclass

@@ -281,7 +281,12 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
                     },
                     "max_num_batched_tokens": PD_MAX_BATCHED,
                 },
-                "d": {"extra_push_sources": [UNREACHABLE_SOURCE, source.url]},
+                "d": {
+                    "extra_push_sources": [UNREACHABLE_SOURCE, source.url],
+                    # the hostile fake's pushes land nothing by design: D must
+                    # keep asking it to check each of its answers
+                    "env": {"MOONCAKE_FAULT_KEEP_ASKING_SOURCE": source.url},
+                },
                 "x64": {"block_size": 64},
                 "d_faulty": {"env": {"MOONCAKE_FAULT_ZERO_RECV_BLOCK": "0"}},
             },

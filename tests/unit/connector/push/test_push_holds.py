@@ -193,7 +193,9 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
     sync = filled_mirror(BS, TOKENS, C_BLOCKS, HCFG)
     gate, writing = threading.Event(), threading.Event()
 
-    def hanging_write(session, src, dst, lens):  # never touches the (fake) addresses
+    def hanging_write(
+        session, src, dst, lens, layout=None
+    ):  # no (fake) address touched
         writing.set()
         gate.wait(60)
         return -1

@@ -154,6 +154,8 @@ def test_blocks_that_did_not_land_are_prefilled_locally():
         "auto_no_holder": 0,
         "auto_picked": 0,
         "auto_missed": 0,
+        "failed_pushes": 0,
+        "late_pushes": 0,
     }
 
 

@@ -1,0 +1,472 @@
+"""D's push gate learns from pushes that do not land (push/decode_cost.py,
+push/decode_scheduler.py): a failed or late push costs its source, a source
+failing a few in a row is not pushed from (named or picked, whatever the
+policy) until its probe, and a push's budget follows what D expects of its
+source, so a late source starts no write and the push's hold ends sooner.
+
+Pure logic with fake clocks and stubbed answers, except where C is a real
+PushServer on 127.0.0.1 (helpers.CServer)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from helpers import (
+    BLEN,
+    BS,
+    C_SOURCE,
+    D_SESSION,
+    FP,
+    NBLK,
+    SCHED_FP,
+    TOKENS,
+    Blocks,
+    Clock,
+    ask,
+    d_request,
+)
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
+    FeedPage,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
+    HashConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing import (
+    hash_prompt_blocks,
+    to_pool_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
+    decode_cost,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+    Answer,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    FAILURES_TO_DEMOTE,
+    PROBE_AFTER_S,
+    Decision,
+    PushCostModel,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_index import (
+    HolderIndex,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
+    PushReceiver,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (
+    PushScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
+    PushOutcome,
+)
+
+SRC = "http://c:9000"
+
+# ---- the cost model ------------------------------------------------------------------
+
+
+def cost_model(always=False) -> tuple[PushCostModel, Clock]:
+    clock = Clock()
+    return PushCostModel(0, clock, always=always), clock
+
+
+def test_a_push_that_landed_nothing_costs_its_wait_and_the_local_prefill_after_it():
+    m, _ = cost_model()
+    m.observe_round_trip(SRC, 0.01)
+    m.observe_prefill(8 * 128, 0.2)  # D prefills these 8 blocks in 0.2 s
+    m.observe_shortfall(SRC, 8, 0, 3.0, 128)  # waited 3 s, then prefilled all 8
+    est = m.decide(SRC, 8, 128)
+    assert est.transfer_s == pytest.approx(3.0 + 0.2)
+    assert est.decision is Decision.NOT_WORTH_IT
+
+
+def test_a_push_that_landed_nothing_costs_at_least_its_wait_while_prefill_is_unmeasured():
+    m, _ = cost_model()
+    m.observe_round_trip(SRC, 0.01)
+    m.observe_shortfall(SRC, 4, 0, 275.0, 128)
+    assert m.transfer_s(SRC, 4) == pytest.approx(275.0)
+
+
+def test_a_source_whose_pushes_land_nothing_a_few_times_in_a_row_waits_for_its_probe():
+    m, clock = cost_model()
+    for _ in range(FAILURES_TO_DEMOTE - 1):
+        m.failed(SRC)
+        assert m.decide(SRC, 8, 128).decision is None  # unmeasured: pushed
+    m.failed(SRC)
+    assert m.failing(SRC)
+    assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT
+    clock.now += PROBE_AFTER_S - 1
+    assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT
+    clock.now += 1
+    assert not m.failing(SRC)
+    assert m.decide(SRC, 8, 128).decision is None  # one probe
+    assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT  # not two
+    assert m.decide(SRC, 8, 128, judge=False).decision is None  # granted already
+    m.observe_push(SRC, 8, 0.05)  # the probe landed: pushed again
+    assert not m.failing(SRC) and m.decide(SRC, 8, 128).decision is None
+
+
+def test_a_push_that_landed_some_blocks_ends_the_failures():
+    m, _ = cost_model()
+    for _ in range(FAILURES_TO_DEMOTE - 1):
+        m.failed(SRC)
+    m.observe_shortfall(SRC, 8, 3, 0.1, 128)
+    m.failed(SRC)
+    assert not m.failing(SRC)
+
+
+def test_under_always_a_failing_source_is_not_pushed_from_but_a_slow_one_is():
+    m, _ = cost_model(always=True)
+    slow = "http://slow:9000"
+    m.observe_round_trip(slow, 0.01)
+    m.observe_push(slow, 8, 50.0)  # lands, but far slower than the prefill
+    m.observe_prefill(8 * 128, 0.2)
+    assert m.decide(slow, 8, 128).decision is None
+    for _ in range(FAILURES_TO_DEMOTE):
+        m.failed(SRC)
+    assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT
+
+
+def test_a_pushs_budget_follows_its_expected_transfer_within_the_push_timeout():
+    m, _ = cost_model()
+    assert m.budget_s(SRC, 4, 30.0) == 30.0  # unmeasured: the push timeout
+    m.observe_round_trip(SRC, 0.01)
+    m.observe_push(SRC, 4, 0.41)  # 0.1 s a block beyond the round trip
+    expected = 0.01 + 4 * 0.1
+    assert m.budget_s(SRC, 4, 30.0) == pytest.approx(
+        decode_cost.BUDGET_FACTOR * expected + 0.01 + decode_cost.BUDGET_FLOOR_S
+    )
+    assert m.budget_s(SRC, 400, 30.0) == 30.0  # never above the push timeout
+
+
+# ---- the scheduler: sources that never land --------------------------------------------
+
+PROMPT = list(range(1000, 1000 + 5 * BS + 3))  # 5 full blocks and 3 tokens
+FEED_CFG = HashConfig("sha256", b"\x05" * 32, scheduler_id="source-sched")
+
+
+def held_page(blocks: int) -> FeedPage:
+    """SRC's feed: it holds PROMPT's first ``blocks`` blocks."""
+    hashes = hash_prompt_blocks(PROMPT, BS, FEED_CFG.hash_algo, FEED_CFG.none_hash)
+    return FeedPage(
+        epoch="e1",
+        seq=1,
+        reset=True,
+        events=["+" + to_pool_key(h).hex() for h in hashes[:blocks]],
+        more=False,
+        hash_algo=FEED_CFG.hash_algo,
+        none_hash=FEED_CFG.none_hash.hex(),
+        scheduler_id=FEED_CFG.scheduler_id,
+        block_size=BS,
+    )
+
+
+class MatchStub:
+    """SRC's /match_blocks (the scheduler's lanes' post): ``blocks`` held."""
+
+    def __init__(self, blocks: int):
+        self.blocks = blocks
+        self.calls: list[str] = []
+
+    def __call__(self, source, path, content, headers, deadline):
+        self.calls.append(source + path)
+        body = {
+            "matched_blocks": self.blocks,
+            "matched_tokens": self.blocks * BS,
+            "total_full_blocks": len(PROMPT) // BS,
+            "fingerprint": FP.model_dump(),
+            "engine_timeout_s": 30,
+            "source_id": C_SOURCE,
+            "now_unix_ms": int(time.time() * 1000),
+        }
+        return Answer(200, json.dumps(body).encode(), {})
+
+
+def request(rid: str, mode: str = "named"):
+    return d_request(rid, source="auto" if mode == "auto" else SRC, tokens=PROMPT)
+
+
+def failing_scheduler(mode: str, policy: str, clock: Clock) -> PushScheduler:
+    config = ExtConfig(
+        push_min_tokens=0,
+        push_match_timeout_s=1,
+        push_sources=(SRC,),
+        push_timeout_s=2.0,
+        push_policy=policy,
+    )
+    s = PushScheduler(BS, config, SCHED_FP, clock=clock)
+    if mode == "auto":
+        s.index = HolderIndex([SRC], BS)
+        s.index.apply(SRC, held_page(4))
+    return s
+
+
+@pytest.mark.parametrize("policy", ["measured", "always"])
+@pytest.mark.parametrize("how", ["answered", "hanging"])
+@pytest.mark.parametrize("mode", ["named", "auto"])
+def test_twenty_pushes_that_never_land_stop_being_granted_after_a_few(
+    mode, how, policy
+):
+    """C answers every /match_blocks; its pushes land nothing, either answered
+    ("failed") or never (the push is late: not ended within twice its budget,
+    while its blocks stay held). After FAILURES_TO_DEMOTE of them, D prefills
+    locally without asking C, until the probe."""
+    clock = Clock()
+    s = failing_scheduler(mode, policy, clock)
+    s._lanes.post = stub = MatchStub(4)
+    granted, held = [], []
+    for i in range(20):
+        r = request(f"r{i}", mode)
+        got = ask(s, r)
+        if got == (0, False):
+            clock.now += 0.1
+            continue
+        assert got == (4 * BS, True)
+        granted.append(r.request_id)
+        s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), 4 * BS)
+        (job,) = s.take_jobs()
+        assert job.timeout_s == 2.0  # unmeasured: the push timeout
+        r.num_computed_tokens = r.num_external_computed_tokens = 4 * BS
+        if how == "answered":
+            s.on_worker_meta(PushOutcome({r.request_id: 0}))
+            assert s.request_finished(r) is False
+        else:
+            clock.now += 2 * 2.0 + 0.1  # past twice its budget, far from its hold
+            s.take_jobs()
+            held.append(r)
+    assert len(granted) == FAILURES_TO_DEMOTE, granted
+    # the index demoted an auto source that answered too (decode_index.py), and
+    # is asked first; a hanging push is counted once it ends
+    skipped = "no_holder" if (mode, how) == ("auto", "answered") else "not_worth_it"
+    expected = {skipped: 20 - FAILURES_TO_DEMOTE}
+    if how == "answered":
+        expected["fell_back"] = FAILURES_TO_DEMOTE
+    assert {k: v for k, v in s.decisions.items() if v} == expected
+    assert len(stub.calls) == FAILURES_TO_DEMOTE  # nothing asked of C after them
+    if how == "hanging":
+        assert s.stats["late_pushes"] == FAILURES_TO_DEMOTE
+        for r in held:  # C may still write into their blocks: kept
+            assert s.request_finished(r) is True
+    else:
+        assert s.stats["failed_pushes"] == FAILURES_TO_DEMOTE
+    if mode == "named":
+        clock.now += PROBE_AFTER_S
+        probe = request("probe")
+        assert ask(s, probe) == (4 * BS, True)
+        assert ask(s, request("next")) == (0, False)
+    s.shutdown()
+
+
+def test_a_busy_source_is_measured_but_not_made_failing():
+    """C's refusals (busy, say) are answered at once and hold nothing: they cost
+    the round trip, never a demotion of the source."""
+    clock = Clock()
+    s = failing_scheduler("named", "always", clock)
+    s._lanes.post = MatchStub(4)
+    for i in range(2 * FAILURES_TO_DEMOTE):
+        r = request(f"r{i}")
+        assert ask(s, r) == (4 * BS, True)
+        s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), 4 * BS)
+        s.take_jobs()
+        s.on_worker_meta(PushOutcome({r.request_id: 0}, frozenset({r.request_id})))
+    assert not s.cost.failing(SRC) and s.cost.transfer_s(SRC, 4) is not None
+    assert s.decisions["refused"] == 2 * FAILURES_TO_DEMOTE
+    s.shutdown()
+
+
+# ---- a late push: its budget, its hold, its blocks --------------------------------------
+
+WALL = 1_700_000_000.0
+
+
+def test_a_late_push_counts_as_failed_at_once_and_keeps_its_blocks_until_its_shorter_hold():
+    """A measured source (a push of 4 blocks takes 0.1 s) gets a budget of
+    BUDGET_FACTOR x that + a round trip + BUDGET_FLOOR_S, not the push timeout's
+    30 s. Its push is not answered: after twice the budget the scheduler counts
+    it as a failure of the source; the blocks stay with the request until the
+    hold computed with that budget has passed, then the request prefills them
+    locally."""
+    clock = Clock()
+    cfg = ExtConfig(push_min_tokens=0, push_match_timeout_s=1, push_sources=(SRC,))
+    assert cfg.push_timeout_s == 30.0
+    s = PushScheduler(BS, cfg, SCHED_FP, clock=clock)
+    s._lanes.post = MatchStub(4)
+    s.cost.observe_round_trip(SRC, 0.01)
+    s.cost.observe_push(SRC, 4, 0.1)
+    r = request("r1")
+    assert ask(s, r) == (4 * BS, True)
+    s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), 4 * BS)
+    (job,) = s.take_jobs()
+    budget = job.timeout_s
+    expected = s.cost.transfer_s(SRC, 4)
+    rtt = s.cost._round_trip[SRC].value
+    assert budget == pytest.approx(
+        decode_cost.BUDGET_FACTOR * expected + rtt + decode_cost.BUDGET_FLOOR_S
+    )
+    assert budget < 6.0
+    r.num_computed_tokens = r.num_external_computed_tokens = 4 * BS
+
+    posted, gate = threading.Event(), threading.Event()
+    sent = {}
+
+    def hanging(source, path, content, headers, deadline):
+        sent.update(json.loads(content))
+        posted.set()
+        gate.wait(10)
+        raise TimeoutError("no answer")
+
+    rec = PushReceiver(
+        D_SESSION,
+        [100, 200],
+        BLEN,
+        BS,
+        NBLK,
+        FP,
+        cfg,
+        clock=clock,
+        wall_clock=lambda: WALL,
+    )
+    rec._lanes.post = hanging
+    try:
+        rec.start([job])
+        assert posted.wait(5)
+        # C is told to start no write past the budget
+        assert sent["budget_ms"] == int(budget * 1000)
+        assert sent["deadline_unix_ms"] == int((WALL + budget) * 1000)
+        nbytes = 4 * BLEN * 2
+        hold = rec.hold_s(job)
+        assert hold == pytest.approx(
+            replace(cfg, push_timeout_s=budget).push_hold_for_s(nbytes, 30)
+        )
+        assert hold < cfg.push_hold_for_s(nbytes, 30) - 20
+
+        clock.now += 2 * budget + 0.1
+        s.take_jobs()
+        assert s.stats["late_pushes"] == 1
+        assert s.cost._failures[SRC].in_a_row == 1
+        # the request waits for its push's end, on its own blocks
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert rec.merge_finished(None) is None, "the push ended before its hold"
+        clock.now = 1000.0 + hold - 0.1
+        assert rec.merge_finished(None) is None, "the push ended before its hold"
+        clock.now += 0.2
+        assert rec.merge_finished(None) == {"r1"}
+        outcome = rec.take_outcome()
+        assert outcome.landed == {"r1": 0}
+        s.on_worker_meta(outcome)
+        # prefilled locally, in the blocks it kept; counted as one failure, not two
+        assert (r.num_computed_tokens, r.num_external_computed_tokens) == (0, 0)
+        assert s.decisions["fell_back"] == 1 and s.stats["failed_pushes"] == 1
+        assert s.cost._failures[SRC].in_a_row == 1
+        assert s.request_finished(r) is False
+    finally:
+        gate.set()
+        rec.shutdown()
+        s.shutdown()
+
+
+def test_a_source_that_does_not_start_within_the_push_budget_writes_nothing(
+    c_server, monkeypatch
+):
+    """C is measured fast, then takes 1.5 s to get to a push (its match is slow):
+    past the push's budget (well under the 30 s push timeout), C writes nothing
+    and answers at once, and the request prefills locally right away."""
+    monkeypatch.setattr(decode_cost, "BUDGET_FLOOR_S", 0.2)
+    c = c_server()
+    d = c.destination()
+    cfg = ExtConfig(push_min_tokens=0, push_sources=(c.url,))
+    s = PushScheduler(BS, cfg, SCHED_FP)
+    r = d_request("r1", source=c.url, tokens=TOKENS)
+    try:
+        assert ask(s, r) == (3 * BS, True)
+        s.cost.observe_push(c.url, 3, s.cost._round_trip[c.url].value + 0.03)
+        s.update_state_after_alloc(r, Blocks([3, 4, 7]), 3 * BS)
+        (job,) = s.take_jobs()
+        assert job.timeout_s < 1.0
+        match = c.server.sync.match
+
+        def slow_match(*args):
+            time.sleep(1.5)
+            return match(*args)
+
+        c.server.sync.match = slow_match
+        rec = PushReceiver(D_SESSION, d.bases, BLEN, BS, NBLK, FP, cfg)
+        started = time.monotonic()
+        rec.start([job])
+        end = started + 10
+        while not rec.merge_finished(None) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert time.monotonic() - started < 5, "the push waited for its hold"
+        assert c.engine.log == [] and d.untouched(), "C wrote past the push's budget"
+        assert c.server.stats["past_deadline"] == 1
+        outcome = rec.take_outcome()
+        assert outcome.landed == {"r1": 0}
+        r.num_computed_tokens = r.num_external_computed_tokens = 3 * BS
+        s.on_worker_meta(outcome)
+        assert r.num_computed_tokens == 0 and s.decisions["fell_back"] == 1
+        rec.shutdown()
+    finally:
+        s.shutdown()
+
+
+def test_a_late_push_that_lands_after_all_ends_the_failures():
+    clock = Clock()
+    s = failing_scheduler("named", "measured", clock)
+    s._lanes.post = MatchStub(4)
+    r = request("r1")
+    assert ask(s, r) == (4 * BS, True)
+    s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), 4 * BS)
+    s.take_jobs()
+    clock.now += 5.0
+    s.take_jobs()
+    assert s.stats["late_pushes"] == 1 and s.cost._failures[SRC].in_a_row == 1
+    s.on_worker_meta(PushOutcome({"r1": 4}))
+    assert SRC not in s.cost._failures and s.decisions["pushed"] == 1
+    s.shutdown()
+
+
+def test_a_push_never_sent_for_its_lane_was_busy_past_its_budget_is_no_failure():
+    """Its source's earlier pushes kept D's lane busy until the push's budget had
+    passed: C was never asked, so the push is reported as refused (busy) and
+    counts no failure against C."""
+    clock = Clock()
+    s = failing_scheduler("named", "always", clock)
+    s._lanes.post = MatchStub(4)
+    rec = PushReceiver(D_SESSION, [100, 200], BLEN, BS, NBLK, FP, s.config, clock=clock)
+    queued = []
+    rec._lanes.submit = lambda source, fn, t: queued.append(t)  # the lane is busy
+    try:
+        for i in range(FAILURES_TO_DEMOTE):
+            r = request(f"r{i}")
+            assert ask(s, r) == (4 * BS, True)
+            s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), 4 * BS)
+            rec.start(s.take_jobs())
+            clock.now += 2.1  # past the budget (the push timeout: unmeasured)
+            rec._run(queued.pop())  # the lane is free at last: too late to send
+            assert rec.merge_finished(None) == {r.request_id}
+            outcome = rec.take_outcome()
+            assert outcome.refused == {r.request_id}
+            s.on_worker_meta(outcome)
+        assert s.decisions["refused"] == FAILURES_TO_DEMOTE
+        assert not s.cost.failing(SRC) and s.stats["failed_pushes"] == 0
+    finally:
+        rec.shutdown()
+        s.shutdown()
+
+
+def test_an_unanswered_match_is_not_a_push_failure():
+    clock = Clock()
+    s = failing_scheduler("named", "measured", clock)
+    s._lanes.post = lambda *a: Answer(503, b"not ready", {})
+    for i in range(2 * FAILURES_TO_DEMOTE):
+        assert ask(s, request(f"r{i}")) == (0, False)
+    assert not s.cost.failing(SRC)
+    s.shutdown()
