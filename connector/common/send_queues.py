@@ -28,6 +28,7 @@ not yet copied out of its receive queue (a window of its read loop).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import socket
@@ -114,6 +115,7 @@ def _packed_forms(ips: Iterable[str]) -> frozenset[bytes]:
     return frozenset(out)
 
 
+@functools.lru_cache(maxsize=4096)  # a reading meets few distinct addresses
 def _ip_of(family: int, raw: bytes) -> str:
     if family == socket.AF_INET:
         return str(ipaddress.IPv4Address(raw[:4]))
@@ -210,7 +212,7 @@ def _parse_msg(
     sport, dport = _MSG_PORTS.unpack_from(data, start + 4)
     _, _, wqueue, _, _ = _MSG_QUEUES.unpack_from(data, start + 52)
     acked, rto = 0, None  # a socket reported without tcp_info acknowledged nothing yet
-    off = start + _MSG_LEN
+    off = start + _MSG_LEN if wqueue else end  # an empty queue: no target to read
     while off + _RTA.size <= end:
         rta_len, rta_type = _RTA.unpack_from(data, off)
         if rta_len < _RTA.size:
