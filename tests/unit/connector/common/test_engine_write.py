@@ -227,3 +227,35 @@ def test_a_status_read_that_raises_holds_the_write_for_its_bound():
     )
     assert w("d:1", [1], [2], [8]) == -1
     assert now[0] >= cfg.engine_write_bound_s(8) and fence.waited == ["d:1"]
+
+
+def test_a_failed_rdma_write_is_held_for_the_fabrics_bound_before_it_reports():
+    """The RDMA transport fails a task (every work request completed, one in
+    error): packets it sent may still be placed by D's queue pair until the
+    fabric's packet lifetime ends. No TCP socket to D exists to read."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
+        KernelSockets,
+        PeerAddresses,
+        SendQueueFence,
+    )
+
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    cfg = ExtConfig()
+    fence = SendQueueFence(
+        hold_s=200.0,
+        rdma=True,
+        rdma_hold_s=cfg.rdma_failed_write_hold_s,
+        kernel=KernelSockets({"no TCP socket": lambda peers: []}, probe=False),
+        addresses=PeerAddresses(resolve=lambda host: {"10.0.0.2"}),
+        clock=lambda: now[0],
+        sleep=sleep,
+    )
+    eng = ScriptedEngine([[0, 0, -1]])  # the transport's error completion
+    w = TerminalWriter(eng, cfg, clock=lambda: now[0], sleep=sleep, fence=fence)
+    assert w("10.0.0.2:17002", [1], [2], [8]) == -1
+    assert now[0] >= cfg.rdma_failed_write_hold_s == 10.0
+    assert fence.blind_holds == 0 and fence.fence_seconds >= 10.0
