@@ -164,12 +164,9 @@ def test_a_refused_write_submits_nothing_and_other_peers_are_written_to():
     assert write_stats(lambda *a: 0)["refused_peers_now"] == 0
 
 
-def test_a_push_to_a_destination_whose_writes_keep_failing_is_answered_at_once():
-    """C: three pushes whose writes fail, then a fourth is answered ``failed`` with
-    the refusal, without a write (D frees its blocks and prefills locally)."""
-    c, d = KV(fill=True), KV(fill=False)
-    w, eng = failing_writer(refuse_after=3)
-    server = PushServer(
+def source_server(w: TerminalWriter, c: KV) -> PushServer:
+    """C with the blocks of TOKENS cached, writing with ``w``."""
+    return PushServer(
         filled_mirror(BS, TOKENS, C_BLOCKS, HCFG),
         w,
         c.bases,
@@ -179,6 +176,14 @@ def test_a_push_to_a_destination_whose_writes_keep_failing_is_answered_at_once()
         ExtConfig(),
         source_id=C_SOURCE,
     )
+
+
+def test_a_push_to_a_destination_whose_writes_keep_failing_is_answered_at_once():
+    """C: three pushes whose writes fail, then a fourth is answered ``failed`` with
+    the refusal, without a write (D frees its blocks and prefills locally)."""
+    c, d = KV(fill=True), KV(fill=False)
+    w, eng = failing_writer(refuse_after=3)
+    server = source_server(w, c)
     body = push_body(d)
     for _ in range(3):
         code, resp = server.push(body)
@@ -235,16 +240,7 @@ def test_pushes_that_re_register_a_victims_session_with_another_layout_do_not_re
         fence=RecordedFence(),
         peers=RefusedPeers(refuse_after=3),
     )
-    server = PushServer(
-        filled_mirror(BS, TOKENS, C_BLOCKS, HCFG),
-        w,
-        c.bases,
-        BLEN,
-        FP,
-        C_SESSION,
-        ExtConfig(),
-        source_id=C_SOURCE,
-    )
+    server = source_server(w, c)
     for i in range(3):
         body = push_body(forged, dst_kv_base_addrs=forged.bases, request_id=f"x{i}")
         code, resp = server.push(body)
