@@ -344,7 +344,8 @@ def test_the_real_kernel_shows_a_stalled_sockets_queue(read, stalled_socket):
     client, _, _ = stalled_socket
     seen = read(frozenset({"127.0.0.1"}))
     assert seen is not None
-    mine = [s for s in seen if s.local == client.getsockname()[:2]]
+    key = (client.getsockname()[:2], client.getpeername()[:2])
+    mine = [s for s in seen if s.key == key]  # a local port may be reused meanwhile
     assert len(mine) == 1 and mine[0].send_q > 0
     if read is read_sock_diag:
         assert mine[0].bytes_acked is not None and mine[0].rto_s
@@ -419,15 +420,17 @@ def test_the_kernel_filters_the_dump_by_every_address_of_the_peer():
             socket.create_connection(("127.0.0.1", dual.getsockname()[1])),
         ]
         try:
-            clients = {c.getsockname()[:2] for c in conns}
-            # the accepted side of the IPv4 client on the dual-stack listener is an
-            # IPv6 socket whose remote address is IPv4-mapped: read as 127.0.0.1
-            accepted = {("127.0.0.1", dual.getsockname()[1])}
+            # each connection by its whole address pair (a local port can be
+            # reused meanwhile), and the accepted side of the IPv4 client on the
+            # dual-stack listener: an IPv6 socket whose remote address is
+            # IPv4-mapped, read as 127.0.0.1
+            ours = {(c.getsockname()[:2], c.getpeername()[:2]) for c in conns}
+            ours.add((("127.0.0.1", dual.getsockname()[1]), conns[2].getsockname()[:2]))
 
             def mine(peers):
                 seen = read_sock_diag(frozenset(peers))
                 assert seen is not None
-                return {s.local for s in seen if s.local in clients | accepted}
+                return {s.key for s in seen if s.key in ours}
 
             assert len(mine({"127.0.0.1", "::1", "10.0.0.1"})) == 4
             assert len(mine({"::1"})) == 1
