@@ -53,6 +53,12 @@ ADDRESSES_KEPT = 4096  # peer sessions whose addresses are remembered
 # Linux's TCP states (include/net/tcp_states.h), and the ones a dump asks for:
 # every state but LISTEN (no peer) and CLOSE.
 TCP_LISTEN, TCP_CLOSE = 10, 7
+# This side closed and the peer's application has not (FIN_WAIT1, FIN_WAIT2,
+# CLOSING): bytes the peer's kernel acknowledged may still wait in its receive
+# queue. The peer's engine closes once it has read everything (EOF), which moves
+# the socket to TIME_WAIT; a peer that never closes is dropped after
+# net.ipv4.tcp_fin_timeout (60 s by default).
+_CLOSING_BY_US = frozenset({4, 5, 11})
 _STATES = 0xFFF & ~((1 << TCP_LISTEN) | (1 << TCP_CLOSE))
 # netlink / sock_diag constants (linux/netlink.h, sock_diag.h, inet_diag.h)
 NETLINK_SOCK_DIAG = 4
@@ -523,7 +529,7 @@ class SendQueueFence:
         targets = {
             s.key: (s.bytes_acked + s.send_q if s.bytes_acked is not None else None)
             for s in sockets
-            if s.send_q > 0
+            if s.send_q > 0 or s.state in _CLOSING_BY_US
         }
         if self.rdma:
             self._sleep_until(t0 + self.rdma_hold_s)
@@ -571,7 +577,8 @@ class SendQueueFence:
         started: float,
     ) -> None:
         """Until every target is met: its ``bytes_acked`` reached (None: its
-        queue emptied once) or its socket gone."""
+        queue emptied once) and, for a connection this side closed, the peer's
+        application closed too; or its socket gone."""
         warned = False
         interval = POLL_MIN_S
         while targets:
@@ -584,8 +591,15 @@ class SendQueueFence:
                 k: target
                 for k, target in targets.items()
                 if k in now
-                and now[k].send_q > 0
-                and (target is None or (now[k].bytes_acked or 0) < target)
+                and (
+                    # NOTE: a dropped connection (an orphan) ends only once the
+                    # peer's engine has read it to the end and closed its side
+                    now[k].state in _CLOSING_BY_US
+                    or (
+                        now[k].send_q > 0
+                        and (target is None or (now[k].bytes_acked or 0) < target)
+                    )
+                )
             }
             rtos = [now[k].rto_s for k in targets if now[k].rto_s]
             interval = min(

@@ -438,3 +438,19 @@ def test_the_kernel_filters_the_dump_by_every_address_of_the_peer():
         finally:
             for c in conns:
                 c.close()
+
+
+def test_a_dropped_connection_ends_only_once_the_peers_engine_has_read_it_and_closed():
+    """Acknowledged is not yet landed: the peer's kernel acknowledged the orphan's
+    last bytes (FIN_WAIT2), but they may still wait in its receive queue until the
+    peer's engine reads them to the end and closes its side (TIME_WAIT here)."""
+    fin_wait2, time_wait = 5, 6
+    kernel = Kernel(
+        [sock(FIN_WAIT1, 4096, 7, 1000)],  # when the write returned
+        [sock(fin_wait2, 0, 7, 5096)],  # all acknowledged, the peer still reading
+        [sock(fin_wait2, 0, 7, 5096)],
+        [sock(time_wait, 0, 7, 5096)],  # the peer's engine read to EOF and closed
+    )
+    f, _ = fence(kernel)
+    f.wait(f"{PEER}:1", bound_s=60, started=0)
+    assert kernel.reads == 4
