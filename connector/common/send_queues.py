@@ -529,7 +529,7 @@ class SendQueueFence:
         targets = {
             s.key: (s.bytes_acked + s.send_q if s.bytes_acked is not None else None)
             for s in sockets
-            if s.send_q > 0 or s.state in _CLOSING_BY_US
+            if s.send_q > 0
         }
         if self.rdma:
             self._sleep_until(t0 + self.rdma_hold_s)
