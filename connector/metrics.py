@@ -41,8 +41,8 @@ WRITES = {
         "writes_held_blind_total",
         "counter",
         "Failed writes held for the longest time their bytes can still land, because "
-        "the kernel's send queues to the peer could not be read or no socket to it "
-        "was seen (fail closed).",
+        "the kernel's send queues could not be read or the peer's name resolved to "
+        "nothing (fail closed).",
     ),
     "fence_seconds": (
         "fence_seconds_total",

@@ -14,10 +14,13 @@ from the kernel itself, once per poll for every fenced write
 send queue and ``bytes_acked``; else ``/proc/net/tcp{,6}``, send queues only), and
 waits until each byte the sockets held when the write failed is acknowledged or
 its socket is gone. It fails closed: when it cannot read the kernel (checked at
-start by a socket of its own with queued bytes), or finds no socket to any
-address of the peer's host, it holds the write for the longest time queued
-bytes can still be delivered (``hold_s``, config.stalled_delivery_bound_s),
-counted as a blind hold. RDMA has no kernel queue to read: a failed write with
+start by a socket of its own with queued bytes) or the peer's host name
+resolves to nothing, it holds the write for the longest time queued bytes can
+still be delivered (``hold_s``, config.stalled_delivery_bound_s), counted as a
+blind hold. When it sees no socket to any address of the peer (the kernel
+dropped them, or the transport connected to an address the name no longer
+gives), it waits for every socket of this namespace that holds bytes, for at
+most ``hold_s``. RDMA has no kernel queue to read: a failed write with
 the RDMA transport is held for ``rdma_hold_s`` (config.rdma_failed_write_hold_s,
 docs/architecture.md), and fenced on TCP sockets too where the transport fell
 back to TCP.
@@ -150,13 +153,13 @@ def _remote_filter(peers: frozenset[str]) -> bytes:
     return _RTA.pack(_RTA.size + len(program), INET_DIAG_REQ_BYTECODE) + program
 
 
-def read_sock_diag(peers: frozenset[str]) -> list[QueuedSocket] | None:
-    """This namespace's TCP sockets whose remote address is in ``peers``, from one
-    NETLINK_SOCK_DIAG dump per address family, filtered in the kernel; None when
-    the kernel does not answer (no sock_diag, refused, or no answer within
-    NETLINK_TIMEOUT_S)."""
-    wanted = _packed_forms(peers)
-    bytecode = _remote_filter(peers)
+def read_sock_diag(peers: frozenset[str] | None) -> list[QueuedSocket] | None:
+    """This namespace's TCP sockets whose remote address is in ``peers`` (None:
+    every socket), from one NETLINK_SOCK_DIAG dump per address family, filtered
+    in the kernel; None when the kernel does not answer (no sock_diag, refused,
+    or no answer within NETLINK_TIMEOUT_S)."""
+    wanted = None if peers is None else _packed_forms(peers)
+    bytecode = b"" if peers is None else _remote_filter(peers)
     out: list[QueuedSocket] = []
     try:
         with socket.socket(
@@ -182,7 +185,10 @@ def read_sock_diag(peers: frozenset[str]) -> list[QueuedSocket] | None:
 
 
 def _read_dump(
-    nl: socket.socket, seq: int, wanted: frozenset[bytes], out: list[QueuedSocket]
+    nl: socket.socket,
+    seq: int,
+    wanted: frozenset[bytes] | None,
+    out: list[QueuedSocket],
 ) -> bool:
     """The answers to dump ``seq`` into ``out``; False on an error answer."""
     while True:
@@ -207,12 +213,12 @@ def _read_dump(
 
 
 def _parse_msg(
-    data: bytes, start: int, end: int, wanted: frozenset[bytes]
+    data: bytes, start: int, end: int, wanted: frozenset[bytes] | None
 ) -> QueuedSocket | None:
     if end - start < _MSG_LEN:
         return None
     dst = data[start + 24 : start + 40]
-    if dst not in wanted:
+    if wanted is not None and dst not in wanted:
         return None  # the common case, decided before anything else is read
     family, state = _MSG_HEAD.unpack_from(data, start)
     sport, dport = _MSG_PORTS.unpack_from(data, start + 4)
@@ -251,9 +257,10 @@ def _proc_address(text: str) -> tuple[str, int]:
     return _ip_of(family, raw), int(hex_port, 16)
 
 
-def parse_proc_net_tcp(text: str, peers: frozenset[str]) -> list[QueuedSocket]:
+def parse_proc_net_tcp(text: str, peers: frozenset[str] | None) -> list[QueuedSocket]:
     """``/proc/net/tcp`` or ``tcp6`` -> the sockets whose remote address is in
-    ``peers`` (tx_queue is the send queue; it has no bytes_acked)."""
+    ``peers`` (None: every socket; tx_queue is the send queue; it has no
+    bytes_acked)."""
     out = []
     for line in text.splitlines()[1:]:
         fields = line.split()
@@ -261,7 +268,7 @@ def parse_proc_net_tcp(text: str, peers: frozenset[str]) -> list[QueuedSocket]:
             continue
         try:
             remote = _proc_address(fields[2])
-            if remote[0] not in peers:
+            if peers is not None and remote[0] not in peers:
                 continue
             state = int(fields[3], 16)
             send_q = int(fields[4].split(":")[0], 16)
@@ -275,9 +282,9 @@ def parse_proc_net_tcp(text: str, peers: frozenset[str]) -> list[QueuedSocket]:
 
 
 def read_proc_net_tcp(
-    peers: frozenset[str], root: str = "/proc/net"
+    peers: frozenset[str] | None, root: str = "/proc/net"
 ) -> list[QueuedSocket] | None:
-    """This namespace's TCP sockets to ``peers`` from ``/proc/net/tcp{,6}``; None
+    """This namespace's TCP sockets to ``peers`` (None: every socket) from ``/proc/net/tcp{,6}``; None
     when neither can be read."""
     out: list[QueuedSocket] = []
     read_any = False
@@ -292,7 +299,7 @@ def read_proc_net_tcp(
     return out if read_any else None
 
 
-Reader = Callable[[frozenset[str]], "list[QueuedSocket] | None"]
+Reader = Callable[[frozenset[str] | None], "list[QueuedSocket] | None"]
 READERS: dict[str, Reader] = {
     "sock_diag": read_sock_diag,
     "/proc/net/tcp": read_proc_net_tcp,
@@ -341,7 +348,9 @@ class KernelSockets:
     def blind(self) -> bool:
         return self.mode is None
 
-    def read(self, peers: frozenset[str]) -> list[QueuedSocket] | None:
+    def read(self, peers: frozenset[str] | None) -> list[QueuedSocket] | None:
+        """The sockets to ``peers`` (None: every socket of this namespace); None
+        when the kernel cannot be read."""
         if self.mode is None:
             return None
         return self.readers[self.mode](peers)
@@ -500,11 +509,21 @@ class SendQueueFence:
     def _fence(self, session: str, bound_s: float, started: float, t0: float) -> None:
         peers = self.addresses.of(session)
         sockets = self._poll(peers, 0.0) if peers else None
-        if sockets is None or not sockets:
-            # NOTE: fail closed. An unreadable kernel, or no socket to any address
-            # of the peer's host (the transport connected elsewhere), tells
-            # nothing: hold for as long as queued bytes can land. With RDMA,
-            # no TCP socket to the peer is the expected case: its own bound.
+        until = None  # the kernel bounds an orphan's life
+        if sockets == [] and not self.rdma:
+            # NOTE: no socket to any address of the peer: the kernel dropped them
+            # all (nothing of the write can land), or the transport connected to
+            # an address the name no longer gives. Either way every byte that can
+            # still land sits in a socket of this host: wait for each that holds
+            # bytes, wherever it goes, for at most as long as queued bytes land.
+            sockets = self.kernel.read(None)
+            peers = frozenset(s.remote[0] for s in sockets or () if s.send_q > 0)
+            until = t0 + self.hold_s
+        if sockets is None or not sockets and self.rdma:
+            # NOTE: fail closed. An unreadable kernel or a name that resolves to
+            # nothing tells nothing: hold for as long as queued bytes can land.
+            # With RDMA, no TCP socket to the peer is the expected case: its own
+            # bound.
             rdma_only = self.rdma and sockets is not None
             hold = self.rdma_hold_s if rdma_only else self.hold_s
             if not rdma_only:
@@ -515,13 +534,9 @@ class SendQueueFence:
                 session,
                 "RDMA holds a failed write for its fabric's bound"
                 if rdma_only
-                else (
-                    "its host name resolves to no address"
-                    if not peers
-                    else "this host's TCP send queues cannot be read"
-                    if sockets is None
-                    else f"no TCP socket to {', '.join(sorted(peers))} is seen"
-                ),
+                else "its host name resolves to no address"
+                if not peers
+                else "this host's TCP send queues cannot be read",
                 hold,
             )
             self._sleep_until(t0 + hold)
@@ -537,15 +552,19 @@ class SendQueueFence:
             return
         logger.warning(
             "engine write to %s failed with %d bytes still queued in this host's kernel "
-            "on %d connection(s) to it: the write ends once they are delivered or the "
+            "on %d connection(s)%s: the write ends once they are delivered or the "
             "kernel drops them (a failed task's bytes can still land)",
             session,
-            sum(s.send_q for s in sockets),
+            sum(s.send_q for s in sockets if s.key in targets),
             len(targets),
+            " to it"
+            if until is None
+            else f" (none to its addresses: waiting for every one, at most "
+            f"{self.hold_s:.0f} s)",
         )
         with self._counters:
             self.fenced += 1
-        self._wait_for(session, peers, targets, bound_s, started)
+        self._wait_for(session, peers, targets, bound_s, started, until)
 
     def _sleep_until(self, until: float) -> None:
         while (left := until - self._clock()) > 0:
@@ -575,14 +594,17 @@ class SendQueueFence:
         targets: dict[tuple[tuple[str, int], tuple[str, int]], int | None],
         bound_s: float,
         started: float,
+        until: float | None = None,
     ) -> None:
         """Until every target is met: its ``bytes_acked`` reached (None: its
         queue emptied once) and, for a connection this side closed, the peer's
-        application closed too; or its socket gone."""
+        application closed too; or its socket gone; or ``until`` (this clock)."""
         warned = False
         interval = POLL_MIN_S
-        while targets:
-            self._sleep(interval)
+        while targets and (until is None or self._clock() < until):
+            self._sleep(
+                interval if until is None else min(interval, until - self._clock())
+            )
             sockets = self._poll(peers, POLL_MIN_S)
             if sockets is None:
                 continue  # unreadable for a moment: keep the targets

@@ -50,7 +50,9 @@ class Kernel:
     def __call__(self, peers):
         out = self.readings[min(self.reads, len(self.readings) - 1)]
         self.reads += 1
-        return None if out is None else [s for s in out if s.remote[0] in peers]
+        if out is None:
+            return None
+        return [s for s in out if peers is None or s.remote[0] in peers]
 
 
 def fence(kernel, addresses=None, **kw):
@@ -159,14 +161,46 @@ def test_a_fence_that_cannot_read_the_kernel_holds_for_the_bound_and_counts_it(
 
 def test_a_host_name_resolving_to_another_address_than_the_transports_is_held():
     """The transport connected to the first address the name gave; the name now
-    gives another: the fence sees no socket to the peer and must not pass."""
+    gives another: the fence sees no socket to the peer and must not pass. It
+    waits for the sockets of the host that hold bytes, wherever they go, for as
+    long as queued bytes can land."""
     kernel = Kernel([sock(FIN_WAIT1, 4198185, 45796, 0, remote=(PEER, 16860))])
     answers = iter([{"10.231.39.9"}] * 10)
     f, now = fence(kernel, addresses=PeerAddresses(resolve=lambda host: next(answers)))
     assert f.wait("decode.example:15000", bound_s=60, started=0) == pytest.approx(
         HOLD_S
     )
-    assert f.blind_holds == 1 and f.fenced == 0
+    assert f.fenced == 1
+
+
+def test_with_no_socket_to_the_peer_the_hosts_sockets_holding_bytes_are_waited_for():
+    """The transport's connection (to an address the name no longer gives) is
+    delivered on the third reading: the write ends then, not at the bound."""
+    elsewhere = ("10.231.39.9", 16860)
+    kernel = Kernel(
+        [],  # nothing to the addresses the name gives
+        [
+            sock(FIN_WAIT1, 4096, 45796, 0, remote=elsewhere),
+            sock(ESTABLISHED, 0, 80, 10, remote=("10.0.0.50", 443)),  # nothing queued
+        ],
+        [sock(FIN_WAIT1, 4096, 45796, 0, remote=elsewhere)],
+        [],  # the kernel dropped it
+    )
+    f, now = fence(kernel)
+    waited = f.wait(f"{PEER}:1", bound_s=60, started=0)
+    assert 0 < waited < 1 and kernel.reads == 4
+    assert f.fenced == 1 and f.blind_holds == 0
+
+
+def test_a_write_whose_connections_the_kernel_already_dropped_ends_at_once():
+    """Cut for good: by the time the transport reports the write failed, the
+    kernel has dropped every connection to the peer (its orphan retries ran
+    out), and nothing of this host holds bytes: no byte of the write can land,
+    and holding its blocks longer would outlast the peers' own hold."""
+    kernel = Kernel([], [sock(ESTABLISHED, 0, 80, 10, remote=("10.0.0.50", 443))])
+    f, now = fence(kernel)
+    assert f.wait(f"{PEER}:1", bound_s=60, started=0) == 0.0
+    assert kernel.reads == 2 and f.fenced == 0 and f.blind_holds == 0
 
 
 def test_every_address_a_session_resolved_to_since_its_first_write_is_watched():
