@@ -56,7 +56,7 @@ from .xfer import ExtXferMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -330,6 +330,13 @@ class ExtMooncakeConnector(MooncakeConnector):
         super().update_connector_output(connector_output)
         assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
         self.connector_scheduler.ext.on_connector_output(connector_output)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """The scheduler's KV cache manager (vLLM 0.32.0 binds it; 0.18.1 through
+        this series' scheduler patch, which backports the call)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
+        self.connector_scheduler.ext.push.bind_kv_cache_manager(kv_cache_manager)
 
     def keeps_engine_stepping_while_blocks_held(self) -> bool:
         """Finished requests whose blocks wait for a transfer to end are released

@@ -147,7 +147,8 @@ def exposition(
             "(MOONCAKE_PUSH_MIN_TOKENS), not_worth_it (expected transfer >= expected "
             "local prefill, failed pushes counted at their cost, or the source's last "
             "pushes landed nothing), refused (by the source, busy, or of the source), "
-            "fell_back (the match failed or fewer blocks landed: prefilled locally).",
+            "fell_back (the match failed or fewer blocks landed: prefilled locally), "
+            "coalesced (waited for another request's push of its prefix).",
             [
                 (f'{{reason="{d.value}"}}', push_decisions.get(d.value, 0))
                 for d in Decision

@@ -221,7 +221,9 @@ class SchedulerExtension:
 
     def on_connector_output(self, output: KVConnectorOutput) -> None:
         """Before vLLM handles finished_recving: cut back pushed tokens that did
-        not land, so they are prefilled locally."""
-        self.push.on_worker_meta(output.kv_connector_worker_meta)
+        not land, so they are prefilled locally; release pushes past their budget
+        (push/decode_scheduler.py)."""
+        self.push.on_connector_output(output)
+
         self.pull_timeline.kv_arrived(output.finished_recving or ())
         self.admission.ended(output.finished_recving or ())

@@ -69,6 +69,8 @@ class Decision(str, Enum):
     NOT_WORTH_IT = "not_worth_it"
     REFUSED = "refused"  # the source refused or was busy, or D refused the source
     FELL_BACK = "fell_back"  # match failed, or fewer blocks landed: local prefill
+    # waited for another request's push of its prefix (decode_coalesce.py)
+    COALESCED = "coalesced"
 
 
 class _Average:

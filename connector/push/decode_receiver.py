@@ -20,8 +20,10 @@ never answers, when the hold has passed: the timeout, plus C's bound on a
 write of the bytes asked for (with C's engine timeout, from its /match_blocks
 answer), plus the clock-skew allowance the scheduler measured C within
 (config.ExtConfig.push_hold_for_s). Until the push has ended, its blocks stay
-with the request; the request cannot prefill locally into them nor give them
-back to the pool.
+out of use: with the request, or, once the push is past its budget with no
+answer (told to the scheduler once, PushOutcome.due) and the request was given
+other blocks, pinned by the scheduler (decode_scheduler.py).
+
 
 Each source has its own threads and connections, every call one deadline
 (the hold) and a cap on the answer's size (decode_client.py): a slow source delays
@@ -119,6 +121,7 @@ class PushTransfer:
     send_by: float = float("inf")  # monotonic: the request is not sent after this
     landed: int | None = None  # C's answer: leading blocks written (0: none)
     ended: bool = False
+    due_told: bool = False  # told the scheduler it is past its budget
     # proof of write: secret positions (index into the job's blocks, KV tensor,
     # offset), the canaries planted there, and an event after their copies
     probes: list[tuple[int, int, int]] = field(default_factory=list)
@@ -187,6 +190,7 @@ class PushReceiver:
             str, int
         ] = {}  # reported in finished_recving, not yet in meta
         self._refused: set[str] = set()  # pushes the source refused, not yet in meta
+        self._due: set[str] = set()  # past their budget with no answer, not yet in meta
         # the scheduler's push decisions by reason, as it last sent them (/metrics)
         self.decisions: dict[str, int] = {}
 
@@ -477,7 +481,8 @@ class PushReceiver:
         return None
 
     def merge_finished(self, finished_recving: set[str] | None) -> set[str] | None:
-        """Add the pushes that ended since the last step to vLLM's finished_recving."""
+        """Add the pushes that ended since the last step to vLLM's finished_recving;
+        note those past their budget (``send_by``) with no answer yet."""
         now = self._clock()
         ended: dict[str, int] = {}
         with self._lock:
@@ -486,18 +491,22 @@ class PushReceiver:
                 if landed is not None:
                     ended[rid] = landed
                     del self._transfers[rid]
+                elif not t.due_told and t.landed is None and now >= t.send_by:
+                    t.due_told = True
+                    self._due.add(rid)
         if not ended:
             return finished_recving
         self._outcome.update(ended)
         return (finished_recving or set()) | set(ended)
 
     def take_outcome(self) -> PushOutcome | None:
-        if not self._outcome:
+        if not self._outcome and not self._due:
             return None
         with self._lock:
             refused = frozenset(r for r in self._refused if r in self._outcome)
             # only pushes still running may yet be reported (a refusal recorded
             # after its push ended at its hold is dropped here)
             self._refused &= set(self._transfers)
-        out, self._outcome = PushOutcome(self._outcome, refused), {}
+            due, self._due = frozenset(self._due), set()
+        out, self._outcome = PushOutcome(self._outcome, refused, due), {}
         return out

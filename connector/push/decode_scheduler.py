@@ -49,8 +49,16 @@ budget (late), at once, while its request still waits for its end. A source
 failing FAILURES_TO_DEMOTE pushes in a row is not asked, named or picked, until
 its probe. A push's budget (its timeout, sent with the job) follows what D
 expects of the source, so a late source starts no write after it and the
-push's hold ends sooner; the request is prefilled locally only after that end,
-in the same blocks (vLLM gives a waiting request no others).
+push's hold ends sooner. A push with no answer when its budget has passed (the
+worker says so: PushOutcome.due) releases its request: the blocks the source
+may write into get one more reference of this scheduler's (pinned, so no other
+request is given them), the request gives its blocks back and waits no more,
+and is prefilled locally in others; the pinned blocks go back to the pool when
+the push ended (the source answered or the hold passed). This needs the
+scheduler's KV cache manager (bind_kv_cache_manager: vLLM 0.32.0, and 0.18.1
+through this series' scheduler patch); without it the request waits for the
+end and is prefilled in the same blocks.
+
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ from ..common.auth import request_headers
 from ..common.config import ENGINE_RECONNECT_MAX_S, LINUX_ORPHAN_RETRIES, ExtConfig
 from ..common.fingerprint import WarnLimiter
 from .decode_client import SourceLanes, source_origin
+from .decode_coalesce import PrefixClaims
 from .decode_cost import (
     FAILURES_TO_DEMOTE,
     PROBE_AFTER_S,
@@ -142,6 +151,13 @@ def push_source(request: Request) -> str | None:
     return str(src)[:512].rstrip("/")
 
 
+def is_waiting_for_remote_kvs(request: Request) -> bool:
+    """The request waits in WAITING_FOR_REMOTE_KVS (its push not yet ended)."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
 def lora_name(request: Request) -> str | None:
     lora = getattr(request, "lora_request", None)
     return lora.lora_name if lora is not None else None
@@ -160,6 +176,11 @@ class _Inflight:
     auto: bool = False  # the source was picked from the index
     budget_s: float = 0.0  # the push's timeout (PushJob.timeout_s)
     late: bool = False  # not ended within twice its budget: counted as failed
+    # the blocks the source writes into (vLLM's KVCacheBlock objects)
+    blocks: list[Any] = field(default_factory=list)
+    # past its budget the request took other blocks; these stay pinned (one
+    # reference of this scheduler's) until the push ended
+    released: bool = False
 
 
 class PushScheduler:
@@ -207,13 +228,29 @@ class PushScheduler:
             "auto_missed": 0,
             "failed_pushes": 0,
             "late_pushes": 0,
+            "released_pushes": 0,  # past their budget: prefilled in other blocks
+            "coalesced": 0,  # requests that waited for another's push of their prefix
         }
+
         # every request this instance considered for a push, once, by what became
         # of it (decode_cost.Decision); the worker serves them on /metrics
         self.decisions = {d.value: 0 for d in Decision}
         self._decided: set[str] = set()  # req ids counted (a preempted one asks again)
         self._granted: set[str] = set()  # req ids judged worth a push (judged once)
         self._decisions_sent: dict[str, int] | None = None
+        # the scheduler's KV cache manager (bind_kv_cache_manager): without it a
+        # request waits for its push's end, however long, and keeps its blocks
+        self._kv_cache_manager: Any = None
+        # released requests whose push ended this step: not in vLLM's
+        # finished_recving (the request is no longer waiting for it)
+        self._ended_released: set[str] = set()
+        # pushes past their budget whose request could not be released yet (too
+        # few free blocks for its prompt): tried again with each output
+        self._due: set[str] = set()
+        # which request fetches which prompt block; who waits for another's
+        # push, since when (decode_coalesce.py)
+        self.claims = PrefixClaims(block_size)
+        self._coalescing: dict[str, float] = {}
         self.cost = PushCostModel(
             config.push_min_tokens, clock, always=config.push_policy == "always"
         )
@@ -460,11 +497,23 @@ class PushScheduler:
             self._ended.add(rid)
             self._decide(rid, Decision.NOT_WORTH_IT)
             return 0, False
+        if fut is None and self._waits_for_another(
+            request, source, num_computed_tokens
+        ):
+            return None, False
         if fut is None:
             asked = time.monotonic()
             try:
                 self._matches[rid] = self._lanes.submit(
                     source, self._query, source, request, asked + self.match_timeout_s
+                )
+                # its next block is fetched by it: others wanting it wait
+                self.claims.claim(
+                    request,
+                    lora_name(request),
+                    SourceLanes.key(source),
+                    num_computed_tokens // self.block_size,
+                    1,
                 )
             except RuntimeError as e:  # shut down
                 logger.warning("Prefix push for %s: %s; prefilling locally", rid, e)
@@ -516,8 +565,56 @@ class PushScheduler:
             self._times.pop(rid, None)
             return 0, False
         assert match is not None
+        if rid not in self._planned:  # vLLM asks again while no blocks are free
+            self.claims.claim(
+                request, lora_name(request), SourceLanes.key(source), first, n
+            )
         self._planned[rid] = (source, first, n, match)
         return n * self.block_size, True
+
+    # ---- coalescing ------------------------------------------------------------------
+    def _fetching(self, rid: str) -> bool:
+        """Whether ``rid`` still matches or pushes blocks within its budget (its
+        claims stand; a push past its budget is no longer waited for)."""
+        fut = self._matches.get(rid)
+        inf = self._inflight.get(rid)
+        return (
+            (fut is not None and not fut.done())
+            or rid in self._planned
+            or (
+                inf is not None
+                and not inf.released
+                and self._clock() - inf.allocated < inf.budget_s
+            )
+        )
+
+    def _waits_for_another(
+        self, request: Request, source: str, num_computed_tokens: int
+    ) -> bool:
+        """Whether the request's first block beyond D's hit is being fetched from
+        ``source`` by another request: it waits (vLLM asks again next step) until
+        that one no longer fetches, then finds the blocks in the prefix cache.
+        Bounded: past the push timeout plus the match timeout it goes its own
+        way."""
+        rid = request.request_id
+        first = num_computed_tokens // self.block_size
+        holder = self.claims.holder(
+            request, lora_name(request), SourceLanes.key(source), first
+        )
+        if holder is not None and holder != rid and not self._fetching(holder):
+            self.claims.drop(holder)
+            holder = None
+        if holder is None or holder == rid:
+            self._coalescing.pop(rid, None)
+            return False
+        now = self._clock()
+        since = self._coalescing.get(rid)
+        if since is None:
+            self._coalescing[rid] = since = now
+            self.stats["coalesced"] += 1
+            self._decide(rid, Decision.COALESCED)
+            logger.debug("Prefix push for %s: waits for %s's push", rid, holder)
+        return now - since < self.config.push_timeout_s + self.match_timeout_s
 
     def _match_result(self, fut: Future, rid: str, source: str) -> _Match | None:
         try:
@@ -663,6 +760,7 @@ class PushScheduler:
         block_ids = blocks.get_block_ids()[0]
         dst = list(block_ids[first : first + n])
         assert len(dst) == n, f"{len(dst)} blocks allocated for {n} pushed blocks"
+        pushed_into = list(blocks.blocks[0][first : first + n])
         asked, matched_at = self._times.pop(rid, (time.monotonic(), time.monotonic()))
         budget = self.cost.budget_s(
             SourceLanes.key(source), n, self.config.push_timeout_s
@@ -677,6 +775,7 @@ class PushScheduler:
             self._clock(),
             auto=self._auto.pop(rid, None) is not None,
             budget_s=budget,
+            blocks=pushed_into,
         )
         self._jobs.append(
             PushJob(
@@ -700,10 +799,92 @@ class PushScheduler:
     def take_jobs(self) -> list[PushJob]:
         """Once a step: the jobs for the worker."""
         self._mark_late(self._clock())
+        for rid in self.claims.claimants():
+            if not self._fetching(rid):
+                self.claims.drop(rid)
         self._ended.difference_update(self._ended_finished)
+
         self._ended_finished = []
         jobs, self._jobs = self._jobs, []
         return jobs
+
+    # ---- past its budget: other blocks ---------------------------------------------
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        """The scheduler's KV cache manager (vLLM 0.32.0 binds it; 0.18.1 through
+        this series' scheduler patch, which backports the call)."""
+        self._kv_cache_manager = manager
+
+    def _release(self, rid: str) -> bool:
+        """The worker says the push for ``rid`` is past its budget with no answer:
+        the request gives its blocks back and is prefilled locally in others,
+        while the blocks the source may still write into stay pinned until the
+        push ended. False when it cannot (no manager bound, the request finished
+        or is not waiting for the push any more): it waits for the push's end."""
+        inf = self._inflight.get(rid)
+        manager = self._kv_cache_manager
+        if (
+            inf is None
+            or inf.released
+            or inf.finished
+            or manager is None
+            or not inf.blocks
+            or not is_waiting_for_remote_kvs(inf.request)
+        ):
+            self._due.discard(rid)
+            return False
+        need = -(-len(inf.request.prompt_token_ids or ()) // self.block_size)
+        if manager.block_pool.get_num_free_blocks() < need:
+            # NOTE: released, it would wait for blocks at the head of vLLM's
+            # queue and hold back every request behind it: it waits for a later
+            # output, or for the push's end, in the blocks it has
+            self._due.add(rid)
+            return False
+        self._due.discard(rid)
+        # NOTE: one more reference each, so freeing the request leaves them
+        # allocated: no other request is given a block the source may write into
+        for block in inf.blocks:
+            block.ref_cnt += 1
+        manager.free(inf.request)
+        inf.request.num_computed_tokens = 0
+        inf.request.num_external_computed_tokens = 0
+        inf.released = True
+        self.claims.drop(rid)  # its blocks will not be cached: others go their way
+        self.stats["released_pushes"] += 1
+        self.stats["fallback_blocks"] += inf.n_blocks
+        self._decide(rid, Decision.FELL_BACK)
+        logger.warning(
+            "Prefix push for %s from %s: no answer %.1f s after its blocks were "
+            "allocated (its budget: %.1f s); prefilling it locally in other blocks. "
+            "The %d blocks the source may still write into stay out of use until "
+            "it answers or the push's hold has passed",
+            rid,
+            inf.source,
+            self._clock() - inf.allocated,
+            inf.budget_s,
+            inf.n_blocks,
+        )
+        return True
+
+    def _unpin(self, inf: _Inflight) -> None:
+        """A released push ended: its pinned blocks go back to the pool."""
+        manager = self._kv_cache_manager
+        assert manager is not None, "a push was released without a manager"
+        manager.block_pool.free_blocks(inf.blocks)
+        inf.blocks = []
+
+    def on_connector_output(self, output: Any) -> None:
+        """Before vLLM handles the step's finished_recving: cut back what did not
+        land; release the requests whose push is past its budget (they are back
+        to waiting: in finished_recving) and hide the end of a released push
+        (its request no longer waits for it)."""
+        meta = output.kv_connector_worker_meta
+        self.on_worker_meta(meta)
+        due = meta.due if isinstance(meta, PushOutcome) else frozenset()
+        released = {rid for rid in sorted(self._due | due) if self._release(rid)}
+        ended, self._ended_released = self._ended_released, set()
+        if released or ended:
+            finished = (set(output.finished_recving or ()) - ended) | released
+            output.finished_recving = finished or None
 
     # ---- worker outcome --------------------------------------------------------------
     def on_worker_meta(self, meta: Any) -> None:
@@ -715,8 +896,15 @@ class PushScheduler:
             if inf is None:
                 continue
             self._ended.add(rid)
+            self.claims.drop(rid)
             if inf.finished:
                 self._ended_finished.append(rid)
+            if inf.released:
+                self._unpin(inf)
+                if not inf.finished:
+                    # NOTE: the request runs or waits in other blocks: vLLM must
+                    # not be told (a finished one is, to let it go)
+                    self._ended_released.add(rid)
             landed = max(0, min(landed, inf.n_blocks))
             self.stats["pushed_blocks"] += landed
             now = self._clock()
@@ -763,7 +951,7 @@ class PushScheduler:
                     )
                 else:
                     self.index.confirmed(inf.source)
-            if landed < inf.n_blocks:
+            if landed < inf.n_blocks and not inf.released:
                 missing = inf.n_blocks - landed
                 self.stats["fallback_blocks"] += missing
                 req = inf.request
@@ -789,12 +977,24 @@ class PushScheduler:
         self._ended.discard(rid)
         self._decided.discard(rid)
         self._granted.discard(rid)
+        self._coalescing.pop(rid, None)
+        self._due.discard(rid)
+        self.claims.drop(rid)
         fut = self._matches.pop(rid, None)
         if fut is not None:
             fut.cancel()
         inf = self._inflight.get(rid)
         if inf is None:
             return False
+        if inf.released:
+            # NOTE: vLLM keeps the finished request, its blocks and so its
+            # stepping until the push ended and the pinned blocks went back (its
+            # end is then passed on in finished_recving). Its own blocks are not
+            # freed here: vLLM 0.32.0 frees a finished request's blocks only once
+            # the step that last wrote them completed.
+            inf.finished = True
+            return True
+
         queued = [j for j in self._jobs if j.req_id == rid]
         if (
             queued

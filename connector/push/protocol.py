@@ -405,11 +405,15 @@ class PushJob:
 
 @dataclass
 class PushOutcome(KVConnectorWorkerMetadata):
-    """D's worker -> D's scheduler: leading blocks that landed, per ended push."""
+    """D's worker -> D's scheduler: leading blocks that landed, per ended push;
+    the pushes past their budget with no answer yet (once each)."""
 
     landed: dict[str, int] = field(default_factory=dict)
     # of those, the pushes the source refused (or was busy for), nothing written
     refused: frozenset[str] = frozenset()
+    # still running, past their budget (PushJob.timeout_s) with no answer: their
+    # requests may take other blocks (decode_scheduler.py)
+    due: frozenset[str] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PushOutcome)
@@ -419,4 +423,4 @@ class PushOutcome(KVConnectorWorkerMetadata):
             n,
         ) in other.landed.items():  # several workers: a block is valid on all or none
             merged[rid] = min(n, merged.get(rid, n))
-        return PushOutcome(merged, self.refused | other.refused)
+        return PushOutcome(merged, self.refused | other.refused, self.due | other.due)

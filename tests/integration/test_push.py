@@ -13,6 +13,7 @@ allocated on either side.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import time
 
@@ -218,3 +219,34 @@ def test_a_reset_of_an_idle_source_is_matched_by_nothing_at_once(cluster):
     assert match_blocks(c.bootstrap_url, ids)["matched_blocks"] == 0
     check_local(push_request(d, c, ids), ids, c)
     turn_on_c(c, ids)  # the mirror follows the cache again after the reset
+
+
+def test_a_fork_burst_receives_the_shared_context_once(cluster):
+    """Four requests forked from one context reach D at once. One push writes the
+    context's blocks; the other requests wait for it and take them from D's
+    prefix cache (before, each request's push wrote them again). Every answer
+    matches a local run."""
+    c, d = cluster["c"], cluster["d"]
+    context = prompt(8 * BLOCK, seed=5100)
+    turn_on_c(c, context)
+    forks = [context + prompt(40, seed=5101 + i) for i in range(4)]
+    before = push_stats(c.bootstrap_url)
+    with cf.ThreadPoolExecutor(len(forks)) as pool:
+        got = list(pool.map(lambda ids: push_request(d, c, ids), forks))
+    after = push_stats(c.bootstrap_url)
+    pushes = after["pushes"] - before["pushes"]
+    assert pushes == 1 and after["ok"] - before["ok"] == 1, (
+        f"{pushes} pushes of the shared context for {len(forks)} forks on one "
+        "instance: each should receive it once"
+    )
+    for ids, out in zip(forks, got):
+        assert out.cached_tokens >= 8 * BLOCK, (
+            f"a fork computed its context: {out.cached_tokens} cached tokens"
+        )
+        check = compare(
+            out,
+            reference_completion(c.url, ids, max_tokens=4),
+            expected_cached_tokens=None,
+        )
+        assert check.ok, check.problems
+    assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)

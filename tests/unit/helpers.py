@@ -358,10 +358,14 @@ def d_request(
 
 
 class Blocks:
-    """What vLLM allocated for a request (KVCacheBlocks, one group)."""
+    """What vLLM allocated for a request (KVCacheBlocks, one group): the ids, and
+    vLLM's block objects, each held once (by the request)."""
 
     def __init__(self, ids):
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
         self.ids = ids
+        self.blocks = ([KVCacheBlock(i, ref_cnt=1) for i in ids],)
 
     def get_block_ids(self):
         return (self.ids,)

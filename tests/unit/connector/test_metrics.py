@@ -30,6 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.protoco
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metrics import (
     exposition,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    Decision,
+)
 
 
 def samples(text: str) -> dict[str, float]:
@@ -98,7 +101,7 @@ def test_a_destinations_push_decisions_are_exposed_by_reason():
     assert got["vllm_mooncake_ext_push_decisions_total{reason=pushed}"] == 3
     assert got["vllm_mooncake_ext_push_decisions_total{reason=not_worth_it}"] == 2
     reasons = {k for k in got if k.startswith("vllm_mooncake_ext_push_decisions")}
-    assert len(reasons) == 6  # every reason, zeros included
+    assert len(reasons) == len(Decision)  # every reason, zeros included
     assert "vllm_mooncake_ext_push_decisions_total" not in str(
         samples(exposition(None))
     )

@@ -149,7 +149,7 @@ def test_the_scheduler_holds_back_pulls_beyond_the_bound(upstream_matches):
     assert s.get_num_new_matched_tokens(
         SimpleNamespace(request_id="local", kv_transfer_params={}), 0
     ) == (0, False)
-    s.ext.push.on_worker_meta = lambda meta: None
+    s.ext.push.on_connector_output = lambda output: None
     # the first pull's end reaches the scheduler: the next in order may start
     s.ext.on_connector_output(
         SimpleNamespace(finished_recving={"r1"}, kv_connector_worker_meta=None)

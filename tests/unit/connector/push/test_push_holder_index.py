@@ -832,11 +832,13 @@ def test_every_request_is_counted_once_by_what_became_of_its_push():
     s = auto_scheduler(held=4)
     s._lanes.post = MatchStub(4)
     reqs = [auto_request(f"r{i}") for i in range(3)]
-    for i, r in enumerate(reqs):
+    outcomes = [PushOutcome({"r0": 4}), PushOutcome({"r1": 1}), PushOutcome({"r2": 0})]
+    outcomes[2].refused = frozenset({"r2"})
+    for i, r in enumerate(reqs):  # one after the other (else they coalesce)
         assert asked(s, r) == (4 * BS, True)
         s.update_state_after_alloc(r, Blocks([10 * i + b for b in range(5)]), 4 * BS)
-    s.take_jobs()
-    s.on_worker_meta(PushOutcome({"r0": 4, "r1": 1, "r2": 0}, frozenset({"r2"})))
+        s.take_jobs()
+        s.on_worker_meta(outcomes[i])
     nobody = auto_request("r9", tokens=range(7, 7 + 5 * BS))
     assert s.get_num_new_matched_tokens(nobody, 0) == (0, False)
     assert decided(s) == {"pushed": 1, "fell_back": 1, "refused": 1, "no_holder": 1}

@@ -28,6 +28,7 @@ from helpers import (
     NBLK,
     SCHED_FP,
     TOKENS,
+    Blocks,
     Clock,
     CServer,
     ask,
@@ -226,9 +227,7 @@ def test_the_hold_covers_the_sources_engine_timeout_and_the_bytes():
     try:
         r = c_request(url)
         assert ask(sched, r) == (3 * BS, True)
-        sched.update_state_after_alloc(
-            r, SimpleNamespace(get_block_ids=lambda: ([3, 4, 7],)), 3 * BS
-        )
+        sched.update_state_after_alloc(r, Blocks([3, 4, 7]), 3 * BS)
         (job,) = sched.take_jobs()
         rec.start([job])
         assert writing.wait(10), "C did not start the write"
@@ -354,9 +353,7 @@ def push_job_from(c, caplog, **d_env: str) -> tuple[tuple, PushJob | None, ExtCo
     if got[0] == 0:
         assert sched.take_jobs() == [] and c.engine.log == []
         return got, None, d_cfg
-    sched.update_state_after_alloc(
-        r, SimpleNamespace(get_block_ids=lambda: ([3, 4, 7],)), 3 * BS
-    )
+    sched.update_state_after_alloc(r, Blocks([3, 4, 7]), 3 * BS)
     (job,) = sched.take_jobs()
     return got, job, d_cfg
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 from fastapi import (
@@ -27,6 +26,7 @@ from helpers import (
     SCHED_FP,
     SLOTS,
     TOKEN,
+    Blocks,
     Clock,
     Raw,
     ask,
@@ -196,9 +196,7 @@ def test_hostile_match_answer_is_clamped_or_ignored(
         0 if got[1] or name in ("negative", "-10**18") else 1
     )
     if got[1]:  # the push asks for at most the prompt's full blocks
-        sched.update_state_after_alloc(
-            r, SimpleNamespace(get_block_ids=lambda: (list(range(100, 105)),)), got[0]
-        )
+        sched.update_state_after_alloc(r, Blocks(list(range(100, 105))), got[0])
         (job,) = sched.take_jobs()
         assert job.first_block + len(job.dst_block_ids) <= 5
 

@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers import Blocks
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
@@ -116,9 +117,7 @@ def test_a_request_whose_kv_depends_on_more_than_its_tokens_is_prefilled_locally
         again = s.get_num_new_matched_tokens(r, 0)
     assert first == (0, False) and again == (0, False)
     assert asked == [], f"D asked the source to match a request with a {kind}"
-    s.update_state_after_alloc(
-        r, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 0
-    )
+    s.update_state_after_alloc(r, Blocks([1, 2, 3]), 0)
     assert s.take_jobs() == []
     assert s.request_finished(r) is False
     (warning,) = [w for w in warnings_of(caplog) if "prefilling locally" in w]

@@ -156,6 +156,8 @@ def test_blocks_that_did_not_land_are_prefilled_locally():
         "auto_missed": 0,
         "failed_pushes": 0,
         "late_pushes": 0,
+        "released_pushes": 0,
+        "coalesced": 0,
     }
 
 
@@ -238,7 +240,10 @@ def test_receiver_reports_every_push_once_with_what_landed(monkeypatch, answer, 
         time.sleep(0.2)
         clock.now += rec.hold_s(job) - 0.5
         assert rec.merge_finished({"other"}) == {"other"}
-        assert rec.take_outcome() is None
+        # past its budget with no answer: told once, so the request can take
+        # other blocks (decode_scheduler.py); the push has not ended
+        assert rec.take_outcome() == PushOutcome(due=frozenset({"r1"}))
+        assert rec.merge_finished(None) is None and rec.take_outcome() is None
         clock.now += 1.0  # the hold has passed
     deadline = time.monotonic() + 5
     finished = None
@@ -279,3 +284,224 @@ def test_a_request_finished_before_its_job_reached_the_worker_frees_its_blocks_a
     assert s.request_finished(r) is False  # C was never asked: nothing can land
     assert s.take_jobs() == [], "the worker would post a push for a finished request"
     assert s._inflight == {} and s._ended == set()
+
+
+class Manager:
+    """The scheduler's KV cache manager as a released push uses it: freeing a
+    request drops its reference to each of its blocks; the pool takes back
+    blocks whose last reference is dropped."""
+
+    def __init__(self, blocks, free=100):
+        self.blocks = blocks  # the request's, as vLLM holds them
+        self.freed_requests = []
+        self.block_pool = self
+        self.free_queue = []
+        self.spare = free  # blocks free in the pool besides
+
+    def get_num_free_blocks(self):
+        return self.spare + len(self.free_queue)
+
+    def free(self, request):
+        self.freed_requests.append(request.request_id)
+        self.free_blocks(self.blocks.blocks[0])
+
+    def free_blocks(self, blocks):
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue.append(b.block_id)
+
+
+class Output:
+    """vLLM's KVConnectorOutput, as the scheduler's connector sees it."""
+
+    def __init__(self, meta=None, finished_recving=None):
+        self.kv_connector_worker_meta = meta
+        self.finished_recving = finished_recving
+
+
+def released_push(bind=True, free=100):
+    """r1 (a local hit of 1 block, 4 pushed into 31-34) waits for its push; the
+    worker says the push is past its budget with no answer."""
+    from vllm.v1.request import RequestStatus
+
+    s = scheduler()
+    r = req(n_tokens=5 * BS + 3)
+    matched(s, r, local_tokens=BS, answer=5)
+    blocks = Blocks([30, 31, 32, 33, 34, 35])
+    manager = Manager(blocks, free)
+    if bind:
+        s.bind_kv_cache_manager(manager)
+    s.update_state_after_alloc(r, blocks, 4 * BS)
+    s.take_jobs()
+    r.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    r.num_computed_tokens, r.num_external_computed_tokens = 5 * BS, 4 * BS
+    out = Output(PushOutcome(due=frozenset({"r1"})))
+    s.on_connector_output(out)
+    return s, r, blocks, manager, out
+
+
+def test_a_push_past_its_budget_releases_its_request_into_other_blocks():
+    """Before, the request waited for the push's whole hold (about 245-275 s
+    with a source that never answers), then was prefilled in the same blocks."""
+    s, r, blocks, manager, out = released_push()
+    # back to waiting at once, with nothing computed: vLLM allocates anew
+    assert out.finished_recving == {"r1"}
+    assert manager.freed_requests == ["r1"]
+    assert (r.num_computed_tokens, r.num_external_computed_tokens) == (0, 0)
+    # the blocks the source may write into are not given to anyone
+    assert [b.ref_cnt for b in blocks.blocks[0]] == [0, 1, 1, 1, 1, 0]
+    assert manager.free_queue == [30, 35]
+    # vLLM asks again: no second push
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert s.stats["released_pushes"] == 1 and s.stats["fallback_blocks"] == 4
+
+
+def test_a_released_request_that_finished_is_kept_by_vllm_until_the_push_ended():
+    s, r, blocks, manager, _ = released_push()
+    # vLLM keeps the finished request (and so keeps stepping) until the push
+    # ended; its own blocks are vLLM's to free (0.32.0 frees them only once the
+    # step that last wrote them completed)
+    assert s.request_finished(r) is True
+    assert manager.freed_requests == ["r1"]
+    end = Output(PushOutcome({"r1": 0}), {"r1"})
+    s.on_connector_output(end)
+    assert end.finished_recving == {"r1"}  # vLLM lets it go now
+    assert manager.free_queue == [30, 35, 31, 32, 33, 34]
+
+
+def test_a_push_past_its_budget_is_released_only_once_its_prompt_fits():
+    """Released with too few free blocks for its prompt, the request would wait
+    at the head of vLLM's queue and hold back every request behind it."""
+    s, r, blocks, manager, out = released_push(free=5)  # 6 blocks needed
+    assert out.finished_recving is None and manager.freed_requests == []
+    manager.spare = 6
+    later = Output(None, None)  # any later output
+    s.on_connector_output(later)
+    assert later.finished_recving == {"r1"} and manager.freed_requests == ["r1"]
+
+
+def test_a_released_push_gives_its_blocks_back_only_when_it_ended():
+    s, r, blocks, manager, _ = released_push()
+    s.on_connector_output(Output(None, None))
+    assert manager.free_queue == [30, 35]
+    r.num_computed_tokens = 2 * BS  # the local prefill goes on meanwhile
+    end = Output(PushOutcome({"r1": 4}), {"r1", "other"})
+    s.on_connector_output(end)
+    # the request no longer waits for it: vLLM is not told (it would look for
+    # the request among those waiting, or free its new blocks)
+    assert end.finished_recving == {"other"}
+    assert manager.free_queue == [30, 35, 31, 32, 33, 34]
+    assert r.num_computed_tokens == 2 * BS
+
+
+def test_without_the_cache_manager_a_push_past_its_budget_keeps_waiting():
+    s, r, blocks, manager, out = released_push(bind=False)
+    assert out.finished_recving is None and manager.freed_requests == []
+    assert r.num_computed_tokens == 5 * BS
+
+
+def test_a_finished_request_is_not_released():
+    from vllm.v1.request import RequestStatus
+
+    s = scheduler()
+    r = req()
+    matched(s, r)
+    blocks = Blocks([1, 2, 3, 4, 5])
+    manager = Manager(blocks)
+    s.bind_kv_cache_manager(manager)
+    s.update_state_after_alloc(r, blocks, 4 * BS)
+    s.take_jobs()
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(r) is True  # C may still be writing
+    out = Output(PushOutcome(due=frozenset({"r1"})))
+    s.on_connector_output(out)
+    assert out.finished_recving is None and manager.freed_requests == []
+
+
+def test_requests_for_a_prefix_another_is_pushing_wait_and_take_its_blocks():
+    """A burst forked from one context: one match, one push. Before, each
+    request asked the source and each push wrote the same blocks again."""
+    s = scheduler()
+    a, b, c = req("a"), req("b", n_tokens=5 * BS + 9), req("c")
+    release = threading.Event()
+    asked = []
+
+    def post(source, path, content, headers, deadline):
+        asked.append(json.loads(content)["token_ids"][:1])
+        release.wait(5)
+        return http_answer(
+            200,
+            {
+                "matched_blocks": 4,
+                "matched_tokens": 4 * BS,
+                "total_full_blocks": 5,
+                "fingerprint": C_FP.model_dump(),
+                "engine_timeout_s": 30,
+                "source_id": C_SOURCE,
+                "now_unix_ms": int(time.time() * 1000),
+            },
+        )
+
+    s._lanes.post = post
+    assert s.get_num_new_matched_tokens(a, 0) == (None, False)  # a's match runs
+    # b and c arrive meanwhile: they wait for a, asking the source nothing
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(c, 0) == (None, False)
+    release.set()
+    deadline = time.monotonic() + 5
+    while not s._matches["a"].done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.get_num_new_matched_tokens(a, 0) == (4 * BS, True)
+    s.update_state_after_alloc(a, Blocks([10, 11, 12, 13, 14, 15]), 4 * BS)
+    (job,) = s.take_jobs()
+    assert job.dst_block_ids == (10, 11, 12, 13)
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # a's push runs
+    s.on_worker_meta(PushOutcome({"a": 4}))
+    # vLLM cached a's blocks: b's and c's prefix hits now cover them; b asks for
+    # what lies beyond, and c (the same prompt) waits for that answer
+    for r in (b, c):
+        assert s.get_num_new_matched_tokens(r, 4 * BS) == (None, False)
+    assert "b" in s._matches and "c" not in s._matches
+    for r in (b, c):
+        deadline = time.monotonic() + 5
+        while r.request_id not in s._matches or not s._matches[r.request_id].done():
+            assert time.monotonic() < deadline
+            s.get_num_new_matched_tokens(r, 4 * BS)
+            time.sleep(0.01)
+        assert s.get_num_new_matched_tokens(r, 4 * BS) == (0, False)
+    s.update_state_after_alloc(b, Blocks([10, 11, 12, 13, 20, 21]), 0)
+    s.update_state_after_alloc(c, Blocks([10, 11, 12, 13, 22]), 0)
+    assert s.take_jobs() == [] and len(asked) == 3  # a's match, then b's and c's
+    assert s.stats["coalesced"] == 2 and s.stats["requests"] == 1
+
+
+def test_a_request_waits_for_another_only_while_it_fetches_within_its_budget():
+    clock = Clock()
+    s = PushScheduler(BS, SCHED_CONFIG, FP, clock=clock)
+    a, b = req("a"), req("b")
+    matched(s, a)
+    s.update_state_after_alloc(a, Blocks([1, 2, 3, 4, 5]), 4 * BS)
+    s.take_jobs()
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert "b" not in s._matches  # waits for a's push
+    # a's push is past its budget (the push timeout: unmeasured source)
+    clock.now += SCHED_CONFIG.push_timeout_s
+    s._lanes.post = lambda *args, **kwargs: http_answer(503, {})
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert "b" in s._matches  # its own match now
+    assert s.stats["coalesced"] == 1 and s.decisions["coalesced"] == 1
+
+
+def test_a_request_for_the_same_prefix_from_another_source_does_not_wait():
+    other = "http://c2:9000"
+    config = ExtConfig(
+        push_min_tokens=0, push_match_timeout_s=1, push_sources=(SRC, other)
+    )
+    s = PushScheduler(BS, config, FP)
+    a = req("a")
+    matched(s, a)
+    b = d_request("b", 5 * BS + 3, other + "/")
+    s._lanes.post = lambda *args, **kwargs: http_answer(503, {})
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert "b" in s._matches and s.stats["coalesced"] == 0

@@ -213,7 +213,11 @@ def test_a_slow_source_at_the_match_phase_does_not_delay_a_healthy_one(
         SCHED_FP,
     )
     try:
-        slow_reqs = [d_request(f"s{i}", source=slow.url) for i in range(6)]
+        # six prompts (one prompt's requests would coalesce onto one call)
+        slow_reqs = [
+            d_request(f"s{i}", source=slow.url, tokens=range(i, i + 5 * BS + 3))
+            for i in range(6)
+        ]
         for r in slow_reqs:
             assert sched.get_num_new_matched_tokens(r, 0) == (None, False)
         assert wait_until(lambda: slow.open >= 4, 5)

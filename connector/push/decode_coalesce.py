@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D: requests for one held prefix coalesce onto one push.
+
+A burst of requests forked from one context reaches D at once; each would ask
+the source for the same blocks and each push would write them again, into
+blocks of its own. :class:`PrefixClaims` names, for a source and a block of a
+prompt (its position and everything before it: the salt, the LoRA adapter, the
+tokens), the request that is matching or pushing it from that source. A request whose first block beyond
+D's own prefix hit is claimed by another waits for that one instead of asking
+the same source (decode_scheduler.py): once the other's push landed, vLLM caches
+its blocks and the waiting request gets them as a local hit, asking the source
+only for what lies beyond. The wait ends when the claimant no longer fetches
+(its push ended, was released, or never started) or after a bound, whichever
+comes first: then the request goes its own way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+CLAIMS_KEPT = 1 << 16  # claimed blocks remembered (a bound, not a working size)
+
+
+def block_digests(
+    tokens: Any, block_size: int, salt: str | None, lora: str | None
+) -> list[bytes]:
+    """One digest per full block of ``tokens``, each naming the block and every
+    token before it (chained), under ``salt`` and ``lora``."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    prev = hashlib.blake2b(repr((salt, lora)).encode(), digest_size=16).digest()
+    out = []
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        prev = hashlib.blake2b(
+            prev + ids[start : start + block_size].tobytes(), digest_size=16
+        ).digest()
+        out.append(prev)
+    return out
+
+
+class PrefixClaims:
+    """Which request fetches which block of a prompt. Not thread-safe: the
+    scheduler's thread only."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        # (source, block digest) -> request id, and each request's keys
+        self._owner: dict[tuple[str, bytes], str] = {}
+        self._claimed: dict[str, set[tuple[str, bytes]]] = {}
+        self._digests: dict[str, list[bytes]] = {}  # request id -> its prompt's
+
+    def digests(self, request: Any, lora: str | None) -> list[bytes]:
+        rid = request.request_id
+        found = self._digests.get(rid)
+        if found is None:
+            found = block_digests(
+                request.prompt_token_ids or (),
+                self.block_size,
+                request.cache_salt,
+                lora,
+            )
+            self._digests[rid] = found
+        return found
+
+    def holder(
+        self, request: Any, lora: str | None, source: str, first: int
+    ) -> str | None:
+        """The request that claimed block ``first`` of this prompt from
+        ``source``, or None."""
+        digests = self.digests(request, lora)
+        if first >= len(digests):
+            return None
+        return self._owner.get((source, digests[first]))
+
+    def claim(
+        self, request: Any, lora: str | None, source: str, first: int, n: int
+    ) -> None:
+        """Blocks ``first`` .. ``first + n - 1`` of this prompt are fetched by it
+        from ``source``."""
+        rid = request.request_id
+        keys = [(source, d) for d in self.digests(request, lora)[first : first + n]]
+        if len(self._owner) + len(keys) > CLAIMS_KEPT:
+            return  # a bound on memory: past it, requests fetch on their own
+        for key in keys:
+            self._owner.setdefault(key, rid)
+        self._claimed.setdefault(rid, set()).update(keys)
+
+    def drop(self, rid: str) -> None:
+        """The request no longer fetches (and is forgotten)."""
+        for key in self._claimed.pop(rid, ()):
+            if self._owner.get(key) == rid:
+                del self._owner[key]
+        self._digests.pop(rid, None)
+
+    def claimants(self) -> list[str]:
+        return list(self._claimed)
