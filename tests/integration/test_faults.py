@@ -63,7 +63,8 @@ def test_link_down_past_the_engines_call_timeout_is_not_an_end(bench):
 
 
 def test_push_source_link_down_past_the_engines_call_timeout_is_not_an_end(bench):
-    """The same window for C's /push_blocks write: the push completes, D uses it."""
+    """The same window for C's /push_blocks write: C's write ends ok once the link
+    is back; D, past the push's budget, answers from its own prefill meanwhile."""
     out = run_fault(bench, "push_link_down_engine_timeout")
     assert out.requests == 1 and out.ok == 1, out
     assert_held(out, errors_allowed=False)
