@@ -284,8 +284,8 @@ def parse_proc_net_tcp(text: str, peers: frozenset[str] | None) -> list[QueuedSo
 def read_proc_net_tcp(
     peers: frozenset[str] | None, root: str = "/proc/net"
 ) -> list[QueuedSocket] | None:
-    """This namespace's TCP sockets to ``peers`` (None: every socket) from ``/proc/net/tcp{,6}``; None
-    when neither can be read."""
+    """This namespace's TCP sockets to ``peers`` (None: every socket) from
+    ``/proc/net/tcp{,6}``; None when neither can be read."""
     out: list[QueuedSocket] = []
     read_any = False
     for name in ("tcp", "tcp6"):

@@ -5,39 +5,27 @@ A burst of requests forked from one context reaches D at once; each would ask
 the source for the same blocks and each push would write them again, into
 blocks of its own. :class:`PrefixClaims` names, for a source and a block of a
 prompt (its position and everything before it: the salt, the LoRA adapter, the
-tokens), the request that is matching or pushing it from that source. A request whose first block beyond
-D's own prefix hit is claimed by another waits for that one instead of asking
-the same source (decode_scheduler.py): once the other's push landed, vLLM caches
-its blocks and the waiting request gets them as a local hit, asking the source
-only for what lies beyond. The wait ends when the claimant no longer fetches
+tokens: vLLM's chained block hash), the request that is matching or pushing it
+from that source. A request whose first block beyond D's own prefix hit is
+claimed by another waits for that one instead of asking the same source
+(decode_scheduler.py): once the other's push landed, vLLM caches its blocks and
+the waiting request gets them as a local hit, asking the source only for what
+lies beyond. The wait ends when the claimant no longer fetches
 (its push ended, was released, or never started) or after a bound, whichever
 comes first: then the request goes its own way.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-import numpy as np
+from ..hashsync.hashing import hash_prompt_blocks
 
 CLAIMS_KEPT = 1 << 16  # claimed blocks remembered (a bound, not a working size)
-
-
-def block_digests(
-    tokens: Any, block_size: int, salt: str | None, lora: str | None
-) -> list[bytes]:
-    """One digest per full block of ``tokens``, each naming the block and every
-    token before it (chained), under ``salt`` and ``lora``."""
-    ids = np.asarray(tokens, dtype=np.int64)
-    prev = hashlib.blake2b(repr((salt, lora)).encode(), digest_size=16).digest()
-    out = []
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        prev = hashlib.blake2b(
-            prev + ids[start : start + block_size].tobytes(), digest_size=16
-        ).digest()
-        out.append(prev)
-    return out
+# the hashing of the claims' keys: vLLM's chained block hashes, compared only
+# with each other on this instance (any algorithm and seed would do)
+CLAIM_HASH_ALGO = "sha256"
+CLAIM_NONE_HASH = b"mooncake-push-claims"
 
 
 class PrefixClaims:
@@ -55,9 +43,11 @@ class PrefixClaims:
         rid = request.request_id
         found = self._digests.get(rid)
         if found is None:
-            found = block_digests(
+            found = hash_prompt_blocks(
                 request.prompt_token_ids or (),
                 self.block_size,
+                CLAIM_HASH_ALGO,
+                CLAIM_NONE_HASH,
                 request.cache_salt,
                 lora,
             )
