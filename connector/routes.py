@@ -220,6 +220,7 @@ def bootstrap_router(
         return {
             **server.stats,
             "overdue_now": server.num_overdue(),
+            "bytes_by_destination": server.bytes_to.snapshot(),
             **server.write_stats(),
         }
 

@@ -44,6 +44,18 @@ def counter(url: str, name: str, timeout: float = 10.0) -> float:
     return sum(found)
 
 
+# where vLLM says a prompt's tokens came from (vllm:prompt_tokens_by_source_total)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    """An instance's prompt tokens so far by source: computed, hit in its local
+    prefix cache, taken from the KV connector."""
+    text = scrape(url)
+    name = "vllm:prompt_tokens_by_source_total"
+    return {s: sum(samples(text, name, {"source": s})) for s in PROMPT_SOURCES}
+
+
 def read_when(
     read: Callable[[], T], done: Callable[[T], bool], timeout: float = 10.0
 ) -> T:

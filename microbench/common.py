@@ -182,6 +182,39 @@ def model_facts(model_dir: Path) -> dict:
     }
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend, or None where matplotlib is
+    not installed (the benchmarks then write no plot)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def clean_run_target(name: str, row: dict) -> dict:
+    """A row's target that every run holds: no error, no wrong sampled answer
+    (``row["checks"]``), no KV block held after it (``row["blocks_held_after"]``)."""
+    wrong = sum(not c["ok"] for c in row["checks"])
+    return {
+        "target": f"{name}: 0 errors, 0 wrong answers, 0 blocks held",
+        "value": f"{row['errors']} errors, {wrong} wrong of {len(row['checks'])} "
+        f"checked, blocks held {row['blocks_held_after']}",
+        "met": bool(row["correct"] and not any(row["blocks_held_after"])),
+        "why": "",
+    }
+
+
+def target_line(t: dict) -> str:
+    """A target as the benchmarks print it."""
+    return f"target {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {t['value']}" + (
+        f" ({t['why']})" if t["why"] else ""
+    )
+
+
 def finish(
     tag: str,
     out: Path,

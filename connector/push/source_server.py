@@ -154,6 +154,27 @@ class Counters(dict):
             dict.update(self, {k: self[k] + v for k, v in deltas.items()})
 
 
+class BytesByDestination:
+    """Bytes this source wrote to each destination session (GET /push/stats), for
+    at most ``kept`` destinations: the one written least recently is forgotten
+    first, so a source serving ever new peers keeps a bounded table."""
+
+    def __init__(self, kept: int = 64):
+        self.kept = kept
+        self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, session: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes[session] = self._bytes.pop(session, 0) + nbytes
+            while len(self._bytes) > self.kept:
+                self._bytes.popitem(last=False)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._bytes)
+
+
 def log_id(value: Any) -> str:
     """A requester's id as this instance logs it: printable ASCII, at most 64 characters
     (control and non-ASCII characters escaped)."""
@@ -237,6 +258,7 @@ class PushServer:
             proofs_failed=0,
             proofs_refused=0,
         )
+        self.bytes_to = BytesByDestination()
         # proof of write: push id -> what it wrote, oldest first
         self._pushed: collections.OrderedDict[str, _Pushed] = collections.OrderedDict()
         self._pushed_blocks = 0
@@ -440,6 +462,7 @@ class PushServer:
         self.stats.add(
             ok=1, bytes=resp.bytes, entries=len(lens), write_seconds=resp.seconds
         )
+        self.bytes_to.add(req.dst_session, resp.bytes)
         logger.info(
             "push_blocks %s: %d blocks (%.1f MiB, %d entries) to %s in %.3f s "
             "(%.2f GB/s)",

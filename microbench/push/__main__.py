@@ -31,15 +31,23 @@ Correctness: one more turn 2 per length with 4 tokens and top-5 logprobs on
 D via push, checked against C computing it from scratch (harness.correctness;
 D's cached tokens must equal the pushed tokens).
 
+Push or recompute, by length: with --under-load N (on with --full) every size
+is measured again while N decode streams run on C and on D each
+(microbench/load.py). Per condition the crossover (the shortest prefix from
+which on push's TTFT is below recompute's) and the target push <= 0.2x cold at
+16k tokens are printed.
+
 The default model here is the generated one with --layers 8 (48 makes a cold
 16k-token prefill take minutes on this CPU); the layer count is an option.
 
-    python -m microbench.push [--sizes 8192,16384] [--reps 3] [--full] [--layers 8]
+    python -m microbench.push [--sizes 8192,16384] [--reps 3] [--under-load 4]
+                              [--full] [--layers 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import uuid
 from pathlib import Path
@@ -64,15 +72,19 @@ from microbench.bandwidth import (
 )
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
+    code_version,
     finish,
     machine_info,
     median,
     model_facts,
     stamp,
+    target_line,
 )
+from microbench.load import DecodeLoad
 
 REQUEST_TIMEOUT_S = 900
 WRITE_EFFICIENCY_TARGET = 0.8  # C's write GB/s over the engine's with the same layout
+PUSH_OF_COLD_AT_16K = 0.2
 
 
 def c_push_stats(c) -> dict:
@@ -288,7 +300,90 @@ def efficiency_lines(ok: list[dict]) -> tuple[bool, list[str]]:
     return met, lines
 
 
-def summarize(rows: list[dict], bw: dict) -> dict:
+# An H100 serving an 8B model (Llama-3.1-8B, bf16) over 200-400 Gb/s RDMA, set
+# beside this machine's ratio of prefill to transfer time per token. Estimates,
+# not measurements: KV 2 x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB a
+# token; prefill at a 16k context 40-80 us a token (16 GFLOP a token of weights
+# plus attention, at 25-50% of the H100's 989 dense bf16 TFLOPS); the link 25-50
+# GB/s. The layer count scales both sides, so the ratio holds for any depth.
+H100_8B_PREFILL_US = (40.0, 80.0)
+H100_8B_KV_BYTES = 131072
+H100_LINK_GB_PER_S = (25.0, 50.0)
+
+
+def prefill_over_transfer(
+    row: dict, bw_gb_per_s: float, kv_bytes_per_token: int
+) -> dict:
+    """Per token: the cold prefill here (the row's cold TTFT over its prompt) and
+    the transfer of its KV at the engine's bandwidth here; their ratio, and the
+    same ratio's range for an H100 with an 8B model over RDMA."""
+    prefill_us = row["ttft_cold_s"] / row["turn2_len"] * 1e6
+    transfer_us = kv_bytes_per_token / (bw_gb_per_s * 1e9) * 1e6
+    h100 = [
+        p / (H100_8B_KV_BYTES / (g * 1e9) * 1e6)
+        for p, g in (
+            (H100_8B_PREFILL_US[0], H100_LINK_GB_PER_S[0]),
+            (H100_8B_PREFILL_US[1], H100_LINK_GB_PER_S[1]),
+        )
+    ]
+    return {
+        "prefill_us_per_token": prefill_us,
+        "transfer_us_per_token": transfer_us,
+        "ratio": prefill_us / transfer_us,
+        "h100_8b_ratio": h100,
+    }
+
+
+def crossover(rows: list[dict]) -> int | None:
+    """The shortest prefix from which on pushing beats recomputing: push's TTFT
+    below cold's at that length and at every longer one measured (None: at no
+    length, or not at the longest)."""
+    ok = sorted((r for r in rows if not r.get("error")), key=lambda r: r["prefix_len"])
+    best = None
+    for r in reversed(ok):
+        if r["ttft_push_s"] >= r["ttft_cold_s"]:
+            break
+        best = r["prefix_len"]
+    return best
+
+
+def condition_lines(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """Per condition (idle, under load): the crossover and the 16k target."""
+    targets, lines = [], []
+    for cond in dict.fromkeys(r.get("condition", "idle") for r in rows):
+        mine = [r for r in rows if r.get("condition", "idle") == cond]
+        x = crossover(mine)
+        lines.append(
+            f"{cond}: push beats recompute from "
+            + (f"{x} tokens on" if x is not None else "no length measured")
+            + " ("
+            + ", ".join(
+                f"{r['prefix_len']}: {r['push_over_cold']:.2f}x"
+                for r in mine
+                if not r.get("error")
+            )
+            + " of cold)"
+        )
+        at = [r for r in mine if r["prefix_len"] == 16384 and not r.get("error")]
+        if at:
+            v = at[0]["push_over_cold"]
+            targets.append(
+                {
+                    "target": f"{cond}: push TTFT <= {PUSH_OF_COLD_AT_16K:g}x recompute's "
+                    "at 16k tokens",
+                    "value": f"{at[0]['ttft_push_s']:.3f} / {at[0]['ttft_cold_s']:.3f} s "
+                    f"= {v:.2f}x",
+                    "met": v <= PUSH_OF_COLD_AT_16K,
+                    "why": "",
+                }
+            )
+    return targets, lines
+
+
+def summarize(rows: list[dict], bw: dict, kv_bytes_per_token: int) -> dict:
+    loaded = [r for r in rows if r.get("condition", "idle") != "idle"]
+    targets, cond_lines = condition_lines(rows)
+    rows = [r for r in rows if r.get("condition", "idle") == "idle"]
     ok = [r for r in rows if not r.get("error")]
     if not ok:
         return {"lines": ["no size completed"]}
@@ -305,6 +400,15 @@ def summarize(rows: list[dict], bw: dict) -> dict:
         "all_correct": all(r["correct"] for r in ok),
     }
     out["write_efficiency_met"], eff_lines = efficiency_lines(ok)
+    ratio = prefill_over_transfer(top, bw["gb_per_s"], kv_bytes_per_token)
+    out["prefill_over_transfer"] = ratio
+    eff_lines.append(
+        f"per token at {top['prefix_len']}: prefill {ratio['prefill_us_per_token']:.0f} us "
+        f"here, KV transfer {ratio['transfer_us_per_token']:.1f} us at the engine's "
+        f"bandwidth: ratio {ratio['ratio']:.0f}x (an H100 with an 8B model over 200-400 "
+        f"Gb/s RDMA: about {ratio['h100_8b_ratio'][0]:.0f}-"
+        f"{ratio['h100_8b_ratio'][1]:.0f}x, estimated; push gains less there)"
+    )
     out["lines"] = [
         f"engine bandwidth ({bw['protocol']}, this machine): {bw['gb_per_s']:.2f} GB/s "
         f"({bw['bytes'] / 2**20:.0f} MiB in {bw['entry_bytes'] // 1024} KiB entries, best of "
@@ -318,11 +422,16 @@ def summarize(rows: list[dict], bw: dict) -> dict:
         f"all of C's held blocks pushed: {out['all_held_blocks_pushed']}; "
         f"correctness: {'pass' if out['all_correct'] else 'FAIL'}",
         *eff_lines,
+        *cond_lines,
+        *(target_line(t) for t in targets),
     ]
+    out["targets"] = targets
+    out["under_load_rows"] = len(loaded)
     return out
 
 
 TABLE = [
+    ("condition", "condition", ""),
     ("prefix_len", "prefix", "d"),
     ("turn2_len", "turn2", "d"),
     ("matched_blocks", "matched", ".0f"),
@@ -360,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--full",
         action="store_true",
-        help="the long sweep: sizes 2048,8192,16384, 5 reps (about 20 min here)",
+        help="the long sweep: sizes 2048 to 32768, 5 reps, idle and under load",
     )
     ap.add_argument(
         "--sizes",
@@ -369,6 +478,14 @@ def main(argv: list[str] | None = None) -> int:
         "checked at; --full adds 2048)",
     )
     ap.add_argument("--reps", type=int, default=None, help="default 3 (--full: 5)")
+    ap.add_argument(
+        "--under-load",
+        type=int,
+        default=None,
+        metavar="STREAMS",
+        help="measure every size again with this many decode streams running on C "
+        "and on D each (microbench/load.py; --full: 4)",
+    )
     ap.add_argument("--turn1-output", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--protocol", default="tcp")
@@ -387,10 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     args.sizes = [
         int(s)
         for s in (
-            args.sizes or ("2048,8192,16384" if args.full else "8192,16384")
+            args.sizes or ("2048,4096,8192,16384,32768" if args.full else "8192,16384")
         ).split(",")
     ]
     args.reps = args.reps or (5 if args.full else 3)
+    code = code_version()  # the code this process runs: edits made later do not
+    if args.under_load is None and args.full:
+        args.under_load = 4
 
     model_dir = args.model or ensure_model(ModelShape(num_layers=args.layers))
     facts = model_facts(Path(model_dir))
@@ -445,14 +565,27 @@ def main(argv: list[str] | None = None) -> int:
         one_session(
             c, d, prompts, 256, args, cm, dm, logprobs=None, max_tokens=1
         )  # warm-up
-        for n in args.sizes:
-            try:
-                rows.append(
-                    measure_size(c, d, prompts, n, args, cm, dm, facts, probe_log)
-                )
-            except (RequestFailed, httpx.HTTPError) as e:
-                print(f"[push] n={n}: FAILED: {e}", file=sys.stderr, flush=True)
-                rows.append({"prefix_len": n, "error": str(e), "correct": False})
+        conditions = [("idle", None)] + (
+            [(f"{args.under_load} decode streams on C and D", args.under_load)]
+            if args.under_load
+            else []
+        )
+        for cond, streams in conditions:
+            with contextlib.ExitStack() as loaded:
+                for inst, m in ((c, cm), (d, dm)) if streams else ():
+                    loaded.enter_context(
+                        DecodeLoad(inst.url, m, streams, facts["vocab_size"])
+                    )
+                for n in args.sizes:
+                    print(f"[push] {cond}, prefix {n}", flush=True)
+                    try:
+                        row = measure_size(
+                            c, d, prompts, n, args, cm, dm, facts, probe_log
+                        )
+                    except (RequestFailed, httpx.HTTPError) as e:
+                        print(f"[push] n={n}: FAILED: {e}", file=sys.stderr, flush=True)
+                        row = {"prefix_len": n, "error": str(e), "correct": False}
+                    rows.append(row | {"condition": cond})
         c_stats = c_push_stats(c)
     for r in rows:
         if not r.get("error"):
@@ -460,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "push",
         "machine": machine_info(),
+        "code": code,
         "model": facts,
         "config": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
@@ -468,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         "c_push_stats": c_stats,
         "rows": rows,
     }
-    result["summary"] = summarize(rows, bw)
+    result["summary"] = summarize(rows, bw, facts["kv_bytes_per_token"])
     return finish("push", out, result, TABLE, lambda r: r["prefix_len"])
 
 

@@ -36,6 +36,7 @@ from microbench.common import (
     finish,
     machine_info,
     model_facts,
+    pyplot,
     stamp,
 )
 
@@ -173,12 +174,8 @@ def display(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (a, t, b) = plt.subplots(1, 3, figsize=(13, 4))
     names = [r["dispatcher"] for r in rows]

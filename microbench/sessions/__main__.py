@@ -1,34 +1,40 @@
-"""Sessions: what prefix push buys on a production trace, through vllm-router.
+"""Sessions: what prefix push buys on a production trace, against offered load.
 
 A window of whole conversations from a Mooncake-format trace (by default the
-production conversation trace in ../shared/traces; microbench/sessions/trace.py
-holds the window and the scaling) is replayed on its own clock on two
-``kv_both`` instances (core 0 and core 1), in arms:
+production conversation trace in ../shared/traces, at its own scale: 512 tokens a
+block id, the window's median prompt about 9k tokens and its longest 29k;
+microbench/sessions/trace.py holds the window and the scaling) is replayed on
+its own clock on two ``kv_both`` instances (core 0 and core 1), at a series of
+offered loads (--loads, sessions starting a minute; each load the same sessions,
+evenly spaced, each keeping its turns' gaps), in arms:
 
-  sticky         each session's turns sent straight to one instance: every turn
-                 after the first finds its prefix in the local cache (the best a
-                 session-affine router could do)
-  rr             vllm-router --policy round_robin in front: a turn lands on the
-                 instance that served the previous one only by chance
-  rr+push        the same, with prefix push on both instances (MOONCAKE_PUSH_AUTO=1)
-  kv_aware       vllm-router --policy kv_aware, fed by both instances' KV events
-                 (through a loopback forwarder each; harness.routers)
-  kv_aware+push  the same with prefix push
-  pd-layerwise   P/D: a kv_producer (core 0) and a kv_consumer (core 1), every
-                 turn sent to both at once (as upstream's P/D proxy does), P
-                 writing each layer's KV as soon as it is computed
-  pd-posthoc     the same, P writing the KV once its prefill has ended
+  sticky            each session's turns sent straight to one instance: every
+                    turn after the first finds its prefix in the local cache (the
+                    best a session-affine router could do)
+  rr                vllm-router --policy round_robin in front: a turn lands on the
+                    instance that served the previous one only by chance
+  p2c               vllm-router --policy power_of_two (load-aware)
+  cache_aware       vllm-router --policy cache_aware (its own prefix tree)
+  <policy>+push     the same, with prefix push on both instances (MOONCAKE_PUSH_AUTO=1)
+  kv_aware          vllm-router --policy kv_aware, fed by both instances' KV events
+                    (through a loopback forwarder each; harness.routers)
+  kv_aware+push     the same with prefix push
+  pd-layerwise      P/D: a kv_producer (core 0) and a kv_consumer (core 1), every
+                    turn sent to both at once (as upstream's P/D proxy does), P
+                    writing each layer's KV as soon as it is computed
+  pd-posthoc        the same, P writing the KV once its prefill has ended
 
-The kv_aware arms run with --kv-aware (or --full), where vllm-router can read
+By default sticky, rr, rr+push, p2c and p2c+push run (--arms picks, --full runs
+all). The kv_aware arms run with --kv-aware (or --full), where vllm-router can read
 the release's KV events (not vLLM 0.18.1: harness.routers.KV_EVENTS_UNREADABLE);
 the P/D arms with --pd (or --full), on a start of their own with
 MOONCAKE_LAYERWISE=1 and the mode chosen per request. The arms without push run
-on one start of the instances, those with push on another; every arm starts on
-empty prefix caches (POST /reset_prefix_cache, vLLM's dev route, on both
+on one start of the instances, those with push on another; every arm starts each
+load on empty prefix caches (POST /reset_prefix_cache, vLLM's dev route, on both
 instances before it). In the P/D arms the prefill accounting is P's, the
 tokens D took from the connector are "transferred", and P's record of its
 transfers (/layerwise/transfers) gives their outcomes and the share of bytes
-written before P's last layer. Per arm: TTFT p50/p90/p99
+written before P's last layer. Per arm and load: TTFT p50/p90/p99
 (client, streamed), end-to-end p50/p90, TPOT p90, prefix reuse (vLLM's prompt
 tokens by source: local cache hits + tokens from the connector) against the
 reuse one instance with an unbounded cache would get on the same requests,
@@ -37,15 +43,22 @@ cache could not save), push decisions by reason and pushes by outcome, errors,
 a correctness check of sampled requests (first tokens' top-5 logprobs against a
 from-scratch reference), and the KV blocks still held after the run.
 
-    python -m microbench.sessions [--requests 40] [--session-interval-s 8] [--kv-aware]
+The SLO is a TTFT p90 of at most three idle cold prefills of the median prompt
+(measured at the start; microbench/loadcurve.py says why); an arm's goodput is
+the highest load up to which it keeps it. The plot: TTFT p90 against offered
+load, a line per arm, the SLO drawn.
+
+    python -m microbench.sessions [--requests 16] [--loads 3,6,12] [--kv-aware]
                                   [--pd] [--arms LIST] [--full] [--trace FILE]
 
 Any Mooncake-format trace replays with --trace (and --source-block-tokens if its
 blocks are not 512 tokens), a multi-turn one (AIPerf's) too; --aiperf N replays
-an agentic-code trace of N sessions that AIPerf synthesizes (aiperf.py). Writes results/sessions-trace-<time>.json, .png and the
-scaled trace (.trace.jsonl: replayable with vLLM 0.32's
-``vllm bench serve --dataset-name timed_trace --timed-trace-chunk-hash-size 128``);
-prints a table and the targets.
+an agentic-code trace of N sessions that AIPerf synthesizes (aiperf.py);
+--id-tokens 128 replays the 4x-shrunk prompts of earlier runs. Writes
+results/sessions-trace-<time>.json, .png and the scaled trace (.trace.jsonl, at
+the lightest load: replayable with vLLM 0.32's ``vllm bench serve
+--dataset-name timed_trace --timed-trace-chunk-hash-size 512``); prints a table
+and the targets.
 """
 
 from __future__ import annotations
@@ -53,7 +66,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import statistics
 import sys
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -63,7 +78,7 @@ import httpx
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK, Cluster, InstanceSpec, free_port
-from harness.metrics import read_when, samples, scrape
+from harness.metrics import PROMPT_SOURCES, prompt_tokens_by_source, read_when
 from harness.model import ModelShape, ensure_model
 from harness.pd_client import (
     complete,
@@ -86,11 +101,22 @@ from harness.routers import (
 from harness.vllm_series import selected
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
+    clean_run_target,
     code_version,
     finish,
     machine_info,
     model_facts,
+    pyplot,
     stamp,
+    target_line,
+)
+from microbench.loadcurve import (
+    SLO_COLD_PREFILLS,
+    goodput,
+    parse_loads,
+    slo_s,
+    throughput,
+    within,
 )
 from microbench.sessions import aiperf, trace
 from microbench.sessions.replay import replay
@@ -103,17 +129,24 @@ DEFAULT_TRACE = (
     PROJECT.parent / "shared" / "traces" / "mooncake-fast25-conversation.jsonl"
 )
 TOKEN = uuid.uuid4().hex
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 PUSH_REASONS = tuple(d.value for d in Decision)
 ARMS = (
     "sticky",
     "rr",
     "rr+push",
+    "p2c",
+    "p2c+push",
+    "cache_aware",
+    "cache_aware+push",
     "kv_aware",
     "kv_aware+push",
     "pd-layerwise",
     "pd-posthoc",
 )
+# vllm-router's policy behind each routed arm (kv_aware has its own set-up)
+POLICIES = {"rr": "round_robin", "p2c": "power_of_two", "cache_aware": "cache_aware"}
+DEFAULT_ARMS = ("sticky", "rr", "rr+push", "p2c", "p2c+push")
+DEFAULT_LOADS, FULL_LOADS = "3,6,12", "1.5,3,6,12,24"  # sessions a minute
 PD_MODES = {"pd-layerwise": "layerwise", "pd-posthoc": "posthoc"}
 TTFT_VS_LOCAL = 1.5  # turn >= 2 TTFT p50 with push, against sticky's
 REUSE_OF_UNBOUNDED = 0.9
@@ -127,19 +160,13 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def by_source(url: str) -> dict[str, float]:
-    text = scrape(url)
-    name = "vllm:prompt_tokens_by_source_total"
-    return {s: sum(samples(text, name, {"source": s})) for s in SOURCES}
-
-
 def snapshot(insts) -> dict:
     snap = {}
     for i in insts:
         pushing = i.spec.role == "kv_both"  # P/D's instances run no push
         push = push_stats(i.bootstrap_url) if pushing else {}
         snap[i.spec.name] = {
-            "tokens": by_source(i.url),
+            "tokens": prompt_tokens_by_source(i.url),
             "decisions": push_decisions(i.bootstrap_url)
             if pushing
             else dict.fromkeys(PUSH_REASONS, 0.0),
@@ -151,12 +178,12 @@ def snapshot(insts) -> dict:
 
 def grown(before: dict, after: dict) -> dict:
     out = {
-        "tokens": dict.fromkeys(SOURCES, 0.0),
+        "tokens": dict.fromkeys(PROMPT_SOURCES, 0.0),
         "decisions": dict.fromkeys(PUSH_REASONS, 0.0),
     }
     out["push_ok"] = out["push_failed"] = 0
     for name in before:
-        for s in SOURCES:
+        for s in PROMPT_SOURCES:
             out["tokens"][s] += after[name]["tokens"][s] - before[name]["tokens"][s]
         for r in PUSH_REASONS:
             out["decisions"][r] += (
@@ -231,8 +258,9 @@ def dispatcher(arm: str, a, b, reqs, log_dir: Path, model: str):
     if arm in PD_MODES:  # D's url; P's request goes with it (replay's prefill)
         yield lambda i: b.url
         return
-    if arm.startswith("rr"):
-        with vllm_router_workers([a, b], log_dir, "round_robin") as router:
+    policy = POLICIES.get(arm.removesuffix("+push"))
+    if policy is not None:
+        with vllm_router_workers([a, b], log_dir, policy) as router:
             yield lambda i: router.url
         return
     with kv_aware_router([a, b], log_dir, model) as router:
@@ -430,6 +458,144 @@ def ttft_difference(x: dict, y: dict, q: float = 0.9, n: int = 2000, seed: int =
     return pct(xs, q) - pct(ys, q), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
 
 
+def workload(raw, load: float, args, builder: trace.PromptBuilder) -> dict:
+    """The window's sessions at ``load`` sessions a minute: the requests on their
+    clock, their prompts, the sampled ones (turns >= 2) and the unbounded cache's
+    reuse."""
+    reqs = trace.scale(
+        trace.space_sessions(
+            raw,
+            interval_ms=60e3 / load,
+            gap_scale=args.gap_scale,
+            max_gap_ms=1e3 * args.max_gap_s,
+        ),
+        block_tokens=args.id_tokens,
+        source_block_tokens=args.source_block_tokens,
+        output_divisor=args.output_divisor,
+        max_output=args.max_output,
+    )
+    later = [i for i, t in enumerate(turns_of(reqs)) if t >= 2]
+    step = max(1, len(later) // max(1, args.samples))
+    return {
+        "reqs": reqs,
+        "prompts": [builder.prompt(r) for r in reqs],
+        "sampled": set(later[::step][: args.samples]),
+        "unbounded": trace.unbounded_reuse(reqs, args.id_tokens),
+    }
+
+
+def curve_targets(
+    by_load: dict[float, dict[str, dict]], slo: float
+) -> tuple[list[dict], dict[str, float]]:
+    """The load series' targets, and each arm's goodput (sessions a minute)."""
+    out = []
+
+    def add(name, value, met, why=""):
+        out.append({"target": name, "value": value, "met": bool(met), "why": why})
+
+    arms = [a for a in ARMS if any(a in rows for rows in by_load.values())]
+    gp = {
+        a: goodput(
+            [
+                (x, r[a]["ttft_p90_s"], r[a]["errors"])
+                for x, r in by_load.items()
+                if a in r
+            ],
+            slo,
+        )
+        for a in arms
+    }
+    pushing = [a for a in arms if a.endswith("+push")]
+    best = max(pushing, key=lambda a: gp[a], default=None)
+    if best and "rr" in gp:
+        add(
+            f"goodput of the best push arm ({best}) >= 1.5x round robin's",
+            f"{gp[best]:g} / {gp['rr']:g} sessions/min",
+            gp[best] > 0 and gp[best] >= 1.5 * gp["rr"],
+        )
+    if best and "sticky" in gp:
+        add(
+            f"goodput of the best push arm ({best}) >= session-sticky's",
+            f"{gp[best]:g} / {gp['sticky']:g} sessions/min",
+            gp[best] > 0 and gp[best] >= gp["sticky"],
+        )
+        x = gp["sticky"]
+        if x in by_load and best in by_load[x]:
+            a, b = by_load[x][best]["ttft_p90_s"], by_load[x]["sticky"]["ttft_p90_s"]
+            add(
+                f"at sticky's goodput ({x:g}/min) the best push arm's TTFT p90 <= "
+                "sticky's",
+                f"{a:.2f} / {b:.2f} s" if a and b else "-",
+                a is not None and b is not None and a <= b,
+            )
+    for arm in pushing:
+        base = arm.removesuffix("+push")
+        worse = []
+        for x, rows in by_load.items():
+            if arm in rows and base in rows:
+                d, lo, hi = ttft_difference(rows[arm], rows[base])
+                if lo > 0:
+                    worse.append(f"{x:g}/min: {d:+.2f} s ({lo:+.2f} to {hi:+.2f})")
+        if any(arm in r and base in r for r in by_load.values()):
+            add(
+                f"{arm} TTFT p90 <= {base}'s at every load, beyond the run's noise",
+                "; ".join(worse) or "no load worse",
+                not worse,
+                "a load counts as worse when the 95% bootstrap interval of the p90 "
+                "difference lies wholly above 0",
+            )
+    if best:
+        reuse = [
+            (x, rows[best]["reuse_of_unbounded"])
+            for x, rows in by_load.items()
+            if best in rows
+        ]
+        add(
+            f"{best}: reuse >= 95% of the unbounded cache's at every load",
+            ", ".join(f"{x:g}/min {r:.1%}" for x, r in reuse if r is not None),
+            all(r is not None and r >= 0.95 for _, r in reuse),
+        )
+    return out, gp
+
+
+def plot_curve(rows: list[dict], slo: float, path: Path, title: str) -> Path | None:
+    """TTFT p90 against offered load, a line per arm, the SLO drawn; beside it
+    the prefill tokens each arm computed."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        xs = [r["load_per_min"] for r in mine]
+        style = "-" if arm.endswith("+push") else "--"
+        a.plot(
+            xs,
+            [r["ttft_p90_s"] for r in mine],
+            style,
+            marker="o",
+            label=arm,
+        )
+        b.plot(xs, [r["computed_tokens"] for r in mine], style, marker="o", label=arm)
+    a.axhline(slo, color="black", linewidth=1, label=f"SLO ({slo:.1f} s)")
+    a.set_xlabel("offered load (sessions a minute)")
+    a.set_ylabel("TTFT p90 (s)")
+    a.set_ylim(bottom=0)
+    b.set_xlabel("offered load (sessions a minute)")
+    b.set_ylabel("prefill tokens computed")
+    loads = sorted({r["load_per_min"] for r in rows})
+    for ax in (a, b):
+        ax.set_xscale("log")
+        ax.set_xticks(loads, [f"{x:g}" for x in loads])
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(title, 140), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def targets(rows: dict[str, dict]) -> list[dict]:
     rr, push, sticky = rows.get("rr"), rows.get("rr+push"), rows.get("sticky")
     out = []
@@ -500,30 +666,20 @@ def targets(rows: dict[str, dict]) -> list[dict]:
             f"answer p50 {ms(lw['pd']['prefill_p50_s'])} layer-wise, "
             f"{ms(post['pd']['prefill_p50_s'])} post-hoc",
         )
-    for name, r in rows.items():
-        add(
-            f"{name}: 0 errors, 0 wrong answers, 0 blocks held",
-            f"{r['errors']} errors, {sum(not c['ok'] for c in r['checks'])} wrong of "
-            f"{len(r['checks'])} checked, blocks held {r['blocks_held_after']}",
-            r["correct"] and not any(r["blocks_held_after"]),
-        )
-    return out
-
-
-def target_line(t: dict) -> str:
-    """A target as the benchmarks print it."""
-    return f"target {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {t['value']}" + (
-        f" ({t['why']})" if t["why"] else ""
-    )
+    return out + [clean_run_target(name, r) for name, r in rows.items()]
 
 
 TABLE = [
     ("arm", "arm", ""),
+    ("load_per_min", "sessions/min", "g"),
+    ("slo", "SLO", ""),
     ("errors", "err", "d"),
     ("ttft_p50_ms", "TTFT p50", ".0f"),
     ("ttft_p90_ms", "p90", ".0f"),
     ("ttft_p99_ms", "p99", ".0f"),
     ("ttft_later_p50_ms", "turn>=2 p50", ".0f"),
+    ("requests_per_s", "req/s", ".3f"),
+    ("in_flight_mean", "in flight", ".1f"),
     ("e2e_p50_ms", "e2e p50", ".0f"),
     ("e2e_p90_ms", "e2e p90", ".0f"),
     ("tpot_p90_ms", "TPOT p90", ".1f"),
@@ -546,16 +702,24 @@ def transfers_cell(pd: dict | None) -> str:
     return f"{t['completed']:.0f} ok, {t['failed']:.0f} failed{early}"
 
 
-def display(rows: list[dict]) -> list[dict]:
+def display(rows: list[dict], slo: float | None = None) -> list[dict]:
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     return [
         {
             "arm": r["arm"],
+            "load_per_min": r.get("load_per_min"),
+            "slo": "-"
+            if slo is None
+            else "kept"
+            if within(r["ttft_p90_s"], slo, r["errors"])
+            else "missed",
             "errors": r["errors"],
             "ttft_p50_ms": ms(r["ttft_p50_s"]),
             "ttft_p90_ms": ms(r["ttft_p90_s"]),
             "ttft_p99_ms": ms(r["ttft_p99_s"]),
             "ttft_later_p50_ms": ms(r["ttft_later_p50_s"]),
+            "requests_per_s": r.get("requests_per_s"),
+            "in_flight_mean": r.get("in_flight_mean"),
             "e2e_p50_ms": ms(r["e2e_p50_s"]),
             "e2e_p90_ms": ms(r["e2e_p90_s"]),
             "tpot_p90_ms": ms(r["tpot_p90_s"]),
@@ -574,12 +738,8 @@ def display(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
     names = [r["arm"] for r in rows]
@@ -595,7 +755,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     )
     b.set_ylabel("TTFT, turns >= 2 (ms)")
     bottom = [0.0] * len(rows)
-    for src, color in zip(SOURCES, ("tab:red", "tab:green", "tab:blue")):
+    for src, color in zip(PROMPT_SOURCES, ("tab:red", "tab:green", "tab:blue")):
         vals = [r["tokens"][src] for r in rows]
         c.bar(names, vals, bottom=bottom, label=src, color=color)
         bottom = [x + y for x, y in zip(bottom, vals)]
@@ -633,24 +793,45 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="the window's first session starts at or after this time of the trace "
-        "(default 600; 0 with --aiperf)",
+        "(default 600: 4 sessions of 14 requests, prompts of 8.8k tokens median and up "
+        "to 29k; 0 with --aiperf)",
     )
     ap.add_argument(
-        "--requests", type=int, default=None, help="default 40 (--full: 120)"
+        "--requests", type=int, default=None, help="default 16 (--full: 40)"
     )
     ap.add_argument("--min-turns", type=int, default=2)
     ap.add_argument("--max-turns", type=int, default=6)
     ap.add_argument(
         "--max-input",
         type=int,
-        default=6144,
+        default=32768,
         help="leave out sessions with a turn longer than this (tokens, scaled)",
+    )
+    ap.add_argument(
+        "--id-tokens",
+        type=int,
+        default=trace.SOURCE_BLOCK_TOKENS,
+        help="tokens per block id of the trace in the replay (default: the trace's "
+        f"own; {BLOCK} shrinks its prompts 4x)",
+    )
+    ap.add_argument(
+        "--loads",
+        default=None,
+        help="offered loads, sessions a minute, comma-separated: every arm runs at "
+        f"each (default {DEFAULT_LOADS}; --full: {FULL_LOADS})",
+    )
+    ap.add_argument(
+        "--slo-cold-prefills",
+        type=float,
+        default=SLO_COLD_PREFILLS,
+        help="the SLO: TTFT p90 at most this many idle cold prefills of the median "
+        "prompt (microbench/loadcurve.py says why)",
     )
     ap.add_argument(
         "--session-interval-s",
         type=float,
-        default=8.0,
-        help="one session starts every this many seconds",
+        default=None,
+        help="one load only: a session starts every this many seconds",
     )
     ap.add_argument(
         "--gap-scale",
@@ -666,9 +847,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--output-divisor", type=float, default=10.0)
     ap.add_argument("--max-output", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="layers of the generated model (default 1: on a 2-core AVX2 host the "
+        "8-layer model prefills a 16k-token prompt in about 110 s; the layer count "
+        "scales prefill and KV bytes alike, so their ratio is a deep model's)",
+    )
     ap.add_argument("--kv-cache-gib", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=4, help="requests checked per arm")
+    ap.add_argument(
+        "--samples", type=int, default=2, help="requests checked per arm and load"
+    )
     ap.add_argument("--deadline-s", type=float, default=300.0)
     ap.add_argument(
         "--kv-aware",
@@ -692,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     code = code_version()  # the code this process runs: edits made later do not
-    n = args.requests or (120 if args.full else 40)
+    n = args.requests or (40 if args.full else 16)
     run_id = stamp()
     out = args.out or DEFAULT_RESULTS_DIR / f"sessions-trace-{run_id}.json"
     if args.aiperf is not None:
@@ -712,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         max_requests=n,
         min_turns=args.min_turns,
         max_turns=args.max_turns,
-        max_input=args.max_input * args.source_block_tokens // BLOCK,
+        max_input=args.max_input * args.source_block_tokens // args.id_tokens,
     )
     if len(raw) < 2:
         print(
@@ -720,38 +910,27 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    spaced = trace.space_sessions(
-        raw,
-        interval_ms=1e3 * args.session_interval_s,
-        gap_scale=args.gap_scale,
-        max_gap_ms=1e3 * args.max_gap_s,
-    )
-    reqs = trace.scale(
-        spaced,
-        block_tokens=BLOCK,
-        source_block_tokens=args.source_block_tokens,
-        output_divisor=args.output_divisor,
-        max_output=args.max_output,
-    )
-    unbounded = trace.unbounded_reuse(reqs, BLOCK)
+    if args.session_interval_s is not None and args.loads is None:
+        loads = [60 / args.session_interval_s]
+    else:
+        loads = parse_loads(args.loads or (FULL_LOADS if args.full else DEFAULT_LOADS))
     facts = model_facts(Path(ensure_model(ModelShape(num_layers=args.layers))))
-    builder = trace.PromptBuilder(BLOCK, facts["vocab_size"], seed=args.seed)
-    prompts = [builder.prompt(r) for r in reqs]
-    turns = turns_of(reqs)
-    later = [i for i, t in enumerate(turns) if t >= 2]
-    step = max(1, len(later) // max(1, args.samples))
-    sampled = set(later[::step][: args.samples])
+    builder = trace.PromptBuilder(args.id_tokens, facts["vocab_size"], seed=args.seed)
+    work = {load: workload(raw, load, args, builder) for load in loads}
+    reqs = work[loads[0]]["reqs"]  # the same requests at every load, spaced apart
     log_dir = out.parent / f"sessions-trace-{run_id}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     scaled_path = trace.write(out.with_suffix(".trace.jsonl"), reqs)
     shape = trace.describe(reqs)
+    unbounded = work[loads[0]]["unbounded"]
     print(
         f"[sessions] {shape['requests']} requests of {shape['sessions']} sessions from "
         f"{args.trace.name} (from {args.start_s:.0f} s), {args.source_block_tokens} -> "
-        f"{BLOCK} tokens a block, a session every {args.session_interval_s:g} s, turns' "
-        f"gaps x{args.gap_scale:g} up to {args.max_gap_s:g} s ({shape['span_s']:.0f} s), "
-        f"input median {shape['input_median']}, output median {shape['output_median']}; "
-        f"unbounded-cache reuse {unbounded['fraction']:.1%}",
+        f"{args.id_tokens} tokens a block, at {', '.join(f'{x:g}' for x in loads)} "
+        f"sessions a minute, turns' gaps x{args.gap_scale:g} up to {args.max_gap_s:g} s, "
+        f"input median {shape['input_median']} (max {shape['input_max']}), output "
+        f"median {shape['output_median']}; unbounded-cache reuse "
+        f"{unbounded['fraction']:.1%}",
         flush=True,
     )
     max_len = max(r.input_length + r.output_length for r in reqs) + BLOCK
@@ -776,35 +955,39 @@ def main(argv: list[str] | None = None) -> int:
     pd = args.pd or args.full
     both = (("a", "kv_both"), ("b", "kv_both"))
     plans = [
-        ({}, ["rr", "sticky"] + (["kv_aware"] if kv_aware else []), both),
-        (
-            {"MOONCAKE_PUSH_AUTO": "1"},
-            ["rr+push"] + (["kv_aware+push"] if kv_aware else []),
-            both,
-        ),
+        ({}, [a for a in ARMS if a in POLICIES or a == "sticky"], both),
+        ({"MOONCAKE_PUSH_AUTO": "1"}, [a + "+push" for a in POLICIES], both),
         (
             {"MOONCAKE_LAYERWISE": "1"},  # the mode is chosen per request
             list(PD_MODES) if pd else [],
             (("p", "kv_producer"), ("d", "kv_consumer")),
         ),
     ]
-    if args.arms:
-        chosen = set(args.arms.split(","))
-        if chosen - set(ARMS):
-            print(
-                f"[sessions] --arms: no arm {sorted(chosen - set(ARMS))} "
-                f"(arms: {', '.join(ARMS)})",
-                file=sys.stderr,
-            )
-            return 2
-        plans = [(e, [a for a in arms if a in chosen], r) for e, arms, r in plans]
+    plans[0][1].extend(["kv_aware"] if kv_aware else [])
+    plans[1][1].extend(["kv_aware+push"] if kv_aware else [])
+    chosen = set(
+        args.arms.split(",")
+        if args.arms
+        else ARMS
+        if args.full
+        else DEFAULT_ARMS + ("kv_aware", "kv_aware+push") + tuple(PD_MODES)
+    )
+    if chosen - set(ARMS):
+        print(
+            f"[sessions] --arms: no arm {sorted(chosen - set(ARMS))} "
+            f"(arms: {', '.join(ARMS)})",
+            file=sys.stderr,
+        )
+        return 2
+    plans = [(e, [a for a in arms if a in chosen], r) for e, arms, r in plans]
     plans = [p for p in plans if p[1]]
-    rows: dict[str, dict] = {}
+    by_load: dict[float, dict[str, dict]] = {load: {} for load in loads}
     flush_note = (
         "; ".join(f"{', '.join(arms)} on one start" for _, arms, _ in plans)
-        + " of the instances; each arm's caches were emptied before it (a fresh "
-        "start, or POST /reset_prefix_cache on both instances)"
+        + " of the instances; each arm's caches were emptied before each load (a "
+        "fresh start, or POST /reset_prefix_cache on both instances)"
     )
+    cold: list[float] = []
     for env, arms, roles in plans:
         specs = [
             InstanceSpec(
@@ -832,6 +1015,23 @@ def main(argv: list[str] | None = None) -> int:
             model = model_name(a.url)
             for inst in (a, b):  # compiled paths warm, on tokens the trace never has
                 complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=model)
+            if not cold:  # the SLO's unit: the median prompt, idle, nothing cached
+                cold = [
+                    complete(
+                        a.url,
+                        warm(shape["input_median"]),
+                        max_tokens=1,
+                        logprobs=None,
+                        model=model,
+                    ).latency_s
+                    for _ in range(3)
+                ]
+                print(
+                    f"[sessions] idle cold prefill of the median prompt "
+                    f"({shape['input_median']} tokens): "
+                    f"{', '.join(f'{x:.2f}' for x in cold)} s",
+                    flush=True,
+                )
             for arm in arms:
                 if arm in PD_MODES:  # P/D's first transfer of the mode, off the clock
                     pd_generate(
@@ -843,23 +1043,45 @@ def main(argv: list[str] | None = None) -> int:
                         logprobs=None,
                         extra_prefill_params={"mooncake_mode": PD_MODES[arm]},
                     )
-                flush((a, b), prompts, model, warm)
-                with dispatcher(arm, a, b, reqs, log_dir, model) as url_of:
-                    rows[arm] = run_arm(
-                        arm,
-                        url_of,
-                        reqs,
-                        prompts,
-                        [a, b],
-                        model,
-                        sampled,
-                        args.deadline_s,
-                        pd=(a, b) if arm in PD_MODES else None,
-                    )
-                add_reuse(rows[arm], unbounded)
-    ordered = [rows[k] for k in ARMS if k in rows]
-    met = targets(rows)
+                for load in loads:
+                    w = work[load]
+                    flush((a, b), w["prompts"], model, warm)
+                    with dispatcher(arm, a, b, w["reqs"], log_dir, model) as url_of:
+                        row = run_arm(
+                            arm if len(loads) == 1 else f"{arm} at {load:g}/min",
+                            url_of,
+                            w["reqs"],
+                            w["prompts"],
+                            [a, b],
+                            model,
+                            w["sampled"],
+                            args.deadline_s,
+                            pd=(a, b) if arm in PD_MODES else None,
+                        )
+                    row["arm"], row["load_per_min"] = arm, load
+                    add_reuse(row, w["unbounded"])
+                    row.update(throughput(row["outcomes"]))
+                    by_load[load][arm] = row
+    cold_s = statistics.median(cold)
+    slo = slo_s(cold_s, args.slo_cold_prefills)
+    order = {a: k for k, a in enumerate(ARMS)}
+    ordered = [
+        by_load[load][arm]
+        for arm in sorted({a for r in by_load.values() for a in r}, key=order.get)
+        for load in loads
+        if arm in by_load[load]
+    ]
+    met = []
+    for load in loads:
+        prefix = "" if len(loads) == 1 else f"at {load:g} sessions/min: "
+        met += [t | {"target": prefix + t["target"]} for t in targets(by_load[load])]
+    curve, gp = curve_targets(by_load, slo)
+    met = curve + met
     lines = [
+        f"SLO: TTFT p90 <= {slo:.2f} s ({args.slo_cold_prefills:g} idle cold "
+        f"prefills of the median prompt, {shape['input_median']} tokens: "
+        f"{cold_s:.2f} s); goodput (sessions/min, the highest load up to which "
+        "every load keeps it): " + ", ".join(f"{a} {g:g}" for a, g in gp.items()),
         f"caches: {flush_note}",
     ]
     not_run = ([] if pd else ["P/D layer-wise against post-hoc (--pd)"]) + (
@@ -876,22 +1098,41 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
         }
-        | {"requests": n, "block_tokens": BLOCK},
+        | {"requests": n, "block_tokens": BLOCK, "loads_per_min": loads},
         "trace": {"path": str(args.trace), "scaled": str(scaled_path), **shape},
         "unbounded": {k: v for k, v in unbounded.items() if k != "per_request"},
+        "slo": {
+            "ttft_p90_s": slo,
+            "cold_prefill_s": cold,
+            "cold_prefills": args.slo_cold_prefills,
+            "median_prompt_tokens": shape["input_median"],
+        },
+        "goodput_per_min": gp,
         "rows": ordered,
         "targets": met,
         "summary": {"lines": lines},
     }
-    png = plot(
-        ordered,
-        out.with_suffix(".png"),
-        f"{shape['requests']} requests, {shape['sessions']} sessions of {args.trace.name}, "
+    title = (
+        f"{shape['requests']} requests, {shape['sessions']} sessions of "
+        f"{args.trace.name} (input median {shape['input_median']}), "
         f"{facts['layers']} layers, two kv_both instances"
         + (" (P/D: a kv_producer and a kv_consumer)" if pd else "")
-        + f" ({run_id})",
+        + f" ({run_id})"
     )
-    return finish("sessions", out, result, TABLE, lambda r: r["arm"], png, display)
+    png = (
+        plot_curve(ordered, slo, out.with_suffix(".png"), title)
+        if len(loads) > 1
+        else plot(ordered, out.with_suffix(".png"), title)
+    )
+    return finish(
+        "sessions",
+        out,
+        result,
+        TABLE,
+        lambda r: f"{r['arm']} at {r['load_per_min']:g}/min",
+        png,
+        lambda rows: display(rows, slo),
+    )
 
 
 if __name__ == "__main__":

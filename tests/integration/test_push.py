@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,6 +32,8 @@ from harness.pd_client import (
     wait_for_matched_blocks,
 )
 from harness.prompts import random_prompt as prompt
+from microbench.common import model_facts
+from microbench.fork.accounting import burst_accounting
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
     cached_tokens_of_whole_prompt,
 )
@@ -239,6 +242,17 @@ def test_a_fork_burst_receives_the_shared_context_once(cluster):
         f"{pushes} pushes of the shared context for {len(forks)} forks on one "
         "instance: each should receive it once"
     )
+    # the bytes C wrote, by destination: D's session, the context's KV once
+    written = burst_accounting(
+        {},
+        {},
+        before["bytes_by_destination"],
+        after["bytes_by_destination"],
+        holder="c",
+        context_tokens=8 * BLOCK,
+        kv_bytes_per_token=model_facts(Path(c.spec.model))["kv_bytes_per_token"],
+    )
+    assert list(written["bytes_ratio_by_destination"].values()) == [1.0], written
     for ids, out in zip(forks, got):
         assert out.cached_tokens >= 8 * BLOCK, (
             f"a fork computed its context: {out.cached_tokens} cached tokens"

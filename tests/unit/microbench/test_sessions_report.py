@@ -179,3 +179,90 @@ def test_a_pd_request_whose_p_fails_is_an_error_though_d_answered(stubs):
         prefill=lambda i: (p.url, {}, {}),
     )
     assert out[0].error and "P: HTTP 500" in out[0].error
+
+
+def curve_row(p90, *, errors=0, reuse=1.0, spread=0.0):
+    ttfts = [p90 - spread * (i % 5) for i in range(40)]
+    return {
+        "ttft_p90_s": p90,
+        "errors": errors,
+        "reuse_of_unbounded": reuse,
+        "outcomes": [{"ttft_s": t} for t in ttfts],
+    }
+
+
+def by_name(targets_):
+    return {t["target"].split(" (")[0].split(" >=")[0]: t for t in targets_}
+
+
+def test_the_load_curve_gives_goodput_per_arm_and_its_targets():
+    from microbench.sessions.__main__ import curve_targets
+
+    slo = 5.0
+    by_load = {
+        2: {
+            "sticky": curve_row(2.0),
+            "rr": curve_row(3.0),
+            "rr+push": curve_row(2.0),
+        },
+        4: {
+            "sticky": curve_row(4.0),
+            "rr": curve_row(9.0),  # round robin saturates first
+            "rr+push": curve_row(3.0),
+        },
+        8: {
+            "sticky": curve_row(20.0),
+            "rr": curve_row(30.0),
+            "rr+push": curve_row(4.5, reuse=0.9),
+        },
+    }
+    met, gp = curve_targets(by_load, slo)
+    assert gp == {"sticky": 4, "rr": 2, "rr+push": 8}
+    got = {t["target"]: t["met"] for t in met}
+    assert got["goodput of the best push arm (rr+push) >= 1.5x round robin's"]
+    assert got["goodput of the best push arm (rr+push) >= session-sticky's"]
+    assert got["at sticky's goodput (4/min) the best push arm's TTFT p90 <= sticky's"]
+    assert got["rr+push TTFT p90 <= rr's at every load, beyond the run's noise"]
+    # reuse fell to 90% at the heaviest load
+    assert not got["rr+push: reuse >= 95% of the unbounded cache's at every load"]
+
+
+def test_a_push_arm_worse_than_its_policy_at_one_load_misses_its_target():
+    from microbench.sessions.__main__ import curve_targets
+
+    by_load = {
+        2: {"rr": curve_row(1.0, spread=0.01), "rr+push": curve_row(1.0, spread=0.01)},
+        4: {"rr": curve_row(1.0, spread=0.01), "rr+push": curve_row(3.0, spread=0.01)},
+    }
+    met, _ = curve_targets(by_load, 10.0)
+    [t] = [t for t in met if t["target"].startswith("rr+push TTFT p90")]
+    assert not t["met"] and t["value"].startswith("4/min")
+
+
+def test_each_load_spaces_the_same_sessions_further_apart_or_closer():
+    import argparse
+
+    from microbench.sessions import trace
+    from microbench.sessions.__main__ import workload
+
+    raw = [
+        TraceRequest(0, 1100, 40, (1, 2, 3), "s1"),
+        TraceRequest(60_000, 1600, 40, (1, 2, 3, 4), "s1"),
+        TraceRequest(1_000, 900, 40, (7, 8), "s2"),
+    ]
+    args = argparse.Namespace(
+        gap_scale=0.1,
+        max_gap_s=100.0,
+        id_tokens=512,
+        source_block_tokens=512,
+        output_divisor=1.0,
+        max_output=32,
+        samples=4,
+    )
+    builder = trace.PromptBuilder(512, 1000)
+    light, heavy = workload(raw, 2, args, builder), workload(raw, 6, args, builder)
+    assert [r.timestamp_ms for r in light["reqs"]] == [0, 6_000, 30_000]
+    assert [r.timestamp_ms for r in heavy["reqs"]] == [0, 6_000, 10_000]
+    # the same prompts at every load: only the clock changes
+    assert sorted(map(len, light["prompts"])) == sorted(map(len, heavy["prompts"]))
+    assert light["sampled"] == {1} and light["unbounded"]["hit_tokens"] == 1024

@@ -13,6 +13,7 @@ import pytest
 from helpers import (
     AUTH,
     BLEN,
+    D_SESSION,
     READ,
     SLOTS,
     TOKEN,
@@ -220,5 +221,6 @@ def test_push_stats_have_their_own_route_behind_the_guard(c_servers):
     assert (
         stats["pushes"] == 1 and stats["ok"] == 1 and stats["bytes"] == 3 * SLOTS * BLEN
     )
+    assert stats["bytes_by_destination"] == {D_SESSION: 3 * SLOTS * BLEN}
     mirror = c.http.get("/hashsync", headers=AUTH).json()
     assert mirror["size"] == 3 and "push" not in mirror

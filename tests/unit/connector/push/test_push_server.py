@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
     KVFingerprint,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
+    BytesByDestination,
     PushServer,
 )
 
@@ -309,3 +310,14 @@ def test_match_reports_the_engine_timeout_and_the_clock():
     code, out = server.match({"token_ids": TOKENS})
     assert code == 200 and out["now_unix_ms"] == NOW_MS
     assert out["engine_timeout_s"] == ExtConfig().engine_transfer_timeout_s
+
+
+def test_bytes_by_destination_are_kept_for_a_bounded_number_of_destinations():
+    """GET /push/stats gives the bytes written to each destination; a source
+    serving ever new peers forgets the one it wrote to least recently."""
+    kept = BytesByDestination(kept=2)
+    kept.add("d1:1", 10)
+    kept.add("d2:1", 20)
+    kept.add("d1:1", 5)  # d1 is now the most recent
+    kept.add("d3:1", 1)
+    assert kept.snapshot() == {"d1:1": 15, "d3:1": 1}
