@@ -114,6 +114,7 @@ from microbench.loadcurve import (
     SLO_COLD_PREFILLS,
     goodput,
     parse_loads,
+    quantile,
     slo_s,
     throughput,
     within,
@@ -151,13 +152,6 @@ PD_MODES = {"pd-layerwise": "layerwise", "pd-posthoc": "posthoc"}
 TTFT_VS_LOCAL = 1.5  # turn >= 2 TTFT p50 with push, against sticky's
 REUSE_OF_UNBOUNDED = 0.9
 RECOMPUTE_CUT = 3.0
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
 def snapshot(insts) -> dict:
@@ -362,7 +356,7 @@ def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s, pd=N
             "d_computed_tokens": after[dn]["tokens"]["local_compute"]
             - before[dn]["tokens"]["local_compute"],
             "transfers": layerwise_of(p, name, lw_before),
-            "prefill_p50_s": pct([o.prefill_s for o in outcomes], 0.5),
+            "prefill_p50_s": quantile([o.prefill_s for o in outcomes], 0.5),
         }
     checks = []
     for i in sorted(sampled):
@@ -391,15 +385,15 @@ def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s, pd=N
         "errors": len(errors),
         "error_samples": errors[:5],
         "wall_s": wall,
-        "ttft_p50_s": pct([o.ttft_s for o, _ in ok], 0.5),
-        "ttft_p90_s": pct([o.ttft_s for o, _ in ok], 0.9),
-        "ttft_p99_s": pct([o.ttft_s for o, _ in ok], 0.99),
-        "ttft_turn1_p50_s": pct([o.ttft_s for o, t in ok if t == 1], 0.5),
-        "ttft_later_p50_s": pct(later, 0.5),
-        "ttft_later_p90_s": pct(later, 0.9),
-        "e2e_p50_s": pct([o.e2e_s for o, _ in ok], 0.5),
-        "e2e_p90_s": pct([o.e2e_s for o, _ in ok], 0.9),
-        "tpot_p90_s": pct([o.tpot_s for o, _ in ok], 0.9),
+        "ttft_p50_s": quantile([o.ttft_s for o, _ in ok], 0.5),
+        "ttft_p90_s": quantile([o.ttft_s for o, _ in ok], 0.9),
+        "ttft_p99_s": quantile([o.ttft_s for o, _ in ok], 0.99),
+        "ttft_turn1_p50_s": quantile([o.ttft_s for o, t in ok if t == 1], 0.5),
+        "ttft_later_p50_s": quantile(later, 0.5),
+        "ttft_later_p90_s": quantile(later, 0.9),
+        "e2e_p50_s": quantile([o.e2e_s for o, _ in ok], 0.5),
+        "e2e_p90_s": quantile([o.e2e_s for o, _ in ok], 0.9),
+        "tpot_p90_s": quantile([o.tpot_s for o, _ in ok], 0.9),
         "send_late_max_s": max(o.late_s for o in outcomes),
         "tokens": diff["tokens"],
         "decisions": diff["decisions"],
@@ -437,7 +431,7 @@ def where_the_time_goes(row: dict) -> str:
     later = [o for o in row["outcomes"] if o["turn"] >= 2 and o["ttft_s"] is not None]
     hit = [o["ttft_s"] for o in later if (o["cached_tokens"] or 0) > 0]
     miss = [o["ttft_s"] for o in later if not o["cached_tokens"]]
-    p = lambda xs: "-" if not xs else f"{pct(xs, 0.5) * 1e3:.0f} ms"  # noqa: E731
+    p = lambda xs: "-" if not xs else f"{quantile(xs, 0.5) * 1e3:.0f} ms"  # noqa: E731
     return (
         f"turns >= 2 with a cached prefix: {len(hit)}, TTFT p50 {p(hit)}; without: "
         f"{len(miss)}, p50 {p(miss)}; decisions {int(row['decisions']['pushed'])} "
@@ -452,10 +446,15 @@ def ttft_difference(x: dict, y: dict, q: float = 0.9, n: int = 2000, seed: int =
     xs = [o["ttft_s"] for o in x["outcomes"] if o["ttft_s"] is not None]
     ys = [o["ttft_s"] for o in y["outcomes"] if o["ttft_s"] is not None]
     diffs = sorted(
-        pct(rng.choices(xs, k=len(xs)), q) - pct(rng.choices(ys, k=len(ys)), q)
+        quantile(rng.choices(xs, k=len(xs)), q)
+        - quantile(rng.choices(ys, k=len(ys)), q)
         for _ in range(n)
     )
-    return pct(xs, q) - pct(ys, q), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
+    return (
+        quantile(xs, q) - quantile(ys, q),
+        diffs[int(0.025 * n)],
+        diffs[int(0.975 * n) - 1],
+    )
 
 
 def workload(raw, load: float, args, builder: trace.PromptBuilder) -> dict:

@@ -63,6 +63,7 @@ from microbench.common import (
     model_facts,
     stamp,
 )
+from microbench.loadcurve import quantile
 from microbench.sessions import aiperf
 from microbench.sessions.__main__ import (
     RECOMPUTE_CUT,
@@ -70,7 +71,6 @@ from microbench.sessions.__main__ import (
     TOKEN,
     add_reuse,
     grown,
-    pct,
     snapshot,
     target_line,
     ttft_difference,
@@ -166,7 +166,7 @@ def conversations_config(
 
 
 def summarize(metrics: list[dict]) -> dict:
-    ms = lambda k, q: pct([m[k] for m in metrics], q)  # noqa: E731
+    ms = lambda k, q: quantile([m[k] for m in metrics], q)  # noqa: E731
     later = [m for m in metrics if m["input_num_turns"] > 1]
     return {
         "requests": len(metrics),
@@ -174,8 +174,8 @@ def summarize(metrics: list[dict]) -> dict:
         "ttft_p50_ms": ms("ttft_ms", 0.5),
         "ttft_p90_ms": ms("ttft_ms", 0.9),
         "ttft_p99_ms": ms("ttft_ms", 0.99),
-        "ttft_later_p50_ms": pct([m["ttft_ms"] for m in later], 0.5),
-        "ttft_later_p90_ms": pct([m["ttft_ms"] for m in later], 0.9),
+        "ttft_later_p50_ms": quantile([m["ttft_ms"] for m in later], 0.5),
+        "ttft_later_p90_ms": quantile([m["ttft_ms"] for m in later], 0.9),
         "latency_p50_ms": ms("latency_ms", 0.5),
         "latency_p90_ms": ms("latency_ms", 0.9),
         "tpot_p90_ms": ms("tpot_ms", 0.9),
