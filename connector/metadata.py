@@ -25,3 +25,6 @@ class ExtMetadata:
     push_jobs: list[PushJob] = field(default_factory=list)
     # D's push decisions by reason, when they changed (served on /metrics)
     push_decisions: dict[str, int] | None = None
+    # a push source: prompt tokens the scheduler admitted and has not computed
+    # (served in /match_blocks answers, source_server.py; None: not a source)
+    prefill_backlog_tokens: int | None = None

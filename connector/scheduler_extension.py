@@ -10,6 +10,7 @@ upstream field must change, the subclass that owns it does.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -50,6 +51,36 @@ def own_bootstrap_url(vllm_config: VllmConfig, config: ExtConfig) -> str:
     return make_zmq_path("http", config.reachable_bootstrap_host(host), port)
 
 
+class PrefillBacklog:
+    """A push source's scheduler: the prompt tokens of the requests it admitted
+    and has not computed yet (waiting or partly prefilled), which a push source
+    reports in its /match_blocks answers (push/decode_cost.py weighs them). Read
+    from upstream's request objects once a step; never written."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, Request] = {}
+
+    def added(self, request: Request) -> None:
+        self._live[request.request_id] = request
+
+    def finished(self, request: Request) -> None:
+        self._live.pop(request.request_id, None)
+
+    def tokens(self, scheduled: Mapping[str, int]) -> int:
+        """After the step that schedules ``scheduled`` (req id -> tokens; the
+        scheduler advances num_computed_tokens only after the metadata is built,
+        in both supported releases), so an idle source's last word is 0."""
+        return sum(
+            max(
+                0,
+                r.num_prompt_tokens
+                - r.num_computed_tokens
+                - scheduled.get(r.request_id, 0),
+            )
+            for r in self._live.values()
+        )
+
+
 class SchedulerExtension:
     """What this series adds in the scheduler process, built once from the
     configuration: layer-wise scheduling (P, MOONCAKE_LAYERWISE), prefix-push
@@ -76,6 +107,7 @@ class SchedulerExtension:
         )
         self.pull_timeline = DecodePullTimeline()
         self.admission = PullAdmission(cfg.decode_max_pulls, cfg.decode_pull_wait_s)
+        self.backlog = PrefillBacklog() if self.hashsync is not None else None
 
     # ---- requests this series owns (prefix push on D) ---------------------------------
     def owns(self, request: Request) -> bool:
@@ -130,6 +162,8 @@ class SchedulerExtension:
 
     def seen_finished(self, request: Request) -> None:
         self.admission.forget(request.request_id)
+        if self.backlog is not None:
+            self.backlog.finished(request)
         if self.push.prefill_timer is not None:
             self.push.prefill_timer.finished(request)
 
@@ -143,12 +177,15 @@ class SchedulerExtension:
             return params
         return {**(params or {}), TIMELINE_PARAM: timeline}
 
-    # ---- upstream's P/D requests ------------------------------------------------------
+    # ---- every new request --------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        """P: a request entered the scheduler (its waiting queue). With
-        layer-wise on, the worker learns of a do_remote_decode request's transfer
-        now, so a pull D sends while the prompt waits behind others is kept until
-        P computes it, instead of being refused as an id P never received."""
+        """A request entered the scheduler (its waiting queue). A push source:
+        its prompt joins the backlog. P with layer-wise on: the worker learns of
+        a do_remote_decode request's transfer now, so a pull D sends while the
+        prompt waits behind others is kept until P computes it, instead of being
+        refused as an id P never received."""
+        if self.backlog is not None:
+            self.backlog.added(request)
         if self.layerwise is None:
             return
         params = request.kv_transfer_params or {}
@@ -208,6 +245,10 @@ class SchedulerExtension:
             meta.layerwise = self.layerwise.build(scheduler_output)
         if self.hashsync is not None:
             meta.hash_delta = self.hashsync.build()
+        if self.backlog is not None:
+            meta.prefill_backlog_tokens = self.backlog.tokens(
+                scheduler_output.num_scheduled_tokens
+            )
         return meta
 
     def keep_stepping_while_blocks_held(self) -> bool:

@@ -181,6 +181,17 @@ class LayerwiseDecodeStep(WorkerFeature):
         recving |= once
 
 
+class PushSourceStep(WorkerFeature):
+    """A push source: its scheduler's prefill backlog, for /match_blocks answers."""
+
+    def __init__(self, server: PushServer):
+        self.server = server
+
+    def before_forward(self, meta: ExtMetadata) -> None:
+        if meta.prefill_backlog_tokens is not None:
+            self.server.prefill_backlog_tokens = meta.prefill_backlog_tokens
+
+
 class PushDestinationStep(WorkerFeature):
     """D: the step's push jobs started; each push ended once."""
 
@@ -262,6 +273,7 @@ class WorkerExtension(UpstreamHooks):
                 cfg,
                 reader=kv_reader.read,
             )
+            features.append(PushSourceStep(self.push_server))
         if roles.layerwise_prefill:
             self.sender = LayerwiseSender.for_kv_caches(
                 write_fn,

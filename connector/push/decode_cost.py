@@ -19,8 +19,19 @@ prefill of the same tokens, both measured on D.
 
 Both are moving averages (the last few dozen observations weigh most), measured
 on whatever else the instance runs meanwhile, which is what a push competes
-with. Until both sides are measured for a source, a push goes ahead (it is how
-they get measured); a source judged not worth it is tried again once its
+with. **The source's load** (its /match_blocks answer: pushes in flight within
+their bound, its limit, prompt tokens its scheduler admitted and has not
+computed; :class:`SourceLoad`) enters twice. A push's time per block is kept
+apart for a source that was prefilling (a backlog) and one that was not, since
+the write competes with the source's own steps (on the CPU backend for its
+cores; with RDMA far less, and the two figures then converge); and pushes in
+flight at once share the source's link, so a block's time is kept per push
+alone (divided by the pushes in flight when it ran) and expected times the
+pushes in flight with it. A source with every slot taken would answer busy: the
+request is prefilled here at once (refused), not after a wasted allocation. Until both sides are measured for a source, a push goes ahead (it is how
+they get measured); a push granted before its source's answer (auto: judged
+on the index) is judged again on the load that answer reports when the source
+is loaded; a source judged not worth it is tried again once its
 measurement is older than PROBE_AFTER_S, so a better link is noticed (the
 scheduler judges a request once: a push granted before its /match_blocks is
 not judged again on the answer, only held to the minimum). Fewer tokens than
@@ -67,10 +78,42 @@ class Decision(str, Enum):
     BELOW_MINIMUM = "below_minimum"  # fewer tokens than MOONCAKE_PUSH_MIN_TOKENS
     # expected transfer >= expected local prefill, or the source is failing
     NOT_WORTH_IT = "not_worth_it"
-    REFUSED = "refused"  # the source refused or was busy, or D refused the source
+    # the source refused or was busy (or said every slot was taken), or D refused it
+    REFUSED = "refused"
     FELL_BACK = "fell_back"  # match failed, or fewer blocks landed: local prefill
     # waited for another request's push of its prefix (decode_coalesce.py)
     COALESCED = "coalesced"
+
+
+@dataclass(frozen=True)
+class SourceLoad:
+    """A source's load as its /match_blocks answer reports it, bounded by D
+    (decode_scheduler.py), merged with D's own pushes in flight from it."""
+
+    pushes_in_flight: int = 0  # within their bound, every destination's
+    push_slots: int | None = None  # its MOONCAKE_PUSH_MAX_CONCURRENT (None: unknown)
+    backlog_tokens: int = 0  # prompt tokens admitted and not yet computed
+
+    @property
+    def prefilling(self) -> bool:
+        return self.backlog_tokens > 0
+
+    @property
+    def full(self) -> bool:
+        """Every slot taken: a push now would be answered busy (429)."""
+        return self.push_slots is not None and self.pushes_in_flight >= self.push_slots
+
+    @property
+    def idle(self) -> bool:
+        return self.pushes_in_flight == 0 and not self.prefilling
+
+    @property
+    def sharing(self) -> int:
+        """Pushes that would share the source's link with one more."""
+        return 1 + max(0, self.pushes_in_flight)
+
+
+IDLE = SourceLoad()
 
 
 class _Average:
@@ -122,7 +165,8 @@ class PushCostModel:
         self.always = always  # MOONCAKE_PUSH_POLICY=always: the minimum only
         self._clock = clock
         self._round_trip: dict[str, _Average] = {}
-        self._per_block: dict[str, _Average] = {}
+        # (source, prefilling) -> seconds per block of one push alone
+        self._per_block: dict[tuple[str, bool], _Average] = {}
         self._per_token: dict[int, _Average] = {}
         self._failures: dict[str, _Failures] = {}
 
@@ -132,16 +176,25 @@ class PushCostModel:
             max(0.0, seconds), self._clock()
         )
 
-    def observe_push(self, source: str, blocks: int, seconds: float) -> None:
+    def observe_push(
+        self, source: str, blocks: int, seconds: float, load: SourceLoad = IDLE
+    ) -> None:
         """A push of ``blocks`` that landed whole, ``seconds`` from allocation to
-        the worker's report: it also ends the source's failures."""
+        the worker's report, under ``load`` (its source's answer): it also ends
+        the source's failures."""
         if blocks <= 0:
             return
         self._failures.pop(source, None)
-        self._add_per_block(source, blocks, seconds)
+        self._add_per_block(source, blocks, seconds, load)
 
     def observe_shortfall(
-        self, source: str, blocks: int, landed: int, seconds: float, block_size: int
+        self,
+        source: str,
+        blocks: int,
+        landed: int,
+        seconds: float,
+        block_size: int,
+        load: SourceLoad = IDLE,
     ) -> None:
         """A push of ``blocks`` of which only the first ``landed`` landed (the
         source refused, failed or was late), ``seconds`` from allocation to the
@@ -155,7 +208,7 @@ class PushCostModel:
         if landed:
             self._failures.pop(source, None)
         rest = self.prefill_s((blocks - landed) * block_size) or 0.0
-        self._add_per_block(source, blocks, max(0.0, seconds) + rest)
+        self._add_per_block(source, blocks, max(0.0, seconds) + rest, load)
 
     def failed(self, source: str) -> int:
         """A push from ``source`` landed nothing, or is late: its failures in a row
@@ -174,11 +227,20 @@ class PushCostModel:
             and self._clock() - f.at < PROBE_AFTER_S
         )
 
-    def _add_per_block(self, source: str, blocks: int, seconds: float) -> None:
+    def _add_per_block(
+        self, source: str, blocks: int, seconds: float, load: SourceLoad
+    ) -> None:
         rtt = self._round_trip.get(source)
         fixed = rtt.value if rtt is not None else 0.0
-        self._per_block.setdefault(source, _Average()).add(
-            max(0.0, seconds - fixed) / blocks, self._clock()
+        self._per_block.setdefault((source, load.prefilling), _Average()).add(
+            max(0.0, seconds - fixed) / blocks / load.sharing, self._clock()
+        )
+
+    def _block_time(self, source: str, load: SourceLoad) -> _Average | None:
+        """A block's time alone from ``source`` in ``load``'s state (prefilling
+        or not), else in the other state (the only figure there is)."""
+        return self._per_block.get((source, load.prefilling)) or self._per_block.get(
+            (source, not load.prefilling)
         )
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -190,11 +252,15 @@ class PushCostModel:
         )
 
     # ---- estimates ---------------------------------------------------------------
-    def transfer_s(self, source: str, blocks: int) -> float | None:
-        rtt, per_block = self._round_trip.get(source), self._per_block.get(source)
+    def transfer_s(
+        self, source: str, blocks: int, load: SourceLoad = IDLE
+    ) -> float | None:
+        """Expected push of ``blocks`` from ``source`` in ``load``: one round trip
+        and the blocks' time, shared with the pushes in flight."""
+        rtt, per_block = self._round_trip.get(source), self._block_time(source, load)
         if rtt is None or per_block is None:
             return None
-        return rtt.value + blocks * per_block.value
+        return rtt.value + blocks * per_block.value * load.sharing
 
     def prefill_s(self, tokens: int) -> float | None:
         if not self._per_token:
@@ -203,27 +269,45 @@ class PushCostModel:
         nearest = min(self._per_token, key=lambda b: (abs(b - want), -b))
         return tokens * self._per_token[nearest].value
 
-    def budget_s(self, source: str, blocks: int, cap: float) -> float:
+    def budget_s(
+        self, source: str, blocks: int, cap: float, load: SourceLoad = IDLE
+    ) -> float:
         """How long a push of ``blocks`` from ``source`` may take to start writing
         (the push's timeout): its expected transfer times BUDGET_FACTOR, plus a
         round trip and BUDGET_FLOOR_S, at most ``cap`` (MOONCAKE_PUSH_TIMEOUT_S),
         which is also the budget while the source is unmeasured."""
-        expected = self.transfer_s(source, blocks)
+        expected = self.transfer_s(source, blocks, load)
         if expected is None:
             return cap
         rtt = self._round_trip[source].value
         return min(cap, BUDGET_FACTOR * expected + rtt + BUDGET_FLOOR_S)
 
     def decide(
-        self, source: str, blocks: int, block_size: int, judge: bool = True
+        self,
+        source: str,
+        blocks: int,
+        block_size: int,
+        judge: bool = True,
+        load: SourceLoad = IDLE,
     ) -> Estimate:
-        """Whether to push ``blocks`` full blocks from ``source`` (``judge``
-        False: only the minimum applies, the push was granted already)."""
+        """Whether to push ``blocks`` full blocks from ``source`` in ``load``
+        (``judge`` False: the push was granted already; only the minimum, a full
+        source and, when the source is loaded, the cost under that load apply)."""
         tokens = blocks * block_size
         if tokens < max(1, self.min_tokens):
             return Estimate(Decision.BELOW_MINIMUM, None, None)
+        if load.full:
+            # NOTE: under "always" too: the source would answer busy, after D had
+            # allocated the blocks and the request had waited for nothing
+            return Estimate(Decision.REFUSED, None, None)
         if not judge:
-            return Estimate(None, None, None)
+            if load.idle or self.always:
+                return Estimate(None, None, None)
+            transfer = self.transfer_s(source, blocks, load)
+            prefill = self.prefill_s(tokens)
+            if transfer is None or prefill is None or transfer < prefill:
+                return Estimate(None, transfer, prefill)
+            return Estimate(Decision.NOT_WORTH_IT, transfer, prefill)
         f = self._failures.get(source)
         if f is not None and f.in_a_row >= FAILURES_TO_DEMOTE:
             # NOTE: under "always" too: a push that lands nothing saves no compute
@@ -233,13 +317,15 @@ class PushCostModel:
             return Estimate(None, None, None)
         if self.always:
             return Estimate(None, None, None)
-        transfer, prefill = self.transfer_s(source, blocks), self.prefill_s(tokens)
+        transfer = self.transfer_s(source, blocks, load)
+        prefill = self.prefill_s(tokens)
         if transfer is None or prefill is None or transfer < prefill:
             return Estimate(None, transfer, prefill)
-        measured = self._per_block[source].at
-        if self._clock() - measured >= PROBE_AFTER_S:
+        per_block = self._block_time(source, load)
+        assert per_block is not None  # transfer_s had it
+        if self._clock() - per_block.at >= PROBE_AFTER_S:
             # measured long ago: push once more, which measures it again
-            self._per_block[source].at = self._clock()
+            per_block.at = self._clock()
             return Estimate(None, transfer, prefill)
         return Estimate(Decision.NOT_WORTH_IT, transfer, prefill)
 
@@ -313,6 +399,8 @@ __all__ = [
     "Decision",
     "Estimate",
     "PrefillTimer",
+    "IDLE",
     "PushCostModel",
+    "SourceLoad",
     "bucket",
 ]

@@ -78,10 +78,12 @@ from .decode_client import SourceLanes, source_origin
 from .decode_coalesce import PrefixClaims
 from .decode_cost import (
     FAILURES_TO_DEMOTE,
+    IDLE,
     PROBE_AFTER_S,
     Decision,
     PrefillTimer,
     PushCostModel,
+    SourceLoad,
 )
 from .decode_index import FeedFollower, HeldPrefix, HolderIndex
 from .protocol import (
@@ -101,6 +103,10 @@ logger = init_logger(__name__)
 PARAM_PUSH_FROM = "push_from"
 AUTO = "auto"  # push_from: D picks the source (decode_index.py)
 MATCH_THREADS_PER_SOURCE = 4
+# a source's reported load (MatchBlocksResponse) is trusted within these bounds
+MAX_REPORTED_SLOTS = 4096
+MAX_REPORTED_BACKLOG = 1 << 40  # tokens
+LOAD_FRESH_S = 2.0  # a source's last reported backlog counts this long after it
 
 
 class ClockSkewError(RuntimeError):
@@ -141,6 +147,25 @@ class _Match:
     round_trip_s: float = 0.0  # the /match_blocks call, as D timed it
     engine_no_progress_s: int | None = None  # the source's transport's (None: ours)
     engine_reconnect_s: int | None = None  # the source's transport's (None: ours)
+    load: SourceLoad = IDLE  # as the source reported it, bounded (reported_load)
+
+
+def reported_load(resp: MatchBlocksResponse) -> SourceLoad:
+    """A source's load from its /match_blocks answer, each number bounded (a peer
+    is not trusted: a value out of range counts as not said)."""
+    slots = resp.push_slots
+    if slots is not None and not 0 < slots <= MAX_REPORTED_SLOTS:
+        slots = None
+    most = slots or MAX_REPORTED_SLOTS  # a source counts those within its limit
+    in_flight = resp.pushes_in_flight
+    backlog = resp.prefill_backlog_tokens
+    return SourceLoad(
+        pushes_in_flight=in_flight if in_flight and 0 < in_flight <= most else 0,
+        push_slots=slots,
+        backlog_tokens=backlog
+        if backlog and 0 < backlog <= MAX_REPORTED_BACKLOG
+        else 0,
+    )
 
 
 def push_source(request: Request) -> str | None:
@@ -181,6 +206,7 @@ class _Inflight:
     # past its budget the request took other blocks; these stay pinned (one
     # reference of this scheduler's) until the push ended
     released: bool = False
+    load: SourceLoad = IDLE  # its source's when it was granted (decode_cost.py)
 
 
 class PushScheduler:
@@ -213,6 +239,8 @@ class PushScheduler:
         self._ended_finished: list[str] = []
         self._jobs: list[PushJob] = []
         self._auto: dict[str, HeldPrefix] = {}  # req id -> the source picked for it
+        # source key -> its last reported load and when (allowed sources only)
+        self._loads: dict[str, tuple[SourceLoad, float]] = {}
         self.index: HolderIndex | None = None
         self._follower: FeedFollower | None = None
         self.stats = {
@@ -230,6 +258,7 @@ class PushScheduler:
             "late_pushes": 0,
             "released_pushes": 0,  # past their budget: prefilled in other blocks
             "coalesced": 0,  # requests that waited for another's push of their prefix
+            "source_full": 0,  # not asked to push: every slot of the source taken
         }
 
         # every request this instance considered for a push, once, by what became
@@ -421,6 +450,7 @@ class PushScheduler:
             round_trip,
             stall,
             reconnect,
+            reported_load(resp),
         )
 
     def _allowed(self, rid: str, source: str) -> bool:
@@ -543,6 +573,7 @@ class PushScheduler:
                 self.cost.observe_round_trip(
                     SourceLanes.key(source), match.round_trip_s
                 )
+                self._loads[SourceLanes.key(source)] = (match.load, self._clock())
         held = self._auto.get(rid)
         if held is not None and (match is None or match.blocks < held.blocks):
             # judged once: vLLM may ask again (a preempted request)
@@ -559,7 +590,7 @@ class PushScheduler:
         self._times[rid] = (asked, time.monotonic())
         first = num_computed_tokens // self.block_size
         n = matched - first
-        if n <= 0 or not self.pays(rid, source, n):
+        if n <= 0 or not self.pays(rid, source, n, fresh=True):
             self._decide(rid, Decision.NO_HOLDER)  # unless counted already
             self._planned.pop(rid, None)
             self._times.pop(rid, None)
@@ -667,17 +698,48 @@ class PushScheduler:
         self._decisions_sent = dict(self.decisions)
         return self._decisions_sent
 
-    def pays(self, rid: str, source: str, blocks: int) -> bool:
+    def load_of(self, key: str) -> SourceLoad:
+        """A source's load as D knows it: its last reported backlog while fresh
+        (LOAD_FRESH_S), its slots, and its pushes in flight, at least D's own
+        from it that still hold a slot there (not late, not released)."""
+        reported, at = self._loads.get(key, (IDLE, 0.0))
+        mine = sum(
+            1
+            for inf in self._inflight.values()
+            if not inf.late and not inf.released and SourceLanes.key(inf.source) == key
+        )
+        fresh = self._clock() - at < LOAD_FRESH_S
+        return SourceLoad(
+            pushes_in_flight=max(mine, reported.pushes_in_flight if fresh else 0),
+            push_slots=reported.push_slots,
+            backlog_tokens=reported.backlog_tokens if fresh else 0,
+        )
+
+    def pays(self, rid: str, source: str, blocks: int, fresh: bool = False) -> bool:
         """Whether pushing ``blocks`` from ``source`` is expected to beat prefilling
-        them here; counts the reason when not. A request is judged once (a push
-        granted before the source's answer is then held only to the minimum)."""
+        them here, in the source's load (``fresh``: just reported); counts the
+        reason when not. A request is judged once (a push granted before the
+        source's answer is then held to the minimum, and judged again only on
+        the load that answer reports, decode_cost.py)."""
         judge, key = rid not in self._granted, SourceLanes.key(source)
-        est = self.cost.decide(key, blocks, self.block_size, judge)
+        load = self.load_of(key)
+        est = self.cost.decide(key, blocks, self.block_size, judge, load)
         if est.decision is None:
             self._granted.add(rid)
             return True
         self._decide(rid, est.decision)
-        if est.decision is Decision.NOT_WORTH_IT and self.cost.failing(key):
+        if est.decision is Decision.REFUSED:
+            self.stats["source_full"] += 1
+            logger.debug(
+                "Prefix push for %s from %s: the source serves %d pushes, its limit "
+                "(%s%s); prefilling locally",
+                rid,
+                source,
+                load.pushes_in_flight,
+                load.push_slots,
+                "" if fresh else ", as it last said",
+            )
+        elif est.decision is Decision.NOT_WORTH_IT and self.cost.failing(key):
             logger.debug(
                 "Prefix push for %s from %s: the source is failing (its last pushes "
                 "landed nothing); prefilling locally",
@@ -686,12 +748,15 @@ class PushScheduler:
             )
         elif est.decision is Decision.NOT_WORTH_IT:
             logger.debug(
-                "Prefix push for %s from %s: %d blocks would take %.1f ms, their local "
-                "prefill %.1f ms; prefilling locally",
+                "Prefix push for %s from %s: %d blocks would take %.1f ms (%d pushes "
+                "in flight, %d prompt tokens queued there), their local prefill "
+                "%.1f ms; prefilling locally",
                 rid,
                 source,
                 blocks,
                 1e3 * (est.transfer_s or 0.0),
+                load.pushes_in_flight,
+                load.backlog_tokens,
                 1e3 * (est.prefill_s or 0.0),
             )
         return False
@@ -762,8 +827,9 @@ class PushScheduler:
         assert len(dst) == n, f"{len(dst)} blocks allocated for {n} pushed blocks"
         pushed_into = list(blocks.blocks[0][first : first + n])
         asked, matched_at = self._times.pop(rid, (time.monotonic(), time.monotonic()))
+        load = self.load_of(SourceLanes.key(source))
         budget = self.cost.budget_s(
-            SourceLanes.key(source), n, self.config.push_timeout_s
+            SourceLanes.key(source), n, self.config.push_timeout_s, load
         )
         self._inflight[rid] = _Inflight(
             request,
@@ -776,6 +842,7 @@ class PushScheduler:
             auto=self._auto.pop(rid, None) is not None,
             budget_s=budget,
             blocks=pushed_into,
+            load=load,
         )
         self._jobs.append(
             PushJob(
@@ -910,18 +977,18 @@ class PushScheduler:
             now = self._clock()
             # what D expected (before this push is measured), for the log
             key = SourceLanes.key(inf.source)
-            expected = self.cost.transfer_s(key, inf.n_blocks)
+            expected = self.cost.transfer_s(key, inf.n_blocks, inf.load)
             local = self.cost.prefill_s(inf.n_blocks * self.block_size)
             held = now - inf.allocated
             if landed == inf.n_blocks:
                 self._decide(rid, Decision.PUSHED)
-                self.cost.observe_push(key, landed, held)
+                self.cost.observe_push(key, landed, held, inf.load)
             else:
                 refused = rid in meta.refused
                 self._decide(rid, Decision.REFUSED if refused else Decision.FELL_BACK)
                 if self._learns_from(key):
                     self.cost.observe_shortfall(
-                        key, inf.n_blocks, landed, held, self.block_size
+                        key, inf.n_blocks, landed, held, self.block_size, inf.load
                     )
                 # NOTE: a refusal (busy, say) is answered at once and holds nothing:
                 # its cost is measured, but it does not make the source failing

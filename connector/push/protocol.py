@@ -143,6 +143,14 @@ class MatchBlocksResponse(_Strict):
     # how long C's transport may then spend connecting to D again for a write's
     # queued slices (config.engine_reconnect_s, s); None: D assumes its own
     engine_reconnect_s: StrictInt | None = None
+    # C's load when it answered (None: a source that does not say; D bounds each,
+    # decode_scheduler.py): pushes it serves within their bound, every
+    # destination's; how many it serves at once (MOONCAKE_PUSH_MAX_CONCURRENT,
+    # 429 beyond); prompt tokens its scheduler admitted and has not computed, as
+    # of its last step
+    pushes_in_flight: StrictInt | None = None
+    push_slots: StrictInt | None = None
+    prefill_backlog_tokens: StrictInt | None = None
 
 
 class PushBlocksRequest(_Strict):

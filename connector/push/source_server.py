@@ -139,6 +139,11 @@ class PushSlots:
         with self._lock:
             return self._num_overdue(self._clock())
 
+    def working(self) -> int:
+        """Pushes in progress within their bound (each holds a slot)."""
+        with self._lock:
+            return len(self._started) - self._num_overdue(self._clock())
+
 
 class Counters(dict):
     """Counters several threads update: each push's in one step (:meth:`add`, under a
@@ -259,6 +264,9 @@ class PushServer:
             proofs_refused=0,
         )
         self.bytes_to = BytesByDestination()
+        # prompt tokens this instance's scheduler admitted and has not computed, as
+        # of the last step's metadata (PushSourceStep; None: no step yet)
+        self.prefill_backlog_tokens: int | None = None
         # proof of write: push id -> what it wrote, oldest first
         self._pushed: collections.OrderedDict[str, _Pushed] = collections.OrderedDict()
         self._pushed_blocks = 0
@@ -329,6 +337,9 @@ class PushServer:
             tcp_orphan_retries=self.config.tcp_orphan_retries,
             engine_no_progress_s=self.config.engine_no_progress_s,
             engine_reconnect_s=self.config.engine_reconnect_s,
+            pushes_in_flight=self._slots.working(),
+            push_slots=self._slots.limit,
+            prefill_backlog_tokens=self.prefill_backlog_tokens,
         ).model_dump()
 
     def push(

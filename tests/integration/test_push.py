@@ -199,6 +199,41 @@ def test_malformed_push_is_422_naming_the_field(cluster):
     assert after == before  # rejected before any match or write
 
 
+def test_a_source_reports_its_load_in_its_match_answers(cluster):
+    """C's /match_blocks answers carry its load, which D's push gate weighs
+    (push/decode_cost.py): its push slots, the pushes it serves, and the prompt
+    tokens its scheduler admitted and has not computed. Two prompts of 2,500
+    tokens, more than one step's budget (2,048 on the CPU backend), leave a
+    backlog after the first step; once C is idle it says 0."""
+    c = cluster["c"]
+    probe = prompt(2 * BLOCK, seed=5011)
+    turn_on_c(c, probe)
+    idle = match_blocks(c.bootstrap_url, probe)
+    slots = int(c.spec.env["MOONCAKE_PUSH_MAX_CONCURRENT"])
+    assert (idle["push_slots"], idle["pushes_in_flight"]) == (slots, 0)
+    assert idle["prefill_backlog_tokens"] == 0
+    seen = []
+    with cf.ThreadPoolExecutor(2) as pool:
+        futs = [
+            pool.submit(
+                complete,
+                c.url,
+                prompt(2500, seed=5012 + i),
+                max_tokens=1,
+                logprobs=None,
+                timeout=300,
+            )
+            for i in range(2)
+        ]
+        while not all(f.done() for f in futs):
+            seen.append(match_blocks(c.bootstrap_url, probe)["prefill_backlog_tokens"])
+            time.sleep(0.02)
+        for f in futs:
+            f.result()
+    assert 0 < max(seen) < 2 * 2500, seen
+    assert match_blocks(c.bootstrap_url, probe)["prefill_backlog_tokens"] == 0
+
+
 def reset_prefix_cache(inst, deadline_s: float = 60.0) -> None:
     """POST /reset_prefix_cache until vLLM resets (it refuses while a request still
     holds blocks; C's last request may be finishing)."""

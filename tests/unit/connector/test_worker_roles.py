@@ -136,7 +136,7 @@ def test_a_layerwise_decode_reports_its_pulls_from_the_start():
 def scheduler_extension(interval_s: float) -> SchedulerExtension:
     ext = SchedulerExtension.__new__(SchedulerExtension)
     ext.config = ExtConfig(idle_step_interval_s=interval_s)
-    ext.layerwise, ext.hashsync = None, None
+    ext.layerwise, ext.hashsync, ext.backlog = None, None, None
     ext.pull_timeline = DecodePullTimeline()
     ext.push = SimpleNamespace(
         take_jobs=lambda: [], decisions_changed=lambda: None, prefill_timer=None

@@ -104,6 +104,7 @@ def _decode_scheduler(admission: PullAdmission) -> ExtMooncakeConnectorScheduler
     ext.push = SimpleNamespace(handles=lambda r: False, prefill_timer=None)
     ext.pull_timeline = DecodePullTimeline(clock=admission._clock)
     ext.admission = admission
+    ext.backlog = None  # not a push source
     s = ExtMooncakeConnectorScheduler.__new__(ExtMooncakeConnectorScheduler)
     s.ext = ext
     s.is_kv_producer, s.is_kv_consumer = False, True

@@ -218,6 +218,7 @@ def test_a_new_request_to_send_is_announced_to_the_worker_as_received():
     names the transfers of those P sends (do_remote_decode), and only those."""
     ext = SchedulerExtension.__new__(SchedulerExtension)
     ext.layerwise = LayerwiseScheduler(min_tokens=100)
+    ext.backlog = None  # not a push source
 
     def new(req_id, **params):
         ext.on_new_request(NS(request_id=req_id, kv_transfer_params=params or None))

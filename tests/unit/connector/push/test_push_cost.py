@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost 
     Decision,
     PrefillTimer,
     PushCostModel,
+    SourceLoad,
     bucket,
 )
 
@@ -196,3 +197,72 @@ def test_the_always_policy_keeps_only_the_minimum():
     assert m.decide(SRC, 8, 128).decision is None  # slower, pushed all the same
     m.min_tokens = 2048
     assert m.decide(SRC, 8, 128).decision is Decision.BELOW_MINIMUM
+
+
+# ---- the source's load ----------------------------------------------------------------
+def test_pushes_in_flight_at_the_source_share_its_link():
+    """Alone, 8 blocks take 0.04 s beyond the round trip: with n pushes in flight
+    each block is expected to take n + 1 times as long."""
+    m, _ = measured(push_s=0.05, blocks=8, rtt_s=0.01, prefill_s=0.2, tokens=1024)
+    three = SourceLoad(pushes_in_flight=3, push_slots=8)
+    assert m.transfer_s(SRC, 8, three) == pytest.approx(0.01 + 4 * 0.04)
+    assert m.decide(SRC, 8, 128, load=three).decision is None  # 0.17 < 0.2
+    five = SourceLoad(pushes_in_flight=5, push_slots=8)
+    est = m.decide(SRC, 8, 128, load=five)  # 0.25 >= 0.2
+    assert est.decision is Decision.NOT_WORTH_IT
+    assert est.transfer_s == pytest.approx(0.25)
+    # a push measured while 3 others shared the link counts as one alone
+    m2, _ = model()
+    m2.observe_round_trip(SRC, 0.01)
+    m2.observe_push(SRC, 8, 0.01 + 4 * 0.04, three)
+    assert m2.transfer_s(SRC, 8) == pytest.approx(0.05)
+
+
+def test_a_source_with_every_slot_taken_is_refused_whatever_the_policy():
+    full = SourceLoad(pushes_in_flight=4, push_slots=4)
+    for always in (False, True):
+        m = PushCostModel(0, Clock(), always=always)
+        assert m.decide(SRC, 8, 128, load=full).decision is Decision.REFUSED
+        assert m.decide(SRC, 8, 128, judge=False, load=full).decision is (
+            Decision.REFUSED
+        )
+        assert m.decide(SRC, 8, 128, load=SourceLoad(3, 4)).decision is None
+    # slots unknown (an older source): never full
+    assert model()[0].decide(SRC, 8, 128, load=SourceLoad(99)).decision is None
+
+
+def test_a_push_is_measured_apart_while_its_source_prefills():
+    """Pushes from a source busy with its own prefills were slow; from the same
+    source idle, fast: each state is judged on its own figure, and a state not
+    measured yet on the other's."""
+    prefilling = SourceLoad(backlog_tokens=20_000)
+    m, _ = model()
+    m.observe_round_trip(SRC, 0.01)
+    m.observe_prefill(1024, 0.2)
+    m.observe_push(SRC, 8, 0.05)  # idle: 0.05 s
+    assert m.decide(SRC, 8, 128, load=prefilling).decision is None  # idle's figure
+    m.observe_push(SRC, 8, 0.81, prefilling)  # prefilling: 0.81 s
+    assert m.decide(SRC, 8, 128, load=prefilling).decision is Decision.NOT_WORTH_IT
+    assert m.decide(SRC, 8, 128).decision is None
+    assert m.transfer_s(SRC, 8, prefilling) == pytest.approx(0.81)
+    assert m.transfer_s(SRC, 8) == pytest.approx(0.05)
+
+
+def test_a_granted_push_is_judged_again_only_when_its_source_is_loaded():
+    """auto: granted on the index before the source's answer; the answer's load
+    can still turn it down, an idle answer cannot (nor under "always")."""
+    m, _ = measured(push_s=0.05, blocks=8, rtt_s=0.01, prefill_s=0.2, tokens=1024)
+    loaded = SourceLoad(pushes_in_flight=5, push_slots=8)
+    assert m.decide(SRC, 8, 128, judge=False).decision is None
+    assert m.decide(SRC, 8, 128, judge=False, load=loaded).decision is (
+        Decision.NOT_WORTH_IT
+    )
+    m.always = True
+    assert m.decide(SRC, 8, 128, judge=False, load=loaded).decision is None
+
+
+def test_a_loaded_sources_budget_is_longer():
+    m, _ = measured(push_s=0.05, blocks=8, rtt_s=0.01, prefill_s=0.2, tokens=1024)
+    idle = m.budget_s(SRC, 8, 30.0)
+    shared = m.budget_s(SRC, 8, 30.0, SourceLoad(pushes_in_flight=3, push_slots=8))
+    assert shared == pytest.approx(idle + 4.0 * 3 * 0.04)

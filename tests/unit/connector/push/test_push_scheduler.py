@@ -52,8 +52,9 @@ def http_answer(code, body, headers=None):
     return Answer(code, json.dumps(body).encode(), dict(headers or {}))
 
 
-def matched(sched, r, local_tokens=0, answer=4):
-    """C's /match_blocks answers `answer` held blocks (or raises it)."""
+def matched(sched, r, local_tokens=0, answer=4, load=None):
+    """C's /match_blocks answers `answer` held blocks (or raises it), and its
+    `load` (MatchBlocksResponse's load fields) if given."""
 
     def post(source, path, content, headers, deadline):
         assert source + path == SRC + "/match_blocks"
@@ -75,6 +76,7 @@ def matched(sched, r, local_tokens=0, answer=4):
                 "engine_timeout_s": 30,
                 "source_id": C_SOURCE,
                 "now_unix_ms": int(time.time() * 1000),
+                **(load or {}),
             },
         )
 
@@ -158,6 +160,7 @@ def test_blocks_that_did_not_land_are_prefilled_locally():
         "late_pushes": 0,
         "released_pushes": 0,
         "coalesced": 0,
+        "source_full": 0,
     }
 
 
@@ -505,3 +508,88 @@ def test_a_request_for_the_same_prefix_from_another_source_does_not_wait():
     s._lanes.post = lambda *args, **kwargs: http_answer(503, {})
     assert s.get_num_new_matched_tokens(b, 0) == (None, False)
     assert "b" in s._matches and s.stats["coalesced"] == 0
+
+
+# ---- the source's load (decode_cost.SourceLoad) -------------------------------------
+def test_a_source_with_every_slot_taken_is_not_asked_to_push():
+    """C serves 2 pushes at once and says so: with D's own 2 pushes from it in
+    flight, a third request is prefilled here at once (refused: C would answer
+    busy after D allocated the blocks), not sent into a 429."""
+    s = scheduler()
+    for rid, blocks in (("r1", [30, 31, 32, 33, 34]), ("r2", [40, 41, 42, 43, 44])):
+        r = req(rid, salt=rid)  # other prompts: no coalescing
+        assert matched(s, r, load={"push_slots": 2}) == (4 * BS, True)
+        s.update_state_after_alloc(r, Blocks(blocks), 4 * BS)
+    assert len(s.take_jobs()) == 2
+    r3 = req("r3", salt="r3")
+    assert matched(s, r3, load={"push_slots": 2, "pushes_in_flight": 1}) == (0, False)
+    assert s.take_jobs() == []
+    assert s.stats["source_full"] == 1
+    assert s.decisions["refused"] == 1
+    # one of D's pushes ended: a slot is free again
+    s.on_worker_meta(PushOutcome({"r1": 4}))
+    r4 = req("r4", salt="r4")
+    assert matched(s, r4, load={"push_slots": 2, "pushes_in_flight": 1}) == (
+        4 * BS,
+        True,
+    )
+    s.shutdown()
+
+
+def test_a_source_reporting_its_slots_taken_is_not_asked_either():
+    """Other destinations' pushes count too: C says it serves its 4 of 4."""
+    s = scheduler()
+    r = req()
+    assert matched(s, r, load={"push_slots": 4, "pushes_in_flight": 4}) == (0, False)
+    assert s.decisions["refused"] == 1 and s.stats["source_full"] == 1
+    s.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("load", "expected"),
+    [
+        ({}, (0, None, 0)),  # an older source: nothing said
+        (
+            {"pushes_in_flight": 3, "push_slots": 4, "prefill_backlog_tokens": 900},
+            (3, 4, 900),
+        ),
+        (
+            {"pushes_in_flight": -5, "push_slots": 0, "prefill_backlog_tokens": -1},
+            (0, None, 0),
+        ),
+        ({"pushes_in_flight": 9, "push_slots": 4}, (0, 4, 0)),  # more than its slots
+        ({"push_slots": 1 << 40, "prefill_backlog_tokens": 1 << 50}, (0, None, 0)),
+    ],
+)
+def test_a_sources_reported_load_is_bounded(load, expected):
+    """Never trust a peer: a number out of range counts as not said."""
+    s = scheduler()
+    r = req()
+    matched(s, r, load=load)
+    got = s._loads[SRC]
+    assert (
+        got[0].pushes_in_flight,
+        got[0].push_slots,
+        got[0].backlog_tokens,
+    ) == expected
+    s.shutdown()
+
+
+def test_a_push_is_measured_under_the_load_its_source_reported():
+    """A push granted while C prefilled a backlog and served another push is
+    measured as one push alone in that state: the next judgement of C idle is
+    not charged for it."""
+    s = scheduler()
+    s.cost.observe_round_trip(SRC, 0.0)
+    r = req()
+    load = {"push_slots": 4, "pushes_in_flight": 1, "prefill_backlog_tokens": 5000}
+    assert matched(s, r, load=load) == (4 * BS, True)
+    s.update_state_after_alloc(r, Blocks([30, 31, 32, 33, 34]), 4 * BS)
+    inf = s._inflight["r1"]
+    assert (inf.load.pushes_in_flight, inf.load.backlog_tokens) == (1, 5000)
+    inf.allocated -= 0.8  # it took 0.8 s
+    s.on_worker_meta(PushOutcome({"r1": 4}))
+    busy = s.cost._per_block[SRC, True].value
+    assert busy == pytest.approx(0.8 / 4 / 2, rel=0.05)  # alone: half of it
+    assert (SRC, False) not in s.cost._per_block
+    s.shutdown()

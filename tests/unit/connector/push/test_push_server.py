@@ -8,6 +8,7 @@ instances are in tests/integration/test_push.py."""
 import ctypes
 import os
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,12 +27,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.schedule
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_sync import (
     WorkerHashSync,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metadata import (
+    ExtMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     KVFingerprint,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_server import (
     BytesByDestination,
     PushServer,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extension import (
+    PrefillBacklog,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.worker_extension import (
+    PushSourceStep,
 )
 
 BS, SLOTS, NBLK, BLEN = 4, 3, 16, 64
@@ -310,6 +320,44 @@ def test_match_reports_the_engine_timeout_and_the_clock():
     code, out = server.match({"token_ids": TOKENS})
     assert code == 200 and out["now_unix_ms"] == NOW_MS
     assert out["engine_timeout_s"] == ExtConfig().engine_transfer_timeout_s
+
+
+def test_match_reports_the_sources_load():
+    """Pushes in progress within their bound (the slots), the limit, and the
+    scheduler's prefill backlog as the last step's metadata gave it."""
+    server, _, _, _ = make()
+    _, out = server.match({"token_ids": TOKENS})
+    limit = ExtConfig().push_max_concurrent
+    assert (out["pushes_in_flight"], out["push_slots"]) == (0, limit)
+    assert out["prefill_backlog_tokens"] is None  # no step yet
+    token = server.try_begin()
+    assert token is not None
+    PushSourceStep(server).before_forward(ExtMetadata(prefill_backlog_tokens=7000))
+    _, out = server.match({"token_ids": TOKENS})
+    assert (out["pushes_in_flight"], out["prefill_backlog_tokens"]) == (1, 7000)
+    server.end(token)
+    PushSourceStep(server).before_forward(ExtMetadata())  # a D-only step says nothing
+    _, out = server.match({"token_ids": TOKENS})
+    assert (out["pushes_in_flight"], out["prefill_backlog_tokens"]) == (0, 7000)
+
+
+def test_the_prefill_backlog_counts_admitted_prompt_tokens_not_computed():
+    backlog = PrefillBacklog()
+    a = SimpleNamespace(request_id="a", num_prompt_tokens=1000, num_computed_tokens=0)
+    b = SimpleNamespace(request_id="b", num_prompt_tokens=500, num_computed_tokens=0)
+    backlog.added(a)
+    backlog.added(b)
+    assert backlog.tokens({}) == 1500
+    # the step schedules 600 of a's: counted as computed (vLLM advances
+    # num_computed_tokens after the metadata is built)
+    assert backlog.tokens({"a": 600}) == 900
+    a.num_computed_tokens = 600
+    b.num_computed_tokens = 520  # b decodes
+    assert backlog.tokens({}) == 400
+    assert backlog.tokens({"a": 400, "b": 1}) == 0  # a's last chunk
+    backlog.finished(a)
+    backlog.finished(a)  # twice: nothing more
+    assert backlog.tokens({}) == 0
 
 
 def test_bytes_by_destination_are_kept_for_a_bounded_number_of_destinations():
