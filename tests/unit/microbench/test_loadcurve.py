@@ -5,11 +5,14 @@ import pytest
 
 from microbench.fork.accounting import burst_accounting
 from microbench.loadcurve import (
+    SLO_COLD_PREFILLS,
+    ColdPrefill,
     goodput,
     offered_loads,
     parse_loads,
     quantile,
-    slo_s,
+    ttft_in_cold_prefills,
+    within,
 )
 
 
@@ -34,10 +37,40 @@ def test_quantile_is_the_nearest_rank_of_the_answered():
     assert quantile([None], 0.9) is None
 
 
-def test_the_slo_is_a_multiple_of_an_idle_cold_prefill():
-    assert slo_s(2.0) == 6.0 and slo_s(2.0, 5) == 10.0
+def test_an_idle_cold_prefill_grows_with_its_length_as_measured():
+    """Fitted to two measured lengths: n (a + b n) passes through both."""
+    cold = ColdPrefill.fit([(8000, 0.64), (29000, 4.0)])
+    assert cold.seconds(8000) == pytest.approx(0.64)
+    assert cold.seconds(29000) == pytest.approx(4.0)
+    assert cold.b > 0
+    assert ColdPrefill.fit([(1000, 1.0)]) == ColdPrefill(0.001)  # one length
+    # a longer prompt never measured cheaper per token
+    assert ColdPrefill.fit([(1000, 1.0), (2000, 1.0)]).b == 0.0
     with pytest.raises(ValueError):
-        slo_s(0)
+        ColdPrefill.fit([(0, 1.0)])
+
+
+def test_the_slo_counts_each_request_in_cold_prefills_of_its_own_prompt():
+    """A 30k-token cold turn that took its idle time and a cached 8k turn both
+    keep a 3x SLO; a request that waited is counted late; one with no answer
+    infinitely late."""
+    cold = ColdPrefill(0.0001)  # 0.1 ms a token
+    idle = [
+        {"ttft_s": 3.0, "prompt_len": 30_000},  # 1 cold prefill
+        {"ttft_s": 0.2, "prompt_len": 8_000},  # 0.25
+    ]
+    assert ttft_in_cold_prefills(idle, cold) == pytest.approx(1.0)
+    waited = idle + [{"ttft_s": 4.0, "prompt_len": 8_000}]  # 5 cold prefills
+    assert ttft_in_cold_prefills(waited, cold) == pytest.approx(5.0)
+    assert not within(ttft_in_cold_prefills(waited, cold), SLO_COLD_PREFILLS)
+    failed = idle + [{"ttft_s": None, "prompt_len": 8_000, "error": "HTTP 500"}]
+    assert ttft_in_cold_prefills(failed, cold) == float("inf")
+    assert ttft_in_cold_prefills([], cold) is None
+    # 90%: one late request in ten is allowed
+    ten = [{"ttft_s": 0.1, "prompt_len": 1000}] * 9 + [
+        {"ttft_s": 10.0, "prompt_len": 1000}
+    ]
+    assert ttft_in_cold_prefills(ten, cold) == pytest.approx(1.0)
 
 
 def test_goodput_is_the_highest_load_up_to_which_every_load_keeps_the_slo():
