@@ -17,6 +17,7 @@ import time
 import pytest
 
 from harness.kv_usage import kv_usage, wait_no_blocks_in_use
+from harness.metrics import read_when, samples, scrape
 from harness.pd_client import RequestFailed, complete, pd_generate
 from harness.prompts import PromptSource
 
@@ -41,8 +42,16 @@ def test_a_failed_posthoc_write_frees_the_prefill_blocks(cluster):
     prompts = PromptSource(seed=21)
     pd_generate(p.url, p.bootstrap_url, d.url, prompts(200), max_tokens=1)  # warm-up
     assert wait_no_blocks_in_use(p.url, timeout=30) == (0.0,)
-    with cf.ThreadPoolExecutor(1) as pool:
-        # a prefill of several seconds; D asks for the KV at once, then dies
+    with cf.ThreadPoolExecutor(5) as pool:
+        # P busy with other prompts first, so the P/D request's prefill waits behind
+        # seconds of work on any machine; D asks for the KV at once, then dies
+        # while P still computes (a fixed sleep let a fast P finish first)
+        busy = [
+            pool.submit(
+                complete, p.url, prompts(3500), max_tokens=1, logprobs=None, timeout=300
+            )
+            for _ in range(4)
+        ]
         fut = pool.submit(
             pd_generate,
             p.url,
@@ -52,10 +61,18 @@ def test_a_failed_posthoc_write_frees_the_prefill_blocks(cluster):
             max_tokens=1,
             timeout=120,
         )
-        time.sleep(1.5)
+        # D holds the request, waiting for its KV
+        read_when(
+            lambda: sum(samples(scrape(d.url), "vllm:num_requests_waiting")),
+            lambda waiting: waiting >= 1,
+            timeout=30,
+        )
+        assert not fut.done(), "P answered before D could be killed: no failed write"
         d.kill()
         with pytest.raises(RequestFailed):
             fut.result()
+        for b in busy:
+            b.result()
     # P itself still serves, and its blocks come back once the write failed
     deadline = time.monotonic() + FREED_WITHIN_S
     usage = wait_no_blocks_in_use(p.url, timeout=FREED_WITHIN_S)
