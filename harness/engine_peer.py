@@ -217,6 +217,11 @@ class EnginePeer:
             if line.startswith(prefix):
                 return line, time.monotonic()
 
+    def said(self, prefix: str) -> bool:
+        """Whether a line starting with prefix was read and not yet expected."""
+        with self.lines.mutex:
+            return any(line.startswith(prefix) for line in self.lines.queue)
+
     def send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
@@ -232,6 +237,29 @@ def landed(receiver: EnginePeer) -> int:
     """The receiver's 64 KiB chunks that hold the writer's bytes (while it runs)."""
     receiver.send("count")
     return int(receiver.expect("COUNT", 30)[0].split()[1])
+
+
+# The receiver's link is limited so that a write is still under way when it is cut,
+# on any machine: at full speed the bridge carries 512 MiB in well under a second, and
+# a cut 80 ms into the write once came after it had ended (the write returned 0).
+CUT_LINK_MBIT = 800  # 512 MiB in about 5.4 s
+
+
+def cut_mid_write(topo: Any, writer: EnginePeer, recv: EnginePeer) -> float:
+    """Start the writer's write over the receiver's link limited to CUT_LINK_MBIT,
+    and cut that link once the first of its bytes have landed; returns when the
+    link was cut. Raises AssertionError when the write ended before the cut (a
+    test would see no cut) or no byte landed within 30 s."""
+    topo.limit("receiver", mbit=CUT_LINK_MBIT)
+    writer.send("go")
+    deadline = time.monotonic() + 30
+    while landed(recv) == 0:
+        assert time.monotonic() < deadline, "no byte of the write landed within 30 s"
+        time.sleep(0.01)
+    topo.link_down("receiver")
+    t_cut = time.monotonic()
+    assert not writer.said("RETURNED"), "the write ended before its link was cut"
+    return t_cut
 
 
 @contextlib.contextmanager

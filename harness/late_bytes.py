@@ -5,11 +5,12 @@ with the kernel's TCP sockets on both hosts sampled every half second.
 
 Writer and receiver are real Mooncake engines (harness/engine_peer.py, TCP,
 MC_TRANSFER_TIMEOUT=5) on two hosts (network namespaces on a bridge,
-harness/netns.py); the receiver's link is cut 80 ms into the write and
-restored after ``--cut-s``. Each sample records, per TCP socket between the
-two hosts, its state, Send-Q and bytes_acked (writer) or bytes_received
-(receiver), and how many of the receiver's 64 KiB chunks hold the writer's
-bytes (from the link's return on). Prints the timeline and writes it as JSON.
+harness/netns.py); the receiver's link is limited (800 Mbit/s), cut once the
+write's first bytes landed, and restored after ``--cut-s``. Each sample records,
+per TCP socket between the two hosts, its state, Send-Q and bytes_acked (writer)
+or bytes_received (receiver), and how many of the receiver's 64 KiB chunks hold
+the writer's bytes (from the link's return on). Prints the timeline and writes it
+as JSON.
 Needs root (namespaces) and iproute2.
 """
 
@@ -23,7 +24,7 @@ import time
 from typing import Any
 
 from harness import netns
-from harness.engine_peer import landed, terminal_write_on_two_hosts
+from harness.engine_peer import cut_mid_write, landed, terminal_write_on_two_hosts
 
 _FIELDS = re.compile(r"\b(bytes_acked|bytes_received):(\d+)")
 
@@ -62,9 +63,7 @@ def run(nbytes: int, cut_s: float, watch_s: float) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     with terminal_write_on_two_hosts(nbytes, env) as (topo, writer, recv):
         w, r = topo.host("writer"), topo.host("receiver")
-        writer.send("go")
-        time.sleep(0.08)
-        topo.link_down("receiver")
+        cut_mid_write(topo, writer, recv)
         events["cut"] = t()
         while t() < 600:
             if "link_up" not in events and t() - events["cut"] >= cut_s:

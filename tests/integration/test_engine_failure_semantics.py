@@ -23,7 +23,12 @@ import time
 
 import pytest
 
-from harness.engine_peer import EnginePeer, landed, terminal_write_on_two_hosts
+from harness.engine_peer import (
+    EnginePeer,
+    cut_mid_write,
+    landed,
+    terminal_write_on_two_hosts,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -100,7 +105,7 @@ WATCH_AFTER_S = 20  # late bytes came 7-13 s after the return in measurements
 
 def write_across_a_link_cut(env: dict[str, str] | None = None) -> dict:
     """Writer and receiver on two hosts (network namespaces on a bridge); the
-    receiver's link is cut 80 ms into a 512 MiB terminal write and restored
+    receiver's link is cut while a 512 MiB terminal write is under way and restored
     after CUT_S. Returns the writer's rc and the receiver's landed chunks when
     the write returned and WATCH_AFTER_S after that (and after the link came
     back)."""
@@ -109,10 +114,7 @@ def write_across_a_link_cut(env: dict[str, str] | None = None) -> dict:
         writer,
         recv,
     ):
-        writer.send("go")
-        time.sleep(0.08)
-        topo.link_down("receiver")
-        t_cut = time.monotonic()
+        t_cut = cut_mid_write(topo, writer, recv)
         line, t_ret = None, 0.0
         with contextlib.suppress(AssertionError):  # returned during the cut
             line, t_ret = writer.expect("RETURNED", CUT_S)
@@ -161,7 +163,7 @@ ONE_LANE = {"MC_TCP_LANES_PER_PEER": "1"}
 
 
 def cut_off_for_good(env: dict[str, str], orphan_retries: int, stall_s: float) -> None:
-    """The receiver's link is cut 80 ms into the write and not restored until the
+    """The receiver's link is cut while the write is under way and not restored until the
     write has returned. Peers hold blocks for a write for the writer's bound
     (ExtConfig.engine_write_bound_s: D's push hold, D's pull give-up against P's
     timeout), so the write must end within it, and once it has ended no byte of
@@ -181,10 +183,7 @@ def cut_off_for_good(env: dict[str, str], orphan_retries: int, stall_s: float) -
     ) as (topo, writer, recv):
         topo.pin_neighbour("writer", "receiver")
         bound = writer.write_bound_s
-        writer.send("go")
-        time.sleep(0.08)
-        topo.link_down("receiver")
-        t_cut = time.monotonic()
+        t_cut = cut_mid_write(topo, writer, recv)
         line, t_ret = writer.expect("RETURNED", bound + 120)
         took = t_ret - t_cut
         topo.link_up("receiver")
