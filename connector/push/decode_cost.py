@@ -6,8 +6,12 @@ prefill of the same tokens, both measured on D.
   the source's hashing included) and, from every push that ended, the time from
   D's allocation of the blocks to the worker's report, less that round trip, per
   block; a push that did not land whole counts that time plus the local prefill
-  of the blocks it did not land (the request still needs it). Expected: one
-  round trip (the push call) plus the blocks times the time per block.
+  of the blocks it did not land (the request still needs it). And, from every
+  push that landed whole, its **tail**: the time from the worker's report to the
+  request's first token (at least one more scheduler step, which D's other
+  requests lengthen; a local prefill computes its tokens in its first step).
+  Expected: one round trip (the push call), the blocks times the time per
+  block, and the tail.
 - **A local prefill**: every request D prefills itself from its own hit (nothing
   pulled or pushed, at least MIN_BUCKET's tokens, not resumed after a
   preemption) is timed from its allocation to its first output token, per
@@ -168,6 +172,7 @@ class PushCostModel:
         # (source, prefilling) -> seconds per block of one push alone
         self._per_block: dict[tuple[str, bool], _Average] = {}
         self._per_token: dict[int, _Average] = {}
+        self._tail = _Average()  # a landed push's report to its first token
         self._failures: dict[str, _Failures] = {}
 
     # ---- observations ------------------------------------------------------------
@@ -243,6 +248,12 @@ class PushCostModel:
             (source, not load.prefilling)
         )
 
+    def observe_tail(self, seconds: float) -> None:
+        """A push that landed whole: ``seconds`` from the worker's report to the
+        request's first token."""
+        if seconds >= 0:
+            self._tail.add(seconds, self._clock())
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A local prefill of ``tokens`` that took ``seconds`` to its first token."""
         if tokens <= 0 or seconds <= 0:
@@ -252,15 +263,24 @@ class PushCostModel:
         )
 
     # ---- estimates ---------------------------------------------------------------
-    def transfer_s(
-        self, source: str, blocks: int, load: SourceLoad = IDLE
-    ) -> float | None:
-        """Expected push of ``blocks`` from ``source`` in ``load``: one round trip
-        and the blocks' time, shared with the pushes in flight."""
+    def write_s(self, source: str, blocks: int, load: SourceLoad) -> float | None:
+        """Expected time from D's allocation to the worker's report: one round
+        trip and the blocks' time, shared with the pushes in flight."""
         rtt, per_block = self._round_trip.get(source), self._block_time(source, load)
         if rtt is None or per_block is None:
             return None
         return rtt.value + blocks * per_block.value * load.sharing
+
+    def transfer_s(
+        self, source: str, blocks: int, load: SourceLoad = IDLE
+    ) -> float | None:
+        """Expected push of ``blocks`` from ``source`` in ``load``, to the first
+        token as a local prefill is timed: its write and the tail (0 until a
+        push has landed)."""
+        write = self.write_s(source, blocks, load)
+        if write is None:
+            return None
+        return write + (self._tail.value if self._tail.n else 0.0)
 
     def prefill_s(self, tokens: int) -> float | None:
         if not self._per_token:
@@ -276,7 +296,7 @@ class PushCostModel:
         (the push's timeout): its expected transfer times BUDGET_FACTOR, plus a
         round trip and BUDGET_FLOOR_S, at most ``cap`` (MOONCAKE_PUSH_TIMEOUT_S),
         which is also the budget while the source is unmeasured."""
-        expected = self.transfer_s(source, blocks, load)
+        expected = self.write_s(source, blocks, load)
         if expected is None:
             return cap
         rtt = self._round_trip[source].value
@@ -332,7 +352,8 @@ class PushCostModel:
 
 class PrefillTimer:
     """Times D's local prefills: from a request's allocation (nothing external
-    loaded) to its first output token, seen at a later step or at its end."""
+    loaded) to its first output token, seen at a later step or at its end; and
+    the tails of landed pushes, from the worker's report to the first token."""
 
     def __init__(
         self, model: PushCostModel, clock: Callable[[], float] = time.monotonic
@@ -342,6 +363,9 @@ class PrefillTimer:
         # req id -> (request, allocated at, its own hit: None until the step's
         # scheduler output says it)
         self._running: dict[str, tuple[object, float, int | None]] = {}
+        self._tails: dict[
+            str, tuple[object, float]
+        ] = {}  # req id -> (request, landed at)
 
     def allocated(self, request: object, num_external_tokens: int) -> None:
         rid = request.request_id  # type: ignore[attr-defined]
@@ -355,9 +379,16 @@ class PrefillTimer:
         if len(self._running) < MAX_TRACKED:
             self._running[rid] = (request, self._clock(), None)
 
+    def landed(self, request: object) -> None:
+        """Its push landed whole (the worker's report): its tail starts."""
+        if len(self._tails) < MAX_TRACKED:
+            self._tails[request.request_id] = (request, self._clock())  # type: ignore[attr-defined]
+
     def step(self, scheduler_output: object) -> None:
         """Once a step, from its scheduler output: the new requests' own hits, and
-        the prefills that produced their first token."""
+        the prefills and landed pushes that produced their first token."""
+        for rid, (request, _) in list(self._tails.items()):
+            self._check_tail(rid, request)
         if not self._running:
             return
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
@@ -377,9 +408,17 @@ class PrefillTimer:
 
     def finished(self, request: object) -> None:
         rid = request.request_id  # type: ignore[attr-defined]
+        if rid in self._tails:
+            self._check_tail(rid, request)
+            self._tails.pop(rid, None)
         if rid in self._running:
             self._check(rid, request)
             self._running.pop(rid, None)
+
+    def _check_tail(self, rid: str, request: object) -> None:
+        if getattr(request, "num_output_tokens", 0) >= 1:
+            _, landed = self._tails.pop(rid)
+            self._model.observe_tail(self._clock() - landed)
 
     def _check(self, rid: str, request: object) -> None:
         _, started, computed = self._running[rid]

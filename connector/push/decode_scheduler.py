@@ -977,12 +977,16 @@ class PushScheduler:
             now = self._clock()
             # what D expected (before this push is measured), for the log
             key = SourceLanes.key(inf.source)
-            expected = self.cost.transfer_s(key, inf.n_blocks, inf.load)
+            expected = self.cost.write_s(key, inf.n_blocks, inf.load)
             local = self.cost.prefill_s(inf.n_blocks * self.block_size)
             held = now - inf.allocated
             if landed == inf.n_blocks:
                 self._decide(rid, Decision.PUSHED)
                 self.cost.observe_push(key, landed, held, inf.load)
+                if self.prefill_timer is not None and not (
+                    inf.released or inf.finished
+                ):
+                    self.prefill_timer.landed(inf.request)
             else:
                 refused = rid in meta.refused
                 self._decide(rid, Decision.REFUSED if refused else Decision.FELL_BACK)

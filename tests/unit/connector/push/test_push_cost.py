@@ -266,3 +266,47 @@ def test_a_loaded_sources_budget_is_longer():
     idle = m.budget_s(SRC, 8, 30.0)
     shared = m.budget_s(SRC, 8, 30.0, SourceLoad(pushes_in_flight=3, push_slots=8))
     assert shared == pytest.approx(idle + 4.0 * 3 * 0.04)
+
+
+def test_a_push_costs_its_tail_the_step_after_it_landed():
+    """A landed push's request computes its own tokens one scheduler step after
+    the worker's report; a local prefill computes them in its first step. With
+    decode streams that step is long: a short push measured at 20 ms to its
+    report, against a 22 ms local prefill, is not worth it once its tail of 25 ms
+    is counted (measured on this project's CPU host: 512 tokens pushed under
+    load took 2.35x their local prefill)."""
+    m, clock = measured(push_s=0.02, blocks=4, rtt_s=0.005, prefill_s=0.022, tokens=512)
+    assert m.decide(SRC, 4, 128).decision is None  # the write alone: 20 ms < 22 ms
+    timer = PrefillTimer(m, clock)
+    r = req("pushed", computed=512, prompt=600)
+    timer.landed(r)  # the worker's report
+    clock.now += 0.01
+    timer.step(scheduled((r, 512)))  # scheduled: its tail computes in this step
+    assert m.transfer_s(SRC, 4) == pytest.approx(0.02)  # no first token yet
+    clock.now += 0.015
+    r.num_output_tokens = 1
+    timer.step(scheduled())
+    est = m.decide(SRC, 4, 128)
+    assert est.transfer_s == pytest.approx(0.02 + 0.025)
+    assert est.decision is Decision.NOT_WORTH_IT
+    # a long push still pays: 32 blocks, 0.005 + 32 x 3.75 ms + 25 ms, against 0.2 s
+    m.observe_prefill(4096, 0.2)
+    assert m.decide(SRC, 32, 128).decision is None
+    # the budget (how long the source may take to start writing) is the write's
+    assert m.budget_s(SRC, 4, 30.0) == pytest.approx(4 * 0.02 + 0.005 + 5.0)
+
+
+def test_a_tail_is_timed_only_to_a_first_token():
+    m, clock = model()
+    timer = PrefillTimer(m, clock)
+    gone = req("aborted", computed=512, prompt=600)
+    timer.landed(gone)
+    clock.now += 1.0
+    timer.finished(gone)  # finished without a token: nothing to time
+    done = req("max_tokens=1", computed=512, prompt=600)
+    timer.landed(done)
+    clock.now += 0.03
+    done.num_output_tokens = 1
+    timer.finished(done)  # finished at its first token, before any later step
+    assert m._tail.n == 1 and m._tail.value == pytest.approx(0.03)
+    assert not timer._tails

@@ -5,6 +5,7 @@ path runs in tests/integration/test_push.py."""
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers import C_SOURCE, Blocks, d_request
@@ -592,4 +593,20 @@ def test_a_push_is_measured_under_the_load_its_source_reported():
     busy = s.cost._per_block[SRC, True].value
     assert busy == pytest.approx(0.8 / 4 / 2, rel=0.05)  # alone: half of it
     assert (SRC, False) not in s.cost._per_block
+    s.shutdown()
+
+
+def test_a_landed_push_times_its_tail_to_the_first_token():
+    s = scheduler()
+    s.cost.observe_round_trip(SRC, 0.0)
+    r = req()
+    matched(s, r)
+    s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), 4 * BS)
+    s.on_worker_meta(PushOutcome({"r1": 4}))
+    before = s.cost.transfer_s(SRC, 4)
+    r.num_output_tokens = 1
+    landed_at = s.prefill_timer._tails["r1"][1]
+    s.prefill_timer._clock = lambda: landed_at + 0.05
+    s.prefill_timer.step(SimpleNamespace(scheduled_new_reqs=[]))
+    assert s.cost.transfer_s(SRC, 4) == pytest.approx(before + 0.05)
     s.shutdown()
