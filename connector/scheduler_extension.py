@@ -52,10 +52,11 @@ def own_bootstrap_url(vllm_config: VllmConfig, config: ExtConfig) -> str:
 
 
 class PrefillBacklog:
-    """A push source's scheduler: the prompt tokens of the requests it admitted
-    and has not computed yet (waiting or partly prefilled), which a push source
-    reports in its /match_blocks answers (push/decode_cost.py weighs them). Read
-    from upstream's request objects once a step; never written."""
+    """The requests this scheduler admitted and has not computed yet (waiting or
+    partly prefilled): their prompt tokens, which a push source reports in its
+    /match_blocks answers, and their number, which a push destination weighs
+    against a local prefill (push/decode_cost.py weighs both). Read from
+    upstream's request objects; never written."""
 
     def __init__(self) -> None:
         self._live: dict[str, Request] = {}
@@ -78,6 +79,15 @@ class PrefillBacklog:
                 - scheduled.get(r.request_id, 0),
             )
             for r in self._live.values()
+        )
+
+    def queued(self, behind: str) -> int:
+        """The requests other than ``behind`` whose prompt is not computed yet
+        (before this step's scheduling): a local prefill delays each of them."""
+        return sum(
+            1
+            for rid, r in self._live.items()
+            if rid != behind and r.num_computed_tokens < r.num_prompt_tokens
         )
 
 
@@ -107,7 +117,12 @@ class SchedulerExtension:
         )
         self.pull_timeline = DecodePullTimeline()
         self.admission = PullAdmission(cfg.decode_max_pulls, cfg.decode_pull_wait_s)
-        self.backlog = PrefillBacklog() if self.hashsync is not None else None
+        # a source reports it; a push destination weighs its own queue with it
+        self.backlog = (
+            PrefillBacklog() if self.hashsync is not None or cfg.push_sources else None
+        )
+        if self.backlog is not None and cfg.push_sources:
+            self.push.own_queue = self.backlog.queued
 
     # ---- requests this series owns (prefix push on D) ---------------------------------
     def owns(self, request: Request) -> bool:

@@ -23,7 +23,14 @@ prefill of the same tokens, both measured on D.
 
 Both are moving averages (the last few dozen observations weigh most), measured
 on whatever else the instance runs meanwhile, which is what a push competes
-with. **The source's load** (its /match_blocks answer: pushes in flight within
+with. **D's own queue**: a local prefill takes D's compute from every request D
+holds whose prompt is not computed yet (waiting or prefilling beside it: steps
+are shared), and delays each of them by about its own time, while a push's
+write runs beside D's steps and delays only its own request. So the local
+prefill weighs its time times (1 + those requests, at most MAX_QUEUED): on a
+saturated D, compute saved counts for the queue, not for one request's latency
+(measured on this project's CPU host: with 39 sessions queued on two instances,
+a gate blind to its queue prefilled 24-38 of 33-43 candidate turns itself). **The source's load** (its /match_blocks answer: pushes in flight within
 their bound, its limit, prompt tokens its scheduler admitted and has not
 computed; :class:`SourceLoad`) enters twice. A push's time per block is kept
 apart for a source that was prefilling (a backlog) and one that was not, since
@@ -71,6 +78,7 @@ MAX_TRACKED = 4096  # local prefills timed at once (more are not timed)
 FAILURES_TO_DEMOTE = 3  # pushes in a row that landed nothing: the source is failing
 BUDGET_FACTOR = 4.0  # a push's budget: its expected transfer times this,
 BUDGET_FLOOR_S = 5.0  # plus one round trip and this
+MAX_QUEUED = 16  # requests behind a local prefill that its cost counts, at most
 
 
 class Decision(str, Enum):
@@ -289,6 +297,14 @@ class PushCostModel:
         nearest = min(self._per_token, key=lambda b: (abs(b - want), -b))
         return tokens * self._per_token[nearest].value
 
+    def local_cost_s(self, tokens: int, queued: int = 0) -> float | None:
+        """A local prefill of ``tokens``: its time, once for itself and once for
+        each of ``queued`` requests it delays (at most MAX_QUEUED)."""
+        prefill = self.prefill_s(tokens)
+        if prefill is None:
+            return None
+        return prefill * (1 + max(0, min(queued, MAX_QUEUED)))
+
     def budget_s(
         self, source: str, blocks: int, cap: float, load: SourceLoad = IDLE
     ) -> float:
@@ -309,10 +325,13 @@ class PushCostModel:
         block_size: int,
         judge: bool = True,
         load: SourceLoad = IDLE,
+        queued: int = 0,
     ) -> Estimate:
         """Whether to push ``blocks`` full blocks from ``source`` in ``load``
+        with ``queued`` requests of D's own that a local prefill would delay
         (``judge`` False: the push was granted already; only the minimum, a full
-        source and, when the source is loaded, the cost under that load apply)."""
+        source and, when the source is loaded, the cost under that load apply).
+        The estimate's prefill_s is the local prefill's weighted cost."""
         tokens = blocks * block_size
         if tokens < max(1, self.min_tokens):
             return Estimate(Decision.BELOW_MINIMUM, None, None)
@@ -324,7 +343,7 @@ class PushCostModel:
             if load.idle or self.always:
                 return Estimate(None, None, None)
             transfer = self.transfer_s(source, blocks, load)
-            prefill = self.prefill_s(tokens)
+            prefill = self.local_cost_s(tokens, queued)
             if transfer is None or prefill is None or transfer < prefill:
                 return Estimate(None, transfer, prefill)
             return Estimate(Decision.NOT_WORTH_IT, transfer, prefill)
@@ -338,7 +357,7 @@ class PushCostModel:
         if self.always:
             return Estimate(None, None, None)
         transfer = self.transfer_s(source, blocks, load)
-        prefill = self.prefill_s(tokens)
+        prefill = self.local_cost_s(tokens, queued)
         if transfer is None or prefill is None or transfer < prefill:
             return Estimate(None, transfer, prefill)
         per_block = self._block_time(source, load)
@@ -435,6 +454,7 @@ __all__ = [
     "BUDGET_FACTOR",
     "BUDGET_FLOOR_S",
     "FAILURES_TO_DEMOTE",
+    "MAX_QUEUED",
     "Decision",
     "Estimate",
     "PrefillTimer",

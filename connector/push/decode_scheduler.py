@@ -285,6 +285,9 @@ class PushScheduler:
         )
         # local prefills are timed only where a push could replace one
         self.prefill_timer = PrefillTimer(self.cost) if config.push_sources else None
+        # this instance's requests whose prompt is not computed, but the one named
+        # (scheduler_extension.PrefillBacklog.queued; None: not counted)
+        self.own_queue: Callable[[str], int] | None = None
         self._warnings = WarnLimiter(logger)
         if config.push_auto:
             if config.push_sources:
@@ -590,7 +593,7 @@ class PushScheduler:
         self._times[rid] = (asked, time.monotonic())
         first = num_computed_tokens // self.block_size
         n = matched - first
-        if n <= 0 or not self.pays(rid, source, n, fresh=True):
+        if n <= 0 or not self.pays(rid, source, n):
             self._decide(rid, Decision.NO_HOLDER)  # unless counted already
             self._planned.pop(rid, None)
             self._times.pop(rid, None)
@@ -715,15 +718,16 @@ class PushScheduler:
             backlog_tokens=reported.backlog_tokens if fresh else 0,
         )
 
-    def pays(self, rid: str, source: str, blocks: int, fresh: bool = False) -> bool:
+    def pays(self, rid: str, source: str, blocks: int) -> bool:
         """Whether pushing ``blocks`` from ``source`` is expected to beat prefilling
-        them here, in the source's load (``fresh``: just reported); counts the
-        reason when not. A request is judged once (a push granted before the
-        source's answer is then held to the minimum, and judged again only on
-        the load that answer reports, decode_cost.py)."""
+        them here, in the source's load as D knows it (load_of); counts the reason
+        when not. A request is judged once (a push granted before the source's
+        answer is then held to the minimum, and judged again only on the load that
+        answer reports, decode_cost.py)."""
         judge, key = rid not in self._granted, SourceLanes.key(source)
         load = self.load_of(key)
-        est = self.cost.decide(key, blocks, self.block_size, judge, load)
+        queued = self.own_queue(rid) if self.own_queue is not None else 0
+        est = self.cost.decide(key, blocks, self.block_size, judge, load, queued)
         if est.decision is None:
             self._granted.add(rid)
             return True
@@ -732,12 +736,11 @@ class PushScheduler:
             self.stats["source_full"] += 1
             logger.debug(
                 "Prefix push for %s from %s: the source serves %d pushes, its limit "
-                "(%s%s); prefilling locally",
+                "(%s); prefilling locally",
                 rid,
                 source,
                 load.pushes_in_flight,
                 load.push_slots,
-                "" if fresh else ", as it last said",
             )
         elif est.decision is Decision.NOT_WORTH_IT and self.cost.failing(key):
             logger.debug(
@@ -750,7 +753,7 @@ class PushScheduler:
             logger.debug(
                 "Prefix push for %s from %s: %d blocks would take %.1f ms (%d pushes "
                 "in flight, %d prompt tokens queued there), their local prefill "
-                "%.1f ms; prefilling locally",
+                "%.1f ms (for %d requests queued here); prefilling locally",
                 rid,
                 source,
                 blocks,
@@ -758,6 +761,7 @@ class PushScheduler:
                 load.pushes_in_flight,
                 load.backlog_tokens,
                 1e3 * (est.prefill_s or 0.0),
+                queued,
             )
         return False
 

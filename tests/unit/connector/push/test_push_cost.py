@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    MAX_QUEUED,
     PROBE_AFTER_S,
     Decision,
     PrefillTimer,
@@ -310,3 +311,24 @@ def test_a_tail_is_timed_only_to_a_first_token():
     timer.finished(done)  # finished at its first token, before any later step
     assert m._tail.n == 1 and m._tail.value == pytest.approx(0.03)
     assert not timer._tails
+
+
+def test_a_local_prefill_weighs_the_requests_it_delays():
+    """On a saturated D a local prefill takes the compute of every request whose
+    prompt is not computed yet; a push's write does not. A push dearer than one
+    local prefill pays when it spares the queue behind it."""
+    m, _ = measured(push_s=0.5, blocks=8, rtt_s=0.01, prefill_s=0.2, tokens=1024)
+    assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT
+    assert m.decide(SRC, 8, 128, queued=1).decision is Decision.NOT_WORTH_IT  # 0.4 s
+    est = m.decide(SRC, 8, 128, queued=2)
+    assert est.decision is None and est.prefill_s == pytest.approx(0.6)
+    # granted on the index, judged again on a loaded source's answer: the same
+    busy = SourceLoad(backlog_tokens=5000)
+    m.observe_push(SRC, 8, 0.5, busy)
+    assert m.decide(SRC, 8, 128, judge=False, load=busy).decision is (
+        Decision.NOT_WORTH_IT
+    )
+    assert m.decide(SRC, 8, 128, judge=False, load=busy, queued=3).decision is None
+    # a bounded weight: a client cannot make every prefill infinitely dear
+    assert m.local_cost_s(1024, 10**9) == pytest.approx(0.2 * (1 + MAX_QUEUED))
+    assert m.local_cost_s(1024, -5) == pytest.approx(0.2)

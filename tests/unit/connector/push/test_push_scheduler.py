@@ -610,3 +610,14 @@ def test_a_landed_push_times_its_tail_to_the_first_token():
     s.prefill_timer.step(SimpleNamespace(scheduled_new_reqs=[]))
     assert s.cost.transfer_s(SRC, 4) == pytest.approx(before + 0.05)
     s.shutdown()
+
+
+def test_the_gate_weighs_the_requests_queued_on_d():
+    s = scheduler()
+    s.cost.observe_round_trip(SRC, 0.01)
+    s.cost.observe_push(SRC, 4, 1.0)  # 4 blocks in 1 s: dearer than their prefill
+    s.cost.observe_prefill(4 * BS, 0.3)
+    assert not s.pays("r1", SRC, 4)
+    s.own_queue = lambda rid: 3  # three requests of D's wait behind a local prefill
+    assert s.pays("r2", SRC, 4)
+    s.shutdown()

@@ -360,6 +360,22 @@ def test_the_prefill_backlog_counts_admitted_prompt_tokens_not_computed():
     assert backlog.tokens({}) == 0
 
 
+def test_the_backlog_counts_the_requests_a_local_prefill_would_delay():
+    backlog = PrefillBacklog()
+    reqs = {
+        rid: SimpleNamespace(
+            request_id=rid, num_prompt_tokens=1000, num_computed_tokens=computed
+        )
+        for rid, computed in (("new", 0), ("a", 0), ("b", 600), ("decoding", 1000))
+    }
+    for r in reqs.values():
+        backlog.added(r)
+    # a waits, b prefills, "decoding" has its prompt computed; "new" is the one judged
+    assert backlog.queued("new") == 2
+    backlog.finished(reqs["a"])
+    assert backlog.queued("new") == 1 and backlog.queued("b") == 1
+
+
 def test_bytes_by_destination_are_kept_for_a_bounded_number_of_destinations():
     """GET /push/stats gives the bytes written to each destination; a source
     serving ever new peers forgets the one it wrote to least recently."""
