@@ -260,7 +260,7 @@ class SchedulerExtension:
             meta.layerwise = self.layerwise.build(scheduler_output)
         if self.hashsync is not None:
             meta.hash_delta = self.hashsync.build()
-        if self.backlog is not None:
+        if self.backlog is not None and self.hashsync is not None:  # a source
             meta.prefill_backlog_tokens = self.backlog.tokens(
                 scheduler_output.num_scheduled_tokens
             )

@@ -30,7 +30,8 @@ write runs beside D's steps and delays only its own request. So the local
 prefill weighs its time times (1 + those requests, at most MAX_QUEUED): on a
 saturated D, compute saved counts for the queue, not for one request's latency
 (measured on this project's CPU host: with 39 sessions queued on two instances,
-a gate blind to its queue prefilled 24-38 of 33-43 candidate turns itself). **The source's load** (its /match_blocks answer: pushes in flight within
+a gate blind to its queue prefilled 24-38 of 33-43 candidate turns itself).
+**The source's load** (its /match_blocks answer: pushes in flight within
 their bound, its limit, prompt tokens its scheduler admitted and has not
 computed; :class:`SourceLoad`) enters twice. A push's time per block is kept
 apart for a source that was prefilling (a backlog) and one that was not, since
@@ -382,9 +383,8 @@ class PrefillTimer:
         # req id -> (request, allocated at, its own hit: None until the step's
         # scheduler output says it)
         self._running: dict[str, tuple[object, float, int | None]] = {}
-        self._tails: dict[
-            str, tuple[object, float]
-        ] = {}  # req id -> (request, landed at)
+        # req id -> (request, its push landed at)
+        self._tails: dict[str, tuple[object, float]] = {}
 
     def allocated(self, request: object, num_external_tokens: int) -> None:
         rid = request.request_id  # type: ignore[attr-defined]
