@@ -213,6 +213,10 @@ def replay(
         with lock:
             outcomes[i] = out
             done[0] += 1
+            if out.error is not None and not done[1]:
+                # The first failure's text, at once: a run stopped before its
+                # JSON is written still says why its requests failed.
+                print(f"[sessions] request {i} failed: {out.error}", flush=True)
             done[1] += out.error is not None
             if progress:
                 progress(done[0], len(reqs), done[1])
