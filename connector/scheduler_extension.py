@@ -3,8 +3,11 @@
 
 The scheduler subclass (connector.py, ``ExtMooncakeConnectorScheduler``) owns
 one :class:`SchedulerExtension` (``self.ext``) and calls it from its overrides.
-It reads upstream's request objects and never writes upstream state: where an
-upstream field must change, the subclass that owns it does.
+It reads upstream's request objects. Its writes to upstream state are few, each
+marked at its branch: prefix push (push/decode_scheduler.py) sets a request's
+``num_computed_tokens`` when a push lands short or is released, and holds a
+released push's blocks with one more ``ref_cnt`` while a source may still
+write into them.
 """
 
 from __future__ import annotations

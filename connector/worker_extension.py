@@ -20,26 +20,20 @@ into the subclass that owns it (``on_send_failed``).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
-    MooncakeXferResponse,
-    MooncakeXferResponseStatus,
-)
 from vllm.logger import init_logger
 
 from .common.auth import EndpointGuard
 from .common.config import ExtConfig, load
 from .common.engine_write import WriteFn, terminal_write_fn
 from .common.fingerprint import (
-    WarnLimiter,
+    KVFingerprint,
     attention_backend_name,
-    handshake_refusal,
     kv_layout,
     local_fingerprint,
 )
@@ -48,19 +42,14 @@ from .common.kv_reader import KVReader
 from .hashsync.worker_sync import WorkerHashSync
 from .hooks import UpstreamHooks
 from .layerwise.decode_pulls import PullOutcomes
+from .layerwise.prefill_answer import PullAnswers
 from .layerwise.prefill_sender import LayerwiseSender
 from .metadata import ExtMetadata
 from .push.decode_receiver import PushReceiver
-from .push.protocol import KVFingerprint, PushOutcome
+from .push.protocol import PushOutcome
 from .push.source_server import PushServer
 from .routes import Served, add_routes
-from .vllm_compat import (
-    all_block_ids,
-    bootstrap_server,
-    layout_miss_status,
-    layout_omitted,
-    one_group_block_ids,
-)
+from .vllm_compat import all_block_ids, bootstrap_server
 from .xfer import with_ext
 
 if TYPE_CHECKING:
@@ -233,9 +222,8 @@ class WorkerExtension(UpstreamHooks):
         self.features: list[WorkerFeature] = (
             [LayerwiseDecodeStep(self.pulls)] if self.pulls is not None else []
         )
-        self._serving: set[asyncio.Task] = set()  # layer-wise answers to D in progress
+        self.answers = PullAnswers(self.config)  # P's layer-wise answers to D
         self._write: WriteFn | None = None  # every engine write of this worker
-        self._warnings = WarnLimiter(logger)
         self.fingerprint: KVFingerprint | None = (
             None  # once the KV caches are registered
         )
@@ -427,106 +415,7 @@ class WorkerExtension(UpstreamHooks):
     ) -> None:
         """P: answer D's MooncakeXferMetadata from the layer-wise sender."""
         assert self.sender is not None
-        if meta.remote_tp_size != tp_size:
-            await send(
-                MooncakeXferResponse(
-                    status=MooncakeXferResponseStatus.ERROR,
-                    err_msg=(
-                        f"layer-wise push needs equal TP sizes (prefill {tp_size}, "
-                        f"decode {meta.remote_tp_size}); unset MOONCAKE_LAYERWISE"
-                    ),
-                )
-            )
-            return
-        if layout_omitted(meta):
-            # Layer-wise writes at the addresses the request carries: ask D for them
-            # (upstream's D sends the request again with its layout).
-            await send(
-                MooncakeXferResponse(
-                    status=layout_miss_status(MooncakeXferResponseStatus),
-                    err_msg=(
-                        "layer-wise push needs the decode instance's KV layout in "
-                        "each pull request"
-                    ),
-                )
-            )
-            return
-        limits = getattr(meta, "ext", None)
-        # D must still wait when P may answer, and D's KV cache must be this
-        # instance's in all but its number of blocks: P writes its own blocks
-        # (block_len bytes at block ids) at D's addresses
-        refusal = self.config.layerwise_refusal(limits) or handshake_refusal(
-            self.fingerprint, limits, len(meta.kv_caches_base_addr)
-        )
-        if refusal is not None:
-            self._warn_once(refusal, "Layer-wise push refused: %s", refusal)
-            await send(
-                MooncakeXferResponse(
-                    status=MooncakeXferResponseStatus.ERROR, err_msg=refusal
-                )
-            )
-            return
-        if limits is None:
-            session = f"{meta.remote_hostname}:{meta.remote_port}"[:80]
-            self._warn_once(
-                f"no-limits:{session}",
-                "The pull request of decode instance %s "
-                "carries no pull timeout (an instance without this series' "
-                "hooks): this prefill instance cannot check that it answers "
-                "before the decode gives up",
-                session,
-            )
-
-        async def reply(ok: list[str], errs: dict[str, str], last: bool) -> None:
-            status = (
-                MooncakeXferResponseStatus.FINISH
-                if last
-                else MooncakeXferResponseStatus.CONTINUE
-            )
-            await send(
-                MooncakeXferResponse(
-                    status=status,
-                    ok_reqs=ok or None,
-                    err_reqs=list(errs) or None,
-                    err_msg="; ".join(sorted(set(errs.values()))) or None,
-                )
-            )
-
-        # Block ids come as one list, or one list per KV cache group (0.32.0):
-        # layer-wise push serves requests of one group and refuses the others.
-        req_blocks: dict[str, tuple[str, list[int]]] = {}
-        several_groups: dict[str, str] = {}
-        for d_req_id, (transfer_id, block_ids) in dict(meta.req_blocks).items():
-            ids = one_group_block_ids(block_ids)
-            if ids is None:
-                several_groups[d_req_id] = (
-                    f"layer-wise push serves requests of one KV cache group; this "
-                    f"one spans {len(block_ids)}: unset MOONCAKE_LAYERWISE"
-                )
-            else:
-                req_blocks[d_req_id] = (transfer_id, ids)
-        if several_groups:
-            self._warn_once(
-                "several-groups",
-                "Layer-wise push refused: %s",
-                next(iter(several_groups.values())),
-            )
-            await reply([], several_groups, not req_blocks)
-            if not req_blocks:
-                return
-
-        # Served as a task of its own: one of upstream's few sender worker tasks
-        # must not wait out a transfer (the sender bounds how many may wait).
-        task = asyncio.create_task(
-            self.sender.serve(
-                f"{meta.remote_hostname}:{meta.remote_port}",
-                list(meta.kv_caches_base_addr),
-                req_blocks,
-                reply,
-            )
-        )
-        self._serving.add(task)
-        task.add_done_callback(self._served)
+        await self.answers.serve(self.sender, self.fingerprint, meta, tp_size, send)
 
     def xfer_request_fields(self) -> dict[str, Any]:
         """D: this series' fields of each pull request (MooncakeXferMetadata.ext),
@@ -535,17 +424,6 @@ class WorkerExtension(UpstreamHooks):
         if self.fingerprint is not None:
             fields["fingerprint"] = self.fingerprint.model_dump()
         return fields
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        """Once per key and interval (fingerprint.WarnLimiter)."""
-        self._warnings.warn(key, msg, *args)
-
-    def _served(self, task: asyncio.Task) -> None:
-        self._serving.discard(task)
-        if not task.cancelled() and (e := task.exception()) is not None:
-            logger.error(
-                "Layer-wise: serving a decode instance's request failed: %r", e
-            )
 
     def shutdown(self) -> None:
         for feature in self.features:

@@ -63,7 +63,7 @@ push early only on an answer carrying it; the proxy's own errors, such as a
 504 at its read timeout, keep D's blocks until the push's hold).
 List the sources as ``https://host:port`` in D's MOONCAKE_PUSH_SOURCES; D
 verifies the proxy's certificate against the system's CA store
-(``push/decode_client.py``; no proxy variables are read). The signatures then also
+(``common/peer_client.py``; no proxy variables are read). The signatures then also
 keep working end to end, and the GET routes' read key no longer travels
 in clear.
 

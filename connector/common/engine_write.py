@@ -52,9 +52,10 @@ from typing import Any, Protocol
 
 from vllm.logger import init_logger
 
-from .config import ExtConfig, stalled_delivery_bound_s
+from .config import ExtConfig
 from .peer_refusal import Layout, RefusedPeers
 from .send_queues import KernelSockets, SendQueueFence, fence_stats
+from .write_bounds import stalled_delivery_bound_s
 
 logger = init_logger(__name__)
 

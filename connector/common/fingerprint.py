@@ -53,11 +53,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from vllm.logger import init_logger
 
-from ..push.protocol import KVFingerprint
 from .config import ExtConfig, load
 
 if TYPE_CHECKING:
@@ -68,6 +67,35 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 FINGERPRINT_SCHEME = 2  # part of every digest: a new scheme never equals an old one
+
+
+class KVFingerprint(BaseModel):
+    """What must be equal on both instances for one's KV bytes to be valid in the other's
+    blocks. A field the scheduler side cannot know is None there (not compared).
+    The push wire carries it (push/protocol.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: StrictStr
+    dtype: StrictStr
+    block_size: StrictInt
+    tp_size: StrictInt
+    block_len: StrictInt | None = None  # bytes per block per KV tensor (worker side)
+    num_kv_tensors: StrictInt | None = None
+    # the KV cache's layout as the worker allocated it: attention backend, split K/V,
+    # element type, dimensions and their order in memory (fingerprint.kv_layout)
+    layout: StrictStr | None = None
+
+    def differences(
+        self, peer: KVFingerprint, here: str = "here", there: str = "peer"
+    ) -> list[str]:
+        out = []
+        for name in type(self).model_fields:
+            a, b = getattr(self, name), getattr(peer, name)
+            if a is not None and b is not None and a != b:
+                out.append(f"{name} {a!r} ({here}) != {b!r} ({there})")
+        return out
+
 
 IGNORED_CONFIG_KEYS = frozenset(
     {

@@ -22,14 +22,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..push.protocol import PROBE_BYTES  # the wire's probe size
+PROBE_BYTES = 8  # bytes a probe of a proof of write reads (the push wire's too)
 
 ReadFn = Callable[
     [int, int, int], bytes
 ]  # (slot, block id, offset) -> PROBE_BYTES bytes
-WriteFn = Callable[
-    [int, int, int, bytes], None
-]  # (slot, block id, offset, PROBE_BYTES bytes)
 
 
 class KVReader:

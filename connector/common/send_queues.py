@@ -16,7 +16,7 @@ waits until each byte the sockets held when the write failed is acknowledged or
 its socket is gone. It fails closed: when it cannot read the kernel (checked at
 start by a socket of its own with queued bytes) or the peer's host name
 resolves to nothing, it holds the write for the longest time queued bytes can
-still be delivered (``hold_s``, config.stalled_delivery_bound_s), counted as a
+still be delivered (``hold_s``, write_bounds.stalled_delivery_bound_s), counted as a
 blind hold. When it sees no socket to any address of the peer (the kernel
 dropped them, or the transport connected to an address the name no longer
 gives), it waits for every socket of this namespace that holds bytes, for at

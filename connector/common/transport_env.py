@@ -10,7 +10,7 @@ load a smaller batch waits longer than 1 s for admission and fails the same way.
 Both were seen on this project's CPU machine; the raw engine moves the
 same 12k-entry batch in ~0.5 s once the limits are raised.
 
-Timeouts and the "no byte after the end" bounds (config.py): a write waiting
+Timeouts and the "no byte after the end" bounds (write_bounds.py): a write waiting
 for admission longer than ``MC_TCP_ADMISSION_TIMEOUT_MS`` fails without moving
 bytes; the admission timeout (20 s) is below a push's deadline
 (MOONCAKE_PUSH_TIMEOUT_S, 30 s). Every write of this series waits until the
@@ -33,7 +33,8 @@ from collections.abc import Mapping
 
 from vllm.logger import init_logger
 
-from .config import (
+from .config import is_loopback, load
+from .write_bounds import (
     DEFAULT_ENGINE_TRANSFER_TIMEOUT_S,
     ENGINE_NO_PROGRESS_S,
     MC_TCP_LANES_PER_PEER,
@@ -42,8 +43,6 @@ from .config import (
     MC_TCP_STATUS_TIMEOUT_SEC,
     MC_TRANSFER_TIMEOUT,
     SERIES_ENGINE_LANES,
-    is_loopback,
-    load,
 )
 
 logger = init_logger(__name__)
@@ -62,7 +61,7 @@ TCP_TRANSPORT_DEFAULTS: dict[str, str] = {
     MC_TCP_STATUS_TIMEOUT_SEC: str(ENGINE_NO_PROGRESS_S),
     # one connection to a peer: once the watchdog dropped it, the transport connects
     # again for the write's queued slices, and with each more lane a connect to a
-    # peer whose link is down adds a SYN span to the write (config.engine_reconnect_s)
+    # peer whose link is down adds a SYN span to the write (write_bounds.engine_reconnect_s)
     MC_TCP_LANES_PER_PEER: str(SERIES_ENGINE_LANES),
 }
 

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Scheduler-process recorder of prefix-cache changes.
 
-``BlockPool`` calls the module-level hooks :func:`record_stored`,
-:func:`record_removed` and :func:`record_cleared`; the connector's scheduler
-side calls :func:`get_recorder` ``.drain()`` once per step and ships the
-:class:`HashDelta` to the workers in its connector metadata. While disabled
-(the default) each hook is one global read and a return.
+The recorder is ``BlockPool``'s observer (patch 0010's
+``block_pool.block_hash_observer``, set by scheduler_sync.py): the pool calls
+its ``record_stored``, ``record_removed`` and ``record_cleared``; the
+connector's scheduler side drains it once per step and ships the
+:class:`HashDelta` to the workers in its connector metadata. Without hashsync
+no observer is set and the pool calls nothing.
 
 A reset of the prefix cache is also told at once, before the reset returns: to
 the listeners registered in this process (:meth:`HashRecorder.add_reset_listener`:
@@ -145,18 +146,3 @@ _RECORDER = HashRecorder()
 
 def get_recorder() -> HashRecorder:
     return _RECORDER
-
-
-# One-line hooks for BlockPool (module functions: no attribute chain at the call site).
-def record_stored(key: bytes, block_id: int) -> None:
-    if _RECORDER.enabled:
-        _RECORDER._append((HashEventKind.STORED, key, block_id))
-
-
-def record_removed(key: bytes, block_id: int) -> None:
-    if _RECORDER.enabled:
-        _RECORDER._append((HashEventKind.REMOVED, key, block_id))
-
-
-def record_cleared() -> None:
-    _RECORDER.record_cleared()

@@ -12,7 +12,7 @@ returns: :class:`WorkerResetNotifier` posts it to the worker's bootstrap server
 (signed like every POST, proved with this process's RESET_KEY, which the worker
 has from the hash configuration in the metadata; the whole call within
 RESET_NOTICE_DEADLINE_S, by the single-deadline client D uses for push sources,
-push/decode_client.py). Only once a delta has been built: before, the worker's
+common/peer_client.py). Only once a delta has been built: before, the worker's
 mirror holds nothing and has no key. If the notice fails, the worker forgets the
 cache with the next step, and the warning says so.
 """
@@ -28,7 +28,7 @@ from vllm.logger import init_logger
 
 from ..common.auth import request_headers
 from ..common.config import ExtConfig
-from ..push.decode_client import AnswerTooLarge, DeadlinePassed, SourceLanes
+from ..common.peer_client import AnswerTooLarge, DeadlinePassed, SourceLanes
 from .feed_protocol import RESET_PATH, ResetNotice, reset_proof
 from .hash_config import RESET_KEY, SCHEDULER_ID
 from .hashing import scheduler_hash_config

@@ -13,6 +13,7 @@ P's worker over ZMQ (MooncakeXferMetadata) and waits for FINISH.
   protocol.py           scheduler -> worker metadata, the per-request mode
   prefill_scheduler.py  P's scheduler: which blocks each step computes
   prefill_tracker.py    P: pure state machine of every transfer (no I/O, unit-tested)
+  prefill_answer.py     P's worker: its answer to D's pull request (refusal or sender)
   prefill_sender.py     P's worker: the owner of all transfers and of their end
   prefill_writers.py    P's worker: one writer thread per D session with work
   prefill_stats.py      P's worker: totals and timelines (GET /layerwise/transfers)

@@ -76,7 +76,7 @@ from vllm.logger import init_logger
 
 from ..common.block_runs import contiguous_runs
 from ..common.config import ExtConfig
-from ..common.engine_write import write_refusal, write_stats, write_to
+from ..common.engine_write import WriteFn, write_refusal, write_stats, write_to
 from ..common.fault_injection import write_fault
 from ..common.gpu_order import (
     ComputeEvent,
@@ -92,7 +92,6 @@ from .protocol import LayerwiseMetadata
 
 logger = init_logger(__name__)
 
-WriteFn = Callable[[str, list[int], list[int], list[int]], int]
 # reply(ok transfer's D request ids, {D request id: error}, last reply?)
 Reply = Callable[[list[str], dict[str, str], bool], Awaitable[None]]
 

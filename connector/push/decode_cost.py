@@ -56,7 +56,7 @@ D's compute even where it is not faster; one that lands nothing saves nothing).
 A push's budget (how long its source may take to start writing) is its expected
 transfer times BUDGET_FACTOR plus a round trip and BUDGET_FLOOR_S, within
 MOONCAKE_PUSH_TIMEOUT_S (that timeout while unmeasured). Sources are keyed
-by their origin (decode_client.SourceLanes.key), so spellings of one source share
+by their origin (common/peer_client.SourceLanes.key), so spellings of one source share
 its figures and a client cannot add entries.
 
 Pure logic with an injected clock: the scheduler (decode_scheduler.py) feeds it

@@ -54,6 +54,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from ..common.auth import request_headers
 from ..common.config import ExtConfig
 from ..common.fingerprint import WarnLimiter
+from ..common.peer_client import SourceLanes
 from ..hashsync.feed_protocol import (
     FEED_PAGE_MAX_EVENTS,
     FEED_PATH,
@@ -65,7 +66,6 @@ from ..hashsync.feed_protocol import (
 )
 from ..hashsync.hash_config import SCHEDULER_ID
 from ..hashsync.hashing import iter_prompt_block_hashes, to_pool_key
-from .decode_client import SourceLanes
 
 logger = init_logger(__name__)
 
@@ -417,7 +417,7 @@ class HolderIndex:
 
 class FeedFollower:
     """One thread per source following its feed into ``index``, each call signed
-    and bounded (decode_client.py), paced by :func:`feed_pause`; a failing source
+    and bounded (common/peer_client.py), paced by :func:`feed_pause`; a failing source
     is asked again with backoff."""
 
     def __init__(self, index: HolderIndex, config: ExtConfig):

@@ -26,7 +26,7 @@ other blocks, pinned by the scheduler (decode_scheduler.py).
 
 
 Each source has its own threads and connections, every call one deadline
-(the hold) and a cap on the answer's size (decode_client.py): a slow source delays
+(the hold) and a cap on the answer's size (common/peer_client.py): a slow source delays
 only its own pushes.
 
 Proof of write: C's "ok" counts only for blocks it shows it wrote.
@@ -92,7 +92,7 @@ from ..common.gpu_order import (
     wait_all,
 )
 from ..common.kv_reader import PROBE_BYTES, KVReader
-from .decode_client import SourceLanes
+from ..common.peer_client import SourceLanes
 from .protocol import (
     MAX_PROBES,
     KVFingerprint,

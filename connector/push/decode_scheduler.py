@@ -26,7 +26,7 @@ and its kernel's orphan retries, from the same answer, go with the job: the
 worker's hold is computed with them (config.ExtConfig.push_hold_for_s).
 
 Each source has its own threads and connections and every call one deadline
-(decode_client.py): a slow source delays only its own requests.
+(common/peer_client.py): a slow source delays only its own requests.
 
 ``push_from: "auto"`` (or any request without push_from on an instance with
 MOONCAKE_PUSH_AUTO=1): D picks the source itself, from its index of the
@@ -72,9 +72,10 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from ..common.auth import request_headers
-from ..common.config import ENGINE_RECONNECT_MAX_S, LINUX_ORPHAN_RETRIES, ExtConfig
+from ..common.config import ExtConfig
 from ..common.fingerprint import WarnLimiter
-from .decode_client import SourceLanes, source_origin
+from ..common.peer_client import SourceLanes, source_origin
+from ..common.write_bounds import ENGINE_RECONNECT_MAX_S, LINUX_ORPHAN_RETRIES
 from .decode_coalesce import PrefixClaims
 from .decode_cost import (
     FAILURES_TO_DEMOTE,
@@ -459,7 +460,7 @@ class PushScheduler:
     def _allowed(self, rid: str, source: str) -> bool:
         """Only an allowed source gets a lane (threads, connections): their number
         is bounded by the allowlist."""
-        try:  # an origin and nothing else: D builds every URL from it (decode_client.py)
+        try:  # an origin and nothing else: D builds every URL from it (common/peer_client.py)
             origin, why = source_origin(source), "is not in"
         except ValueError as e:
             origin, why = None, f"is not a bare scheme://host:port ({e}), so not in"
@@ -559,7 +560,7 @@ class PushScheduler:
         if not fut.done():
             if time.monotonic() - self._times[rid][0] < self.match_timeout_s:
                 return None, False
-            # the query's own deadline ends it (decode_client.py); stop waiting for it now
+            # the query's own deadline ends it (common/peer_client.py); stop waiting for it now
             fut.cancel()
             logger.warning(
                 "Prefix push for %s: %s/match_blocks did not answer within %.1f s; "

@@ -43,8 +43,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from ..common.fingerprint import KVFingerprint
+from ..common.kv_reader import PROBE_BYTES
+
 PushStatus = Literal["ok", "no_match", "failed"]
-PROBE_BYTES = 8  # bytes at each probe of a proof of write (as kv_reader.py reads them)
 MAX_PROBES = 16  # probes in one proof
 PUSH_ID_MAX_CHARS = 64
 SOURCE_ID_MAX_CHARS = 64
@@ -87,31 +89,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class KVFingerprint(_Strict):
-    """What must be equal on both instances for one's KV bytes to be valid in the other's
-    blocks. A field the scheduler side cannot know is None there (not compared)."""
-
-    model: StrictStr
-    dtype: StrictStr
-    block_size: StrictInt
-    tp_size: StrictInt
-    block_len: StrictInt | None = None  # bytes per block per KV tensor (worker side)
-    num_kv_tensors: StrictInt | None = None
-    # the KV cache's layout as the worker allocated it: attention backend, split K/V,
-    # element type, dimensions and their order in memory (fingerprint.kv_layout)
-    layout: StrictStr | None = None
-
-    def differences(
-        self, peer: KVFingerprint, here: str = "here", there: str = "peer"
-    ) -> list[str]:
-        out = []
-        for name in type(self).model_fields:
-            a, b = getattr(self, name), getattr(peer, name)
-            if a is not None and b is not None and a != b:
-                out.append(f"{name} {a!r} ({here}) != {b!r} ({there})")
-        return out
-
-
 class MatchBlocksRequest(_Strict):
     """POST /match_blocks: which leading full blocks of a prompt does C hold?"""
 
@@ -134,14 +111,14 @@ class MatchBlocksResponse(_Strict):
     now_unix_ms: StrictInt
     source_id: SourceId  # this C process's name; D puts it in its push request
     # C's kernel's net.ipv4.tcp_orphan_retries as applied (0 -> 8): how long bytes
-    # of a write cut off mid-way can still be delivered (config.stalled_delivery_bound_s);
+    # of a write cut off mid-way can still be delivered (write_bounds.stalled_delivery_bound_s);
     # None: D assumes its own kernel's
     tcp_orphan_retries: StrictInt | None = None
     # how long C's transport lets a stalled connection keep its queued bytes before
     # it drops it (config.engine_no_progress_s, s); None: D assumes its own
     engine_no_progress_s: StrictInt | None = None
     # how long C's transport may then spend connecting to D again for a write's
-    # queued slices (config.engine_reconnect_s, s); None: D assumes its own
+    # queued slices (write_bounds.engine_reconnect_s, s); None: D assumes its own
     engine_reconnect_s: StrictInt | None = None
     # C's load when it answered (None: a source that does not say; D bounds each,
     # decode_scheduler.py): pushes it serves within their bound, every

@@ -1,6 +1,6 @@
 """Every file a docstring or comment of the product's code names exists.
 
-A module that names another by its file (``push/decode_client.py``,
+A module that names another by its file (``common/peer_client.py``,
 ``docs/faults.md``, vLLM's ``block_pool.py``) sends its reader there; a name
 left behind by a rename sends them nowhere. A name is found relative to the
 module's folder, the connector's root or the repository, by its path inside
@@ -23,7 +23,7 @@ CODE = ("connector", "harness")
 NAME = re.compile(r"(?<![\w./-])((?:\.\./)*(?:[\w.-]+/)*[\w-]+\.(?:py|md|toml|sh))\b")
 # vLLM files the connector's modules name by their bare file name (each must be
 # in vLLM's tree); any other bare name in connector/ is a connector module, so
-# a module renamed without its mentions (``client.py`` for ``decode_client.py``)
+# a module renamed without its mentions (``client.py`` for ``peer_client.py``)
 # is caught even where vLLM happens to have a file of the old name.
 UPSTREAM_NAMES = {"block_pool.py", "mooncake_connector.py"}
 
@@ -104,8 +104,8 @@ def test_every_file_a_module_names_exists(known) -> None:
 
 def test_a_renamed_module_and_a_name_outside_are_found(known) -> None:
     module = ROOT / "connector" / "push" / "decode_scheduler.py"
-    assert resolves(module, "decode_client.py", known)
-    assert resolves(module, "push/decode_client.py", known)
+    assert resolves(module, "peer_client.py", known)
+    assert resolves(module, "common/peer_client.py", known)
     assert resolves(module, "docs/faults.md", known)
     assert resolves(module, "block_pool.py", known)
     assert not resolves(module, "client.py", known)  # vLLM has one; not this one

@@ -6,9 +6,11 @@ from dataclasses import replace
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
-    ENGINE_RECONNECT_MAX_S,
     ConfigError,
     ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.write_bounds import (
+    ENGINE_RECONNECT_MAX_S,
     engine_lanes,
     engine_no_progress_s,
     engine_reconnect_s,

@@ -14,11 +14,13 @@ from helpers import RecordedFence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
-    engine_timeout_s,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.engine_write import (
     TerminalWriter,
     terminal_write_fn,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.write_bounds import (
+    engine_timeout_s,
 )
 
 

@@ -12,11 +12,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
-    engine_lanes,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.transport_env import (
     TCP_TRANSPORT_DEFAULTS,
     apply_transport_env_defaults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.write_bounds import (
+    engine_lanes,
 )
 
 
@@ -42,7 +44,7 @@ def test_user_setting_wins():
 
 
 def test_one_lane_unless_the_user_set_the_lanes_under_either_name():
-    """One connection to a peer (config.engine_reconnect_s: each lane more adds a SYN
+    """One connection to a peer (write_bounds.engine_reconnect_s: each lane more adds a SYN
     span to the bound a write's peers hold blocks for), and what the configuration
     computes the bound with is what the transport gets."""
     env = {}

@@ -2,9 +2,6 @@
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync import (
-    scheduler_recorder,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hash_config import (
     RESET_KEY,
     SCHEDULER_ID,
@@ -56,32 +53,32 @@ def recorder():
 
 
 def test_disabled_is_noop(recorder):
-    scheduler_recorder.record_stored(b"k", 1)
-    scheduler_recorder.record_removed(b"k", 1)
-    scheduler_recorder.record_cleared()
+    recorder.record_stored(b"k", 1)
+    recorder.record_removed(b"k", 1)
+    recorder.record_cleared()
     assert len(recorder.drain()) == 0
 
 
 def test_drain_in_order_and_resets(recorder):
     cfg = HashConfig("sha256", b"\x01" * 32)
     recorder.enable(cfg)
-    scheduler_recorder.record_stored(b"a", 1)
-    scheduler_recorder.record_stored(b"b", 2)
-    scheduler_recorder.record_removed(b"a", 1)
+    recorder.record_stored(b"a", 1)
+    recorder.record_stored(b"b", 2)
+    recorder.record_removed(b"a", 1)
     d = recorder.drain()
     assert d.events == [(S, b"a", 1), (S, b"b", 2), (R, b"a", 1)]
     assert d.hash_config == cfg
     assert recorder.drain().events == []
     switch_off(recorder)
-    scheduler_recorder.record_stored(b"c", 3)
+    recorder.record_stored(b"c", 3)
     assert recorder.drain().events == []
 
 
 def test_cleared_supersedes_earlier_events(recorder):
     recorder.enable()
-    scheduler_recorder.record_stored(b"a", 1)
-    scheduler_recorder.record_cleared()
-    scheduler_recorder.record_stored(b"b", 2)
+    recorder.record_stored(b"a", 1)
+    recorder.record_cleared()
+    recorder.record_stored(b"b", 2)
     assert recorder.drain().events == [(C, b"", -1), (S, b"b", 2)]
 
 
@@ -92,11 +89,11 @@ def test_a_reset_is_told_to_listeners_before_it_returns_and_counted_in_deltas(
     heard = []
     recorder.add_reset_listener(heard.append)
     assert recorder.drain().resets == 0
-    scheduler_recorder.record_cleared()
+    recorder.record_cleared()
     assert heard == [1]
     assert recorder.drain().resets == 1
     recorder.remove_reset_listener(heard.append)
-    scheduler_recorder.record_cleared()
+    recorder.record_cleared()
     assert heard == [1] and recorder.drain().resets == 2
 
 
@@ -109,7 +106,7 @@ def test_a_failing_listener_does_not_fail_the_reset(recorder):
 
     recorder.add_reset_listener(broken)
     recorder.add_reset_listener(heard.append)
-    scheduler_recorder.record_cleared()
+    recorder.record_cleared()
     assert heard == [1]
     assert recorder.drain().events == [(C, b"", -1)]
 
@@ -121,10 +118,10 @@ def test_the_worker_notifier_is_told_only_when_no_listener_is_in_this_process(
     told, heard = [], []
     recorder.worker_notifier = told.append
     try:
-        scheduler_recorder.record_cleared()
+        recorder.record_cleared()
         assert told == [1]
         recorder.add_reset_listener(heard.append)
-        scheduler_recorder.record_cleared()
+        recorder.record_cleared()
         assert told == [1] and heard == [2]
     finally:
         recorder.worker_notifier = None
@@ -150,9 +147,7 @@ def observed(monkeypatch):
     """The real BlockPool with the recorder installed as its observer (patch 0008)."""
     from vllm.v1.core import block_pool
 
-    monkeypatch.setattr(
-        block_pool, "block_hash_observer", scheduler_recorder.get_recorder()
-    )
+    monkeypatch.setattr(block_pool, "block_hash_observer", get_recorder())
     yield
 
 
@@ -285,10 +280,10 @@ def test_the_worker_is_told_of_resets_only_once_a_delta_has_been_built_for_it(
     monkeypatch.setattr(recorder, "worker_notifier", None)
     told: list[int] = []
     sync = SchedulerHashSync("sha256", told.append)
-    scheduler_recorder.record_cleared()
+    recorder.record_cleared()
     assert told == []
     sync.build()
-    scheduler_recorder.record_cleared()
+    recorder.record_cleared()
     assert told == [recorder.resets]
 
 

@@ -12,8 +12,8 @@ import time
 import httpcore
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
-    decode_client,
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import (
+    peer_client,
 )
 
 ANSWER = (
@@ -73,10 +73,10 @@ def post(client, port):
 
 
 def test_a_connection_idle_past_the_expiry_is_not_used_again(source):
-    client = decode_client._SourceClient(1, 1 << 20, tls=False)
+    client = peer_client._SourceClient(1, 1 << 20, tls=False)
     try:
         assert post(client, source.port).status == 200
-        time.sleep(decode_client.KEEPALIVE_EXPIRY_S + 0.5)
+        time.sleep(peer_client.KEEPALIVE_EXPIRY_S + 0.5)
         assert post(client, source.port).status == 200
         assert source.connections == 2
     finally:
@@ -85,15 +85,15 @@ def test_a_connection_idle_past_the_expiry_is_not_used_again(source):
 
 def test_the_expiry_is_below_the_sources_idle_close():
     # uvicorn closes a kept connection after 5 s idle (timeout_keep_alive)
-    assert 0 < decode_client.KEEPALIVE_EXPIRY_S < 5
+    assert 0 < peer_client.KEEPALIVE_EXPIRY_S < 5
 
 
 def test_without_the_expiry_the_kept_connection_fails_the_next_call(
     source, monkeypatch
 ):
     """The hazard the expiry removes (httpcore keeps connections for ever)."""
-    monkeypatch.setattr(decode_client, "KEEPALIVE_EXPIRY_S", None)
-    client = decode_client._SourceClient(1, 1 << 20, tls=False)
+    monkeypatch.setattr(peer_client, "KEEPALIVE_EXPIRY_S", None)
+    client = peer_client._SourceClient(1, 1 << 20, tls=False)
     try:
         assert post(client, source.port).status == 200
         time.sleep(0.2)

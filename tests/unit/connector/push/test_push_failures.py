@@ -33,6 +33,9 @@ from helpers import (
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_client import (
+    Answer,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
     FeedPage,
 )
@@ -45,9 +48,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing 
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
     decode_cost,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
-    Answer,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     FAILURES_TO_DEMOTE,

@@ -20,6 +20,9 @@ from helpers import C_SOURCE, Blocks, Clock, d_request, serve_routes, wait_until
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_client import (
+    Answer,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.feed_protocol import (
     FEED_PATH,
     FeedPage,
@@ -46,9 +49,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.worker_t
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
     decode_index,
     decode_scheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
-    Answer,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     PROBE_AFTER_S,

@@ -41,6 +41,8 @@ from helpers import (
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.write_bounds import (
     stalled_delivery_bound_s,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
@@ -107,7 +109,7 @@ def test_the_round_trip_counts_against_the_allowance():
     """C's clock is 2 s ahead. Answered in 1 ms: within 5 s. Answered after 7 s
     (C read its clock somewhere in that round trip, so it could be 5.5 s
     off): no push."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_client import (
         Answer,
     )
 

@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import aut
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_client import (
     SourceLanes,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (

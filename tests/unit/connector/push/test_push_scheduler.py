@@ -13,7 +13,7 @@ from helpers import C_SOURCE, Blocks, d_request
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_client import (
     Answer,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (

@@ -40,11 +40,11 @@ from helpers import (
     serve,
 )
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import (
+    peer_client,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
-    decode_client,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
     PushReceiver,
@@ -252,7 +252,7 @@ def test_a_call_whose_deadline_passes_between_its_headers_and_body_is_closed(
     body: D closes the connection at once, not when the exception it raised (kept
     by the scheduler's future) is garbage-collected, and the source sees it close."""
     slow = sources()
-    real_write = decode_client._DeadlineStream.write
+    real_write = peer_client._DeadlineStream.write
     writes: list[bytes] = []
 
     def write(self, buffer, timeout=None):
@@ -261,11 +261,11 @@ def test_a_call_whose_deadline_passes_between_its_headers_and_body_is_closed(
         writes.append(bytes(buffer))
         return real_write(self, buffer, timeout)
 
-    monkeypatch.setattr(decode_client._DeadlineStream, "write", write)
-    lanes = decode_client.SourceLanes("mooncake-push-test", 1)
+    monkeypatch.setattr(peer_client._DeadlineStream, "write", write)
+    lanes = peer_client.SourceLanes("mooncake-push-test", 1)
     gc.disable()
     try:
-        with pytest.raises(decode_client.DeadlinePassed) as err:
+        with pytest.raises(peer_client.DeadlinePassed) as err:
             lanes.post(slow.url, "/match_blocks", b"{}", {}, time.monotonic() + 0.5)
         # the headers were sent; the body's write found the deadline passed
         assert len(writes) == 2 and b"content-length: 2" in writes[0].lower()
@@ -285,10 +285,10 @@ def test_a_call_with_almost_no_time_left_is_not_started(sources):
     source's calls) cannot get a whole answer: the source sees no connection and
     no request, and the call ends at once."""
     slow = sources()
-    lanes = decode_client.SourceLanes("mooncake-push-test", 1)
+    lanes = peer_client.SourceLanes("mooncake-push-test", 1)
     try:
         t0 = time.monotonic()
-        with pytest.raises(decode_client.DeadlinePassed) as err:
+        with pytest.raises(peer_client.DeadlinePassed) as err:
             lanes.post(slow.url, "/match_blocks", b"{}", {}, t0 + 0.02)
         assert time.monotonic() - t0 < 0.02 + 0.5
         time.sleep(0.3)
@@ -307,7 +307,7 @@ def test_a_lane_idle_past_its_limit_is_closed_when_another_source_is_called(
     """Sources come and go (an instance restarted on another port): a lane unused
     for idle_s ends its threads and closes its connections at the next call, and
     the source gets a new one when it is called again."""
-    lanes = decode_client.SourceLanes("mooncake-push-test", 2, idle_s=0.3)
+    lanes = peer_client.SourceLanes("mooncake-push-test", 2, idle_s=0.3)
     gone, other = "http://127.0.0.1:9", "http://127.0.0.1:10"
     try:
         assert lanes.submit(gone, lambda: 1).result(5) == 1
@@ -326,7 +326,7 @@ def test_a_lane_with_a_call_running_or_in_flight_is_never_closed(sources, push_t
     """Idle means no call queued, running, or posted from another thread: a lane
     whose call outlives idle_s keeps its threads and its connection."""
     slow = sources()
-    lanes = decode_client.SourceLanes("mooncake-push-test", 1, idle_s=0.2)
+    lanes = peer_client.SourceLanes("mooncake-push-test", 1, idle_s=0.2)
     release = threading.Event()
     busy = "http://127.0.0.1:9"
     ended: list = []
@@ -351,7 +351,7 @@ def test_a_lane_with_a_call_running_or_in_flight_is_never_closed(sources, push_t
         poster.join(5)
         # the slow call ended at its deadline, not cut off by a closed lane
         ((took, error),) = ended
-        assert isinstance(error, decode_client.DeadlinePassed) and took >= 1.9, ended
+        assert isinstance(error, peer_client.DeadlinePassed) and took >= 1.9, ended
     finally:
         release.set()
         lanes.shutdown()

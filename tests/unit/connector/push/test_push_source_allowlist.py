@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config imp
     ExtConfig,
     normalize_source,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_client import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_client import (
     Answer,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_scheduler import (

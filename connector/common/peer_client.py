@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""D's calls to a push source (C's ``/match_blocks`` and ``/push_blocks``),
-bounded in time, in bytes and per source.
+"""Calls to a peer's HTTP server, bounded in time, in bytes and per peer: D's
+calls to a push source (C's ``/match_blocks`` and ``/push_blocks``) and a
+scheduler's reset notice to its worker (hashsync/scheduler_sync.py).
 
 - Time: a call has one deadline (monotonic), not a timeout per read. Every
   connect, write and read on its connection waits at most until that deadline
