@@ -7,10 +7,11 @@
     python build.py export [--force] tree commits -> patches/*.patch + series, overlay copied back
     python build.py check [--json]   CI: series, headers, zero-fuzz apply on the sdist, overlay,
                                      and the overlay's overrides of upstream methods
+    python build.py check --release V | --since V | --versions A,B [--json]
+                                     the series (GNU patch's verdict per patch), the overlay,
+                                     its imports and overrides on newer releases
     python build.py reset [--force]  back to the pristine tree
-    python build.py compat [--since V | --versions A,B] [--upstream-git DIR]
-                                     which patches, overlay files, imports and overrides survive
-                                     newer releases
+    python build.py compat [...]     the old name of check --since (default: the pin)
     python build.py rebase --onto V [--without-build-default DEVICE]
                                      3-way rebase of the series onto release V -> rolls/V/
     python build.py rebase --continue [--accept] | --skip | --abort
@@ -115,9 +116,17 @@ PAGES = {
         "CI's check, with no tree and no git: the series file, every patch header, "
         "paths leaving the tree, the overlay, the overridden upstream methods, and "
         "the series applied in memory with zero fuzz to the cached pinned sdist. "
-        "Downloads nothing (run fetch first).",
+        "Downloads nothing (run fetch first). With --release, --since or --versions: "
+        "newer releases instead, as a grid: GNU patch's verdict on each patch "
+        "(exact, offset, fuzz, already upstream, conflict, missing file; a "
+        "conflicting hunk with the `git log -L` command that shows upstream's "
+        "changes of its lines), overlay files colliding with upstream ones, vLLM "
+        "names the overlay imports that are gone, the overrides. Downloads: the "
+        "index's list of releases, each release's sdist and the pinned sdist "
+        "(cached; sha256 from the index or the pin).",
         "a problem found (each one named, with what to do)",
-        "no series, a bad manifest, the sdist not cached",
+        "no series, a bad manifest, the sdist not cached, a bad version, the index "
+        "cannot be read",
     ),
     "reset": (
         "Put the tree back to the pristine sdist (tag vmp-pristine). Refuses a tree "
@@ -127,10 +136,9 @@ PAGES = {
         "a bad manifest, git missing, a tree build.py did not make",
     ),
     "compat": (
-        "A grid of later vLLM releases: which patches apply, which overlay imports "
-        "resolve and which overridden methods still exist, with the commits that "
-        "broke a patch when --upstream-git is given. Downloads: the index's list of "
-        "releases and each release's sdist (cached; sha256 from the index).",
+        "The old name of `check --since` (by default every release newer than the "
+        "pin), `check --release` and `check --versions`: says so, then runs it. "
+        "Downloads: as check --release.",
         "some release breaks the series",
         "no series, a bad version, the index cannot be read",
     ),
@@ -161,6 +169,27 @@ def subcommand(sub, name: str, help: str) -> argparse.ArgumentParser:
         help=help,
         description=text,
         epilog=EXIT_CODES.format(one=one, two=two),
+    )
+
+
+def releases_asked(p: argparse.ArgumentParser) -> None:
+    """check's options: --json, and the newer releases to check the series on."""
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--release", metavar="V", type=release_version, help="a release, e.g. 0.19.0"
+    )
+    which.add_argument(
+        "--since",
+        metavar="V",
+        type=release_version,
+        help="every final release on the index newer than V",
+    )
+    which.add_argument(
+        "--versions",
+        metavar="A,B",
+        type=release_versions,
+        help="comma-separated releases, e.g. 0.19.0,0.23.0",
     )
 
 
@@ -214,42 +243,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="overwrite patch or overlay files changed since apply",
     )
-    p = subcommand(sub, "check", "CI check of the series against the pristine sdist")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = subcommand(
+        sub, "check", "CI check of the series against the pristine sdist, or newer ones"
+    )
+    releases_asked(p)
     p = subcommand(sub, "reset", "back to the pristine tree")
     p.add_argument(
         "--force", action="store_true", help="discard edits no patch captures"
     )
-    p = subcommand(
-        sub,
-        "compat",
-        "grid: does the series (and the overlay's imports) apply to newer releases",
-    )
-    which = p.add_mutually_exclusive_group()
-    which.add_argument(
-        "--versions",
-        type=release_versions,
-        help="comma-separated upstream versions, e.g. 0.19.0,0.23.0",
-    )
-    which.add_argument(
-        "--since",
-        type=release_version,
-        help="every final release on the index newer than this (default: the pin)",
-    )
-    p.add_argument(
-        "--upstream-git",
-        type=Path,
-        help="a vLLM git clone with v<version> tags: name the commits that broke a patch",
-    )
-    p.add_argument(
-        "--json",
-        dest="json_out",
-        type=Path,
-        help="write the JSON report here (default results/compat.json)",
-    )
-    p.add_argument(
-        "--no-cache", action="store_true", help="recompute every version's result"
-    )
+    releases_asked(subcommand(sub, "compat", "the old name of check --since"))
     p = subcommand(
         sub,
         "rebase",
@@ -336,19 +338,30 @@ def run(args: argparse.Namespace) -> int:
         return commands.status(project, as_json=args.json)
     if args.command == "export":
         return commands.export_(project, force=args.force)
-    if args.command == "check":
-        return commands.check(project, as_json=args.json)
+    if args.command == "compat":  # the old name of check --since
+        if not (args.release or args.since or args.versions):
+            args.since = project.manifest.version
+        asked = [
+            ("release", args.release),
+            ("since", args.since),
+            ("versions", args.versions),
+        ]
+        flag, value = next((f, v) for f, v in asked if v)
+        print(
+            "compat is now `check --release V` (or --since V, --versions A,B): "
+            f"running `{project.cmd(f'check --{flag} {value}')}`",
+            file=sys.stderr,
+        )
+    if args.command in ("check", "compat"):
+        return commands.check(
+            project,
+            as_json=args.json,
+            release=args.release,
+            since=args.since,
+            versions=args.versions,
+        )
     if args.command == "reset":
         return commands.reset(project, force=args.force)
-    if args.command == "compat":
-        return commands.compat(
-            project,
-            versions=args.versions,
-            since=args.since,
-            upstream_git=args.upstream_git,
-            json_path=args.json_out,
-            use_cache=not args.no_cache,
-        )
     if args.command == "rebase":
         return commands.rebase(
             project,

@@ -21,11 +21,11 @@ Layout, one concern per module:
 - ``status``: what ``build.py status`` reports, as data.
 - ``check``: the CI check (static + in-memory zero-fuzz apply on the tarball).
 - ``overrides``: the overlay's subclasses of upstream classes against a release.
-- ``compat``: the series and the overlay on newer releases (a package, one
-  module per job).
+- ``releasecheck``: ``check --release``, the series and the overlay on newer
+  releases (GNU patch's verdict per patch, the overlay's imports).
 - ``rebase``: the series carried onto another release by ``git rebase``;
-  ``mergecheck`` checks each step's Python files.
-- ``pynames``: what ``overrides``, ``mergecheck`` and ``compat`` read from
+  ``mergecheck`` checks each step's Python files with ruff.
+- ``pynames``: what ``overrides`` and ``releasecheck`` read from
   Python source alike (the names a module defines, imports made absolute,
   ``self`` attributes).
 - ``rangediff``: a rolled series against the pinned one, patch by patch.

@@ -6,6 +6,9 @@ pass; nothing is unpacked and git is not needed. Then the overlay's subclasses
 of upstream classes are checked against those files (``overrides``): every
 override and ``super()`` call must still name an upstream method with a
 compatible signature.
+
+``check --release`` (``releasecheck``) builds on this module's readers of an
+sdist with the series applied; this module does not import it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from .errors import EXIT_CANNOT_RUN, EXIT_OK, EXIT_PROBLEMS
 from .exactapply import PatchDoesNotApply, apply_patch, touched_paths
 from .headers import backport_reference_problem
 from .project import MANIFEST, Project
-from .series import decode
+from .series import Patch, decode
+from .tree import load_patches
 from .validate import (
     DUPLICATE,
     HEADER,
@@ -139,6 +143,42 @@ def tarball_reader(
     return read
 
 
+class SeriesOnSdist:
+    """An sdist with a series applied in memory, patch by patch, with zero fuzz (a
+    patch that does not apply is left out): the touched files before each patch
+    (``states[i]``: the first i patches applied), any file of the whole result
+    (``read``)."""
+
+    def __init__(
+        self,
+        sdist: Path,
+        manifest: upstream.Manifest,
+        patches: list[Patch],
+        wanted: set[str],
+    ) -> None:
+        touched = set().union(*map(touched_paths, patches))
+        members, raw = upstream.read_tarball(sdist, manifest, touched | wanted)
+        current = {p: decode(raw[p]) if p in raw else None for p in touched}
+        self.patches = patches
+        self.states = [dict(current)]
+        for patch in patches:
+            try:
+                changes = apply_patch(patch, current.get)
+            except PatchDoesNotApply:
+                changes = {}
+            current.update((path, c.content) for path, c in changes.items())
+            self.states.append(dict(current))
+        self.read = tarball_reader(sdist, manifest, members, raw, current)
+
+    def added_by(self, path: str, name: str) -> str | None:
+        """The patch that adds ``def name(`` to ``path`` (the pristine file lacks
+        it), else None."""
+        has = [f"def {name}(" in (state.get(path) or "") for state in self.states]
+        if has[0] or True not in has:
+            return None
+        return self.patches[has.index(True) - 1].name
+
+
 def check_overrides(
     project: Project,
     sources: list[overrides.OverlaySource],
@@ -152,11 +192,11 @@ def check_overrides(
     applied): a method ours overrides there must be an override in the roll's
     release too, super() or not."""
     manifest = project.manifest
-    read_pinned, pinned_label = None, None
-    pinned_inputs = pinned_base = None
+    pinned, pinned_label = None, None
     pin = against or Project(project.root)
     if pin.patches != project.patches and (pin.patches_dir / MANIFEST).is_file():
-        if upstream.verified_cached_sdist(pin.manifest) is None:
+        sdist = upstream.verified_cached_sdist(pin.manifest)
+        if sdist is None:
             result.warnings.append(
                 Problem(
                     "override",
@@ -166,19 +206,15 @@ def check_overrides(
                 )
             )
         else:
-            # compat's reader of the pinned tree (compat imports this module)
-            from .compat.inputs import PinnedBase, load_inputs
-
-            pinned_inputs = load_inputs(pin)
-            pinned_base = PinnedBase(pinned_inputs)
-            read_pinned = pinned_base.read
+            wanted = overrides.wanted_paths(sources, manifest.name)
+            pinned = SeriesOnSdist(sdist, pin.manifest, load_patches(pin), wanted)
             pinned_label = (
                 f"{pin.manifest.name} {pin.manifest.version} ({against_role})"
             )
     report = overrides.check_overrides(
         sources,
         read,
-        read_pinned=read_pinned,
+        read_pinned=pinned.read if pinned else None,
         top=manifest.name,
         roots=overlay_roots(manifest),
         label=f"{manifest.name} {manifest.version}",
@@ -188,8 +224,8 @@ def check_overrides(
     for p in report.problems:
         problem = Problem("override", f"{p.kind}: {p.describe()}", detail=p.to_json())
         added_by = (
-            _added_by_series(pinned_inputs, pinned_base, p)
-            if read_pinned is not None and p.kind == "override-missing"
+            pinned.added_by(p.upstream, p.name)
+            if pinned and p.kind == "override-missing" and p.upstream and p.name
             else None
         )
         if added_by is not None:
@@ -204,20 +240,6 @@ def check_overrides(
             result.problems.append(problem)
         else:
             result.warnings.append(problem)
-
-
-def _added_by_series(inputs, base, p: overrides.Problem) -> str | None:
-    """The pinned series' patch that adds the upstream method ``p`` names (absent
-    from the pristine pinned file, present once that patch is applied), else None."""
-    if not p.upstream or not p.name:
-        return None
-    defines = f"def {p.name}("
-    if defines in (base.before(0, p.upstream) or ""):
-        return None
-    for i, patch in enumerate(inputs.patches):
-        if defines in (base.before(i + 1, p.upstream) or ""):
-            return patch.name
-    return None
 
 
 def run_check(

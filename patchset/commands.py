@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import build_defaults, upstream
+from . import build_defaults, releasecheck, upstream
 from .check import run_check
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .export import export
@@ -82,7 +82,24 @@ def status(project: Project, *, as_json: bool) -> int:
     return code
 
 
-def check(project: Project, *, as_json: bool) -> int:
+def check(
+    project: Project,
+    *,
+    as_json: bool,
+    release: str | None = None,
+    since: str | None = None,
+    versions: str | None = None,
+) -> int:
+    if release or since or versions:
+        report = releasecheck.run(
+            project,
+            release=release,
+            since=since,
+            versions=versions,
+            say=lambda m: print(m, file=sys.stderr, flush=True),
+        )
+        print(json.dumps(report, indent=1) if as_json else releasecheck.render(report))
+        return report["exit_code"]
     result = run_check(project)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
@@ -108,35 +125,6 @@ def check(project: Project, *, as_json: bool) -> int:
     if result.overrides is not None and not result.cannot_run:
         print(f"overrides: {result.overrides.summary()}")
     return result.exit_code
-
-
-def compat(
-    project: Project,
-    *,
-    versions: str | None,
-    since: str | None,
-    upstream_git,
-    json_path,
-    use_cache: bool,
-) -> int:
-    from . import compat as compat_
-
-    def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    wanted = compat_.resolve_versions(project, versions, since)
-    if not wanted:
-        say(f"compat: no {project.manifest.name} release newer than {since}")
-        return EXIT_OK
-    report = compat_.run_compat(
-        project, wanted, upstream_git=upstream_git, use_cache=use_cache, say=progress
-    )
-    out = json_path or compat_.default_json(project)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(compat_.render(report))
-    progress(f"compat: JSON written to {out} ({report['seconds']} s)")
-    return compat_.exit_code(report)
 
 
 def rebase(

@@ -1,28 +1,31 @@
-"""Confinement: every path a patch or the overlay touches stays inside the tree.
+"""Confinement: a patch writes regular text files inside the tree, nothing else.
 
 The policy lives here, as functions over a parsed ``Patch`` (and, when there
 is one, the tree on disk); ``check``, ``apply``, ``export`` and ``status`` all
-ask it and report what it finds. A path is refused when it
+ask it and report what it finds. Refused outright, whatever the path:
 
-- is absolute, or has a ``..`` component (``a/../../evil.txt``),
-- has a ``.git`` component (it would write into a git dir: hooks, config),
-- passes through a symlink that leads out of the tree: one on disk, or one
-  created by an earlier file or patch of the series (git mode 120000),
-- is a new symlink whose target leads out of the tree.
+- a symlink: any mode line of git's symlink mode 120000 (created, changed or
+  deleted);
+- a binary patch (``GIT binary patch``, ``Binary files ... differ``).
+
+A path, as written, is refused when it is absolute, has a ``..`` component
+(``a/../../evil.txt``) or a ``.git`` component (it would write into a git dir:
+hooks, config). One check looks at the disk: the real path of a file, every
+symlink there followed, must stay inside the tree and out of any .git dir
+(and an overlay source file must really lie inside the project). Since no
+patch may make a symlink, the symlinks to follow are only those on disk.
 
 The raw patch text is scanned, not unidiff's view of it: every line naming a
 path counts (``diff --git``, ``---``/``+++``, ``rename``/``copy from``/``to``,
-``Binary files ... differ``), so binary patches, renames, copies and patches
-that do not even parse are covered, and each finding names its line.
+``Binary files ... differ``), so renames, copies and patches that do not even
+parse are covered, and each finding names its line.
 """
 
 from __future__ import annotations
 
-import os
-import posixpath
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -38,19 +41,17 @@ Kind = Literal[
     "absolute",
     "parent",
     "git-dir",
+    "symlink",
+    "binary",
     "through-symlink",
-    "symlink-target",
     "source-symlink",
 ]
-# Symlinks as a series leaves them: tree path -> target; None = known not a link.
-Links = dict[str, str | None]
 
 _SYMLINK_MODE = "120000"
-_MAX_LINKS = 40  # symlink hops before a path counts as a loop (as in Linux)
 _HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 _BINARY = re.compile(r"^Binary files (.+?) and (.+) differ$")
-_NAMED = re.compile(r"^(rename from|rename to|copy from|copy to) (.+)$")
-_MODE = re.compile(r"^(?:new file mode|new mode|index \S+) (\d+)$")
+_NAMED = re.compile(r"^(?:rename|copy) (?:from|to) (.+)$")
+_MODE = re.compile(r"^(?:(?:new|deleted) file mode|old mode|new mode|index \S+) (\d+)$")
 _FIX_PATHS = "a patch may only touch files inside the tree: fix the diff's a/ b/ paths"
 
 # kind -> (what is wrong, what to do); {tree} is "the tree <its path>"
@@ -61,16 +62,20 @@ _REASONS: dict[Kind, tuple[str, str]] = {
         "has a .git component: it would write into a git directory",
         "a patch must never touch git metadata (hooks, config): drop that file",
     ),
+    "symlink": (
+        "is a symlink (git mode 120000): a patch writes regular files only",
+        "put the file itself in the patch (or the overlay), not a link to it",
+    ),
+    "binary": (
+        "is a binary patch: a patch changes text files only",
+        "keep binary files in an overlay folder",
+    ),
     "through-symlink": (
-        "passes through a symlink that leads out of {tree}",
+        "passes through a symlink on disk that leads out of {tree}",
         "patch the real file inside the tree instead, or remove the symlink",
     ),
-    "symlink-target": (
-        "is a symlink whose target leads out of {tree}",
-        "point the symlink at a relative path inside the tree, or ship the file",
-    ),
     "source-symlink": (
-        "is a symlink leading out of its overlay folder",
+        "is a symlink leading out of the project",
         "put the file itself in the overlay folder instead of a symlink",
     ),
 }
@@ -78,13 +83,13 @@ _REASONS: dict[Kind, tuple[str, str]] = {
 
 @dataclass(frozen=True)
 class Violation:
-    """One path that leaves the tree: where it is written and why it is refused."""
+    """One refused path: where it is written and why it is refused."""
 
     patch: str  # patch file name; for the overlay, the folder mapping
     line: int | None  # line in the patch file (None for the overlay)
     path: str
     kind: Kind
-    detail: str = ""  # e.g. which symlink, and its target
+    detail: str = ""  # e.g. where a symlink on disk leads
 
     def message(self, tree: str = "") -> str:
         """One line: patch, line, path, what is wrong and what to do (``tree``: its path)."""
@@ -105,38 +110,7 @@ class Violation:
         }
 
 
-@dataclass
-class FileEntry:
-    """One file section of a patch: each line naming it, and what it becomes."""
-
-    names: list[tuple[int, str]] = field(default_factory=list)  # (line, tree path)
-    old: str | None = None
-    new: str | None = None
-    new_line: int = 0
-    mode: str | None = None  # git mode of the new side, when the patch states one
-    deleted: bool = False
-    renamed: bool = False
-    hunks: bool = False
-    new_side: list[str] | None = None  # new-side hunk lines of a symlink (its target)
-
-    @property
-    def symlink(self) -> bool:
-        return self.mode == _SYMLINK_MODE
-
-    @property
-    def target(self) -> str | None:
-        if not self.symlink or self.deleted or self.new_side is None:
-            return None
-        return "".join(self.new_side).rstrip("\r\n")
-
-    def add(self, line: int, path: str | None, new: bool) -> None:
-        if not path:
-            return
-        self.names.append((line, path))
-        if new:
-            self.new, self.new_line = path, line
-        else:
-            self.old = path
+# -- reading the patch text -------------------------------------------------------
 
 
 def _unquote(name: str) -> str:
@@ -178,80 +152,66 @@ def _git_names(rest: str) -> tuple[str, str]:
     return a, b
 
 
-def scan(patch: Patch) -> list[FileEntry]:
-    """Every file the patch names, in order, with the patch-file line of each name."""
+def _scan(patch: Patch) -> list[tuple[int, str, Kind | None]]:
+    """``(line, path, refusal)`` for every line of the patch file naming a file:
+    the refusal is ``symlink`` for a mode line of 120000 and ``binary`` for a
+    binary patch (the path is then the file the line belongs to), else None."""
     lines = split_lines(decode(patch.raw))
     start = len(_split_message_and_diff(lines)[0])
-    files: list[FileEntry] = []
+    found: list[tuple[int, str, Kind | None]] = []
+    current = ""  # the file the header lines being read belong to
     old = new = 0  # lines left in the current hunk
 
-    def entry(fresh: bool = False) -> FileEntry:
-        if fresh or not files:
-            files.append(FileEntry())
-        return files[-1]
+    def name(lineno: int, path: str | None) -> None:
+        nonlocal current
+        if path:
+            found.append((lineno, path, None))
+            current = path
 
     for lineno, text in enumerate(lines[start:], start + 1):
-        line = text.rstrip("\n")
+        line = text.rstrip("\r\n")
         if old > 0 or new > 0:  # inside a hunk: content, never a header
             tag = line[:1]
             old -= tag in (" ", "", "-")
             new -= tag in (" ", "", "+")
-            side = files[-1].new_side
-            if side is not None and tag in (" ", "", "+"):
-                side.append(line[1:] + "\n")
             if tag in (" ", "", "-", "+", "\\"):
                 continue
             old = new = 0  # a malformed hunk ends here: read the line as a header
         following = lines[lineno] if lineno < len(lines) else ""
         if line.startswith("diff --git "):
-            a, b = _git_names(line[len("diff --git ") :])
-            f = entry(fresh=True)
-            f.add(lineno, _side(a), False)
-            f.add(lineno, _side(b), True)
-        elif line.startswith("--- ") and following.startswith("+++ "):
-            entry(fresh=not files or files[-1].hunks).add(
-                lineno, _side(line[4:]), False
-            )
-        # outside a hunk: always a header (as unidiff reads it)
-        elif line.startswith("+++ "):
-            entry().add(lineno, _side(line[4:]), True)
+            for side in _git_names(line[len("diff --git ") :]):
+                name(lineno, _side(side))
+        # outside a hunk, "+++ " is always a header (as unidiff reads it)
+        elif line.startswith("+++ ") or (
+            line.startswith("--- ") and following.startswith("+++ ")
+        ):
+            name(lineno, _side(line[4:]))
         elif m := _NAMED.match(line):
-            f = entry()
-            f.add(lineno, _unquote(m.group(2).rstrip("\r")), m.group(1).endswith(" to"))
-            f.renamed = f.renamed or m.group(1).startswith("rename")
+            name(lineno, _unquote(m.group(1)))
         elif m := _BINARY.match(line):
-            f = entry()
-            f.add(lineno, _side(m.group(1)), False)
-            f.add(lineno, _side(m.group(2)), True)
-        elif m := _MODE.match(line.rstrip("\r")):
-            entry().mode = m.group(1)
-        elif line.startswith("deleted file mode "):
-            entry().deleted = True
+            name(lineno, _side(m.group(1)))
+            name(lineno, _side(m.group(2)))
+            found.append((lineno, current, "binary"))
+        elif line == "GIT binary patch":
+            found.append((lineno, current, "binary"))
+        elif (m := _MODE.match(line)) and m.group(1) == _SYMLINK_MODE:
+            found.append((lineno, current, "symlink"))
         elif m := _HUNK.match(line):
-            f = entry()
-            f.hunks = True
             old, new = int(m.group(1) or 1), int(m.group(2) or 1)
-            if f.symlink and f.new_side is None:
-                f.new_side = []
-    # and every name unidiff (so apply) reads, whatever the scan above made of the text
-    seen = {path for f in files for _, path in f.names}
+    # and what unidiff (so apply) reads, whatever the scan above made of the text
+    seen = {(path, kind) for _, path, kind in found}
     for pf in patch.files:
-        for name, new in ((pf.source_file, False), (pf.target_file, True)):
-            path = _side(name) if name else None
-            if path and path not in seen:
-                found = next((i for i, t in enumerate(lines, 1) if name in t), 0)
-                extra = FileEntry()
-                extra.add(found, path, new)
-                files.append(extra)
-                seen.add(path)
-    return files
+        for raw in (pf.source_file, pf.target_file):
+            path = _side(raw) if raw else None
+            for kind in (None, "binary") if pf.is_binary_file else (None,):
+                if path and (path, kind) not in seen:
+                    lineno = next((i for i, t in enumerate(lines, 1) if raw in t), 0)
+                    found.append((lineno, path, kind))
+                    seen.add((path, kind))
+    return found
 
 
 # -- the policy -------------------------------------------------------------------
-
-
-def _in_git_dir(parts: Iterable[str]) -> bool:
-    return any(p.lower() == ".git" for p in parts)
 
 
 def _lexical(path: str) -> Kind | None:
@@ -261,164 +221,81 @@ def _lexical(path: str) -> Kind | None:
     parts = path.split("/")
     if ".." in parts:
         return "parent"
-    if _in_git_dir(parts):
+    if any(p.lower() == ".git" for p in parts):
         return "git-dir"
     return None
 
 
-def _link(path: str, links: Mapping[str, str | None], root: Path | None) -> str | None:
-    if path in links:
-        return links[path]
-    if root is not None and (root / path).is_symlink():
-        return os.readlink(root / path)
-    return None
+def _leaves(base: Path, path: str) -> Path | None:
+    """The check on disk: where ``base/path`` really is (every symlink on disk
+    followed) when that is outside ``base`` or in a .git dir; None when inside."""
+    try:
+        real = (base / path).resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return base / path
+    top = base.resolve()
+    if real.is_relative_to(top) and not _lexical(real.relative_to(top).as_posix()):
+        return None
+    return real
 
 
-def _escape(
-    path: str, links: Mapping[str, str | None], root: Path | None, follow_last: bool
-) -> tuple[str, str] | None:
-    """The symlink ``(link, target)`` through which ``path`` leaves the tree (or
-    reaches a .git dir); None when it stays inside. Links are the series' own
-    (mode 120000 files) over the ones on disk under ``root``."""
-    todo = path.split("/")[::-1]  # a stack: next component last
-    out: list[str] = []
-    via: tuple[str, str] | None = None
-    hops = 0
-    while todo:
-        part = todo.pop()
-        if part in ("", "."):
-            continue
-        if part == "..":
-            if not out:
-                return via or (path, "..")
-            out.pop()
-            continue
-        out.append(part)
-        if not todo and not follow_last:
-            break
-        target = _link("/".join(out), links, root)
-        if target is None:
-            continue
-        via, hops = ("/".join(out), target), hops + 1
-        if target.startswith("/") or hops > _MAX_LINKS:
-            return via
-        out.pop()
-        todo.extend(target.split("/")[::-1])
-    if via and _in_git_dir(out):
-        return via
-    return None
-
-
-def _check(
-    patch: Patch, root: Path | None, links: Mapping[str, str | None]
-) -> tuple[list[Violation], Links]:
-    """Violations of one patch, and the symlinks the tree has after it."""
-    links = dict(links)
+def violations(patch: Patch, root: Path | None = None) -> list[Violation]:
+    """Why ``patch`` may not be applied, in the order the patch names them: symlinks,
+    binary patches, paths refused as written, and (``root``: the tree on disk)
+    paths a symlink there takes out of it."""
     found: dict[tuple[str, Kind], Violation] = {}
-
-    def flag(line: int, path: str, kind: Kind, detail: str = "") -> None:
-        found.setdefault((path, kind), Violation(patch.name, line, path, kind, detail))
-
-    for f in scan(patch):
-        for line, path in f.names:
-            if kind := _lexical(path):
-                flag(line, path, kind)
-            elif via := _escape(path, links, root, follow_last=not f.symlink):
-                flag(line, path, "through-symlink", f"{via[0]} -> {via[1]}")
-        target = f.target
-        if target is not None and f.new and not _lexical(f.new):
-            dest = posixpath.join(posixpath.dirname(f.new), target)
-            if (
-                target.startswith("/")
-                or _in_git_dir(target.split("/"))
-                or _escape(dest, links, root, follow_last=True)
-            ):
-                flag(f.new_line, f.new, "symlink-target", f"-> {target}")
-        # what the tree holds after this file: symlinks the next paths may pass
-        if f.renamed and f.old in links and f.new:
-            links[f.new] = links[f.old]
-        if f.old and (f.deleted or f.renamed):
-            links[f.old] = None
-        if f.new and not f.deleted and f.mode:
-            links[f.new] = target if f.symlink else None
-    return list(found.values()), links
-
-
-def violations(
-    patch: Patch, root: Path | None = None, links: Mapping[str, str | None] = {}
-) -> list[Violation]:
-    """Paths of ``patch`` that leave the tree (``root``: the tree on disk, if any;
-    ``links``: symlinks made by earlier patches, see ``series_violations``)."""
-    return _check(patch, root, links)[0]
-
-
-def series_violations(
-    patches: Iterable[Patch], root: Path | None = None
-) -> tuple[list[Violation], Links]:
-    """Violations of every patch, in series order (each sees the symlinks the
-    earlier ones create), and the symlinks the series leaves behind."""
-    found: list[Violation] = []
-    links: Links = {}
-    for patch in patches:
-        more, links = _check(patch, root, links)
-        found += more
-    return found, links
-
-
-def overlay_violations(
-    root: Path,
-    overlays: Iterable[Overlay],
-    tree: Path | None = None,
-    links: Mapping[str, str | None] = {},
-) -> list[Violation]:
-    """Overlay destinations that leave the tree, and overlay source files that
-    are symlinks out of their folder (their target would be copied in)."""
-    found = []
-    project = root.resolve()
-    for ov in overlays:
-        label = f"overlay {ov.src}/ -> {ov.dst}/ (patches/upstream.toml)"
-        if kind := _lexical(ov.dst):
-            found.append(Violation(label, None, ov.dst, kind))
-        else:  # the folder, then each file (a symlink may sit below the folder)
-            seen: set[tuple[str, str]] = set()
-            for dst in [ov.dst, *overlay.source_files(root, (ov,))]:
-                via = _escape(dst, links, tree, follow_last=True)
-                if via and via not in seen:
-                    seen.add(via)
-                    detail = f"{via[0]} -> {via[1]}"
-                    found.append(Violation(label, None, dst, "through-symlink", detail))
-        src = root / ov.src
-        base = src.resolve()
-        if not base.is_relative_to(project):
-            found.append(Violation(label, None, ov.src, "source-symlink", f"-> {base}"))
-            continue
-        for path in sorted(src.rglob("*")) if src.is_dir() else []:
-            if path.is_symlink() and not path.resolve().is_relative_to(base):
-                rel = path.relative_to(root).as_posix()
-                detail = f"-> {os.readlink(path)}"
-                found.append(Violation(label, None, rel, "source-symlink", detail))
-    return found
+    for line, path, refusal in _scan(patch):
+        kind = refusal or _lexical(path)
+        if kind is None and root is not None and (real := _leaves(root, path)):
+            kind, detail = "through-symlink", f"resolves to {real}"
+        else:
+            detail = ""
+        if kind:
+            found.setdefault(
+                (path, kind), Violation(patch.name, line, path, kind, detail)
+            )
+    return list(found.values())
 
 
 def disk_violations(root: Path, patch: Patch, paths: Iterable[str]) -> list[Violation]:
-    """Defence in depth, right before writing: the real path of each file (every
-    symlink on disk followed) must be inside ``root`` and outside any .git dir."""
+    """Right before writing: each of ``paths`` (files of ``patch``) whose real
+    path, every symlink on disk followed, is outside ``root`` or in a .git dir."""
     lines: dict[str, int] = {}
-    for f in scan(patch):
-        for line, path in f.names:
-            lines.setdefault(path, line)
-    base = root.resolve()
+    for line, path, _ in _scan(patch):
+        lines.setdefault(path, line)
+    return [
+        Violation(
+            patch.name, lines.get(path), path, "through-symlink", f"resolves to {real}"
+        )
+        for path in paths
+        if (real := _leaves(root, path))
+    ]
+
+
+def overlay_violations(
+    root: Path, overlays: Iterable[Overlay], tree: Path | None = None
+) -> list[Violation]:
+    """Overlay destinations refused as written or (``tree``: the tree on disk)
+    led out of it by a symlink there, and overlay source files that are
+    symlinks out of the project ``root`` (what they lead to would be copied in)."""
     found = []
-    for path in paths:
-        real = (root / path).resolve()
-        inside = real.is_relative_to(base)
-        if not inside or _lexical(real.relative_to(base).as_posix()):
-            kind = _lexical(path) or "through-symlink"
-            found.append(
-                Violation(
-                    patch.name, lines.get(path), path, kind, f"resolves to {real}"
+    for ov in overlays:
+        label = f"overlay {ov.src}/ -> {ov.dst}/ (patches/upstream.toml)"
+        files = overlay.source_files(root, (ov,))
+        if kind := _lexical(ov.dst):
+            found.append(Violation(label, None, ov.dst, kind))
+        elif tree is not None:  # the folder, then each file: the first that leaves
+            for dst in [ov.dst, *files]:
+                if real := _leaves(tree, dst):
+                    detail = f"resolves to {real}"
+                    found.append(Violation(label, None, dst, "through-symlink", detail))
+                    break
+        for src in files.values():
+            rel = src.relative_to(root).as_posix()
+            if real := _leaves(root, rel):
+                found.append(
+                    Violation(label, None, rel, "source-symlink", f"-> {real}")
                 )
-            )
     return found
 
 
@@ -428,14 +305,12 @@ def project_violations(
     """Everything above for a project: its series (against the tree on disk when
     ``on_disk`` and the tree exists) and its overlay folders."""
     tree = project.tree if on_disk and project.tree.is_dir() else None
-    found, links = series_violations(patches, tree)
-    return found + overlay_violations(
-        project.root, project.manifest.overlays, tree, links
-    )
+    found = [v for patch in patches for v in violations(patch, tree)]
+    return found + overlay_violations(project.root, project.manifest.overlays, tree)
 
 
 class PathsOutsideTree(ProblemsFound):
-    """Raised by apply and export: paths that leave the tree, each explained."""
+    """Raised by apply and export: refused paths, each explained."""
 
     def __init__(
         self, action: str, found: list[Violation], tree: str, hint: str
@@ -444,6 +319,5 @@ class PathsOutsideTree(ProblemsFound):
         listing = "\n".join(f"  {v.message(tree)}" for v in found)
         super().__init__(
             f"refusing to {action}: {len(found)} path{'s' * (len(found) != 1)} "
-            f"leave{'s' * (len(found) == 1)} the tree {tree}:\n"
-            f"{listing}\n{hint}"
+            f"may not be written to the tree {tree}:\n{listing}\n{hint}"
         )

@@ -16,9 +16,8 @@ of any file does not match, nothing is returned.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import unidiff
 
@@ -127,7 +126,7 @@ class PatchDoesNotApply(ProblemsFound):
 
 
 class PatchLeavesTree(PatchDoesNotApply):
-    """A path of the patch leaves the tree (``confine``); nothing is applied."""
+    """``confine`` refuses a path of the patch; nothing is applied."""
 
     def __init__(
         self, patch: str, found: list[confine.Violation], tree: str = ""
@@ -137,7 +136,7 @@ class PatchLeavesTree(PatchDoesNotApply):
         super().__init__(patch, found[0].path, found[0].message(tree))
 
     def describe(self) -> str:
-        lines = [f"patch {self.patch} touches paths outside the tree; refused:"]
+        lines = [f"patch {self.patch} is refused by the confinement rules:"]
         lines += [f"  {v.message(self.tree)}" for v in self.violations]
         if self.note:
             lines.append(f"  {self.note}")
@@ -285,23 +284,16 @@ def _mode(pf: unidiff.PatchedFile) -> int | None:
     return None
 
 
-def apply_patch(
-    patch: Patch,
-    read: Reader,
-    *,
-    root: Path | None = None,
-    links: Mapping[str, str | None] = {},
-) -> dict[str, FileResult]:
+def apply_patch(patch: Patch, read: Reader) -> dict[str, FileResult]:
     """Validate a whole patch against ``read`` and return the new file states.
 
     ``read(path)`` gives the current text of a file (None when it does not
     exist). Raises PatchDoesNotApply naming the file, the hunk and the first
     mismatching line; nothing is returned (so nothing is written) in that case.
-    First of all, every path must stay inside the tree (``confine``: ``root``
-    is the tree on disk, ``links`` the symlinks earlier patches made), else
-    PatchLeavesTree.
+    First of all, ``confine`` must accept the patch (regular text files inside
+    the tree), else PatchLeavesTree.
     """
-    found = confine.violations(patch, root, links)
+    found = confine.violations(patch)
     if found:
         raise PatchLeavesTree(patch.name, found)
     if patch.parse_error:
@@ -318,12 +310,6 @@ def apply_patch(
     for pf in patch.files:
         src, dst = file_paths(pf)
         path = dst or src or "?"
-        if pf.is_binary_file:
-            raise PatchDoesNotApply(
-                patch.name,
-                path,
-                "binary diffs are not supported; keep binary files in an overlay",
-            )
         if src and dst and src != dst:
             raise PatchDoesNotApply(
                 patch.name,

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import identity, overlay, state
-from .confine import PathsOutsideTree, series_violations
+from .confine import PathsOutsideTree, violations
 from .errors import ProblemsFound
 from .project import PatchOutsideFolder
 from .series import (
@@ -131,7 +131,7 @@ def export(tree: Tree, *, force: bool, say: Say) -> ExportResult:
         contents[name] = data
         new_entries.append(state.AppliedPatch(name, patch.sha256, commit, patch.title))
 
-    outside, _ = series_violations(parse_patch(n, d) for n, d in contents.items())
+    outside = [v for n, d in contents.items() for v in violations(parse_patch(n, d))]
     if outside:
         commits = ", ".join(f"{e.name} = commit {e.commit[:12]}" for e in new_entries)
         raise PathsOutsideTree(

@@ -17,7 +17,6 @@ the same inputs always give the same commit ids.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import git
 from .errors import PatchsetError
 
 FIXED_DATE = "2000-01-01T00:00:00+00:00"
-DEFAULT_COMMITTER = ("patchset", "patchset@localhost")
+COMMITTER = ("patchset", "patchset@localhost")
 # Arguments per git invocation when passing many paths.
 _PATH_CHUNK = 400
 
@@ -55,8 +54,6 @@ _PAUSE_AFTER_EACH_PICK = (
     'f() { awk \'{ print } /^(p|pick) / { print "break" }\' "$1" > "$1.tmp" '
     '&& mv "$1.tmp" "$1"; }; f'
 )
-# ``@@ -a,b +c,d @@`` of a zero-context diff: its new side is the added lines.
-_HUNK_NEW_SIDE = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
 
 MIN_GIT = (2, 32)  # GIT_CONFIG_GLOBAL (hermetic config), init --initial-branch
 
@@ -80,26 +77,18 @@ def git_version() -> tuple[int, ...]:
 class GitRepo:
     """A work tree driven through a separate git dir."""
 
-    def __init__(
-        self,
-        git_dir: Path,
-        work_tree: Path,
-        *,
-        committer: tuple[str, str] = DEFAULT_COMMITTER,
-        date: str = FIXED_DATE,
-    ) -> None:
+    def __init__(self, git_dir: Path, work_tree: Path) -> None:
         self.git_dir = Path(git_dir).absolute()
         self.work_tree = Path(work_tree).absolute()
-        self._date = date
         self._git = git.Git(str(self.work_tree) if self.work_tree.is_dir() else None)
         self._git.update_environment(
             GIT_CONFIG_GLOBAL=os.devnull,
             GIT_CONFIG_NOSYSTEM="1",
             GIT_TERMINAL_PROMPT="0",
-            GIT_COMMITTER_NAME=committer[0],
-            GIT_COMMITTER_EMAIL=committer[1],
-            GIT_COMMITTER_DATE=date,
-            GIT_AUTHOR_DATE=date,
+            GIT_COMMITTER_NAME=COMMITTER[0],
+            GIT_COMMITTER_EMAIL=COMMITTER[1],
+            GIT_COMMITTER_DATE=FIXED_DATE,
+            GIT_AUTHOR_DATE=FIXED_DATE,
         )
 
     @classmethod
@@ -266,83 +255,6 @@ class GitRepo:
         if not self._ok("cat-file", "-e", f"{rev}:{path}"):
             return None
         return self.run_bytes("cat-file", "blob", f"{rev}:{path}")
-
-    def added_lines(self, commit: str, path: str) -> set[int]:
-        """Line numbers (1-based, in the file at commit) that commit adds to path.
-
-        Relative to the commit's first parent; a file the commit creates has
-        every line added.
-        """
-        out = self.run(
-            "diff",
-            "-U0",
-            "--no-color",
-            "--no-ext-diff",
-            "--no-renames",
-            f"{commit}^",
-            commit,
-            "--",
-            f":(top,literal){path}",
-        )
-        lines: set[int] = set()
-        for match in _HUNK_NEW_SIDE.finditer(out):
-            start = int(match.group(1))
-            count = 1 if match.group(2) is None else int(match.group(2))
-            lines.update(range(start, start + count))
-        return lines
-
-    # -- history of a range (``git log``), newest first -------------------
-
-    def commits_changing_lines(
-        self,
-        old: str,
-        new: str,
-        path: str,
-        start: int,
-        end: int,
-        *,
-        timeout: float = 600,
-    ) -> list[tuple[str, str]]:
-        """(id, subject) of the commits in old..new that changed lines start..end
-        of path (numbered as at new): ``git log -L``."""
-        end = max(end, start)
-        return self._log(f"-L{start},{end}:{path}", f"{old}..{new}", timeout=timeout)
-
-    def commits_removing(
-        self, old: str, new: str, paths: list[str], *, timeout: float = 600
-    ) -> list[tuple[str, str]]:
-        """(id, subject) of the commits in old..new that deleted (or renamed away)
-        any of paths."""
-        return self._log(
-            "--diff-filter=DR", f"{old}..{new}", "--", *paths, timeout=timeout
-        )
-
-    def commits_changing_count(
-        self, old: str, new: str, text: str, path: str, *, timeout: float = 600
-    ) -> list[tuple[str, str]]:
-        """(id, subject) of the commits in old..new that changed how often text
-        occurs in path (the pickaxe, ``-S``)."""
-        return self._log(f"-S{text}", f"{old}..{new}", "--", path, timeout=timeout)
-
-    def commits_changing_lines_matching(
-        self, old: str, new: str, regex: str, path: str, *, timeout: float = 600
-    ) -> list[tuple[str, str]]:
-        """(id, subject) of the commits in old..new that added or removed a line
-        of path matching regex (``-G``)."""
-        return self._log(f"-G{regex}", f"{old}..{new}", "--", path, timeout=timeout)
-
-    def _log(self, *args: str, timeout: float) -> list[tuple[str, str]]:
-        """``git log`` of args as (id, subject), each commit once, newest first."""
-        out = self.run("log", "--format=%x00%H%x1f%s", *args, timeout=timeout)
-        seen: set[str] = set()
-        commits = []
-        for line in out.splitlines():
-            if line.startswith("\0"):
-                sha, _, subject = line[1:].partition("\x1f")
-                if sha not in seen:
-                    seen.add(sha)
-                    commits.append((sha, subject))
-        return commits
 
     def status(self) -> list[StatusEntry]:
         """Uncommitted changes, including untracked (but not ignored) files."""

@@ -28,7 +28,6 @@ _CHANGE_REFERENCE = re.compile(
     r"|github\.com/[\w.-]+/[\w.-]+/(?:pull/\d+|commit/[0-9a-f]{7,40})"
     r"|(?:^|[\s@(\[])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"
 )
-_SUPERSEDED = re.compile(r"^superseded by\b", re.IGNORECASE)
 
 
 def upstream_status(patch: Patch) -> tuple[str, str] | None:
@@ -40,18 +39,6 @@ def upstream_status(patch: Patch) -> tuple[str, str] | None:
         return None
     m = _STATUS_PARTS.match(lines[0])
     return (m.group(1), m.group(2) or "") if m else None
-
-
-def claims_upstream_change(patch: Patch) -> str | None:
-    """The claim (``Backport [...]``, ``Inappropriate [superseded by ...]``) that
-    the patch is a change upstream has or will have, else None."""
-    status = upstream_status(patch)
-    if status is None:
-        return None
-    kind, why = status
-    if kind == "Backport" or (kind == "Inappropriate" and _SUPERSEDED.match(why)):
-        return f"{kind} [{why}]"
-    return None
 
 
 def backport_reference_problem(patch: Patch) -> str | None:

@@ -1,13 +1,12 @@
 """Names a Python module defines at its top level, read from its ``ast``.
 
-Shared by ``compat`` (does a name the overlay imports still exist upstream?)
-and ``mergecheck`` (does a name a patch uses still exist after a rebase step?),
-so both agree on what "defined" means: ``def``/``class``, assignments
-(plain, annotated, augmented; unpacked targets too) and imports, also inside
-top-level ``if``/``try``/``with``/``for`` blocks. Nothing is imported or run.
+Read by ``releasecheck`` (does a name the overlay imports still exist upstream?):
+``def``/``class``, assignments (plain, annotated, augmented; unpacked targets
+too) and imports, also inside top-level ``if``/``try``/``with``/``for``
+blocks. Nothing is imported or run.
 
-The ``ast`` readings ``compat``, ``mergecheck`` and ``overrides`` share live here
-too: a body's statements, the module a relative import names, ``self``.
+The ``ast`` readings ``releasecheck`` and ``overrides`` share live here too: a
+body's statements, the module a relative import names, ``self``.
 """
 
 from __future__ import annotations

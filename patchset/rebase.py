@@ -17,9 +17,9 @@ Electron's roll, with git doing the 3-way merges:
    you": git never drops a commit it stopped at, so every patch the rebase
    stopped at and that is gone at the end counts as the user's.
    The rebase pauses after every commit it replays (clean or resolved), and
-   the Python files that step touched are checked (``mergecheck``): a class
-   that now defines a method twice, a name the patch's added lines use that
-   upstream removed, a file that no longer parses. Such a step stops the
+   the Python files that step touched are checked (``mergecheck``: ruff's
+   F811 and F821, a name defined twice or undefined, and a file that no
+   longer parses), counting only what the step's parent did not have. Such a step stops the
    rebase as a conflict does; the user's staged fix is folded into the step's
    commit on ``--continue`` (``--continue --accept`` keeps the step as is).
 4. On success the series is exported (``export``) into ``rolls/<VERSION>/``:
@@ -278,7 +278,6 @@ def _drive(project: Project, roll: Project, tree: Tree, say: Say) -> int:
     st = RebaseState.load(tree.git_dir)
     assert st is not None
     pristine = tree.load_state().pristine
-    originals = _original_commits(repo)
     while repo.rebase_in_progress():
         if not repo.rebase_paused():
             stopped = repo.rebase_stopped_at()
@@ -290,8 +289,7 @@ def _drive(project: Project, roll: Project, tree: Tree, say: Say) -> int:
         assert head is not None
         unstaged = _unstaged(repo)
         if head not in (st.checked, pristine):
-            label = f"{project.manifest.name} {st.from_version}"
-            findings = _check_step(repo, head, originals, label)
+            findings = _check_step(repo, head)
             if findings:
                 st.flagged = head
                 st.note(st.stopped_at, _key_of(repo, head))
@@ -312,42 +310,17 @@ def _drive(project: Project, roll: Project, tree: Tree, say: Say) -> int:
     return _finish(project, roll, tree, say)
 
 
-def _check_step(
-    repo: GitRepo, head: str, originals: dict[str, str], old_label: str
-) -> list[mergecheck.Finding]:
+def _check_step(repo: GitRepo, head: str) -> list[mergecheck.Finding]:
     """``mergecheck`` on every .py file the replayed commit ``head`` touched."""
-    message = repo.message(head)
-    original = originals.get(_step_key(message) or "")
     findings: list[mergecheck.Finding] = []
     for path in repo.changed_files(head):
-        if not path.endswith(".py"):
-            continue
-        new = repo.file_at(head, path)
-        if new is None:  # deleted by the step
+        new = repo.file_at(head, path) if path.endswith(".py") else None
+        if new is None:  # not Python, or deleted by the step
             continue
         findings += mergecheck.check_step(
-            path,
-            decode(new),
-            new_base=_text(repo.file_at(f"{head}^", path)),
-            old=_text(repo.file_at(original, path)) if original else None,
-            old_base=_text(repo.file_at(f"{original}^", path)) if original else None,
-            added=repo.added_lines(head, path),
-            old_label=old_label,
+            path, decode(new), new_base=_text(repo.file_at(f"{head}^", path))
         )
     return findings
-
-
-def _original_commits(repo: GitRepo) -> dict[str, str]:
-    """Each step of the pinned series (patch name, or the overlay) -> its commit there."""
-    if repo.rev_parse(SERIES_BRANCH) is None:  # the rebase is over
-        return {}
-    messages = repo.messages(BASE_TAG, SERIES_BRANCH)
-    out: dict[str, str] = {}
-    for commit in repo.first_parent_commits(BASE_TAG, SERIES_BRANCH):
-        key = _step_key(messages.get(commit, ""))
-        if key:
-            out.setdefault(key, commit)
-    return out
 
 
 def _step_key(message: str) -> str | None:

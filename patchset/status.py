@@ -147,7 +147,7 @@ def compute_status(project: Project) -> dict:
 
 
 def _confinement(project: Project, patches: list[Patch]) -> list[dict]:
-    """Paths of the series' patches and the overlay that leave the tree."""
+    """Paths of the series' patches and the overlay that confinement refuses."""
     tree = project.rel(project.tree)
     return [v.to_json(tree) for v in project_violations(project, patches)]
 

@@ -399,8 +399,8 @@ class Tree:
             file = self.path / path
             return decode(file.read_bytes()) if file.is_file() else None
 
-        results = apply_patch(patch, read, root=self.path)
-        # defence in depth: the real path (symlinks on disk followed) stays inside
+        results = apply_patch(patch, read)
+        # the check on disk, right before writing: no symlink there leads out
         outside = disk_violations(self.path, patch, sorted(results))
         if outside:
             raise PatchLeavesTree(patch.name, outside, self.project.rel(self.path))

@@ -8,7 +8,7 @@ longer matches is moved aside (``<name>.corrupt-<sha256 prefix>``), never
 deleted, so what was wrong with it can still be looked at.
 
 The sdist is the package index's own file (``releases``: the URL and digest
-from the index's JSON, as ``compat`` downloads releases), never built or
+from the index's JSON, as ``check --release`` downloads releases), never built or
 unpacked by pip: pip would build the sdist's metadata, which needs torch.
 ``VMP_SDIST_URL`` (a local path, ``file://`` or ``http(s)://`` URL) replaces
 the index; tests use it, or a local ``VMP_INDEX_URL``, with a synthetic

@@ -1,7 +1,7 @@
 """The series' rules, written once.
 
 Every command that reads the series asks ``validate_series``: ``check``
-reports every problem, ``apply`` (and ``rebase``, ``compat``, through
+reports every problem, ``apply`` (and ``rebase``, ``check --release``, through
 ``tree.load_patches``) refuses a series it cannot load, ``status`` shows the
 series-file problems. The rules:
 

@@ -1,9 +1,11 @@
-"""build.py check: series/file agreement, headers, zero-fuzz apply on the sdist, overlay."""
+"""build.py check: series/file agreement, headers (and Backport claims), zero-fuzz apply
+on the sdist, overlay. Newer releases (check --release): test_compat_grid.py."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import OVERLAY_DST, UPSTREAM_FILES, patch_text, replace_line
 
 ENGINE = UPSTREAM_FILES["vllm/engine.py"]
@@ -188,3 +190,41 @@ def test_every_patch_carries_the_series_one_identity(project) -> None:
     messages = " ".join(m for _, m in header)
     assert "the series' identity is Dev <dev@example.com> (2 patches)" in messages
     assert "names no email address" in messages
+
+
+@pytest.mark.parametrize(
+    ("claim", "warned"),
+    [
+        ("Backport [vllm-project/vllm#12345]", False),
+        ("Backport [https://github.com/vllm-project/vllm/pull/12345]", False),
+        ("Backport [vllm-project/vllm@1a2b3c4d5e6f]", False),
+        ("Backport [commit 0123456789abcdef0123456789abcdef01234567]", False),
+        ("Backport [from upstream main]", True),
+        ("Backport [#12345]", True),
+        ("Pending", False),
+    ],
+)
+def test_check_warns_when_a_backport_names_nothing_checkable(
+    project, claim, warned
+) -> None:
+    assert project.run("fetch").code == 0
+    diff = project.edit_patch(
+        "vllm/engine.py",
+        project.upstream_files["vllm/engine.py"].replace(
+            "engine line 2\n", "engine line 2 ours\n"
+        ),
+    )
+    project.add_patch(
+        "0001-engine.patch",
+        patch_text("Engine tweak", diff, status=f"Upstream-Status: {claim}"),
+    )
+    r = project.run("check", "--json")
+    assert r.code == 0, r.text  # a warning, not a problem
+    data = json.loads(r.out)
+    found = [w for w in data["warnings"] if w["kind"] == "backport"]
+    assert bool(found) == warned, data["warnings"]
+    if warned:
+        assert found[0]["patch"] == "0001-engine.patch"
+        assert "vllm-project/vllm#" in found[0]["message"]
+        text = project.run("check")
+        assert "warning [backport]" in text.out and "0001-engine.patch" in text.out

@@ -1,9 +1,10 @@
-"""``build.py compat``: the grid over synthetic releases, attribution, caching.
+"""``build.py check --release``: the grid over synthetic releases.
 
 Everything is local: three synthetic sdists (0.18.1 = the pin, 0.19.0, 0.20.0)
 behind a synthetic PyPI-JSON index (``VMP_INDEX_URL``), and a tmp git repo
-whose tags hold the same trees, so the conflict can be traced to the commit
-that changed the hunk's lines.
+whose tags hold the same trees, where the ``git log`` commands the check prints
+for a conflict or a missing file are run to see that they name the commit that
+caused it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from pathlib import Path
 import pytest
 from conftest import OVERLAY_DST, Project, manifest_text, numbered, patch_text, udiff
 
-from patchset import compat, releases, upstream
-from patchset.compat import imports as compat_imports
-from patchset.compat import run as compat_run
+from patchset import releasecheck, releases, upstream
+from patchset.overrides import OverlaySource
+from patchset.pynames import top_level_names
+from patchset.series import parse_patch
 
 CONNECTOR = (
     "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py"
@@ -226,15 +228,28 @@ def world(tmp_path, monkeypatch):
 
 
 def run(proj, *args):
-    out = proj.root / "results" / "compat.json"
-    res = proj.run("compat", *args)
-    return res, json.loads(out.read_text()) if out.is_file() else None
+    """``check`` with ``args``: the result, and the report its --json run prints."""
+    res = proj.run("check", *args)
+    data = proj.run("check", *args, "--json")
+    assert data.code == res.code, data.text
+    return res, json.loads(data.out)
 
 
 def statuses(report: dict) -> dict[str, list[str]]:
     return {
         v["version"]: [p["status"] for p in v["patches"]] for v in report["versions"]
     }
+
+
+def problems(res: dict, kind: str) -> list[str]:
+    return [p["message"] for p in res["problems"] if p["kind"] == kind]
+
+
+def shell(repo: Path, command: str) -> str:
+    """A ``git ...`` command the check printed, run in the upstream clone."""
+    args = command.split()
+    assert args[0] == "git", command
+    return git(repo, *args[1:])
 
 
 def test_list_versions_and_sdist_info(world) -> None:
@@ -249,7 +264,7 @@ def test_list_versions_and_sdist_info(world) -> None:
 
 def test_grid_covers_every_status(world) -> None:
     up, proj = world
-    res, report = run(proj, "--since", "0.18.1", "--upstream-git", str(up.repo))
+    res, report = run(proj, "--since", "0.18.1")
     assert res.code == 1, res.text
     v19, v20 = report["versions"]
     assert statuses(report) == {
@@ -264,68 +279,60 @@ def test_grid_covers_every_status(world) -> None:
             "fuzz",
         ],
     }
-    p7 = v20["patches"][6]
-    assert p7["after_failed_same_files"] == ["0004-p4.patch"]
-    assert p7["alone_on_target"] == "fuzz"  # its last context line, d line 28, changed
-    moved = v19["patches"][5]["files"][0]
-    assert (
-        moved["moved_to"] == "vllm/new/f.py" and moved["moved_how"] == "same file name"
-    )
-    assert v19["overlay"]["collisions"] == [f"{OVERLAY_DST}/store.py"]
-    assert all(d["parent_exists"] for d in v19["overlay"]["destinations"])
+    assert v20["patches"][6]["after_failed_same_files"] == ["0004-p4.patch"]
+    fuzz = v19["patches"][2]["files"][0]
+    assert fuzz["hunks"][0]["fuzz"] == 1 and "note" not in fuzz
+    (collision,) = problems(v19, "overlay")
+    assert f"connector/store.py -> {OVERLAY_DST}/store.py collides" in collision
     imports = {(i["module"], i["name"]): i["status"] for i in v20["imports"]}
     assert imports[("vllm.base", "helper")] == "name missing"
     assert imports[("vllm.base", "Thing")] == "ok"
-    assert (
-        imports[(CONNECTOR[:-3].replace("/", "."), "Hook")] == "ok"
-    )  # relative import
-    assert not any(
-        m.endswith(".ext") or ".ext." in m for m, _ in imports
-    )  # ours: skipped
+    assert imports[(CONNECTOR[:-3].replace("/", "."), "Hook")] == "ok"  # relative
+    assert not any(m.endswith(".ext") or ".ext." in m for m, _ in imports)  # ours
     assert {i["status"] for i in v19["imports"]} == {"ok"}
-
-    # The conflict names the hunk and shows upstream's change of its lines.
-    hunk = v20["patches"][3]["files"][0]["hunks"][0]
-    assert hunk["result"] == "failed"
-    assert "-d line 15\n+d line fifteen" in hunk["upstream_change"]["diff"]
-    # pristine numbering on both sides (git's), not the patched file's
-    assert hunk["header"].startswith("@@ -14,7 ")
-    assert hunk["upstream_change"]["base_range"] == [9, 21]
-    assert hunk["upstream_change"]["target_range"] == [9, 21]
-
-    # ... and the commit that changed them, not the unrelated one.
-    first = report["first_breaks"]["patches"]["0004-p4.patch"]
-    assert (first["version"], first["after"]) == ("0.20.0", "0.19.0")
-    shas = [c["sha"] for c in first["causes"][0]["commits"]]
-    assert shas == [up.commits["Rename d line 15"]]
-    assert up.commits["Unrelated: tweak d's tail and a.py's end"] not in shas
-    gone = report["first_breaks"]["patches"]["0006-p6.patch"]
-    assert (
-        gone["version"] == "0.19.0" and gone["causes"][0]["moved_to"] == "vllm/new/f.py"
-    )
-    assert [c["sha"] for c in gone["causes"][0]["commits"]] == [
-        up.commits["Rework b, c, e; move f to new/; add ext/store.py"]
+    assert problems(v20, "import") == [
+        "connector/store.py:1: `from vllm.base import helper`: name missing"
     ]
-    helper = report["first_breaks"]["imports"]["vllm.base.helper"]
-    assert helper["version"] == "0.20.0"
-    assert helper["used_at"] == [f"{OVERLAY_DST}/store.py:1"]
-    assert [c["sha"] for c in helper["commits"]] == [up.commits["Drop helper()"]]
 
-    # The grid on stdout: one row per version, codes from the legend.
+    # The conflict names the hunk (numbered on the pin with 0001 applied) and the
+    # git log of its lines on 0.20.0 (pristine numbering), which names the commit
+    # that changed them, not the unrelated one that touched the same file.
+    hunk = v20["patches"][3]["files"][0]["hunks"][0]
+    assert hunk["result"] == "conflict" and hunk["header"].startswith("@@ -14,7 ")
+    assert hunk["git_log"] == "git log -L 12,18:vllm/d.py v0.18.1..v0.20.0"
+    log = shell(up.repo, hunk["git_log"])
+    assert "Rename d line 15" in log and "Unrelated" not in log, log
+    assert f"`{hunk['git_log']}`" in problems(v20, "apply")[0]
+    # A missing file: the commit that removed it.
+    (gone,) = problems(v19, "apply")
+    assert gone.startswith("0006-p6.patch: vllm/old/f.py is gone"), gone
+    command = gone.split("`")[1]
+    assert shell(up.repo, command).split(" ", 1)[1] == (
+        "Rework b, c, e; move f to new/; add ext/store.py"
+    )
+
+    # The grid: one row per version, codes from the legend; each problem once,
+    # from the first release it shows on.
     rows = {
         line.split()[0]: line.split()
         for line in res.out.splitlines()
         if line[:1].isdigit()
     }
-    assert rows["0.19.0"][1:11] == [".", "o", "f", ".", "U", "M", ".", "C", ".", "."]
-    assert rows["0.20.0"][1:11] == [".", "o", "f", "C", "U", "M", "f*", "C", "1", "2"]
-    assert "Rename d line 15" in res.out
+    assert rows["0.19.0"][1:11] == [".", "o", "f", ".", "U", "M", ".", "1", ".", "."]
+    assert rows["0.20.0"][1:11] == [".", "o", "f", "C", "U", "M", "f*", "1", "1", "2"]
+    applies = " ".join(rows["0.20.0"][11:])
+    assert (
+        applies == "4/7 (1 exact, 1 offset, 2 fuzz, 1 upstream, 1 conflict, 1 missing)"
+    )
+    assert "  0.19.0: 0006-p6.patch: vllm/old/f.py is gone" in res.out
+    assert res.out.count("vllm/old/f.py is gone") == 1
+    assert "  0.20.0: 0004-p4.patch: vllm/d.py hunk 1 (@@ -14,7 " in res.out
     assert "[2/2] 0.20.0:" in res.err
 
 
 def test_grid_reports_an_override_upstream_renamed(world) -> None:
-    up, proj = world
-    res, report = run(proj, "--since", "0.18.1", "--upstream-git", str(up.repo))
+    _, proj = world
+    res, report = run(proj, "--since", "0.18.1")
     v19, v20 = report["versions"]
     assert v19["overrides"]["problems"] == [] and v19["overrides"]["errors"] == 0
     (cls,) = v19["overrides"]["classes"]
@@ -346,67 +353,50 @@ def test_grid_reports_an_override_upstream_renamed(world) -> None:
     assert pinned in missing["message"]
     assert "vllm 0.20.0 has no get_finished on Worker" in missing["message"]
     assert (call["kind"], call["where"]) == ("super-missing", "connector/worker.py:6")
-    # first break: 0.20.0, and the upstream commit that renamed it
-    first = {e["kind"]: e for e in report["first_breaks"]["overrides"].values()}
-    assert set(first) == {"override-missing", "super-missing"}
-    entry = first["override-missing"]
-    assert (entry["version"], entry["after"]) == ("0.20.0", "0.19.0")
-    assert [c["sha"] for c in entry["commits"]] == [
-        up.commits["Rename Worker.get_finished"]
-    ]
+    assert len(problems(v20, "override")) == 2
     assert "ovr" in res.out.splitlines()[1]
     assert (
-        "override connector/worker.py:5 ExtWorker.get_finished: override-missing (error) "
-        "from 0.20.0 (after 0.19.0)" in res.out
+        "  0.20.0: override-missing: connector/worker.py:5: ExtWorker.get_finished: "
+        in res.out
     )
-    assert "overrides of 1 subclasses: 2 errors" in res.err
 
 
-def test_versions_option_and_cache(world, monkeypatch) -> None:
+def test_release_and_versions_options(world, monkeypatch) -> None:
     _, proj = world
-    res, report = run(proj, "--versions", "0.20.0")
+    res, report = run(proj, "--release", "0.20.0")
     assert [v["version"] for v in report["versions"]] == ["0.20.0"]
     assert "copying vllm-0.20.0.tar.gz" in res.err
-    # 0.20.0 alone: 0004 breaks right after the pin
-    assert report["first_breaks"]["patches"]["0004-p4.patch"]["after"] == "0.18.1"
-
-    def boom(*_a, **_k):
-        raise AssertionError("recomputed")
-
-    monkeypatch.setattr(compat_run, "analyze", boom)
-    res, report = run(proj, "--versions", "0.20.0")
-    assert res.code == 1, res.text
-    assert "copying" not in res.err and "result cached" in res.err
-    assert report["versions"][0]["from_cache"] is True
+    assert res.code == 1 and "vllm/d.py hunk 1" in res.out
+    res, report = run(proj, "--versions", "0.20.0,0.19.0,0.20.0")
+    assert [v["version"] for v in report["versions"]] == ["0.19.0", "0.20.0"]
+    assert "copying vllm-0.20.0" not in res.err  # cached by the first run
 
     # A warm cache needs no index (the digest verified at download is recorded).
     monkeypatch.setenv("VMP_INDEX_URL", str(proj.base / "nowhere"))
     releases.clear_index_cache()
-    res, _ = run(proj, "--versions", "0.20.0")
+    res = proj.run("check", "--release", "0.20.0")
     assert res.code == 1 and "index unavailable" in res.err, res.text
 
-    # A changed patch invalidates the cached result.
-    path = proj.root / "patches" / "0001-p1.patch"
-    path.write_text(path.read_text().replace("a line 10 ours", "a line 10 OURS"))
-    with pytest.raises(AssertionError, match="recomputed"):
-        proj.run("compat", "--versions", "0.20.0")
 
-
-def test_an_edited_subclass_invalidates_the_cached_result(world, monkeypatch) -> None:
+def test_no_newer_release_is_not_a_problem(world) -> None:
     _, proj = world
-    run(proj, "--versions", "0.20.0")
-    (proj.root / "connector" / "other.py").write_text("X = 2\n")  # no subclass: kept
-    res, _ = run(proj, "--versions", "0.20.0")
-    assert "result cached" in res.err
+    res = proj.run("check", "--since", "0.20.0")
+    assert res.code == 0, res.text
+    assert "check: no vllm release newer than 0.20.0" in res.out
 
-    def boom(*_a, **_k):
-        raise AssertionError("recomputed")
 
-    monkeypatch.setattr(compat_run, "analyze", boom)
-    worker = proj.root / "connector" / "worker.py"
-    worker.write_text(worker.read_text().replace("get_finished", "get_finished_reqs"))
-    with pytest.raises(AssertionError, match="recomputed"):
-        proj.run("compat", "--versions", "0.20.0")
+def test_compat_is_the_old_name_of_check_since(world) -> None:
+    _, proj = world
+    res = proj.run("compat")
+    assert res.code == 1, res.text
+    assert res.err.splitlines()[0] == (
+        "compat is now `check --release V` (or --since V, --versions A,B): "
+        "running `python build.py check --since 0.18.1`"
+    )
+    assert res.out == proj.run("check", "--since", "0.18.1").out
+    res = proj.run("compat", "--versions", "0.19.0", "--json")
+    assert "running `python build.py check --versions 0.19.0`" in res.err
+    assert [v["version"] for v in json.loads(res.out)["versions"]] == ["0.19.0"]
 
 
 def test_sha256_mismatch_is_refused(world) -> None:
@@ -415,16 +405,51 @@ def test_sha256_mismatch_is_refused(world) -> None:
     data["releases"]["0.19.0"][0]["digests"]["sha256"] = "0" * 64
     (up.index / "vllm" / "json").write_text(json.dumps(data))
     releases.clear_index_cache()
-    res = proj.run("compat", "--versions", "0.19.0")
+    res = proj.run("check", "--release", "0.19.0")
     assert res.code == 2
     assert "sha256 mismatch for vllm-0.19.0.tar.gz" in res.err
     assert not list((Path(os.environ["VMP_CACHE_DIR"])).glob("vllm-0.19.0*"))
 
 
-def test_overlay_imports_resolution(tmp_path) -> None:
+PATH = "vllm/x.py"
+PIN = numbered("x", 30)
+FIX = change({PATH: PIN}, PATH, "x line 10\n", "x line 10 fixed\n")[PATH]
+
+
+def verdict(release: str) -> str:
+    """GNU patch's verdict on a patch of x.py (PIN -> FIX) on a release's x.py."""
+    text = patch_text("Fix x line 10", udiff(PATH, PIN, FIX))
+    tree = releasecheck.Release({PATH}, {PATH: release.encode()})
+    return releasecheck.check_patch(parse_patch("0001-fix.patch", text.encode()), tree)
+
+
+def test_a_patch_the_release_has_is_upstream_and_left_as_the_release_has_it() -> None:
+    assert verdict(PIN)["status"] == "exact"
+    row = verdict(FIX)
+    assert row["status"] == "upstream", row
+    # the release reworded the line above: the patch neither applies nor reverses
+    moved_on = change({PATH: FIX}, PATH, "x line 9\n", "x line nine\n")[PATH]
+    assert verdict(moved_on)["status"] == "conflict"
+    elsewhere = change({PATH: PIN}, PATH, "x line 10\n", "x line ten\n")[PATH]
+    assert verdict(elsewhere)["status"] == "conflict"
+    shifted = numbered("new", 4) + PIN
+    row = verdict(shifted)
+    assert row["status"] == "offset" and row["files"][0]["hunks"][0]["offset"] == 4
+
+
+def test_release_lines_maps_a_hunk_onto_the_release() -> None:
+    old = numbered("a", 10)
+    new = numbered("new", 2) + old.replace("a line 5\n", "five\n")
+    assert releasecheck.release_lines(old, new, 4, 3) == (6, 8)
+    gone = numbered("a", 3) + numbered("a", 10)[len(numbered("a", 6)) :]
+    assert releasecheck.release_lines(old, gone, 5, 2) == (3, 4)
+    rewritten = numbered("a", 3) + numbered("new", 5) + old[len(numbered("a", 7)) :]
+    assert releasecheck.release_lines(old, rewritten, 5, 1) == (4, 8)  # the rewrite
+
+
+def test_overlay_imports(tmp_path) -> None:
     dst = f"{OVERLAY_DST}/sub/mod.py"
-    src = tmp_path / "mod.py"
-    src.write_text(
+    text = (
         "from ...mooncake_connector import A\n"  # climbs out of ext/: upstream
         "from .. import config\n"  # ext/: ours
         "from ...hashsync.sync import B\n"  # the other overlay: ours
@@ -435,28 +460,55 @@ def test_overlay_imports_resolution(tmp_path) -> None:
         "    C = None\n"
         "def f():\n"
         "    from vllm.v1.request import Request\n"
+        "import vllm.v1\n"
     )
-    overlays = (
-        upstream.Overlay("connector", OVERLAY_DST),
-        upstream.Overlay("hashsync", OVERLAY_DST.rsplit("/", 1)[0] + "/hashsync"),
+    manifest = upstream.Manifest(
+        "vllm",
+        "0.18.1",
+        "vllm-0.18.1.tar.gz",
+        "0" * 64,
+        "third_party/vllm",
+        (
+            upstream.Overlay("connector", OVERLAY_DST),
+            upstream.Overlay("hashsync", OVERLAY_DST.rsplit("/", 1)[0] + "/hashsync"),
+        ),
     )
-    refs, errors = compat.overlay_imports({dst: src}, overlays, "vllm")
-    assert errors == []
-    got = {(r.module, r.name, r.guarded, r.line) for r in refs}
-    assert got == {
-        (CONNECTOR[:-3].replace("/", "."), "A", False, 1),
-        ("vllm.optional", "C", True, 6),
-        ("vllm.v1.request", "Request", False, 10),
+    source = OverlaySource("connector/sub/mod.py", dst, text)
+    assert releasecheck.overlay_imports([source], manifest) == {
+        (CONNECTOR[:-3].replace("/", "."), "A"): ["connector/sub/mod.py:1"],
+        ("vllm.optional", "C"): ["connector/sub/mod.py:6"],
+        ("vllm.v1.request", "Request"): ["connector/sub/mod.py:10"],
+        ("vllm.v1", None): ["connector/sub/mod.py:11"],
     }
 
 
-def test_defined_names() -> None:
+def test_import_status() -> None:
+    tree = releasecheck.Release(
+        {"vllm/a.py", "vllm/b/__init__.py", "vllm/b/c.py", "vllm/d.py", "vllm/e.py"},
+        {
+            "vllm/a.py": b"X = 1\n",
+            "vllm/b/__init__.py": b"",
+            "vllm/d.py": b"def __getattr__(n): pass\n",
+            "vllm/e.py": b"def (\n",
+        },
+    )
+    status = releasecheck.import_status
+    assert status("vllm.a", "X", tree) == ("ok", "")
+    assert status("vllm.a", "Y", tree) == ("name missing", "")
+    assert status("vllm.b", "c", tree) == ("ok", "")  # a submodule
+    assert status("vllm.b", None, tree) == ("ok", "")
+    assert status("vllm.gone", "X", tree) == ("module missing", "")
+    assert status("vllm.d", "Y", tree)[0] == "unverifiable"
+    assert status("vllm.e", "Y", tree)[0] == "unverifiable"
+
+
+def test_top_level_names() -> None:
     tree = ast.parse(
         "import os.path\nfrom x import y as z\nA, (B, C) = 1, (2, 3)\nD: int = 4\n"
         "if True:\n    def e(): pass\nelse:\n    class F: pass\n"
         "try:\n    G = 1\nexcept ImportError:\n    H = 2\n"
     )
-    names, dynamic = compat_imports.defined_names(tree)
-    assert names == {"os", "z", "A", "B", "C", "D", "e", "F", "G", "H"}
-    assert not dynamic
-    assert compat_imports.defined_names(ast.parse("def __getattr__(n): pass"))[1]
+    names = top_level_names(tree)
+    assert set(names.lines) == {"os", "z", "A", "B", "C", "D", "e", "F", "G", "H"}
+    assert not names.dynamic
+    assert top_level_names(ast.parse("def __getattr__(n): pass")).dynamic

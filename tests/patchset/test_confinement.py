@@ -1,8 +1,9 @@
-"""Confinement: every path a patch (or the overlay) touches stays inside the tree.
+"""Confinement: a patch writes regular text files inside the tree, nothing else.
 
 Each case is refused by ``check`` (a ``confinement`` problem naming the patch,
 its line and the path) and by ``apply --force``, which writes nothing, in the
-tree or outside it.
+tree or outside it: paths that leave the tree (as written, or through a
+symlink on disk), symlinks and binary patches, wherever they point.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from conftest import manifest_text, patch_text
 
 from patchset import confine
-from patchset.exactapply import PatchLeavesTree
+from patchset.exactapply import PatchLeavesTree, apply_patch
 from patchset.project import Project
 from patchset.series import parse_patch
 from patchset.tree import Tree
@@ -154,9 +155,9 @@ def test_copy_to_outside_refused(project) -> None:
     apply_refused(project, name, "../../../copied.py")
 
 
-def test_binary_patch_to_outside_refused(project) -> None:
+def test_binary_patches_refused_outright_even_inside_the_tree(project) -> None:
     git_binary = (
-        "diff --git a/../../evil.bin b/../../evil.bin\n"
+        "diff --git a/vllm/logo.bin b/vllm/logo.bin\n"
         "new file mode 100644\n"
         "index 0000000000000000000000000000000000000000..88768efdf77ec78c9a995f94881793be6a41752b\n"
         "GIT binary patch\n"
@@ -177,55 +178,42 @@ def test_binary_patch_to_outside_refused(project) -> None:
     )
     two, two_text = add(project, "0002-short-binary.patch", short)
     problems = checked(project)
-    found(problems, one, line_of(one_text, "diff --git"), "../../evil.bin", "parent")
-    found(problems, two, line_of(two_text, "Binary files"), "../../evil2.bin", "parent")
-    apply_refused(project, one, two, "../../evil.bin", "../../evil2.bin")
-
-
-def test_new_symlink_pointing_outside_refused(project) -> None:
-    diff = (
-        "diff --git a/vllm/link b/vllm/link\n"
-        "new file mode 120000\n"
-        "index 0000000..3594e94\n"
-        "--- /dev/null\n"
-        "+++ b/vllm/link\n"
-        "@@ -0,0 +1 @@\n"
-        "+../../..\n"
-        "\\ No newline at end of file\n"
-    )
-    name, text = add(project, "0001-link.patch", diff)
     problem = found(
-        checked(project), name, line_of(text, "+++ b/"), "vllm/link", "symlink-target"
+        problems, one, line_of(one_text, "GIT binary"), "vllm/logo.bin", "binary"
     )
-    assert "-> ../../.." in problem["message"]
-    apply_refused(project, name, "vllm/link")
+    assert "is a binary patch" in problem["message"]
+    assert "overlay" in problem["message"]
+    line = line_of(two_text, "Binary files")
+    found(problems, two, line, "../../evil2.bin", "binary")
+    found(problems, two, line, "../../evil2.bin", "parent")
+    apply_refused(project, one, "vllm/logo.bin", "is a binary patch")
+    assert not (project.tree / "vllm" / "logo.bin").exists()
 
 
-def test_path_through_symlink_from_earlier_patch_refused(project) -> None:
-    link = (
-        "diff --git a/vllm/out b/vllm/out\n"
-        "new file mode 120000\n"
-        "--- /dev/null\n"
-        "+++ b/vllm/out\n"
-        "@@ -0,0 +1 @@\n"
-        "+../../..\n"
-        "\\ No newline at end of file\n"
+LINK = (
+    "diff --git a/vllm/link b/vllm/link\n"
+    "new file mode 120000\n"
+    "index 0000000..3594e94\n"
+    "--- /dev/null\n"
+    "+++ b/vllm/link\n"
+    "@@ -0,0 +1 @@\n"
+    "+{0}\n"
+    "\\ No newline at end of file\n"
+)
+
+
+@pytest.mark.parametrize("target", ["config.py", "../../.."])
+def test_a_new_symlink_is_refused_wherever_it_points(project, target) -> None:
+    name, text = add(project, "0001-link.patch", LINK.format(target))
+    line = line_of(text, "new file mode 120000")
+    problem = found(checked(project), name, line, "vllm/link", "symlink")
+    assert (
+        f"patch {name} line {line}: path vllm/link is a symlink (git mode 120000)"
+        in problem["message"]
     )
-    one, one_text = add(project, "0001-link.patch", link)
-    path = "vllm/out/evil.txt"
-    two, two_text = add(
-        project,
-        "0002-through.patch",
-        f"diff --git a/{path} b/{path}\n" + NEW_FILE.format(path),
-    )
-    problems = checked(project)
-    found(problems, one, line_of(one_text, "+++ b/"), "vllm/out", "symlink-target")
-    problem = found(
-        problems, two, line_of(two_text, "diff --git"), path, "through-symlink"
-    )
-    assert "vllm/out -> ../../.." in problem["message"]
-    apply_refused(project, two, path)
-    assert not (project.root / "evil.txt").exists()
+    apply_refused(project, name, "vllm/link", "is a symlink")
+    assert not (project.tree / "vllm" / "link").exists()
+    assert not (project.tree / "vllm" / "link").is_symlink()
 
 
 def test_path_through_symlink_on_disk_refused(project) -> None:
@@ -289,17 +277,17 @@ def test_unparseable_patch_still_scanned(project) -> None:
     found(conf, name, line_of(text, "+++ b/"), "../../evil.txt", "parent")
 
 
-def test_export_refuses_commit_adding_outside_symlink(project) -> None:
+def test_export_refuses_commit_adding_a_symlink(project) -> None:
     assert project.run("apply").code == 0
-    os.symlink("/etc", project.tree / "vllm" / "etc")
-    project.git("add", "vllm/etc")
+    os.symlink("config.py", project.tree / "vllm" / "alias.py")
+    project.git("add", "vllm/alias.py")
     project.git("commit", "-q", "-m", "Add a link\n\nWhy.\n\nUpstream-Status: Pending")
     before = project.snapshot("patches")
     r = project.run("export")
     assert r.code == 1, r.text
     assert "refusing to export" in r.err
-    assert "0001-add-a-link.patch line" in r.err and "path vllm/etc" in r.err
-    assert "-> /etc" in r.err and "rebase -i" in r.err
+    assert "0001-add-a-link.patch line" in r.err and "path vllm/alias.py" in r.err
+    assert "is a symlink (git mode 120000)" in r.err and "rebase -i" in r.err
     assert project.snapshot("patches") == before
 
 
@@ -337,37 +325,46 @@ def test_overlay_git_dst_and_outside_source_symlink_refused(project) -> None:
     assert not Path(project.tree / "vllm/.git").exists()
 
 
-def _symlink(path: str, target: str) -> str:
-    return (
-        f"diff --git a/{path} b/{path}\nnew file mode 120000\n--- /dev/null\n"
-        f"+++ b/{path}\n@@ -0,0 +1 @@\n+{target}\n\\ No newline at end of file\n"
-    )
-
-
 def _kinds(*diffs: str) -> list[tuple[str, str, str]]:
     patches = [
         parse_patch(f"{i}.patch", patch_text("x", d).encode())
         for i, d in enumerate(diffs, 1)
     ]
-    return [(v.patch, v.path, v.kind) for v in confine.series_violations(patches)[0]]
+    return [(v.patch, v.path, v.kind) for p in patches for v in confine.violations(p)]
 
 
 def test_policy_units() -> None:
-    # symlinks that stay inside the tree are fine, chains are followed
-    assert _kinds(_symlink("vllm/up", ".."), _symlink("vllm/cfg", "up/setup.py")) == []
-    assert _kinds(_symlink("vllm/up", ".."), _symlink("vllm/up2", "up/..")) == [
-        ("2.patch", "vllm/up2", "symlink-target")
-    ]
-    assert _kinds(_symlink("vllm/g", "../.git/config")) == [
-        ("1.patch", "vllm/g", "symlink-target")
-    ]
+    # every diff that touches a symlink is refused: new, changed, deleted, retyped
+    changed = (
+        "diff --git a/vllm/up b/vllm/up\nindex 1111111..2222222 120000\n"
+        "--- a/vllm/up\n+++ b/vllm/up\n@@ -1 +1 @@\n-..\n+.\n"
+    )
+    deleted = (
+        "diff --git a/vllm/up b/vllm/up\ndeleted file mode 120000\n"
+        "--- a/vllm/up\n+++ /dev/null\n@@ -1 +0,0 @@\n-..\n"
+    )
+    retyped = "diff --git a/vllm/up b/vllm/up\nold mode 120000\nnew mode 100644\n"
+    for diff in (changed, deleted, retyped):
+        assert _kinds(diff) == [("1.patch", "vllm/up", "symlink")], diff
+    # a regular file's modes are fine
+    assert (
+        _kinds("diff --git a/vllm/x b/vllm/x\nold mode 100644\nnew mode 100755\n") == []
+    )
+    # a binary diff in a form only unidiff reads is refused too
+    loose = "diff --git a/vllm/x.bin b/vllm/x.bin\nBinary file vllm/x.bin has changed\n"
+    assert _kinds(loose) == [("1.patch", "vllm/x.bin", "binary")]
+    # and apply refuses before reading anything
+    link = parse_patch("1.patch", patch_text("x", LINK.format("config.py")).encode())
+    with pytest.raises(PatchLeavesTree, match="vllm/link is a symlink"):
+        apply_patch(link, {}.get)
     # git C-quoted names are decoded
     quoted = '--- /dev/null\n+++ "b/../\\303\\251vil.txt"\n@@ -0,0 +1 @@\n+x\n'
     assert _kinds(quoted) == [("1.patch", "../\u00e9vil.txt", "parent")]
-    # a hunk line that looks like a header is content, not a path
+    # a hunk line that looks like a header is content, not a path or a mode
     content = (
         "diff --git a/vllm/config.py b/vllm/config.py\n--- a/vllm/config.py\n"
         "+++ b/vllm/config.py\n@@ -1,2 +1,2 @@\n--- a/../../x\n+++ b/../../x\n"
+        "-new mode 120000\n+GIT binary patch\n"
     )
     assert _kinds(content) == []
 

@@ -1,4 +1,4 @@
-"""gitrepo: the git mechanics compat and rebase ask for, on tiny local histories."""
+"""gitrepo: the git mechanics rebase asks for, on tiny local histories."""
 
 from __future__ import annotations
 
@@ -36,32 +36,6 @@ def test_discover_finds_a_clone_from_a_subfolder_and_refuses_a_plain_folder(
     (tmp_path / "plain").mkdir()
     with pytest.raises(GitError, match="is not a git repository"):
         GitRepo.discover(tmp_path / "plain")
-
-
-def test_added_lines_are_numbered_in_the_new_file(tmp_path) -> None:
-    old = "a\nb\nc\nd\n"
-    new = "a\nB\nc\nd\ne\nf\n"
-    repo, (_, second) = repo_with(tmp_path, {"f.py": old}, {"f.py": new})
-    assert repo.added_lines(second, "f.py") == {2, 5, 6}
-
-
-def test_history_queries_name_the_commits_of_a_range(tmp_path) -> None:
-    repo, (first, second, third) = repo_with(
-        tmp_path,
-        {"f.py": "def run(a):\n    return a\n", "g.py": "G = 1\n"},
-        {"f.py": "def run(a, b):\n    return a\n"},
-        {"f.py": "def run(a, b):\n    return b\n", "g.py": "H = 1\n"},
-    )
-    assert repo.commits_changing_lines(first, third, "f.py", 2, 2) == [
-        (third, "commit 2")
-    ]
-    assert repo.commits_changing_lines_matching(first, third, r"def run\(", "f.py") == [
-        (second, "commit 1")
-    ]
-    assert repo.commits_changing_count(first, third, "G = 1", "g.py") == [
-        (third, "commit 2")
-    ]
-    assert repo.commits_removing(first, third, ["g.py"]) == []
 
 
 def test_a_rebase_can_pause_after_each_commit(tmp_path) -> None:

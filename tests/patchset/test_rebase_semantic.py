@@ -6,8 +6,8 @@ patches' hunks, so every 3-way merge is clean, yet:
 
 - 0001 adds ``Worker.has_requests`` and 0.19.0 adds its own: the merged class
   defines it twice, and ours silently replaces upstream's;
-- 0002 makes ``step`` use ``self.block_len``, which 0.19.0 renamed to
-  ``self.block_size``: the merged file uses an attribute nothing defines.
+- 0002 makes ``step`` use ``BLOCK``, which 0.19.0 renamed to ``BLOCK_SIZE``:
+  the merged file uses a name nothing defines.
 
 The rebase must stop after such a step, as it does at a conflict.
 """
@@ -72,7 +72,7 @@ def with_our_has_requests(text: str) -> str:
 
 def with_step_by_block(text: str) -> str:
     return replace_line(
-        text, "        return self.n + 1\n", "        return self.n + self.block_len\n"
+        text, "        return self.n + 1\n", "        return self.n + BLOCK\n"
     )
 
 
@@ -122,12 +122,9 @@ def upstream_has_requests(text: str) -> str:
 
 
 def upstream_block_size(text: str) -> str:
-    """0.19.0 renames self.block_len (far from 0002's hunk)."""
-    return replace_line(
-        text,
-        "        self.block_len = scale(n)\n",
-        "        self.block_size = scale(n)\n",
-    )
+    """0.19.0 renames BLOCK (far from 0002's hunk)."""
+    text = replace_line(text, "BLOCK = 16\n", "BLOCK_SIZE = 16\n")
+    return replace_line(text, "    return n * BLOCK\n", "    return n * BLOCK_SIZE\n")
 
 
 def roll_file() -> str:
@@ -144,13 +141,13 @@ def test_rebase_stops_when_a_clean_merge_defines_a_method_twice(project) -> None
         "<<<<<<<" not in merged and merged.count("def has_requests") == 2
     )  # clean merge
     assert f"patch {DUPLICATE}" in r.out and roll_file() in r.out
-    assert "Worker defines has_requests twice" in r.out
+    assert "F811 Redefinition of unused `has_requests`" in r.out
     assert "rebase --continue" in r.out and "rebase --abort" in r.out
     assert not (project.root / ROLL / DUPLICATE).exists()  # nothing exported yet
 
     # Nothing changed: --continue checks the step again and stops again.
     r = project.run("rebase", "--continue")
-    assert r.code == 1 and "has_requests twice" in r.out, r.text
+    assert r.code == 1 and "`has_requests`" in r.out, r.text
 
     # Keep upstream's method: the patch is then empty and dropped, by the user.
     path = project.root / roll_file()
@@ -163,7 +160,7 @@ def test_rebase_stops_when_a_clean_merge_defines_a_method_twice(project) -> None
     assert (project.root / ROLL / "series").read_text().split() == []
 
 
-def test_rebase_stops_when_the_patch_uses_an_attribute_upstream_removed(
+def test_rebase_stops_when_the_patch_uses_a_name_upstream_renamed(
     project,
 ) -> None:
     series(project, BLOCK_LEN)
@@ -171,22 +168,20 @@ def test_rebase_stops_when_the_patch_uses_an_attribute_upstream_removed(
     r = project.run("rebase", "--onto", "0.19.0")
     assert r.code == 1, r.text
     merged = (project.root / roll_file()).read_text()
-    assert "<<<<<<<" not in merged and "self.block_len" in merged  # clean merge
+    assert "<<<<<<<" not in merged and "self.n + BLOCK\n" in merged  # clean merge
     assert f"patch {BLOCK_LEN}" in r.out and roll_file() in r.out
-    assert "self.block_len" in r.out and "no longer defines" in r.out
+    assert "F821 Undefined name `BLOCK`" in r.out and "use what replaced" in r.out
     assert "rebase --continue" in r.out and "rebase --abort" in r.out
 
     # Port the patch to upstream's new name: the fix goes into the patch's commit.
     path = project.root / roll_file()
-    path.write_text(
-        merged.replace("self.n + self.block_len", "self.n + self.block_size")
-    )
+    path.write_text(merged.replace("self.n + BLOCK\n", "self.n + BLOCK_SIZE\n"))
     _roll_git(project, "add", WORKER_PATH)
     r = project.run("rebase", "--continue")
     assert r.code == 0, r.text
     assert "1 of 1 patches carried onto vllm 0.19.0" in r.out
     exported = (project.root / ROLL / BLOCK_LEN).read_text()
-    assert "+        return self.n + self.block_size" in exported
+    assert "+        return self.n + BLOCK_SIZE" in exported
     assert project.run("--patches", ROLL, "check").code == 0
 
 
@@ -201,8 +196,10 @@ def test_rebase_checks_every_step_of_the_series(project) -> None:
     _roll_git(project, "add", WORKER_PATH)
     r = project.run("rebase", "--continue")
     assert r.code == 1, r.text
-    assert f"patch {BLOCK_LEN}" in r.out and "self.block_len" in r.out
-    path.write_text(path.read_text().replace("self.block_len", "self.block_size"))
+    assert f"patch {BLOCK_LEN}" in r.out and "`BLOCK`" in r.out
+    path.write_text(
+        path.read_text().replace("self.n + BLOCK\n", "self.n + BLOCK_SIZE\n")
+    )
     _roll_git(project, "add", WORKER_PATH)
     r = project.run("rebase", "--continue")
     assert r.code == 0, r.text
@@ -241,7 +238,7 @@ def test_continue_accept_goes_on_past_a_flagged_step(project) -> None:
     assert r.code != 0 and "--accept" in r.err, r.text
     r = project.run("rebase", "--continue", "--accept")
     assert r.code == 0, r.text
-    assert "self.block_len" in (project.root / ROLL / BLOCK_LEN).read_text()
+    assert "self.n + BLOCK\n" in (project.root / ROLL / BLOCK_LEN).read_text()
 
 
 def test_abort_at_a_flagged_step_removes_the_roll(project) -> None:
