@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import build_defaults, releasecheck, upstream
+from . import build_defaults, releasecheck, releases
 from .check import run_check
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .export import export
@@ -21,7 +21,7 @@ def say(message: str) -> None:
 
 
 def fetch(project: Project) -> int:
-    upstream.fetch(project.manifest, say)
+    releases.fetch(project.manifest, say)
     return EXIT_OK
 
 
@@ -31,7 +31,7 @@ def apply(project: Project, *, force: bool) -> int:
     tree.check_layout()
     patches = load_patches(project)  # refuse a broken series before touching the tree
     if not tree.present():
-        tree.create_baseline(upstream.fetch(project.manifest, say), say)
+        tree.create_baseline(releases.fetch(project.manifest, say), say)
     tree.apply(patches, force=force, say=say)
     # what `pip install -e <tree>` builds with (device, precompiled kernels)
     build_defaults.record(
@@ -50,7 +50,7 @@ def reset(project: Project, *, force: bool) -> int:
     tree = Tree(project)
     tree.check_layout()
     if not tree.present():
-        tree.create_baseline(upstream.fetch(project.manifest, say), say)
+        tree.create_baseline(releases.fetch(project.manifest, say), say)
         say(f"{project.rel(tree.path)} is the pristine tree")
         return EXIT_OK
     tree.reset(force=force, say=say)

@@ -45,7 +45,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import build_defaults, check, identity, mergecheck, releases, state, upstream
+from . import build_defaults, check, identity, mergecheck, releases, state
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .export import export
 from .gitrepo import GitRepo
@@ -142,7 +142,7 @@ def start(
             prefix=".rebase-", dir=tree.path.parent
         ) as tmp:
             scratch = Tree(Project(project.root, project.patches, Path(tmp) / "vllm"))
-            scratch.create_baseline(upstream.fetch(pinned, say), say)
+            scratch.create_baseline(releases.fetch(pinned, say), say)
             scratch.apply(patches, force=False, say=lambda m: say(f"  {m}"))
             say(
                 f"rebase: [2/3] pristine {pinned.name} {version} in "

@@ -457,7 +457,7 @@ def run(
         wanted.update(module_candidates(module))
     results = []
     if asked:  # the pin with its series: the base of every comparison
-        pinned = SeriesOnSdist(upstream.fetch(pin, say), pin, patches, wanted)
+        pinned = SeriesOnSdist(releases.fetch(pin, say), pin, patches, wanted)
         inputs = Inputs(project, patches, sources, imports, wanted, pinned)
     for n, version in enumerate(asked, 1):
         prefix = f"[{n}/{len(asked)}] {version}:"

@@ -1,4 +1,5 @@
-"""Upstream releases on a package index: which versions, their sdists, downloads.
+"""Upstream releases on a package index: which versions, their sdists, downloads
+(the pinned sdist's too: :func:`fetch`).
 
 The index is read through the PyPI JSON API (``<index>/<name>/json``). Every
 sdist is cached in the same directory as the pinned one
@@ -31,12 +32,16 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import PatchsetError
+from .errors import PatchsetError, ProblemsFound
 from .upstream import (
+    SOURCE_ENV,
     TIMEOUT_S,
+    Manifest,
     Say,
+    Sha256Mismatch,
     cache_dir,
     cache_verified,
+    cached_sdist,
     copy_url,
     read_within_deadline,
     sha256_file,
@@ -237,3 +242,55 @@ def download(url: str, dest: Path, say: Say) -> str:
         return copy_url(url, dest, say)
     except OSError as exc:
         raise ReleaseError(f"could not download {url}: {exc}") from exc
+
+
+# -- the pinned sdist --------------------------------------------------------
+
+
+def fetch(manifest: Manifest, say: Say = print) -> Path:
+    """Make sure the verified sdist is in the cache; return its path."""
+    target, pin = cached_sdist(manifest), manifest.sha256
+    if cache_verified(
+        target,
+        pin,
+        lambda dest: _download(manifest, dest, say),
+        lambda origin, actual: Sha256Mismatch(target, pin, actual, origin),
+        lambda aside, actual: say(
+            f"fetch: cached {target} has sha256 {actual}, not {pin}; "
+            f"moved it aside to {aside} (kept to look at) and fetching again"
+        ),
+    ):
+        say(
+            f"fetch: {target.name} is cached at {target} (sha256 verified); no download"
+        )
+    else:
+        say(f"fetch: verified sha256 {pin}; cached at {target}")
+    return target
+
+
+def _download(manifest: Manifest, dest: Path, say: Say) -> str:
+    """The sdist into dest (no pip, nothing built); where it came from.
+
+    From ``$VMP_SDIST_URL``, else the index's file, whose digest must be the
+    pin before anything is downloaded.
+    """
+    source = os.environ.get(SOURCE_ENV)
+    if source:
+        say(f"fetch: copying {manifest.sdist} from {source} ({SOURCE_ENV})")
+        try:
+            return copy_url(source, dest, lambda _: None)
+        except OSError as exc:
+            raise PatchsetError(
+                f"could not get the sdist from {source} ({SOURCE_ENV}): {exc}"
+            ) from exc
+    _, url, sha = sdist_info(manifest.version, manifest.name, filename=manifest.sdist)
+    if sha != manifest.sha256:
+        raise ProblemsFound(
+            f"the package index ({index_location(manifest.name)}) gives "
+            f"sha256 {sha} for {manifest.sdist}, not the pinned {manifest.sha256} "
+            "(patches/upstream.toml); refusing it, nothing was downloaded. If "
+            "upstream really re-released the sdist, review the change and update "
+            "sha256 in patches/upstream.toml"
+        )
+    say(f"fetch: downloading {manifest.sdist} from {url}")
+    return download(url, dest, say)

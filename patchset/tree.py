@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import identity, overlay, state, upstream
+from . import identity, overlay, releases, state, upstream
 from .confine import PathsOutsideTree, disk_violations, project_violations
 from .errors import PatchsetError, ProblemsFound
 from .exactapply import FileResult, PatchDoesNotApply, PatchLeavesTree, apply_patch
@@ -331,7 +331,7 @@ class Tree:
             )
             shutil.rmtree(self.path)
             shutil.rmtree(self.git_dir)
-            st = self.create_baseline(upstream.fetch(manifest, say), say)
+            st = self.create_baseline(releases.fetch(manifest, say), say)
 
         analysis = self.analyse()
         st = analysis.state

@@ -7,8 +7,8 @@ name and are moved into place after verification. A cached file that no
 longer matches is moved aside (``<name>.corrupt-<sha256 prefix>``), never
 deleted, so what was wrong with it can still be looked at.
 
-The sdist is the package index's own file (``releases``: the URL and digest
-from the index's JSON, as ``check --release`` downloads releases), never built or
+The sdist is the package index's own file (``releases.fetch`` downloads it: the
+URL and digest from the index's JSON, as ``check --release`` downloads releases), never built or
 unpacked by pip: pip would build the sdist's metadata, which needs torch.
 ``VMP_SDIST_URL`` (a local path, ``file://`` or ``http(s)://`` URL) replaces
 the index; tests use it, or a local ``VMP_INDEX_URL``, with a synthetic
@@ -248,59 +248,6 @@ def copy_url(source: str, dest: Path, say: Say) -> str:
         say(f"copying {dest.name} from {path} ...")
         shutil.copyfile(path, dest)
     return source
-
-
-def fetch(manifest: Manifest, say: Say = print) -> Path:
-    """Make sure the verified sdist is in the cache; return its path."""
-    target, pin = cached_sdist(manifest), manifest.sha256
-    if cache_verified(
-        target,
-        pin,
-        lambda dest: _download(manifest, dest, say),
-        lambda origin, actual: Sha256Mismatch(target, pin, actual, origin),
-        lambda aside, actual: say(
-            f"fetch: cached {target} has sha256 {actual}, not {pin}; "
-            f"moved it aside to {aside} (kept to look at) and fetching again"
-        ),
-    ):
-        say(
-            f"fetch: {target.name} is cached at {target} (sha256 verified); no download"
-        )
-    else:
-        say(f"fetch: verified sha256 {pin}; cached at {target}")
-    return target
-
-
-def _download(manifest: Manifest, dest: Path, say: Say) -> str:
-    """The sdist into dest (no pip, nothing built); where it came from.
-
-    From ``$VMP_SDIST_URL``, else the index's file, whose digest must be the
-    pin before anything is downloaded.
-    """
-    source = os.environ.get(SOURCE_ENV)
-    if source:
-        say(f"fetch: copying {manifest.sdist} from {source} ({SOURCE_ENV})")
-        try:
-            return copy_url(source, dest, lambda _: None)
-        except OSError as exc:
-            raise PatchsetError(
-                f"could not get the sdist from {source} ({SOURCE_ENV}): {exc}"
-            ) from exc
-    from . import releases  # releases reads this module's cache settings
-
-    _, url, sha = releases.sdist_info(
-        manifest.version, manifest.name, filename=manifest.sdist
-    )
-    if sha != manifest.sha256:
-        raise ProblemsFound(
-            f"the package index ({releases.index_location(manifest.name)}) gives "
-            f"sha256 {sha} for {manifest.sdist}, not the pinned {manifest.sha256} "
-            "(patches/upstream.toml); refusing it, nothing was downloaded. If "
-            "upstream really re-released the sdist, review the change and update "
-            "sha256 in patches/upstream.toml"
-        )
-    say(f"fetch: downloading {manifest.sdist} from {url}")
-    return releases.download(url, dest, say)
 
 
 # -- the tarball ------------------------------------------------------------
