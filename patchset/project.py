@@ -14,6 +14,7 @@ from .upstream import Manifest, load_manifest
 # the pinned series; `build.py rebase` writes others to rolls/<version>
 PATCHES = "patches"
 SERIES = "series"
+ROLLS = "rolls"  # a roll of the series onto release V: rolls/V/
 
 
 class PatchOutsideFolder(ProblemsFound):

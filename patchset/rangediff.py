@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 from .errors import PatchsetError
 from .exactapply import file_paths
-from .project import MANIFEST, Project
-from .rebase import ROLLS
+from .project import MANIFEST, ROLLS, Project
 from .series import Patch, clean_subject
 from .tree import load_patches
 

@@ -37,57 +37,23 @@ Git mechanics live in ``gitrepo``; this module only decides what to run.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import build_defaults, check, identity, mergecheck, releases, state
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .export import export
 from .gitrepo import GitRepo
-from .project import MANIFEST, SERIES, Project
+from .project import MANIFEST, ROLLS, SERIES, Project
 from .series import decode, read_series
+from .state import REBASE_STATE_FILE, RebaseState
 from .tree import PRISTINE_TAG, Say, Tree, load_patches
 
-ROLLS = "rolls"
-STATE_FILE = "patchset-rebase.json"
 BASE_TAG = "vmp-rebase/base"  # the pinned sdist, as is (the rebase's upstream)
 SERIES_BRANCH = "vmp-rebase/series"  # the pinned series on it (what is rebased)
-
-
-@dataclass
-class RebaseState:
-    """Kept in the roll's git dir while a rebase is under way."""
-
-    from_version: str
-    onto: str
-    patches: list[str]  # the pinned series, in order
-    from_patches: str = "patches"  # the pinned series' folder, relative to the root
-    # the last replayed commit the check passed (or --accept)
-    checked: str | None = None
-    flagged: str | None = None  # the replayed commit the check stopped at
-    # Patches the rebase stopped at (a conflict, or the check): git never drops
-    # those by itself, so one missing at the end was dropped by the user.
-    stopped_at: list[str] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)  # dropped through build.py
-
-    def note(self, names: list[str], key: str | None) -> None:
-        if key and key != identity.OVERLAY_TRAILER and key not in names:
-            names.append(key)
-
-    def save(self, git_dir: Path) -> None:
-        (git_dir / STATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, git_dir: Path) -> RebaseState | None:
-        path = git_dir / STATE_FILE
-        if not path.is_file():
-            return None
-        return cls(**json.loads(path.read_text()))
 
 
 def roll_project(project: Project, version: str) -> Project:
@@ -447,7 +413,7 @@ def _finish(project: Project, roll: Project, tree: Tree, say: Say) -> int:
     upstream_ = [n for n in missing if n not in by_user]
     export(tree, force=True, say=lambda m: say(f"  {m}"))
     repo.delete_refs([f"refs/heads/{SERIES_BRANCH}", f"refs/tags/{BASE_TAG}"])
-    (tree.git_dir / STATE_FILE).unlink()
+    (tree.git_dir / REBASE_STATE_FILE).unlink()
     dropped = ""
     if upstream_:
         dropped += (

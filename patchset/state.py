@@ -14,8 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import PatchsetError
+from .identity import OVERLAY_TRAILER
 
 STATE_FILE = "patchset-state.json"
+REBASE_STATE_FILE = "patchset-rebase.json"  # while a rebase is under way
 # 2: patch commits carry the Patch-Filename trailer (patchset/identity.py);
 # apply rebuilds a version-1 tree's commits so they get it.
 VERSION = 2
@@ -71,3 +73,36 @@ def save(git_dir: Path, state: State) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+@dataclass
+class RebaseState:
+    """Kept in the roll's git dir while a rebase is under way."""
+
+    from_version: str
+    onto: str
+    patches: list[str]  # the pinned series, in order
+    from_patches: str = "patches"  # the pinned series' folder, relative to the root
+    # the last replayed commit the check passed (or --accept)
+    checked: str | None = None
+    flagged: str | None = None  # the replayed commit the check stopped at
+    # Patches the rebase stopped at (a conflict, or the check): git never drops
+    # those by itself, so one missing at the end was dropped by the user.
+    stopped_at: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # dropped through build.py
+
+    def note(self, names: list[str], key: str | None) -> None:
+        if key and key != OVERLAY_TRAILER and key not in names:
+            names.append(key)
+
+    def save(self, git_dir: Path) -> None:
+        (git_dir / REBASE_STATE_FILE).write_text(
+            json.dumps(asdict(self), indent=2) + "\n"
+        )
+
+    @classmethod
+    def load(cls, git_dir: Path) -> RebaseState | None:
+        path = git_dir / REBASE_STATE_FILE
+        if not path.is_file():
+            return None
+        return cls(**json.loads(path.read_text()))

@@ -5,8 +5,8 @@ from __future__ import annotations
 from . import upstream
 from .confine import project_violations
 from .project import Project
-from .rebase import RebaseState
 from .series import Patch, sha256_bytes
+from .state import RebaseState
 from .tree import Tree
 from .validate import MISSING, validate_series
 
