@@ -265,13 +265,14 @@ def dispatcher(arm: str, a, b, reqs, log_dir: Path, model: str):
         yield lambda i: router.url
 
 
-def pd_prefill(arm: str, p, d):
+def pd_prefill(arm: str, tag: str, p, d):
     """P/D: each request's (P's url, P's and D's kv_transfer_params), P's mode
-    chosen per request (both instances run with MOONCAKE_LAYERWISE=1)."""
+    chosen per request (both instances run with MOONCAKE_LAYERWISE=1); its
+    transfer id starts with ``tag``."""
     p_engine = engine_id(p.bootstrap_url)
 
     def of(i: int) -> tuple[str, dict, dict]:
-        tid = f"{arm}-{i}-{uuid.uuid4().hex[:12]}"
+        tid = f"{tag}-{i}-{uuid.uuid4().hex[:12]}"
         mode = {"mooncake_mode": PD_MODES[arm]}
         return (p.url, *pd_params(p.bootstrap_url, p_engine, tid, mode))
 
@@ -298,10 +299,17 @@ def layerwise_of(p, arm: str, before: dict) -> dict:
     }
 
 
-def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s, pd=None):
+def run_arm(
+    name, url_of, reqs, prompts, insts, model, sampled, deadline_s, pd=None, arm=None
+):
     """One replay; its row (token counts and push figures from the instances,
     latencies from the client). ``pd``: (P, D) for the P/D arms; the prefill
-    accounting is then P's, and D's tokens from the connector are "transferred"."""
+    accounting is then P's, and D's tokens from the connector are "transferred".
+    ``name`` labels the replay (the arm and its load); ``arm`` is the arm (default:
+    ``name``)."""
+    arm = arm or name
+    # transfer ids: the arm and the replay's load, no spaces (P keeps every timeline)
+    tag = "-".join(name.replace("/", "").split())
     span = reqs[-1].timestamp_ms / 1e3
     print(f"[sessions] {name}: {len(reqs)} requests over {span:.0f} s", flush=True)
     before = snapshot(insts)
@@ -327,7 +335,7 @@ def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s, pd=N
         sampled=sampled,
         deadline_s=deadline_s,
         progress=progress,
-        prefill=pd_prefill(name, *pd) if pd else None,
+        prefill=pd_prefill(arm, tag, *pd) if pd else None,
     )
     wall = time.monotonic() - t0
     errors = [o.error for o in outcomes if o.error]
@@ -359,7 +367,7 @@ def run_arm(name, url_of, reqs, prompts, insts, model, sampled, deadline_s, pd=N
             - before[dn]["tokens"]["local_cache_hit"],
             "d_computed_tokens": after[dn]["tokens"]["local_compute"]
             - before[dn]["tokens"]["local_compute"],
-            "transfers": layerwise_of(p, name, lw_before),
+            "transfers": layerwise_of(p, tag, lw_before),
             "prefill_p50_s": quantile([o.prefill_s for o in outcomes], 0.5),
         }
     checks = []
@@ -1089,6 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
                             w["sampled"],
                             args.deadline_s,
                             pd=(a, b) if arm in PD_MODES else None,
+                            arm=arm,
                         )
                     row["arm"], row["load_per_min"] = arm, load
                     add_reuse(row, w["unbounded"])
