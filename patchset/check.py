@@ -143,6 +143,53 @@ def tarball_reader(
     return read
 
 
+class Release:
+    """An sdist's files in memory: its members, the files read, and what the
+    patches applied so far made of them (``files``; None: deleted)."""
+
+    def __init__(self, members: set[str], raw: dict[str, bytes]) -> None:
+        self.members = members
+        self.raw = raw
+        self.files: dict[str, str | None] = {}
+
+    def read(self, path: str) -> str | None:
+        if path in self.files:
+            return self.files[path]
+        return decode(self.raw[path]) if path in self.raw else None
+
+    def exists(self, path: str) -> bool:
+        if path in self.files:
+            return self.files[path] is not None
+        return path in self.members
+
+    def dir_exists(self, path: str) -> bool:
+        prefix = path.rstrip("/") + "/"
+        return any(m.startswith(prefix) for m in self.members) or any(
+            p.startswith(prefix) and text is not None for p, text in self.files.items()
+        )
+
+
+def overlay_collisions(project: Project, tree: Release) -> list[tuple[str, str]]:
+    """(destination, message) for each overlay file that would overwrite a file
+    of ``tree``: an upstream file, or a file a patch creates."""
+    out = []
+    for path, src in sorted(project.overlay_sources().items()):
+        if path in tree.members:
+            what = "an upstream file"
+        elif tree.files.get(path) is not None:
+            what = "a file a patch creates"
+        else:
+            continue
+        src_rel = project.rel(src)
+        out.append(
+            (
+                path,
+                f"overlay file {src_rel} -> {path} collides: it would overwrite {what}",
+            )
+        )
+    return out
+
+
 class SeriesOnSdist:
     """An sdist with a series applied in memory, patch by patch, with zero fuzz (a
     patch that does not apply is left out): the touched files before each patch
@@ -290,20 +337,13 @@ def run_check(
         wanted |= touched_paths(patch)
     python = overlay_python(project)
     wanted |= overrides.wanted_paths(python, manifest.name)
-    members, raw = upstream.read_tarball(sdist, manifest, wanted)
-    files: dict[str, str | None] = {}
-
-    def read(path: str) -> str | None:
-        if path in files:
-            return files[path]
-        return decode(raw[path]) if path in raw else None
-
+    tree = Release(*upstream.read_tarball(sdist, manifest, wanted))
     for i, patch in enumerate(patches):
         if any(v.patch == patch.name for v in refused):  # reported above
             result.unchecked = [p.name for p in patches[i + 1 :]]
             break
         try:
-            changes = apply_patch(patch, read)
+            changes = apply_patch(patch, tree.read)
         except PatchDoesNotApply as exc:
             if not patch.parse_error:  # already reported as a parse problem
                 result.problems.append(
@@ -311,27 +351,11 @@ def run_check(
                 )
             result.unchecked = [p.name for p in patches[i + 1 :]]
             break
-        for path, change in changes.items():
-            files[path] = change.content
+        tree.files.update((path, c.content) for path, c in changes.items())
         result.applied.append(patch.name)
 
-    sources = project.overlay_sources()
-    for path in sorted(sources):
-        src = project.rel(sources[path])
-        if path in members:
-            result.problems.append(
-                Problem(
-                    "overlay",
-                    f"overlay file {src} -> {path} would overwrite an upstream file",
-                )
-            )
-        elif files.get(path) is not None:
-            result.problems.append(
-                Problem(
-                    "overlay",
-                    f"overlay file {src} -> {path} would overwrite a file a patch creates",
-                )
-            )
-    read_upstream = tarball_reader(sdist, manifest, members, raw, files)
+    for _, message in overlay_collisions(project, tree):
+        result.problems.append(Problem("overlay", message))
+    read_upstream = tarball_reader(sdist, manifest, tree.members, tree.raw, tree.files)
     check_overrides(project, python, read_upstream, result, against, against_role)
     return result

@@ -11,7 +11,7 @@ On each one:
   or ``missing`` (a file it changes is gone). A failed hunk comes with the
   ``git log -L`` command that shows, in a vLLM clone, upstream's commits that
   changed its lines;
-- no overlay file may collide with an upstream file or a file a patch creates,
+- no overlay file may overwrite an upstream file or a file a patch creates,
   and every overlay destination's parent folder must exist;
 - every vLLM module and name the overlay imports must exist;
 - the overlay's subclasses of upstream classes are checked as ``check`` checks
@@ -39,7 +39,14 @@ from pathlib import Path, PurePosixPath
 from packaging.version import Version
 
 from . import overrides, releases, upstream
-from .check import SeriesOnSdist, overlay_python, overlay_roots, tarball_reader
+from .check import (
+    Release,
+    SeriesOnSdist,
+    overlay_collisions,
+    overlay_python,
+    overlay_roots,
+    tarball_reader,
+)
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .exactapply import (
     PatchDoesNotApply,
@@ -77,32 +84,6 @@ _HUNK_SAID = re.compile(
     r"(?: with fuzz (?P<fuzz>\d+))?(?: \(offset (?P<offset>-?\d+) lines?\))?",
     re.MULTILINE,
 )
-
-
-class Release:
-    """A release's files in memory: its members, the files read, and what the
-    patches checked so far made of them."""
-
-    def __init__(self, members: set[str], raw: dict[str, bytes]) -> None:
-        self.members = members
-        self.raw = raw
-        self.files: dict[str, str | None] = {}
-
-    def read(self, path: str) -> str | None:
-        if path in self.files:
-            return self.files[path]
-        return decode(self.raw[path]) if path in self.raw else None
-
-    def exists(self, path: str) -> bool:
-        if path in self.files:
-            return self.files[path] is not None
-        return path in self.members
-
-    def dir_exists(self, path: str) -> bool:
-        prefix = path.rstrip("/") + "/"
-        return any(m.startswith(prefix) for m in self.members) or any(
-            p.startswith(prefix) and text is not None for p, text in self.files.items()
-        )
 
 
 # -- one patch on a release ----------------------------------------------------
@@ -376,10 +357,8 @@ def check_release(inputs: Inputs, version: str, say: Say) -> dict:
             failed[patch.name] = touched
         problems += patch_problems(row, inputs.pinned.states[i], tree, revs)
         rows.append(row)
-    for dst, src in sorted(project.overlay_sources().items()):
-        if tree.exists(dst):
-            message = f"overlay file {project.rel(src)} -> {dst} collides with an upstream file"
-            problems.append(_problem("overlay", dst, message))
+    for dst, message in overlay_collisions(project, tree):
+        problems.append(_problem("overlay", dst, message))
     for ov in pin.overlays:
         parent = str(PurePosixPath(ov.dst).parent)
         if not tree.dir_exists(parent):
