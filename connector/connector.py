@@ -14,6 +14,8 @@ each worker process (:class:`ExtMooncakeConnectorWorker`); the facade routes.
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 import asyncio
 import threading
 from typing import TYPE_CHECKING, Any
@@ -72,6 +74,7 @@ REGISTRATION_DEADLINE_S = 120.0
 class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
     """Scheduler process: prefix push on D, layer-wise on P, block-hash recording."""
 
+    @override
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -85,6 +88,7 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
         )
         self.ext = SchedulerExtension(vllm_config)
 
+    @override
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -94,6 +98,7 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
             request, super().get_num_new_matched_tokens(request, num_computed_tokens)
         )
 
+    @override
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
@@ -112,6 +117,7 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
             if transfer_id and self.ext.takes_send(request, transfer_id):
                 del self._reqs_need_send[rid]
 
+    @override
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> MooncakeConnectorMetadata:
@@ -119,9 +125,11 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
         meta.ext = self.ext.build_metadata(scheduler_output)  # type: ignore[attr-defined]
         return meta
 
+    @override
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        # a list on 0.18.1, one list per KV cache group from 0.32.0
         self.ext.seen_finished(request)
         if self.ext.owns(request):
             return self.ext.request_finished(request)
@@ -148,6 +156,7 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
     """Worker process: layer-wise sender (P) and pulls (D), push server (C) and
     receiver (D), the hash mirror, and their routes on the bootstrap server."""
 
+    @override
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -176,6 +185,7 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
         self._xfer_meta_decoder = msgspec.msgpack.Decoder(ExtXferMetadata)
 
     # ---- registration -----------------------------------------------------------------
+    @override
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
         if self._listener_error is not None:
@@ -200,6 +210,7 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
             )
         )
 
+    @override
     async def _mooncake_sender_listener(self, ready_event: threading.Event):
         # Upstream's register_kv_caches waits for ready_event with no timeout: a
         # listener that fails before setting it (registration gave up) would hang
@@ -212,6 +223,7 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
                 ready_event.set()
             raise
 
+    @override
     async def register_worker_with_bootstrap(self):
         try:
             await asyncio.wait_for(
@@ -225,18 +237,22 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
             ) from None
 
     # ---- every step -------------------------------------------------------------------
+    @override
     def start_load_kv(self, metadata: MooncakeConnectorMetadata):
         super().start_load_kv(metadata)
         self.ext.start_load_kv(getattr(metadata, "ext", None))
 
+    @override
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         return self.ext.get_finished(*super().get_finished())
 
+    @override
     def shutdown(self):
         super().shutdown()
         self.ext.shutdown()
 
     # ---- P: D's pull requests ---------------------------------------------------------
+    @override
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any):
         if not self.ext.serves_xfer_requests:
             return await super().send_kv_to_decode(identity, sock, meta)
@@ -254,6 +270,7 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
             self.finished_sending_reqs.add(send_meta.p_req_id)
 
     # ---- D: pulls ---------------------------------------------------------------------
+    @override
     async def receive_kv_from_single_worker(
         self, worker_addr: str, pull_metas: dict[str, PullReqMeta]
     ):
@@ -268,6 +285,7 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
                 f"no complete answer from the prefill worker at {worker_addr}",
             )
 
+    @override
     def process_pulling_result(
         self, response: MooncakeXferResponse, pull_metas: dict[str, PullReqMeta]
     ):
@@ -293,6 +311,7 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
 class ExtMooncakeConnector(MooncakeConnector):
     """The facade vLLM builds for ``"kv_connector": "MooncakeConnector"``."""
 
+    @override
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -319,6 +338,7 @@ class ExtMooncakeConnector(MooncakeConnector):
             )
 
     # ---- scheduler side ---------------------------------------------------------------
+    @override
     def on_new_request(self, request: Request) -> None:
         """The scheduler received a request (vLLM 0.32.0 calls this; 0.18.1 through
         this series' scheduler patch, which backports the call)."""
@@ -326,11 +346,13 @@ class ExtMooncakeConnector(MooncakeConnector):
         assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
         self.connector_scheduler.ext.on_new_request(request)
 
+    @override
     def update_connector_output(self, connector_output: KVConnectorOutput):
         super().update_connector_output(connector_output)
         assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
         self.connector_scheduler.ext.on_connector_output(connector_output)
 
+    @override
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """The scheduler's KV cache manager (vLLM 0.32.0 binds it; 0.18.1 through
         this series' scheduler patch, which backports the call)."""
@@ -338,6 +360,7 @@ class ExtMooncakeConnector(MooncakeConnector):
         assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
         self.connector_scheduler.ext.push.bind_kv_cache_manager(kv_cache_manager)
 
+    @override
     def keeps_engine_stepping_while_blocks_held(self) -> bool:
         """Finished requests whose blocks wait for a transfer to end are released
         only during an engine step: the scheduler keeps stepping meanwhile, paced
@@ -347,6 +370,7 @@ class ExtMooncakeConnector(MooncakeConnector):
         return self.connector_scheduler.ext.keep_stepping_while_blocks_held()
 
     # ---- worker side ------------------------------------------------------------------
+    @override
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before every forward pass, in every release: the features that must act
         before the forward see the step's metadata here. start_load_kv runs after
@@ -357,10 +381,12 @@ class ExtMooncakeConnector(MooncakeConnector):
                 getattr(connector_metadata, "ext", None)
             )
 
+    @override
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert isinstance(self.connector_worker, ExtMooncakeConnectorWorker)
         return self.connector_worker.ext.build_worker_meta()
 
+    @override
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert isinstance(self.connector_worker, ExtMooncakeConnectorWorker)
         return (
@@ -368,6 +394,7 @@ class ExtMooncakeConnector(MooncakeConnector):
             | self.connector_worker.ext.block_ids_with_load_errors()
         )
 
+    @override
     def save_kv_layer(
         self,
         layer_name: str,

@@ -20,6 +20,8 @@ tests/integration/test_bootstrap_port_taken.py); nothing in it depends on the de
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 import socket
 import threading
 import time
@@ -72,6 +74,7 @@ class PrefillBootstrapServer(MooncakeBootstrapServer):
             "it from the request's kv_transfer_params)."
         )
 
+    @override
     def start(self, *, timeout: float = START_TIMEOUT_S) -> None:
         """Bind here (an error is raised in the caller, naming the address), then wait
         for uvicorn at most ``timeout`` s. Upstream's start is not called: 0.32.0's
@@ -135,6 +138,7 @@ class PrefillBootstrapServer(MooncakeBootstrapServer):
             self._listener.close()
             self._listener = None
 
+    @override
     def shutdown(self) -> None:
         super().shutdown()
         self._close_listener()

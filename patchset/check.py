@@ -13,7 +13,6 @@ sdist with the series applied; this module does not import it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,36 +110,19 @@ def overlay_roots(manifest: upstream.Manifest) -> list[str]:
     return [ov.dst.replace("/", ".") for ov in manifest.overlays]
 
 
-def tarball_reader(
-    sdist: Path,
-    manifest: upstream.Manifest,
-    members: set[str],
-    raw: dict[str, bytes],
-    patched: dict[str, str | None],
-) -> Callable[[str], str | None]:
-    """Upstream files as the series leaves them: patched ones first, then the tarball's.
+class PackagePython:
+    """The tarball members to read: every ``.py`` file of the package (what the
+    override check places the overlay among) and the paths of ``extra``."""
 
-    A member not read in the first pass is fetched in one more pass over the
-    tarball, which then reads every ``.py`` file of the package at once (upstream
-    bases in modules the overlay does not import).
-    """
-    more: dict[str, bytes] | None = None
+    def __init__(self, top: str, extra: set[str]) -> None:
+        self.prefix, self.extra = top + "/", extra
 
-    def read(path: str) -> str | None:
-        nonlocal more
-        if path in patched:
-            return patched[path]
-        if path in raw:
-            return decode(raw[path])
-        if path not in members:
-            return None
-        if more is None:
-            prefix = manifest.name + "/"
-            wanted = {m for m in members if m.startswith(prefix) and m.endswith(".py")}
-            _, more = upstream.read_tarball(sdist, manifest, wanted | {path})
-        return decode(more[path]) if path in more else None
-
-    return read
+    def __contains__(self, path: object) -> bool:
+        return path in self.extra or (
+            isinstance(path, str)
+            and path.startswith(self.prefix)
+            and path.endswith(".py")
+        )
 
 
 class Release:
@@ -161,6 +143,15 @@ class Release:
         if path in self.files:
             return self.files[path] is not None
         return path in self.members
+
+    def python_files(self, top: str) -> dict[str, str | None]:
+        """Every ``.py`` file under ``top`` as the patches left it (None: deleted)."""
+        paths = {*self.members, *self.files}
+        return {
+            p: self.read(p)
+            for p in paths
+            if p.startswith(top + "/") and p.endswith(".py")
+        }
 
     def dir_exists(self, path: str) -> bool:
         prefix = path.rstrip("/") + "/"
@@ -190,22 +181,19 @@ def overlay_collisions(project: Project, tree: Release) -> list[tuple[str, str]]
     return out
 
 
-class SeriesOnSdist:
+class SeriesOnSdist(Release):
     """An sdist with a series applied in memory, patch by patch, with zero fuzz (a
     patch that does not apply is left out): the touched files before each patch
     (``states[i]``: the first i patches applied), any file of the whole result
     (``read``)."""
 
     def __init__(
-        self,
-        sdist: Path,
-        manifest: upstream.Manifest,
-        patches: list[Patch],
-        wanted: set[str],
+        self, sdist: Path, manifest: upstream.Manifest, patches: list[Patch]
     ) -> None:
         touched = set().union(*map(touched_paths, patches))
-        members, raw = upstream.read_tarball(sdist, manifest, touched | wanted)
-        current = {p: decode(raw[p]) if p in raw else None for p in touched}
+        wanted = PackagePython(manifest.name, touched)
+        super().__init__(*upstream.read_tarball(sdist, manifest, wanted))
+        current = {p: self.read(p) for p in touched}
         self.patches = patches
         self.states = [dict(current)]
         for patch in patches:
@@ -215,26 +203,27 @@ class SeriesOnSdist:
                 changes = {}
             current.update((path, c.content) for path, c in changes.items())
             self.states.append(dict(current))
-        self.read = tarball_reader(sdist, manifest, members, raw, current)
+        self.files.update(current)
 
-    def added_by(self, path: str, name: str) -> str | None:
-        """The patch that adds ``def name(`` to ``path`` (the pristine file lacks
-        it), else None."""
-        has = [f"def {name}(" in (state.get(path) or "") for state in self.states]
-        if has[0] or True not in has:
-            return None
-        return self.patches[has.index(True) - 1].name
+    def added_by(self, name: str) -> str | None:
+        """The patch that adds ``def name(`` to a file the pristine release lacks it
+        in, else None."""
+        for path in self.states[0]:
+            has = [f"def {name}(" in (state.get(path) or "") for state in self.states]
+            if not has[0] and True in has:
+                return self.patches[has.index(True) - 1].name
+        return None
 
 
 def check_overrides(
     project: Project,
     sources: list[overrides.OverlaySource],
-    read: Callable[[str], str | None],
+    files: dict[str, str | None],
     result: CheckResult,
     against: Project | None = None,
     against_role: str = "the pin",
 ) -> None:
-    """The overlay's subclasses of upstream classes against ``read``'s upstream; on a
+    """The overlay's subclasses of upstream classes among ``files``; on a
     roll, also against ``against``'s (default: the pin's; its sdist with its series
     applied): a method ours overrides there must be an override in the roll's
     release too, super() or not."""
@@ -253,14 +242,13 @@ def check_overrides(
                 )
             )
         else:
-            wanted = overrides.wanted_paths(sources, manifest.name)
-            pinned = SeriesOnSdist(sdist, pin.manifest, load_patches(pin), wanted)
+            pinned = SeriesOnSdist(sdist, pin.manifest, load_patches(pin))
             pinned_label = (
                 f"{pin.manifest.name} {pin.manifest.version} ({against_role})"
             )
     report = overrides.check_overrides(
         sources,
-        read,
+        files,
         read_pinned=pinned.read if pinned else None,
         top=manifest.name,
         roots=overlay_roots(manifest),
@@ -271,8 +259,8 @@ def check_overrides(
     for p in report.problems:
         problem = Problem("override", f"{p.kind}: {p.describe()}", detail=p.to_json())
         added_by = (
-            pinned.added_by(p.upstream, p.name)
-            if pinned and p.kind == "override-missing" and p.upstream and p.name
+            pinned.added_by(p.name)
+            if pinned and p.kind == "override-missing" and p.name
             else None
         )
         if added_by is not None:
@@ -332,11 +320,9 @@ def run_check(
         )
         return result
 
-    wanted: set[str] = set()
-    for patch in patches:
-        wanted |= touched_paths(patch)
+    touched: set[str] = set().union(*map(touched_paths, patches))
     python = overlay_python(project)
-    wanted |= overrides.wanted_paths(python, manifest.name)
+    wanted = PackagePython(manifest.name, touched)
     tree = Release(*upstream.read_tarball(sdist, manifest, wanted))
     for i, patch in enumerate(patches):
         if any(v.patch == patch.name for v in refused):  # reported above
@@ -356,6 +342,6 @@ def run_check(
 
     for _, message in overlay_collisions(project, tree):
         result.problems.append(Problem("overlay", message))
-    read_upstream = tarball_reader(sdist, manifest, tree.members, tree.raw, tree.files)
-    check_overrides(project, python, read_upstream, result, against, against_role)
+    files = tree.python_files(manifest.name)
+    check_overrides(project, python, files, result, against, against_role)
     return result

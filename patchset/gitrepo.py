@@ -91,27 +91,6 @@ class GitRepo:
             GIT_AUTHOR_DATE=FIXED_DATE,
         )
 
-    @classmethod
-    def discover(cls, path: Path) -> GitRepo:
-        """The repository holding ``path`` (a clone, or a bare repository), to read from.
-
-        Raises GitError when path is not inside a git repository.
-        """
-        path = Path(path).absolute()
-        probe = git.Git(str(path) if path.is_dir() else None)
-        probe.update_environment(GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
-
-        def ask(*args: str) -> str:
-            return probe.execute(["git", "-C", str(path), "rev-parse", *args]).strip()
-
-        try:
-            git_dir = Path(ask("--absolute-git-dir"))
-            bare = ask("--is-bare-repository") == "true"
-            work_tree = git_dir if bare else Path(ask("--show-toplevel"))
-        except (git.exc.GitCommandError, git.exc.GitCommandNotFound) as exc:
-            raise GitError(f"{path} is not a git repository") from exc
-        return cls(git_dir, work_tree)
-
     # -- low level --------------------------------------------------------
 
     def _cmd(self, args: list[str]) -> list[str]:

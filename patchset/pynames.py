@@ -6,7 +6,7 @@ too) and imports, also inside top-level ``if``/``try``/``with``/``for``
 blocks. Nothing is imported or run.
 
 The ``ast`` readings ``releasecheck`` and ``overrides`` share live here too: a
-body's statements, the module a relative import names, ``self``.
+body's statements, the module a relative import names.
 """
 
 from __future__ import annotations
@@ -54,10 +54,6 @@ def package_of(path: str) -> list[str]:
 def module_candidates(module: str) -> list[str]:
     base = module.replace(".", "/")
     return [f"{base}.py", f"{base}/__init__.py"]
-
-
-def is_self(node: ast.expr) -> bool:
-    return isinstance(node, ast.Name) and node.id == "self"
 
 
 @dataclass

@@ -40,12 +40,12 @@ from packaging.version import Version
 
 from . import overrides, releases, upstream
 from .check import (
+    PackagePython,
     Release,
     SeriesOnSdist,
     overlay_collisions,
     overlay_python,
     overlay_roots,
-    tarball_reader,
 )
 from .errors import EXIT_OK, EXIT_PROBLEMS, PatchsetError
 from .exactapply import (
@@ -343,8 +343,8 @@ def check_release(inputs: Inputs, version: str, say: Say) -> dict:
     project, pin = inputs.project, inputs.project.manifest
     sdist, sha = releases.fetch_release(version, say, pin.name)
     manifest = dataclasses.replace(pin, version=version, sdist=sdist.name, sha256=sha)
-    members, raw = upstream.read_tarball(sdist, manifest, inputs.wanted)
-    tree = Release(members, raw)
+    wanted = PackagePython(pin.name, inputs.wanted)
+    tree = Release(*upstream.read_tarball(sdist, manifest, wanted))
     revs = f"v{pin.version}..v{version}"
     rows, problems, warnings = [], [], []
     failed: dict[str, set[str]] = {}
@@ -380,7 +380,7 @@ def check_release(inputs: Inputs, version: str, say: Say) -> dict:
             problems.append(_problem("import", statement, message))
     report = overrides.check_overrides(
         inputs.sources,
-        tarball_reader(sdist, manifest, members, raw, tree.files),
+        tree.python_files(pin.name),
         read_pinned=inputs.pinned.read,
         top=pin.name,
         roots=overlay_roots(pin),
@@ -431,12 +431,11 @@ def run(
     imports = overlay_imports(sources, pin)
     asked = versions_asked(project, release, since, versions)
     wanted = set().union(*map(touched_paths, patches))
-    wanted |= overrides.wanted_paths(sources, pin.name)
     for module, _ in imports:
         wanted.update(module_candidates(module))
     results = []
     if asked:  # the pin with its series: the base of every comparison
-        pinned = SeriesOnSdist(releases.fetch(pin, say), pin, patches, wanted)
+        pinned = SeriesOnSdist(releases.fetch(pin, say), pin, patches)
         inputs = Inputs(project, patches, sources, imports, wanted, pinned)
     for n, version in enumerate(asked, 1):
         prefix = f"[{n}/{len(asked)}] {version}:"

@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -266,7 +266,7 @@ def _member_path(manifest: Manifest, name: str) -> str | None:
 
 
 def read_tarball(
-    sdist: Path, manifest: Manifest, wanted: set[str]
+    sdist: Path, manifest: Manifest, wanted: Container[str]
 ) -> tuple[set[str], dict[str, bytes]]:
     """One pass over the tarball: all member file paths, and the wanted files' bytes."""
     members: set[str] = set()

@@ -36,6 +36,8 @@ push/source_server.py what C remembers and for how long).
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -400,6 +402,7 @@ class PushOutcome(KVConnectorWorkerMetadata):
     # requests may take other blocks (decode_scheduler.py)
     due: frozenset[str] = frozenset()
 
+    @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PushOutcome)
         merged = dict(self.landed)

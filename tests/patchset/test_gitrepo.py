@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from patchset.gitrepo import GitError, GitRepo
+from patchset.gitrepo import GitRepo
 
 
 def repo_with(tmp_path: Path, *commits: dict[str, str]) -> tuple[GitRepo, list[str]]:
@@ -22,20 +20,6 @@ def repo_with(tmp_path: Path, *commits: dict[str, str]) -> tuple[GitRepo, list[s
         repo.add_all()
         ids.append(repo.commit(f"commit {i}", ("A", "a@example.com")))
     return repo, ids
-
-
-def test_discover_finds_a_clone_from_a_subfolder_and_refuses_a_plain_folder(
-    tmp_path,
-) -> None:
-    repo, _ = repo_with(tmp_path, {"f.py": "x = 1\n"})
-    (repo.work_tree / "sub").mkdir()
-    repo.run("tag", "v1")
-    found = GitRepo.discover(repo.work_tree / "sub")
-    assert found.git_dir == repo.git_dir and found.work_tree == repo.work_tree
-    assert found.rev_parse("v1") == repo.head()
-    (tmp_path / "plain").mkdir()
-    with pytest.raises(GitError, match="is not a git repository"):
-        GitRepo.discover(tmp_path / "plain")
 
 
 def test_a_rebase_can_pause_after_each_commit(tmp_path) -> None:

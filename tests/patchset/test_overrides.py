@@ -1,17 +1,17 @@
 """``patchset/overrides.py``: our subclasses of upstream classes, checked per release.
 
-Synthetic upstream texts and overlay files, no sdist: ``read`` is a dict lookup. The
-last tests go through ``build.py check`` on a synthetic sdist (offline, like
-test_check.py); the compat grid's case is in test_compat_grid.py.
+Synthetic upstream texts and overlay files, no sdist; basedpyright runs for real on
+them (about 2 s a case). The last tests go through ``build.py check`` on a synthetic
+sdist (offline, like test_check.py); the compat grid's case is in test_compat_grid.py.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 from conftest import OVERLAY_DST, UPSTREAM_FILES, Project, patch_text, udiff
 
-from patchset import overrides
 from patchset.overrides import OverlaySource, check_overrides
 
 MOONCAKE = "vllm/distributed/kv_transfer/kv_connector/v1/mooncake"
@@ -21,6 +21,9 @@ ROOTS = [OVERLAY_DST.replace("/", ".")]
 
 BASE = """\
 class Base:
+    def __init__(self, config):
+        self.config = config
+
     def get_finished(self, x):
         return x
 
@@ -29,48 +32,38 @@ class Base:
 """
 
 OURS = f"""\
+from typing_extensions import override
+
 from {CONNECTOR_MODULE} import Base
 
 
 class Ext(Base):
+    @override
     def get_finished(self, x):
         return super().get_finished(x)
 
+    @override
     def start_load_kv(self, metadata):
         super().start_load_kv(metadata)
 
-    def has_requests(self) -> bool:  # vmp: new
+    def has_requests(self) -> bool:
         return False
 """
-
-
-def reader(files: dict[str, str]):
-    return files.get
 
 
 def overlay(text: str = OURS, rel: str = "ext.py") -> list[OverlaySource]:
     return [OverlaySource(f"connector/{rel}", f"{OVERLAY_DST}/{rel}", text)]
 
 
-def check(
-    target: str,
-    *,
-    pinned: str | None = BASE,
-    sources=None,
-    extra=None,
-    pinned_extra=None,
-):
-    """Our overlay against ``target`` as the release's connector, ``pinned`` as the pin's
-    (None: no pinned release, as in build.py check); ``extra``: more upstream files."""
-    files = {CONNECTOR: target, **(extra or {})}
-    pinned_files = {
-        CONNECTOR: pinned,
-        **((extra if pinned_extra is None else pinned_extra) or {}),
-    }
+def check(target: str, *, pinned: str | None = None, sources=None, extra=None):
+    """Our overlay against ``target`` as the release's connector module; ``pinned``:
+    the pin's (for the attributes ours sets); ``extra``: more upstream files."""
+    files = {CONNECTOR: target, f"{MOONCAKE}/__init__.py": "", **(extra or {})}
+    pinned_files = {**files, CONNECTOR: pinned}
     return check_overrides(
         sources or overlay(),
-        reader(files),
-        read_pinned=reader(pinned_files) if pinned is not None else None,
+        files,
+        read_pinned=pinned_files.get if pinned is not None else None,
         roots=ROOTS,
         label="vllm 0.20.0",
         pinned_label="vllm 0.18.1",
@@ -82,17 +75,14 @@ def kinds(report) -> list[tuple[str, str, str | None]]:
 
 
 def test_an_unchanged_upstream_has_no_problems() -> None:
-    report = check(BASE)
+    report = check(BASE, pinned=BASE)
     assert report.problems == []
     (cls,) = report.classes
     assert cls["class"] == "Ext" and cls["upstream_bases"] == [
         f"{CONNECTOR_MODULE}.Base"
     ]
     assert cls["overrides"] == ["get_finished", "start_load_kv"]
-    assert cls["new"] == ["has_requests"] and cls["super_calls"] == 2
-    assert "1 subclasses of upstream classes, 2 overrides and 2 super() calls" in (
-        report.summary()
-    )
+    assert "1 subclasses of upstream classes and 2 overrides" in report.summary()
 
 
 def test_a_renamed_upstream_method_is_an_override_never_called() -> None:
@@ -103,34 +93,19 @@ def test_a_renamed_upstream_method_is_an_override_never_called() -> None:
         ("super-missing", "error", "get_finished"),
     ]
     missing, call = report.problems
-    assert missing.where == "connector/ext.py:5" and missing.cls == "Ext"
-    assert missing.upstream == CONNECTOR
-    assert "overrides Base.get_finished `def get_finished(self, x)` of vllm 0.18.1" in (
-        missing.message
-    )
-    assert "vllm 0.20.0 has no get_finished on Base: our override is never called" in (
-        missing.message
-    )
-    assert call.line == 6 and "calls super().get_finished(...)" in call.message
-
-
-def test_check_alone_sees_a_rename_through_super_and_the_override_marker() -> None:
-    """Without a pinned release (build.py check), the override looks new: the super()
-    call still catches it, and `# vmp: override` makes the intent checkable."""
-    renamed = BASE.replace("def get_finished(", "def get_finished_reqs(")
-    assert kinds(check(renamed, pinned=None)) == [
-        ("super-missing", "error", "get_finished")
+    assert missing.where == "connector/ext.py:8" and missing.cls == "Ext"
+    assert missing.name == "get_finished"
+    assert "marked as override, but no base method" in missing.message
+    assert "(in vllm 0.20.0): our override is never called" in missing.message
+    assert call.line == 9 and 'attribute "get_finished"' in call.message
+    # without super(): the marker alone catches it
+    no_super = OURS.replace("return super().get_finished(x)", "return x")
+    assert kinds(check(renamed, sources=overlay(no_super))) == [
+        ("override-missing", "error", "get_finished")
     ]
-    marked = OURS.replace(
-        "    def get_finished(self, x):\n        return super().get_finished(x)\n",
-        "    def get_finished(self, x):  # vmp: override\n        return x\n",
-    )
-    report = check(renamed, pinned=None, sources=overlay(marked))
-    assert kinds(report) == [("override-missing", "error", "get_finished")]
-    assert "is marked `# vmp: override`" in report.problems[0].message
 
 
-def test_a_new_required_parameter_is_a_signature_problem_naming_both() -> None:
+def test_a_new_required_parameter_is_a_signature_problem() -> None:
     changed = BASE.replace("(self, metadata)", "(self, metadata, forward_context)")
     report = check(changed)
     assert kinds(report) == [
@@ -138,28 +113,9 @@ def test_a_new_required_parameter_is_a_signature_problem_naming_both() -> None:
         ("super-call", "error", "start_load_kv"),
     ]
     sig, call = report.problems
-    assert sig.ours == "def start_load_kv(self, metadata)"
-    assert sig.theirs == "def start_load_kv(self, metadata, forward_context)"
-    assert sig.upstream == CONNECTOR and sig.upstream_line == 5
-    assert (
-        "ours `def start_load_kv(self, metadata)` vs vllm 0.20.0's "
-        "`def start_load_kv(self, metadata, forward_context)`" in sig.message
-    )
-    assert (
-        "upstream's has the required `forward_context`, which ours lacks" in sig.message
-    )
-    assert "does not pass the required `forward_context`" in call.message
-
-
-def test_signature_details() -> None:
-    optional = BASE.replace("(self, metadata)", "(self, metadata, wait=False)")
-    assert kinds(check(optional)) == [("signature", "warning", "start_load_kv")]
-    renamed_param = BASE.replace("(self, x)", "(self, req_ids)")
-    (problem,) = check(renamed_param).problems
-    assert "ours has `x` where upstream's has `req_ids`" in problem.message
-    made_async = BASE.replace("    def start_load_kv", "    async def start_load_kv")
-    assert "only upstream's is async" in check(made_async).problems[0].message
-    # a catch-all of ours takes upstream's new parameters
+    assert "Positional parameter count mismatch" in sig.message
+    assert 'Argument missing for parameter "forward_context"' in call.message
+    # a catch-all of ours takes upstream's new keyword parameters
     catch_all = OURS.replace(
         "def start_load_kv(self, metadata):",
         "def start_load_kv(self, metadata, **kwargs):",
@@ -170,28 +126,33 @@ def test_signature_details() -> None:
     assert check(new_kw, sources=overlay(catch_all)).problems == []
 
 
+def test_signature_details() -> None:
+    keyword_only = BASE.replace("(self, metadata)", "(self, *, metadata)")
+    assert ("super-call", "error", "start_load_kv") in kinds(check(keyword_only))
+    made_async = BASE.replace("    def start_load_kv", "    async def start_load_kv")
+    assert kinds(check(made_async)) == [("signature", "error", "start_load_kv")]
+    # ours returns more than upstream declares: a warning, upstream still calls ours
+    typed = BASE.replace(
+        "def get_finished(self, x):", "def get_finished(self, x) -> int:"
+    )
+    ours = OURS.replace(
+        "def get_finished(self, x):", "def get_finished(self, x) -> int | None:"
+    )
+    report = check(typed, sources=overlay(ours))
+    assert kinds(report) == [("signature", "warning", "get_finished")]
+    assert "Return type mismatch" in report.problems[0].message
+
+
 def test_a_method_of_ours_now_also_upstream_is_shadowed() -> None:
     grown = BASE + "\n    def has_requests(self) -> bool:\n        return True\n"
     report = check(grown)
     assert kinds(report) == [("shadowed", "warning", "has_requests")]
     assert report.errors == []
-    (problem,) = report.warnings
-    assert (
-        "marked `# vmp: new`, but vllm 0.20.0 defines Base.has_requests"
-        in problem.message
-    )
-    assert "silently replaces it" in problem.message
-    # unmarked, and absent from the pin: the same risk
-    unmarked = overlay(OURS.replace("  # vmp: new", ""))
-    problem = check(grown, sources=unmarked).problems[0]
-    assert problem.kind == "shadowed" and "not an upstream method in vllm 0.18.1" in (
-        problem.message
-    )
-    # marked new but upstream at the pin already has it (build.py check): also reported
-    assert kinds(check(grown, pinned=None)) == [("shadowed", "warning", "has_requests")]
+    assert "ours silently replaces upstream's" in report.warnings[0].message
 
 
 def test_relative_and_module_imports_reach_upstream() -> None:
+    renamed = BASE.replace("def get_finished(", "def get_finished_reqs(")
     relative = OURS.replace(
         f"from {CONNECTOR_MODULE} import Base", "from ...mooncake_connector import Base"
     )
@@ -200,21 +161,13 @@ def test_relative_and_module_imports_reach_upstream() -> None:
         "get_finished",
         "start_load_kv",
     ]
-    renamed = BASE.replace("def get_finished(", "def get_finished_reqs(")
-    assert "override-missing" in [
-        p.kind for p in check(renamed, sources=nested).problems
-    ]
+    assert ("override-missing", "error", "get_finished") in kinds(
+        check(renamed, sources=nested)
+    )
     dotted = OURS.replace(
         f"from {CONNECTOR_MODULE} import Base", f"import {CONNECTOR_MODULE} as mc"
     ).replace("class Ext(Base):", "class Ext(mc.Base):")
     assert kinds(check(renamed, sources=overlay(dotted)))[0][0] == "override-missing"
-    # our own classes in between: A(Base) in one file, Ext(A) in another
-    a = f"from {CONNECTOR_MODULE} import Base\n\n\nclass A(Base):\n    pass\n"
-    ext = OURS.replace(
-        f"from {CONNECTOR_MODULE} import Base", "from .a import A"
-    ).replace("class Ext(Base):", "class Ext(A):")
-    report = check(renamed, sources=overlay(a, "a.py") + overlay(ext))
-    assert ("override-missing", "error", "get_finished") in kinds(report)
 
 
 def test_upstream_bases_are_followed_across_modules() -> None:
@@ -223,62 +176,117 @@ def test_upstream_bases_are_followed_across_modules() -> None:
         "class Base:", "class Base(Root):"
     )
     ours = OURS + (
-        "\n    def shutdown(self):\n        super().shutdown()\n        super().__init__()\n"
+        "\n    @override\n    def shutdown(self):\n        super().shutdown()\n"
     )
     extra = {f"{MOONCAKE}/root.py": root}
-    report = check(base, pinned=base, sources=overlay(ours), extra=extra)
-    assert report.problems == []  # object's __init__ is not judged
-    assert (
-        report.classes[0]["upstream_bases"][-1]
-        == f"{MOONCAKE.replace('/', '.')}.root.Root"
-    )
+    assert check(base, sources=overlay(ours), extra=extra).problems == []
     gone = {f"{MOONCAKE}/root.py": root.replace("shutdown", "close")}
-    report = check(
-        base, pinned=base, sources=overlay(ours), extra=gone, pinned_extra=extra
-    )
-    assert kinds(report) == [
+    assert kinds(check(base, sources=overlay(ours), extra=gone)) == [
         ("override-missing", "error", "shutdown"),
         ("super-missing", "error", "shutdown"),
     ]
-    # a base outside the package: its methods are unknown, so super() calls are not judged
-    external = "import torch\n\n\nclass Base(torch.nn.Module):\n    pass\n"
-    assert check(external, pinned=None, sources=overlay(ours)).problems == []
 
 
 def test_an_explicit_upstream_call_is_checked_like_super() -> None:
-    ours = OURS.replace("super().get_finished(x)", "Base.get_finished(self, x)")
-    assert check(BASE, sources=overlay(ours)).problems == []
-    renamed = BASE.replace("def get_finished(", "def get_finished_reqs(")
-    report = check(renamed, pinned=None, sources=overlay(ours))
-    (problem,) = report.problems
-    assert problem.kind == "super-missing" and problem.line == 6
-    assert (
-        "calls Base.get_finished(self, ...), but vllm 0.20.0 has no get_finished"
-        in (problem.message)
-    )
     extra_arg = OURS.replace("super().get_finished(x)", "Base.get_finished(self, x, 1)")
     (problem,) = check(BASE, sources=overlay(extra_arg)).problems
-    assert problem.kind == "super-call"
-    assert "passes 3 positional arguments, upstream's takes 2" in problem.message
+    assert (problem.kind, problem.line) == ("super-call", 9)
+    assert "Expected 2 positional arguments" in problem.message
 
 
-def test_a_vanished_base_and_a_misspelt_marker() -> None:
+def test_a_vanished_base_or_module() -> None:
     report = check("class Other:\n    pass\n")
-    assert kinds(report) == [("base-missing", "error", None)]
-    assert f"base {CONNECTOR_MODULE}.Base (named by" in report.problems[0].message
-    typo = overlay(OURS.replace("# vmp: new", "# vmp: nwe"))
-    assert ("pragma", "error", "has_requests") in kinds(check(BASE, sources=typo))
+    assert ("base-missing", "error", None) in kinds(report)
+    assert '"Base" is unknown import symbol' in report.problems[0].message
+    moved = OURS.replace(CONNECTOR_MODULE, f"{CONNECTOR_MODULE}_v2")
+    assert ("base-missing", "error", None) in kinds(check(BASE, sources=overlay(moved)))
 
 
-def test_wanted_paths_and_fingerprint() -> None:
-    wanted = overrides.wanted_paths(overlay())
-    assert CONNECTOR in wanted and f"{MOONCAKE}/__init__.py" in wanted
-    plain = OverlaySource(
-        "connector/store.py", f"{OVERLAY_DST}/store.py", "class S:\n    pass\n"
+def test_an_abstract_method_upstream_adds_is_named_if_nothing_defines_it() -> None:
+    """A new @abstractmethod on an upstream base: our subclass could no longer be
+    instantiated ("Can't instantiate abstract class"). Defined by ours: no problem."""
+    abstract = (
+        "from abc import ABC, abstractmethod\n\n\n"
+        + BASE.replace("class Base:", "class Base(ABC):")
+        + "\n    @abstractmethod\n    def get_block_ids_with_load_errors(self) -> set[str]:\n        ...\n"
     )
-    assert [row[0] for row in overrides.fingerprint(overlay() + [plain])] == [
-        f"{OVERLAY_DST}/ext.py"
+    report = check(abstract)
+    assert kinds(report) == [("abstract", "error", None)]
+    assert '"Base.get_block_ids_with_load_errors" is not implemented' in (
+        report.problems[0].message
+    )
+    defined = OURS + (
+        "\n    @override\n    def get_block_ids_with_load_errors(self):\n"
+        "        return set()\n"
+    )
+    assert check(abstract, sources=overlay(defined)).problems == []
+
+
+def test_a_new_required_parameter_of_the_constructor_vllm_calls() -> None:
+    """vLLM constructs our class with its base's arguments; a type checker's override
+    rules leave ``__init__`` out, so this one is ours."""
+    ours = OURS + (
+        "\n    def __init__(self, config):\n        super().__init__(config)\n"
+    )
+    assert check(BASE, sources=overlay(ours)).problems == []
+    grown = BASE.replace("(self, config)", "(self, config, kv_cache_config)")
+    report = check(grown, sources=overlay(ours))
+    assert ("signature", "error", "__init__") in kinds(report)
+    (problem,) = [
+        p for p in report.problems if p.method == "__init__" and p.kind == "signature"
     ]
+    assert "requires kv_cache_config, which ours does not take" in problem.message
+    catch_all = ours.replace("(self, config):", "(self, config, **kwargs):").replace(
+        "super().__init__(config)", "super().__init__(config, **kwargs)"
+    )
+    assert check(grown, sources=overlay(catch_all)).problems == []
+
+
+def test_an_upstream_attribute_ours_reads_that_the_release_no_longer_sets() -> None:
+    ours = OURS.replace(
+        "return super().get_finished(x)",
+        "return super().get_finished(len(self.config))",
+    )
+    assert check(BASE, sources=overlay(ours)).problems == []
+    renamed = BASE.replace("self.config = config", "self.vllm_config = config")
+    report = check(renamed, sources=overlay(ours))
+    assert kinds(report) == [("attribute-missing", "error", "get_finished")]
+    assert 'attribute "config"' in report.problems[0].message
+
+
+def test_an_upstream_attribute_ours_sets_that_the_release_no_longer_uses() -> None:
+    """Ours sets self.limit, which Base reads at the pin; the release renamed it:
+    ours would set a name nothing reads (no error at run time, no effect)."""
+    base = BASE.replace(
+        "    def get_finished",
+        "    def allowed(self, n):\n        return n < self.limit\n\n    def get_finished",
+    )
+    ours = OURS.replace(
+        "return super().get_finished(x)",
+        "self.limit = 8\n        return super().get_finished(x)",
+    )
+    assert check(base, pinned=base, sources=overlay(ours)).problems == []
+    renamed = base.replace("self.limit", "self.max_pending")
+    report = check(renamed, pinned=base, sources=overlay(ours))
+    assert kinds(report) == [("attribute-missing", "error", "get_finished")]
+    assert "sets self.limit" in report.problems[0].message
+    assert report.problems[0].name == "limit"
+
+
+def test_without_basedpyright_the_check_does_not_pass(monkeypatch, tmp_path) -> None:
+    """A python without basedpyright: one error, never a silent pass."""
+    bare = tmp_path / "python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
+    bare.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bare))
+    report = check(BASE)
+    assert kinds(report) == [("unverifiable", "error", None)]
+    assert "basedpyright could not check the overrides" in report.problems[0].message
+
+
+def test_an_overlay_file_that_does_not_parse() -> None:
+    broken = overlay(OURS + "\n    def oops(self:\n")
+    assert ("parse", "error", None) in kinds(check(BASE, sources=broken))
 
 
 # -- through build.py check -------------------------------------------------------------
@@ -298,37 +306,35 @@ def _project(tmp_path, monkeypatch, ours: str, **upstream: str) -> Project:
 
 
 def test_build_py_check_reports_override_problems(tmp_path, monkeypatch) -> None:
-    ours = OURS.replace("(self, metadata):", "(self, meta):").replace(
+    ours = OURS.replace("(self, metadata):", "(self, meta, extra):").replace(
         "start_load_kv(metadata)", "start_load_kv(meta)"
     )
     proj = _project(tmp_path, monkeypatch, ours, mooncake_connector=BASE)
     r = proj.run("check")
     assert r.code == 1, r.text
     assert (
-        "problem [override]: signature: connector/ext.py:8: Ext.start_load_kv: ours "
-        "`def start_load_kv(self, meta)` vs vllm 0.18.1's `def start_load_kv(self, "
-        "metadata)`" in r.out
-    )
-    assert "overrides: 1 subclasses of upstream classes, 2 overrides" in r.out
+        "problem [override]: signature: connector/ext.py:12: Ext.start_load_kv: "
+        'Method "start_load_kv" overrides class "Base" in an incompatible manner'
+    ) in r.out
+    assert "overrides: 1 subclasses of upstream classes and 2 overrides" in r.out
     r = proj.run("check", "--json")
     (problem,) = json.loads(r.out)["problems"]
     assert problem["kind"] == "override" and problem["detail"]["kind"] == "signature"
-    assert problem["detail"]["theirs"] == "def start_load_kv(self, metadata)"
 
 
 def test_build_py_check_reads_upstream_as_the_series_leaves_it(
     tmp_path, monkeypatch
 ) -> None:
-    """The base's own base lives in a module the overlay never imports (read in a second
-    pass); a method a patch adds upstream is there for our override; a method of ours
-    that upstream also has is a warning (exit 0)."""
+    """The base's own base lives in a module the overlay never imports; a method a
+    patch adds upstream is there for our override; a method of ours that upstream
+    also has is a warning (exit 0)."""
     root = "class Root:\n    def close(self):\n        pass\n"
     base = f"from {MOONCAKE.replace('/', '.')}.root import Root\n\n\n" + BASE.replace(
         "class Base:", "class Base(Root):"
     )
     ours = OURS + (
-        "\n    def close(self, now):\n        pass\n"
-        "\n    def drain(self):  # vmp: override\n        super().drain()\n"
+        "\n    @override\n    def close(self, now):\n        pass\n"
+        "\n    @override\n    def drain(self):\n        super().drain()\n"
     )
     proj = _project(tmp_path, monkeypatch, ours, mooncake_connector=base, root=root)
     patched = base + "\n    def drain(self):\n        pass\n"
@@ -340,8 +346,6 @@ def test_build_py_check_reads_upstream_as_the_series_leaves_it(
     assert [(p["kind"], p["method"]) for p in problems] == [("signature", "close")], (
         problems
     )
-    assert problems[0]["upstream"] == f"{MOONCAKE}/root.py"
-    assert "upstream's callers do not pass" in problems[0]["message"]
     assert data["overrides"]["classes"][0]["overrides"] == [
         "get_finished",
         "start_load_kv",
@@ -349,38 +353,11 @@ def test_build_py_check_reads_upstream_as_the_series_leaves_it(
         "drain",
     ]
     fixed = ours.replace("def close(self, now):", "def close(self):")
-    fixed = fixed.replace(
-        "def drain(self):  # vmp: override", "def drain(self):  # vmp: new"
-    )
+    fixed = fixed.replace("    @override\n    def drain", "    def drain")
     (proj.root / "connector" / "ext.py").write_text(fixed)
     r = proj.run("check")
     assert r.code == 0, r.text
-    assert (
-        "warning [override]: shadowed: connector/ext.py:17: Ext.drain: marked" in r.out
-    )
-
-
-def test_an_abstract_method_upstream_adds_is_named_if_nothing_defines_it() -> None:
-    """A new @abstractmethod on an upstream base: our subclass could no longer be
-    instantiated ("Can't instantiate abstract class"), whether or not ours calls
-    super() anywhere. Defined by ours (or a class between): no problem."""
-    abstract = (
-        "from abc import ABC, abstractmethod\n\n\n"
-        + BASE.replace("class Base:", "class Base(ABC):")
-        + "\n    @abstractmethod\n    def get_block_ids_with_load_errors(self):\n        ...\n"
-    )
-    report = check(abstract)
-    assert kinds(report) == [("abstract", "error", "get_block_ids_with_load_errors")]
-    (problem,) = report.problems
-    assert "Base.get_block_ids_with_load_errors is abstract in vllm 0.20.0" in (
-        problem.message
-    )
-    assert problem.upstream == CONNECTOR and problem.upstream_line == 12
-    defined = OURS + (
-        "\n    def get_block_ids_with_load_errors(self):  # vmp: override\n"
-        "        return set()\n"
-    )
-    assert check(abstract, pinned=abstract, sources=overlay(defined)).problems == []
+    assert "warning [override]: shadowed: connector/ext.py:22: Ext.drain:" in r.out
 
 
 def _roll(proj: Project, connector: str) -> None:
@@ -399,20 +376,16 @@ def _roll(proj: Project, connector: str) -> None:
     (roll / "series").write_text("")
 
 
-def test_check_on_a_roll_names_an_override_of_the_pin_the_roll_lost(
+def test_check_on_a_roll_names_an_override_the_release_lost(
     tmp_path, monkeypatch
 ) -> None:
-    """Ours overrides get_finished without super() and without a marker. The roll's
-    release renamed it upstream: checked alone, ours there looks like a new method
-    of its own; against the pin's overrides it is one that lost its upstream."""
     ours = OURS.replace("return super().get_finished(x)", "return x")
     proj = _project(tmp_path, monkeypatch, ours, mooncake_connector=BASE)
     assert proj.run("check").code == 0
     _roll(proj, BASE.replace("def get_finished(", "def get_finished_reqs("))
     r = proj.run("--patches", "rolls/0.19.0", "check")
     assert r.code == 1, r.text
-    assert "Ext.get_finished" in r.out and "get_finished" in r.out, r.out
-    assert "vllm 0.18.1 (the pin)" in r.out, r.out
+    assert "override-missing: connector/ext.py:8: Ext.get_finished" in r.out, r.out
 
 
 def test_check_on_a_roll_warns_of_a_pin_hook_the_roll_does_not_carry(
@@ -421,7 +394,7 @@ def test_check_on_a_roll_warns_of_a_pin_hook_the_roll_does_not_carry(
     """The pin's own series adds Base.drain (a hook) and ours overrides it; the roll
     does not carry that patch (its release needs no hook): a warning naming the
     patch, not an error."""
-    ours = OURS + "\n    def drain(self):  # vmp: override\n        pass\n"
+    ours = OURS + "\n    @override\n    def drain(self):\n        pass\n"
     proj = _project(tmp_path, monkeypatch, ours, mooncake_connector=BASE)
     hooked = BASE + "\n    def drain(self):\n        pass\n"
     proj.add_patch(
@@ -433,45 +406,3 @@ def test_check_on_a_roll_warns_of_a_pin_hook_the_roll_does_not_carry(
     assert r.code == 0, r.text
     assert "warning [override]: override-missing" in r.out, r.out
     assert "only through 0001-drain.patch, which this roll does not carry" in r.out
-
-
-def test_an_upstream_attribute_ours_reads_that_the_release_no_longer_sets() -> None:
-    """Ours reads self.pending, which Base sets; the release renamed it: every call
-    of ours would raise AttributeError there. What ours sets itself, and what a base
-    defines as a member, is not reported."""
-    base = BASE.replace(
-        "class Base:\n",
-        "class Base:\n    def __init__(self):\n        self.pending = {}\n"
-        "        self.count = 0\n\n",
-    )
-    ours = OURS.replace(
-        "return super().get_finished(x)",
-        "self.mine = len(self.pending) + self.count\n"
-        "        self.count += 1\n"
-        "        return super().get_finished(self.mine)",
-    )
-    assert check(base, pinned=base, sources=overlay(ours)).problems == []
-    renamed = base.replace("self.pending = {}", "self.waiting = {}")
-    report = check(renamed, pinned=base, sources=overlay(ours))
-    assert kinds(report) == [("attribute-missing", "error", "get_finished")]
-    (problem,) = report.problems
-    assert "self.pending" in problem.message and "vllm 0.20.0" in problem.message
-    assert problem.name == "pending"
-
-
-def test_an_upstream_attribute_ours_sets_that_the_release_no_longer_uses() -> None:
-    """Ours sets self.limit, which Base reads at the pin; the release renamed it:
-    ours would set a name nothing reads (no error at run time, no effect)."""
-    base = BASE.replace(
-        "class Base:\n",
-        "class Base:\n    def allowed(self, n):\n        return n < self.limit\n\n",
-    )
-    ours = OURS.replace(
-        "return super().get_finished(x)",
-        "self.limit = 8\n        return super().get_finished(x)",
-    )
-    assert check(base, pinned=base, sources=overlay(ours)).problems == []
-    renamed = base.replace("self.limit", "self.max_pending")
-    report = check(renamed, pinned=base, sources=overlay(ours))
-    assert kinds(report) == [("attribute-missing", "error", "get_finished")]
-    assert "sets self.limit" in report.problems[0].message
