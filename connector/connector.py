@@ -1,20 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """This series' MooncakeConnector: subclasses of upstream's facade, scheduler and worker.
 
-``"kv_connector": "MooncakeConnector"`` resolves to :class:`ExtMooncakeConnector`
-(one line in vLLM's connector factory). Each override calls upstream's method
-with ``super()`` and hands what this series adds to the side's extension object
-(scheduler_extension.py, worker_extension.py); upstream's worker calls the
-same object at five points in the middle of long methods (hooks.py). The overrides and the upstream names they
-rely on are checked per vLLM release by ``build.py check`` and ``compat``.
-
-Runs in the scheduler process (:class:`ExtMooncakeConnectorScheduler`) and in
-each worker process (:class:`ExtMooncakeConnectorWorker`); the facade routes.
+``"kv_connector": "MooncakeConnector"`` resolves to :class:`ExtMooncakeConnector`. Each
+override calls upstream's with ``super()`` and hands this series' part to its side's
+extension: scheduler_extension.py in the scheduler process, worker_extension.py in
+each worker process (also called at upstream's hook points, hooks.py). ``build.py
+check`` and ``compat`` check the overrides against each vLLM release.
 """
 
 from __future__ import annotations
-
-from typing_extensions import override
 
 import asyncio
 import threading
@@ -22,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
+from typing_extensions import override
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -153,8 +148,7 @@ class ExtMooncakeConnectorScheduler(MooncakeConnectorScheduler):
 
 
 class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
-    """Worker process: layer-wise sender (P) and pulls (D), push server (C) and
-    receiver (D), the hash mirror, and their routes on the bootstrap server."""
+    """Worker process: layer-wise (P, D), prefix push (C, D), hash mirror, routes."""
 
     @override
     def __init__(
@@ -263,8 +257,7 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
         )
 
     def _free_failed_send(self, send_meta: SendBlockMeta) -> None:
-        """A terminal write for one of D's requests failed (hooks.send_failed): once
-        no write of the request is in flight, P's blocks are free."""
+        """A terminal write for D failed: free P's blocks once none of the request's is in flight."""
         if send_meta.sending == 0 and send_meta.p_req_id:
             self.reqs_need_send.pop(send_meta.transfer_id, None)
             self.finished_sending_reqs.add(send_meta.p_req_id)
@@ -340,8 +333,7 @@ class ExtMooncakeConnector(MooncakeConnector):
     # ---- scheduler side ---------------------------------------------------------------
     @override
     def on_new_request(self, request: Request) -> None:
-        """The scheduler received a request (vLLM 0.32.0 calls this; 0.18.1 through
-        this series' scheduler patch, which backports the call)."""
+        """The scheduler received a request (0.18.1: called by our scheduler patch)."""
         super().on_new_request(request)
         assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
         self.connector_scheduler.ext.on_new_request(request)
@@ -354,27 +346,21 @@ class ExtMooncakeConnector(MooncakeConnector):
 
     @override
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        """The scheduler's KV cache manager (vLLM 0.32.0 binds it; 0.18.1 through
-        this series' scheduler patch, which backports the call)."""
+        """The scheduler's KV cache manager (0.18.1: bound by our scheduler patch)."""
         super().bind_kv_cache_manager(kv_cache_manager)
         assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
         self.connector_scheduler.ext.push.bind_kv_cache_manager(kv_cache_manager)
 
     @override
     def keeps_engine_stepping_while_blocks_held(self) -> bool:
-        """Finished requests whose blocks wait for a transfer to end are released
-        only during an engine step: the scheduler keeps stepping meanwhile, paced
-        (asked by the scheduler's patch only when nothing else is left to run).
-        Releases without that patch (0.32.0) keep stepping and pace on their own."""
+        """Keep stepping, paced, while finished requests' blocks wait (0.18.1's patch asks)."""
         assert isinstance(self.connector_scheduler, ExtMooncakeConnectorScheduler)
         return self.connector_scheduler.ext.keep_stepping_while_blocks_held()
 
     # ---- worker side ------------------------------------------------------------------
     @override
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Before every forward pass, in every release: the features that must act
-        before the forward see the step's metadata here. start_load_kv runs after
-        the forward from vLLM 0.32.0 when the step's loads are asynchronous."""
+        """Runs before every forward pass in every release (unlike start_load_kv on 0.32.0)."""
         super().bind_connector_metadata(connector_metadata)
         if isinstance(self.connector_worker, ExtMooncakeConnectorWorker):
             self.connector_worker.ext.before_forward(

@@ -1,19 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The few calls upstream's MooncakeConnectorWorker makes into this series.
 
-Everything this series changes in upstream's connector is an override in a
-subclass (connector.py), except five points in the middle of long upstream
-methods, where a whole-method override would copy upstream code. There the
-patched upstream file calls ``hooks_of(self).<hook>(...)`` in one line:
-:func:`hooks_of` gives the worker's ``ext`` where this series' worker subclass
-set one (its :class:`~.worker_extension.WorkerExtension`, which overrides the
-hooks), else :data:`UPSTREAM`, which does exactly what upstream did at that
-point. Upstream's worker class, and upstream's own tests, which call its methods
-on the class or on stand-ins for ``self`` that have no ``ext``, behave as
-without the patch.
-
-Imported by upstream's ``mooncake_connector.py`` (its one import of this
-series): it must not import that module back.
+At five points inside long upstream methods the patched file calls
+``hooks_of(self).<hook>(...)``: a worker with an ``ext`` (WorkerExtension) runs its
+overrides, any other (upstream's class, its tests' stand-ins) :data:`UPSTREAM`, which
+does what upstream did. Imported by upstream's ``mooncake_connector.py``: never
+import it back.
 """
 
 from __future__ import annotations

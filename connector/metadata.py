@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """What crosses from this series' scheduler side to its workers, once per step.
 
-:class:`ExtMetadata` rides inside upstream's connector metadata
-(``MooncakeConnectorMetadata.ext``, set by the scheduler subclass in
-connector.py). The way back, worker -> scheduler, is
-:class:`~.push.protocol.PushOutcome` (``build_connector_worker_meta``).
+:class:`ExtMetadata` rides in ``MooncakeConnectorMetadata.ext`` (set in connector.py);
+the way back is :class:`~.push.protocol.PushOutcome` (``build_connector_worker_meta``).
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ from .push.protocol import PushJob
 
 @dataclass
 class ExtMetadata:
-    """Scheduler -> worker, once per step (MooncakeConnectorMetadata.ext)."""
-
     layerwise: LayerwiseMetadata = field(default_factory=LayerwiseMetadata)
     hash_delta: HashDelta | None = None
     push_jobs: list[PushJob] = field(default_factory=list)

@@ -1,16 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """``GET /metrics`` on the bootstrap server: this series' counters for Prometheus.
 
-The same numbers the stats routes serve as JSON, in Prometheus' text format
-(version 0.0.4), for the worker whose bootstrap server answers (the first
-worker): its writes on every path (failed writes waiting for the kernel's send
-queues, writes past the engine's bound, refused peers; engine_write.py), its
-pushes as a source, its layer-wise transfers as a prefill instance and, as a
-push destination, its scheduler's push decisions (sent to the worker with the
-step's metadata when they change; a kv_consumer runs no bootstrap server, so
-its decisions are not served). vLLM's
-own ``/metrics`` (the API server's port) is left as it is. The route takes the
-GET routes' bearer key like the others (a scrape config's ``authorization``).
+The stats routes' numbers in text format 0.0.4 for the worker whose bootstrap server
+answers (the first): writes (engine_write.py), pushes as a source, layer-wise as P,
+push decisions as a destination (a kv_consumer runs no bootstrap server). Not vLLM's
+own ``/metrics``; guarded by the GET routes' bearer key.
 """
 
 from __future__ import annotations
@@ -112,11 +106,8 @@ def exposition(
     layerwise: Any | None = None,
     push_decisions: dict[str, int] | None = None,
 ) -> str:
-    """The text of ``GET /metrics``: the writes of ``write_fn`` (the worker's
-    terminal write function; None before its KV caches are registered), the push
-    source's counters (``push``: a PushServer), the layer-wise sender's
-    totals (``layerwise``: a LayerwiseSender) and, on a push destination, its
-    scheduler's push decisions by reason, each when present."""
+    """The text of ``GET /metrics``: ``write_fn``'s writes (None before registration),
+    and of those present a PushServer's counters, a LayerwiseSender's, push decisions."""
     lines: list[str] = []
     stats = write_stats(write_fn) if write_fn is not None else {}
     for key, (name, kind, help_text) in WRITES.items():

@@ -1,32 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""P's bootstrap server (prefill side): upstream's ``MooncakeBootstrapServer``,
-started within a deadline and failing with a message that names the address.
-
-Up to vLLM 0.18.1 upstream's ``start()`` runs uvicorn in a thread and then waits,
-with no deadline, until the server says it started. When the port is taken, uvicorn
-logs "address already in use" and its thread exits, and ``start()`` waits for ever:
-P's engine never finishes starting and never exits. From 0.32.0 upstream binds the
-socket in the caller and waits at most ``timeout`` seconds; there the error is an
-``OSError`` that does not say which address or what to do. This class starts the
-server the 0.32.0 way on every release (upstream's ``start`` is not called; its
-``shutdown`` is, and stops what this one started on both) and fails with one
-:class:`BootstrapServerStartError`. Its connections are limited
-(common/http_limits.py: headers and body within deadlines, bodies up to the
-largest a route accepts, a bounded number open, from one address too), on
-upstream's routes as on ours. Verified on the CPU backend of both releases
-(tests/unit/connector/test_prefill_bootstrap.py,
-tests/integration/test_bootstrap_port_taken.py); nothing in it depends on the device.
+"""P's bootstrap server: upstream's ``MooncakeBootstrapServer`` whose ``start()``
+binds in the caller and returns, or raises :class:`BootstrapServerStartError` naming
+the address, within a deadline (upstream's ``start`` is never called, its ``shutdown``
+is). Connections are limited (common/http_limits.py: deadlines, a body cap of the
+largest a route accepts, a bounded number open, per address too), on upstream's
+routes as on ours.
 """
 
 from __future__ import annotations
-
-from typing_extensions import override
 
 import socket
 import threading
 import time
 
 import uvicorn
+from typing_extensions import override
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
     MooncakeBootstrapServer,
@@ -46,8 +34,7 @@ UPSTREAM_MAX_BODY_BYTES = 64 * 1024
 
 
 def largest_body_bytes(config: ExtConfig) -> int:
-    """The largest request body a route of this server accepts: upstream's, or
-    ours (routes.py: a proof's cap, every other route's push_max_body_bytes)."""
+    """The largest request body any route of this server accepts (upstream's or ours)."""
     return max(
         UPSTREAM_MAX_BODY_BYTES, PROOF_MAX_BODY_BYTES, config.push_max_body_bytes
     )
@@ -58,8 +45,7 @@ class BootstrapServerStartError(RuntimeError):
 
 
 class PrefillBootstrapServer(MooncakeBootstrapServer):
-    """Upstream's bootstrap server whose ``start()`` returns or raises within
-    ``START_TIMEOUT_S``."""
+    """Upstream's server whose ``start()`` returns or raises within ``START_TIMEOUT_S``."""
 
     _listener: socket.socket | None = None
     # the connections' body cap; None: largest_body_bytes(this process's config)
@@ -77,8 +63,8 @@ class PrefillBootstrapServer(MooncakeBootstrapServer):
     @override
     def start(self, *, timeout: float = START_TIMEOUT_S) -> None:
         """Bind here (an error is raised in the caller, naming the address), then wait
-        for uvicorn at most ``timeout`` s. Upstream's start is not called: 0.32.0's
-        does the same without naming the address, 0.18.1's waits for ever."""
+        for uvicorn at most ``timeout`` s. Not upstream's: 0.18.1's waits for ever on
+        a taken port (P never starts nor exits), 0.32.0's error names no address."""
         if self.server_thread is not None:
             return
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET

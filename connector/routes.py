@@ -1,26 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every route this series adds to the bootstrap server, behind one guard.
 
-Served by the first worker's bootstrap server (upstream's FastAPI app), next to
-upstream's own ``/register`` and ``/query``, which are left as upstream has them:
-
-  POST /match_blocks         C: which of a prompt's blocks this instance holds
-  POST /push_blocks          C: write them into D's blocks (push/source_server.py)
-  POST /push_proof           C: the source bytes at D's probes (proof of write)
-  GET  /push/stats           C: push counters
-  GET  /hashsync             the block-hash mirror: size, algorithm, a sample
-  POST /hashsync/feed        the mirror's changes, for peers' holder indexes
-  POST /hashsync/reset       the instance's own scheduler: its prefix cache was reset
-  GET  /layerwise/transfers  P: layer-wise totals and the last transfers' timelines
-  GET  /metrics              all of these counters in Prometheus' text format (metrics.py)
-
-Authentication is a dependency of the router every route is added to
-(:func:`bootstrap_router`), so a route cannot be served without it, and it runs
-before anything of the request is looked at: GET routes take the bearer token,
-POST routes a signature over the method, the path and the body's hash
-(common/auth.py), checked before the body is read; the body is then read up to
-a route's cap within BODY_READ_DEADLINE_S and must hash to the signed value. What a feature is not serving yet (the KV
-caches are not registered) answers 503; what this instance never serves, 404.
+Served by the first worker's bootstrap server next to upstream's ``/register`` and
+``/query`` (left as they are): the push source's (C) ``/match_blocks``,
+``/push_blocks``, ``/push_proof``, ``/push/stats``; the hash mirror's ``/hashsync``,
+``/hashsync/feed``, ``/hashsync/reset``; P's ``/layerwise/transfers``; ``/metrics``.
+Authentication is the router's dependency (:func:`bootstrap_router`): no route is
+served without it, and a POST's signature is checked before its body is read.
 """
 
 from __future__ import annotations
@@ -290,9 +276,8 @@ def bootstrap_router(
 
 
 def drop_generated_docs(app: Any) -> None:
-    """Remove the routes FastAPI adds for its API description and turn them off:
-    nothing needs them, and they would list every endpoint and body to anyone who
-    can reach the port."""
+    """Remove and turn off FastAPI's generated API description: nothing needs it, and
+    it would list every endpoint and body to anyone who can reach the port."""
     urls = ("openapi_url", "docs_url", "redoc_url", "swagger_ui_oauth2_redirect_url")
     generated = {u for u in (getattr(app, a, None) for a in urls) if u}
     app.router.routes[:] = [

@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """What this series adds in the scheduler process, behind one object.
 
-The scheduler subclass (connector.py, ``ExtMooncakeConnectorScheduler``) owns
-one :class:`SchedulerExtension` (``self.ext``) and calls it from its overrides.
-It reads upstream's request objects. Its writes to upstream state are few, each
-marked at its branch: prefix push (push/decode_scheduler.py) sets a request's
-``num_computed_tokens`` when a push lands short or is released, and holds a
-released push's blocks with one more ``ref_cnt`` while a source may still
-write into them.
+``ExtMooncakeConnectorScheduler`` (connector.py) owns one :class:`SchedulerExtension`
+and calls it from its overrides. It reads upstream's requests; only prefix push
+(push/decode_scheduler.py) writes upstream state: a request's ``num_computed_tokens``
+when a push lands short or is released, and one more ``ref_cnt`` on a released
+push's blocks while a source may still write into them.
 """
 
 from __future__ import annotations
@@ -55,11 +53,8 @@ def own_bootstrap_url(vllm_config: VllmConfig, config: ExtConfig) -> str:
 
 
 class PrefillBacklog:
-    """The requests this scheduler admitted and has not computed yet (waiting or
-    partly prefilled): their prompt tokens, which a push source reports in its
-    /match_blocks answers, and their number, which a push destination weighs
-    against a local prefill (push/decode_cost.py weighs both). Read from
-    upstream's request objects; never written."""
+    """Admitted requests not computed yet: their prompt tokens (a source's /match_blocks
+    answers) and number (a destination's cost of a local prefill). Never writes them."""
 
     def __init__(self) -> None:
         self._live: dict[str, Request] = {}
@@ -71,9 +66,8 @@ class PrefillBacklog:
         self._live.pop(request.request_id, None)
 
     def tokens(self, scheduled: Mapping[str, int]) -> int:
-        """After the step that schedules ``scheduled`` (req id -> tokens; the
-        scheduler advances num_computed_tokens only after the metadata is built,
-        in both supported releases), so an idle source's last word is 0."""
+        """Prompt tokens left after this step's ``scheduled`` (req id -> tokens): 0 if idle."""
+        # vLLM advances num_computed_tokens after the metadata is built (both releases)
         return sum(
             max(
                 0,
@@ -85,8 +79,7 @@ class PrefillBacklog:
         )
 
     def queued(self, behind: str) -> int:
-        """The requests other than ``behind`` whose prompt is not computed yet
-        (before this step's scheduling): a local prefill delays each of them."""
+        """Requests other than ``behind`` whose prompt is not computed yet."""
         return sum(
             1
             for rid, r in self._live.items()
@@ -95,10 +88,8 @@ class PrefillBacklog:
 
 
 class SchedulerExtension:
-    """What this series adds in the scheduler process, built once from the
-    configuration: layer-wise scheduling (P, MOONCAKE_LAYERWISE), prefix-push
-    scheduling (D, any role), block-hash recording (any role but kv_consumer,
-    with prefix caching)."""
+    """Layer-wise (P, MOONCAKE_LAYERWISE), prefix push (D, any role) and block-hash
+    recording (not kv_consumer, prefix caching on), built once from configuration."""
 
     def __init__(self, vllm_config: VllmConfig, config: ExtConfig | None = None):
         self.config = cfg = config or load()
@@ -148,9 +139,8 @@ class SchedulerExtension:
     def admit_pull(
         self, request: Request, matched: tuple[int | None, bool]
     ) -> tuple[int | None, bool]:
-        """D: upstream's answer for a request's external tokens, through the
-        admission of incoming transfers (decode_admission.py): a pull beyond
-        the bound waits (None), one that waited too long is prefilled here (0)."""
+        """D: upstream's answer, through pull admission (decode_admission.py): beyond
+        the bound a pull waits (None); one that waited too long is prefilled here (0)."""
         count, load_async = matched
         if not (count and load_async):
             return matched
@@ -163,8 +153,7 @@ class SchedulerExtension:
 
     # ---- every request ------------------------------------------------------------------
     def seen_alloc(self, request: Request, num_external_tokens: int) -> None:
-        """Any request was allocated: D times its local prefills (what a push
-        competes with, decode_cost.py)."""
+        """Any request was allocated: D times its local prefills and records a pull's start."""
         if self.push.prefill_timer is not None:
             self.push.prefill_timer.allocated(request, num_external_tokens)
         params = request.kv_transfer_params or {}
@@ -188,8 +177,7 @@ class SchedulerExtension:
     def finished_params(
         self, request: Request, params: dict[str, Any] | None
     ) -> dict[str, Any] | None:
-        """D: the kv_transfer_params of a finished request's output, with the
-        pull's timeline (decode_timeline.py) added when it was a timed pull."""
+        """D: a finished request's kv_transfer_params, plus a timed pull's timeline."""
         timeline = self.pull_timeline.finished(request.request_id)
         if timeline is None:
             return params
@@ -197,11 +185,8 @@ class SchedulerExtension:
 
     # ---- every new request --------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        """A request entered the scheduler (its waiting queue). A push source:
-        its prompt joins the backlog. P with layer-wise on: the worker learns of
-        a do_remote_decode request's transfer now, so a pull D sends while the
-        prompt waits behind others is kept until P computes it, instead of being
-        refused as an id P never received."""
+        """A request entered the waiting queue: into the backlog, and (P, layer-wise)
+        its do_remote_decode transfer is announced to the worker."""
         if self.backlog is not None:
             self.backlog.added(request)
         if self.layerwise is None:
@@ -213,11 +198,12 @@ class SchedulerExtension:
             and isinstance(transfer_id, str)
             and transfer_id
         ):
+            # told now, so a pull D sends while the prompt waits is kept, not refused
+            # as an unknown id
             self.layerwise.received(transfer_id)
 
     def takes_send(self, request: Request, transfer_id: str) -> bool:
-        """P: a do_remote_decode request was allocated. True: layer-wise sends it
-        (upstream's send path must not track it)."""
+        """P: a do_remote_decode request was allocated. True: layer-wise sends it."""
         if self.layerwise is None:
             self._warn_if_layerwise_asked(request)
             return False
@@ -225,8 +211,7 @@ class SchedulerExtension:
         return True
 
     def _warn_if_layerwise_asked(self, request: Request) -> None:
-        """Without MOONCAKE_LAYERWISE, upstream's post-hoc path sends every request;
-        a request asking for layer-wise is told once (in P's log), never failed."""
+        """Without MOONCAKE_LAYERWISE a layer-wise request is sent post-hoc, logged once."""
         try:
             asked = requested_mode(getattr(request, "kv_transfer_params", None))
         except ValueError:
@@ -270,18 +255,14 @@ class SchedulerExtension:
         return meta
 
     def keep_stepping_while_blocks_held(self) -> bool:
-        """The scheduler has no unfinished request, only finished ones whose blocks
-        wait for a transfer to end (P's sends, D's pushes that a source may still be
-        writing): keep the engine stepping, since their end is learnt only in a
-        step, but at most one such idle step per ``idle_step_interval_s`` (an idle
-        engine must not spin a core while it waits)."""
+        """Only finished requests holding blocks for a transfer remain: keep stepping."""
+        # a transfer's end is learnt only in a step; at most one idle step per
+        # interval: an idle engine must not spin a core
         time.sleep(self.config.idle_step_interval_s)
         return True
 
     def on_connector_output(self, output: KVConnectorOutput) -> None:
-        """Before vLLM handles finished_recving: cut back pushed tokens that did
-        not land, so they are prefilled locally; release pushes past their budget
-        (push/decode_scheduler.py)."""
+        """Before vLLM's finished_recving: cut back unlanded pushed tokens, release late pushes."""
         self.push.on_connector_output(output)
 
         self.pull_timeline.kv_arrived(output.finished_recving or ())

@@ -1,30 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where upstream's MooncakeConnector differs between the vLLM releases we run on.
+"""The one place where upstream's MooncakeConnector differs between vLLM 0.18.1 and 0.32.0.
 
-The same overlay serves the pinned series (vLLM 0.18.1, ``patches/``) and its roll
-onto 0.32.0 (``rolls/0.32.0/``). Each difference the subclasses meet is one
-function here, chosen by what upstream's code has (a parameter, an attribute),
-never by a version string, so a release in between gets what its own code has:
-
-- the connector's halves take ``kv_cache_config`` (the scheduler's from 0.20.0,
-  the worker's as a required argument from 0.25.0): :func:`init_kwargs`;
-- a request's block ids come as one list per KV cache group (0.32.0) instead of
-  one list (0.18.1): :func:`one_group_block_ids`, :func:`all_block_ids`;
-- the worker's registered KV: ``kv_topo.split_k_and_v``, ``block_len`` and
-  ``num_blocks`` (0.18.1) became ``block_len_per_layer`` over block-major regions,
-  with kernel blocks that may be smaller than the scheduler's (0.32.0):
-  :func:`kv_geometry`, :func:`split_k_and_v`;
-- ``MooncakeBootstrapServer(vllm_config, host, port)`` became
-  ``MooncakeBootstrapServer(host, port)``: :func:`bootstrap_server`;
-- D's pull request may leave out D's KV layout once P has cached it under a
-  ``layout_id`` (0.33.0): :func:`send_layout_on_every_pull`,
-  :func:`layout_omitted`, :func:`layout_miss_status`.
-- D's pull request carries one list of block ids per KV cache group and each
-  region's block length (0.32.0): :func:`pull_request_blocks`, for the tests that
-  forge D's requests.
-
-Imported by ``hooks.py``, which upstream's ``mooncake_connector.py`` imports: no
-vLLM import at module level.
+Each difference is one function, chosen by what upstream's code has (a parameter, an
+attribute), never by a version string; its reason stands next to it. Imported by
+``hooks.py``, which upstream's ``mooncake_connector.py`` imports: no vLLM import at
+module level.
 """
 
 from __future__ import annotations
@@ -45,22 +25,23 @@ def _takes(func: Callable[..., Any], name: str) -> bool:
         return False
 
 
+# the scheduler's __init__ takes kv_cache_config from 0.20.0, the worker's requires
+# it from 0.25.0
 def init_kwargs(upstream_cls: type, kv_cache_config: Any) -> dict[str, Any]:
-    """What a subclass passes to ``upstream_cls.__init__`` after
-    ``(vllm_config, engine_id)``: ``kv_cache_config`` where upstream's takes it."""
+    """``upstream_cls.__init__``'s ``kv_cache_config`` keyword, where it takes one."""
     if _takes(upstream_cls.__init__, "kv_cache_config"):
         return {"kv_cache_config": kv_cache_config}
     return {}
 
 
+# a request's block ids: one list (0.18.1), one list per KV cache group (0.32.0)
 def _per_group(block_ids: Sequence[Any]) -> bool:
     return bool(block_ids) and isinstance(block_ids[0], (list, tuple))
 
 
 def one_group_block_ids(block_ids: Sequence[Any]) -> list[int] | None:
-    """A request's block ids as one list, from a list or from one list per KV cache
-    group. None when the request spans several groups: this series' features
-    handle one group, and leave such a request to upstream."""
+    """A request's block ids as one list; None when it spans several KV cache groups
+    (this series' features handle one group and leave such a request to upstream)."""
     if not _per_group(block_ids):
         return list(block_ids)
     if len(block_ids) != 1:
@@ -77,9 +58,8 @@ def all_block_ids(block_ids: Sequence[Any]) -> list[int]:
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """The registered KV as this series' writers address it: block ``b`` of region
-    ``i`` is ``block_len`` bytes at ``base_addrs[i] + b * block_len``, ``b`` being the
-    scheduler's block id."""
+    """The registered KV as this series' writers address it: scheduler block ``b`` of
+    region ``i`` is ``block_len`` bytes at ``base_addrs[i] + b * block_len``."""
 
     split_k_and_v: bool  # K and V are separate regions of each layer
     block_len: int  # bytes of one scheduler block in one region
@@ -88,14 +68,14 @@ class KVGeometry:
 
 
 def split_k_and_v(worker: Any) -> bool:
-    """Whether the worker registered K and V of a layer as separate regions (0.18.1,
-    unless MLA); newer releases register each layer's tensor, block-major."""
+    """Whether K and V of a layer are separate regions (0.18.1 unless MLA)."""
     topo = getattr(worker, "kv_topo", None)
     return bool(topo.split_k_and_v) if topo is not None else False
 
 
 def kv_geometry(worker: Any) -> KVGeometry:
     """After upstream's ``register_kv_caches``: the worker's KV geometry."""
+    # 0.18.1: kv_topo, one block_len and num_blocks; 0.32.0: block_len_per_layer
     if hasattr(worker, "kv_topo"):  # one block length for every region
         return KVGeometry(
             split_k_and_v(worker),
@@ -125,37 +105,33 @@ def kv_geometry(worker: Any) -> KVGeometry:
 
 
 def bootstrap_server(vllm_config: VllmConfig, host: str, port: int) -> Any:
-    """Upstream's bootstrap server, not yet started, whose ``start()`` has a deadline
-    (prefill_bootstrap.PrefillBootstrapServer)."""
+    """Upstream's bootstrap server, not started, with a bounded ``start()``."""
     from .prefill_bootstrap import PrefillBootstrapServer
 
+    # MooncakeBootstrapServer(vllm_config, host, port) up to 0.18.1, (host, port) later
     if _takes(PrefillBootstrapServer.__init__, "vllm_config"):
         return PrefillBootstrapServer(vllm_config, host, port)
     return PrefillBootstrapServer(host, port)
 
 
 def cached_tokens_of_whole_prompt(prompt_len: int) -> int:
-    """A request's cached tokens (``num_cached_tokens``) when the connector brings the
-    KV of its whole ``prompt_len``-token prompt, by P's pull or by a prefix push, for
-    attention-only models: all but the last up to 0.18.1 (its Mooncake scheduler asks
-    P for N-1 tokens and vLLM's scheduler recomputes the last one of a full hit); all
-    of them where upstream's Mooncake scheduler has ``_get_remote_prefill_token_count``
-    (0.32.0, whose scheduler takes a full hit from a connector as it is)."""
+    """``num_cached_tokens`` when the connector brings a whole prompt's KV (attention only)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
         MooncakeConnectorScheduler,
     )
 
+    # 0.32.0 takes a connector's full hit as is; 0.18.1's Mooncake scheduler asks P
+    # for N-1 tokens and vLLM recomputes the last one
     if hasattr(MooncakeConnectorScheduler, "_get_remote_prefill_token_count"):
         return prompt_len
     return prompt_len - 1
 
 
 def send_layout_on_every_pull(worker: Any) -> None:
-    """D: put the KV layout (base addresses, block lengths) in every pull request.
-    Layer-wise push writes at the addresses of the request itself; P does not look
-    them up in upstream's per-peer layout cache. Where upstream's D may leave the
-    layout out (``_kv_layout_id``, 0.33.0), 0 is its own "layout on every pull"
-    value; call after ``register_kv_caches``, which sets a new id."""
+    """D: the KV layout in every pull request; call after ``register_kv_caches``."""
+    # layer-wise push writes at the addresses the request carries, never from P's
+    # per-peer layout cache; 0 is upstream's "layout on every pull" (0.33.0), and
+    # register_kv_caches sets a new id
     if hasattr(worker, "_kv_layout_id"):
         worker._kv_layout_id = 0
 
@@ -166,25 +142,20 @@ def layout_omitted(meta: Any) -> bool:
 
 
 def layout_miss_status(status_enum: Any) -> Any:
-    """P: the answer that makes upstream's D send the request again with its layout
-    (``LAYOUT_MISS``, 0.33.0); ``ERROR`` where there is none (no such D exists)."""
+    """P: ``LAYOUT_MISS`` (D resends with its layout, 0.33.0), else ``ERROR``."""
     return getattr(status_enum, "LAYOUT_MISS", status_enum.ERROR)
 
 
 def pull_request_blocks(
     block_ids: Sequence[int], block_len: int, num_regions: int
 ) -> tuple[Any, dict[str, Any]]:
-    """D's pull request (upstream's ``MooncakeXferMetadata``) for one request's
-    ``block_ids`` over ``num_regions`` registered regions of ``block_len`` bytes per
-    block, as the running release's D writes it: the request's ``req_blocks`` block
-    ids, and the message's per-region fields. One list per KV cache group plus
-    ``block_lens``/``kv_block_lens`` where the message has them (0.32.0); one list
-    and no such fields before. The connector never builds this message (upstream's
-    D does); tests that forge D's requests do."""
+    """D's pull request as the running release's D writes it: ``(req_blocks, per-region
+    fields)``. Only for tests that forge D's requests (upstream's D builds the real one)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
         MooncakeXferMetadata,
     )
 
+    # 0.32.0: one list per KV cache group plus block_lens/kv_block_lens; 0.18.1: one list
     if "block_lens" not in MooncakeXferMetadata.__struct_fields__:
         return list(block_ids), {}
     lens = [block_len] * num_regions

@@ -1,21 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """What this series adds in each worker process, behind one object.
 
-The worker subclass (connector.py, ``ExtMooncakeConnectorWorker``) owns one
-:class:`WorkerExtension` (``self.ext``), calls it from its overrides, and
-upstream's worker calls it at the hook points (hooks.py). What runs here is
-decided once, from the instance's kv_role and configuration (:class:`WorkerRoles`),
-and each capability's per-step part is a :class:`WorkerFeature`: the per-step
-methods call every feature this worker runs, with no per-feature branch.
-
-  prefill (not kv_consumer), MOONCAKE_LAYERWISE   layer-wise sender
-  decode (not kv_producer), MOONCAKE_LAYERWISE    layer-wise pull outcomes
-  any role but kv_consumer, prefix caching        hash mirror, push source (C)
-  any role                                        push destination (D)
-
-The extension reads upstream state it is handed (:class:`RegisteredKV`) and
-never writes upstream objects' fields: where one must change, it calls back
-into the subclass that owns it (``on_send_failed``).
+``ExtMooncakeConnectorWorker`` (connector.py) owns one :class:`WorkerExtension`, calls
+it from its overrides, and upstream's worker calls it at the hook points (hooks.py).
+What runs is decided once from kv_role and configuration (:class:`WorkerRoles`); each
+capability's per-step part is a :class:`WorkerFeature`. It reads the upstream state
+it is handed (:class:`RegisteredKV`) and never writes upstream fields: it calls back
+into the subclass that owns them (``on_send_failed``).
 """
 
 from __future__ import annotations
@@ -101,8 +92,7 @@ class WorkerFeature:
         """Before the forward pass, with the step's metadata (bind_connector_metadata)."""
 
     def start_load_kv(self, meta: ExtMetadata) -> None:
-        """With the step's metadata: before the forward pass up to vLLM 0.18.1, after
-        it from 0.32.0 when the step's loads are asynchronous."""
+        """With the step's metadata (after the forward on 0.32.0 if loads are async)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """After an attention layer wrote its KV."""
@@ -115,16 +105,15 @@ class WorkerFeature:
 
 
 class HashMirrorStep(WorkerFeature):
-    """The block-hash mirror: applies the scheduler's delta before the forward pass
-    (in every release: vLLM 0.32.0 calls start_load_kv after it, when a block the
-    step evicted and reused is already overwritten); a step's new blocks become
-    matchable once the event recorded after its forward has completed."""
+    """The hash mirror: new blocks are matchable once their step's forward completed."""
 
     def __init__(self, sync: WorkerHashSync, event_tensor: torch.Tensor | None):
         self.sync = sync
         self._event_tensor = event_tensor
 
     def before_forward(self, meta: ExtMetadata) -> None:
+        # not in start_load_kv (after the forward on 0.32.0): a block the step
+        # evicted and reused would already be overwritten
         self.sync.on_metadata(meta.hash_delta)
 
     def finished(self, sending: set[str], recving: set[str]) -> None:
@@ -300,23 +289,19 @@ class WorkerExtension(UpstreamHooks):
         dst: list[int],
         lengths: list[int],
     ) -> int:
-        """Upstream's post-hoc send: the same terminal write as ours (not the
-        engine's sync call), so a failed send's blocks are freed only once none of
-        its bytes can land."""
+        """Upstream's post-hoc send through our terminal write: a failed send's blocks
+        are freed only once none of its bytes can land."""
         if self._write is None:
             raise RuntimeError("write_blocks before the KV caches were registered")
         return self._write(session, src, dst, lengths)
 
     def send_failed(self, send_meta: Any) -> None:
-        """Upstream's post-hoc send: a write for one of D's requests failed, and it
-        was terminal (write_blocks): free P's blocks now, not at
-        VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (an idle P held them for minutes)."""
+        """A post-hoc send's write failed: free P's blocks now, not at the abort timeout."""
         if self._on_send_failed is not None:
             self._on_send_failed(send_meta)
 
     def bootstrap_server(self, vllm_config: VllmConfig, host: str, port: int) -> Any:
-        """The bootstrap server bound at MOONCAKE_BOOTSTRAP_HOST (upstream: 0.0.0.0),
-        with this series' routes, before it starts."""
+        """The server bound at MOONCAKE_BOOTSTRAP_HOST (upstream: 0.0.0.0), our routes added."""
         server = bootstrap_server(vllm_config, self.config.bootstrap_host, port)
         self.register_routes(server.app)
         return server
@@ -330,8 +315,7 @@ class WorkerExtension(UpstreamHooks):
         return self.config.reachable_bootstrap_host(upstream_host)
 
     def register_routes(self, app: Any) -> None:
-        """This series' routes on the bootstrap server (served by the first worker),
-        every one behind this worker's guard (routes.py)."""
+        """This series' routes on the bootstrap server, behind this worker's guard."""
         add_routes(
             app,
             self.guard,
@@ -352,13 +336,11 @@ class WorkerExtension(UpstreamHooks):
 
     # ---- every step -------------------------------------------------------------------
     def before_forward(self, meta: ExtMetadata | None) -> None:
-        """Before the forward pass (bind_connector_metadata)."""
         meta = meta or ExtMetadata()
         for feature in self.features:
             feature.before_forward(meta)
 
     def start_load_kv(self, meta: ExtMetadata | None) -> None:
-        """Upstream's start_load_kv: before or after the forward pass (WorkerFeature)."""
         meta = meta or ExtMetadata()
         for feature in self.features:
             feature.start_load_kv(meta)
@@ -370,7 +352,6 @@ class WorkerExtension(UpstreamHooks):
     def get_finished(
         self, done_sending: set[str] | None, done_recving: set[str] | None
     ) -> tuple[set[str] | None, set[str] | None]:
-        """After the forward pass was launched: add what our features finished."""
         sending, recving = set(done_sending or ()), set(done_recving or ())
         for feature in self.features:
             feature.finished(sending, recving)
@@ -418,8 +399,7 @@ class WorkerExtension(UpstreamHooks):
         await self.answers.serve(self.sender, self.fingerprint, meta, tp_size, send)
 
     def xfer_request_fields(self) -> dict[str, Any]:
-        """D: this series' fields of each pull request (MooncakeXferMetadata.ext),
-        checked by P in serve_xfer_request: the pull timeout and D's KV fingerprint."""
+        """D: each pull request's ``ext`` (pull limits, KV fingerprint), checked by P."""
         fields: dict[str, Any] = dict(self.config.decode_limits())
         if self.fingerprint is not None:
             fields["fingerprint"] = self.fingerprint.model_dump()

@@ -2,10 +2,8 @@
 """D's pull request to P (upstream's MooncakeXferMetadata) with this series' fields.
 
 ``ext`` carries what P checks before it writes into D layer by layer: D's give-up
-time and limits (ExtConfig.decode_limits) and D's KV fingerprint. Optional and
-last, so an instance without this series decodes the message unchanged (msgspec
-ignores fields it does not know) and this series decodes an upstream D's request
-with ``ext=None``.
+time and limits (ExtConfig.decode_limits) and KV fingerprint. Optional and last: an
+instance without it ignores the field (msgspec), an upstream D's request has ``ext=None``.
 """
 
 from __future__ import annotations

@@ -1,73 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Who may call this series' endpoints on the bootstrap server, and how a call proves it.
+"""Who may call this series' bootstrap-server endpoints, and how a call proves it.
 
-``/push_blocks`` makes this instance write memory (its transfer engine into a
-peer's registered buffers); ``/match_blocks`` and ``/hashsync`` tell what its
-prefix cache holds. Upstream's bootstrap server binds 0.0.0.0 and has no
-authentication, so these endpoints need their own:
-
-- ``MOONCAKE_BOOTSTRAP_TOKEN`` set: a shared secret, the same on every instance,
-  never sent on ``POST /match_blocks`` and ``POST /push_blocks``. D signs each of
-  those requests (:func:`request_headers`)::
-
-      Authorization: Mooncake-HMAC-SHA256 t=<unix ms>,n=<nonce>,b=<body hash>,s=<signature>
-      body hash = hex SHA-256(body)
-      signature = hex HMAC-SHA256(key=token, "mooncake-push-v1" LF method LF path
-                                  LF t LF nonce LF body hash)
-
-  (the nonce: 32 random hex digits). The body names ``dst_session`` and the
-  push's deadline, so neither can be changed without the secret. C checks the
-  header before it reads a byte of the body (:meth:`EndpointGuard.verify_header`:
-  the signature over the hash the header names, and the timestamp), so only a
-  holder of the secret makes it read a body at all; then it reads the body
-  (capped, within BODY_READ_DEADLINE_S) and checks that its hash is the signed
-  one (:meth:`EndpointGuard.verify`). C recomputes the signature and compares it
-  in constant time (401 if it differs), refuses a timestamp more than
-  MOONCAKE_PUSH_CLOCK_SKEW_S + MOONCAKE_PUSH_TIMEOUT_S behind its own clock
-  (401: stale) or more than MOONCAKE_PUSH_CLOCK_SKEW_S ahead of it (401: from
-  the future), and refuses a nonce it has already accepted (409: a replay). A
-  nonce is remembered until its timestamp would be refused as stale anyway, at
-  most :data:`NONCES_KEPT` at once; beyond that the oldest is forgotten and
-  every request signed no later than it is refused (401, :class:`NonceMemory`),
-  so a captured request can be neither replayed nor altered, and a flood of
-  signed requests shuts others out for at most the clock skew after it ends.
-  A bad signature is refused before its nonce is looked at: an unauthenticated
-  caller cannot fill the nonce memory. ``Authorization: Bearer`` is refused on
-  these two routes.
-  The GET routes (``/push/stats``, ``/hashsync``, ``/layerwise/transfers``;
-  read-only) take ``Authorization: Bearer <read key>`` (compared in constant
-  time), else 401. The read key is derived from the token (:func:`read_key`;
-  ``python -m vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.auth
-  read-key`` prints it): it travels in that header, so a leaked one reads
-  statistics but cannot sign, and the token itself is never sent.
-- no token, server bound to loopback (``MOONCAKE_BOOTSTRAP_HOST=127.0.0.1``):
-  open; only local processes can reach it.
-- no token, bound to anything else: closed (403, saying what to set), unless
-  ``MOONCAKE_BOOTSTRAP_INSECURE=1`` says the network is trusted (logged loudly).
-
-What the signature does not do: every holder of the secret is trusted alike
-(any instance may name any destination session), and a request may be
-replayed once to *another* instance that shares the secret within its window
-(each instance remembers only the nonces it accepted; such a replay writes the
-same prompt's blocks into the same blocks, before the push's deadline). The
-bodies travel in clear: an observer learns prompts' token ids and D's layout.
-
-TLS (optional, not built in): the bootstrap server is upstream's plain-HTTP
-server. To encrypt, bind it to loopback (``MOONCAKE_BOOTSTRAP_HOST=127.0.0.1``)
-with ``MOONCAKE_BOOTSTRAP_TOKEN`` set, and put a TLS-terminating reverse proxy
-in front of it on the host's address (nginx ``proxy_pass
-http://127.0.0.1:<bootstrap port>``, stunnel, an Envoy sidecar), forwarding
-the path and the ``Authorization`` header unchanged (the path is signed),
-and the source's ``x-mooncake-source-refusal`` answer header too (D ends a
-push early only on an answer carrying it; the proxy's own errors, such as a
-504 at its read timeout, keep D's blocks until the push's hold).
-List the sources as ``https://host:port`` in D's MOONCAKE_PUSH_SOURCES; D
-verifies the proxy's certificate against the system's CA store
-(``common/peer_client.py``; no proxy variables are read). The signatures then also
-keep working end to end, and the GET routes' read key no longer travels
-in clear.
-
-Upstream's own ``/register`` and ``/query`` are left as upstream has them.
+``/push_blocks`` makes this instance write into a peer's memory, ``/match_blocks``
+and ``/hashsync`` reveal its prefix cache; upstream's server authenticates nothing.
+With ``MOONCAKE_BOOTSTRAP_TOKEN`` set (the same everywhere, never sent) D signs its
+POSTs (:func:`sign`) and C accepts one only with a valid signature, a timestamp in
+its window and an unseen nonce; GET routes take a Bearer :func:`read_key`. Without a
+token: open on loopback, else closed (403) unless ``MOONCAKE_BOOTSTRAP_INSECURE=1``.
+Token holders are trusted alike, a request can be replayed once to another instance,
+bodies travel in clear. TLS: bind to loopback with a token behind a TLS proxy that
+forwards the path, ``Authorization`` and ``x-mooncake-source-refusal`` unchanged, and
+list the source as ``https://host:port`` in D's MOONCAKE_PUSH_SOURCES.
 """
 
 from __future__ import annotations
@@ -106,9 +49,7 @@ _MS = re.compile(r"[0-9]{1,16}")
 
 
 def read_key(token: str) -> str:
-    """The GET routes' bearer key: hex HMAC-SHA256(token, "mooncake-read-v1"). A
-    leaked read key (the header of a GET sent in clear) reads statistics; it cannot
-    sign a push, nor be turned back into the token."""
+    """The GET routes' bearer key: a leaked one cannot sign, nor yield the token."""
     return hmac.new(token.encode(), READ_CONTEXT, hashlib.sha256).hexdigest()
 
 
@@ -119,8 +60,7 @@ def body_hash(body: bytes) -> str:
 def signature(
     token: str, method: str, target: str, timestamp_ms: str, nonce: str, digest: str
 ) -> str:
-    """The hex HMAC-SHA256 of one request whose body hashes to ``digest`` (see
-    the module docstring)."""
+    """Hex HMAC-SHA256 over context, method, target, timestamp, nonce and body hash."""
     msg = b"\n".join(
         [
             CONTEXT,
@@ -150,8 +90,7 @@ def sign(
 
 
 def parse_signed(authorization: str | None) -> tuple[str, str, str, str] | None:
-    """(timestamp, nonce, body hash, signature) of a well-formed signed
-    Authorization value."""
+    """(timestamp, nonce, body hash, signature) of a well-formed signed header."""
     scheme, _, params = (authorization or "").partition(" ")
     if scheme.lower() != SCHEME.lower():
         return None
@@ -175,15 +114,9 @@ def parse_signed(authorization: str | None) -> tuple[str, str, str, str] | None:
 
 
 class NonceMemory:
-    """Nonces of accepted requests, each until it expires, at most ``capacity``.
-
-    Full, it forgets the nonce that expires first and from then on refuses every
-    request expiring no later than that one (``floor_ms``), so no forgotten nonce
-    can be replayed. A holder of the token who floods signed requests then shuts
-    others out only while its own timestamps are ahead of theirs, which the guard
-    bounds by the clock skew it accepts ahead of its clock (before, a full memory
-    answered 503 to everyone until the flood's nonces expired: 35 s by default).
-    """
+    """Accepted nonces until they expire, at most ``capacity``. Full, it forgets the
+    one expiring first and refuses all expiring no later (``floor_ms``), so none can
+    be replayed; a flood shuts others out for about the clock skew accepted ahead."""
 
     def __init__(self, capacity: int = NONCES_KEPT):
         self.capacity = capacity
@@ -218,9 +151,7 @@ class NonceMemory:
 
 @dataclass(frozen=True)
 class Verified:
-    """What :meth:`EndpointGuard.verify` found: ``denied`` (HTTP status, reason) or
-    None; ``signed_ms``: the signed timestamp of an authenticated request (None when
-    the endpoints are open)."""
+    """``denied``: (status, reason) or None; ``signed_ms``: None when open."""
 
     denied: tuple[int, str] | None = None
     signed_ms: int | None = None
@@ -293,8 +224,7 @@ class EndpointGuard:
         return None
 
     def check_signed_header(self, authorization: str | None) -> tuple[int, str] | None:
-        """Signed routes, before the body is read: None if the header may carry a
-        valid signature (:meth:`verify` decides once the body is in)."""
+        """Signed routes, before the body is read: None if the header is well formed."""
         if self.open:
             return None
         if self.closed:
@@ -310,8 +240,9 @@ class EndpointGuard:
     def verify(
         self, method: str, target: str, authorization: str | None, body: bytes
     ) -> Verified:
-        """Signed routes, once the body is read: :meth:`verify_header`, then the
-        body's hash against the signed one, then the nonce (remembered only now)."""
+        """Signed routes, once the body is read: header, body hash, then nonce."""
+        # the signature is checked before the nonce is remembered: an
+        # unauthenticated caller cannot fill the nonce memory
         header = self.verify_header(method, target, authorization)
         if header.denied is not None or self.open:
             return header
@@ -351,9 +282,8 @@ class EndpointGuard:
     def verify_header(
         self, method: str, target: str, authorization: str | None
     ) -> Verified:
-        """Signed routes, before the body is read: the signature over the method,
-        the path (``target``, as sent: path and query), the timestamp, the nonce and
-        the body hash the header names; then the timestamp's age."""
+        """Signed routes, before the body is read (only a token holder makes C read
+        one): the signature over the header's body hash, then the timestamp's age."""
         if self.open:
             return Verified()
         if (denied := self.check_signed_header(authorization)) is not None:
@@ -399,8 +329,7 @@ class EndpointGuard:
 
 
 def signed_target(scope: dict) -> str:
-    """The path (and query) of a request as its client sent it (an ASGI scope): what
-    the signature covers."""
+    """The path and query an ASGI request was sent with: what the signature covers."""
     path = scope.get("raw_path") or scope.get("path", "").encode()
     query = scope.get("query_string") or b""
     return (path + (b"?" + query if query else b"")).decode("latin-1")
@@ -409,8 +338,8 @@ def signed_target(scope: dict) -> str:
 def request_headers(
     config: ExtConfig, method: str, target: str, body: bytes
 ) -> dict[str, str]:
-    """Headers D sends with one call to a push source: signed when a token is set
-    (make them right before sending: the signature's timestamp starts its window)."""
+    """Headers for one call to a push source, signed when a token is set. Make them
+    right before sending: the signature's timestamp starts its window."""
     headers = {"content-type": "application/json"}
     if config.bootstrap_token:
         headers["authorization"] = sign(config.bootstrap_token, method, target, body)

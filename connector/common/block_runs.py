@@ -1,9 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Turn (source block, destination block) pairs into transfer-engine entries.
-
-One entry per run of blocks that are consecutive on both sides and per KV
-tensor: fewer, larger entries than one per block (the TCP transport queues
-each entry; see transport_env.py).
+"""Turn (source block, destination block) pairs into transfer-engine entries: one
+per KV tensor and run of blocks consecutive on both sides (the TCP transport queues
+each entry; transport_env.py).
 """
 
 from __future__ import annotations

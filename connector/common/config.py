@@ -1,15 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every knob of this patch series, read from the environment once.
 
-All variables of ours start with ``MOONCAKE_``; Mooncake's own (``MC_*``) and
-vLLM's (``VLLM_*``) are read only where a bound of ours depends on them.
-:func:`load` reads the process environment on first use and caches the
-result, so every component of one process sees the same values; unit tests
-build an :class:`ExtConfig` directly (``ExtConfig.from_env({...})``).
-
-The variables, one line each with their defaults: the README's Configuration
-table (tests/unit/connector/common/test_readme_config.py holds it to this
-module); their limits and reasons: docs/configuration.md.
+Our variables start with ``MOONCAKE_``; Mooncake's (``MC_*``) and vLLM's
+(``VLLM_*``) are read only where a bound of ours depends on them. :func:`load`
+reads the environment on first use and caches it, so one process sees one
+configuration; tests build ``ExtConfig.from_env({...})``. The variables and their
+defaults: the README's Configuration table (held to this module by
+tests/unit/connector/common/test_readme_config.py); limits: docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -187,10 +184,8 @@ class ExtConfig:
         return is_loopback(self.bootstrap_host)
 
     def reachable_bootstrap_host(self, upstream_host: str) -> str:
-        """Where this instance's own processes reach its bootstrap server. Upstream
-        uses the DP master's address, 127.0.0.1 by default; a server bound by
-        MOONCAKE_BOOTSTRAP_HOST to one non-loopback address is not listening there
-        (a worker registering there retried for ever): the bind address instead."""
+        """Where this instance's processes reach its bootstrap server: upstream's
+        address, or the bind address when that is one non-loopback address."""
         bind = self.bootstrap_host
         if (
             bind not in ("0.0.0.0", "::")
@@ -206,21 +201,9 @@ class ExtConfig:
         return 64 * 1024 + 48 * self.push_max_tokens
 
     def engine_write_bound_s(self, nbytes: int) -> float:
-        """The one bound on how long a write of ``nbytes`` may stay in flight.
-
-        From the engine's own rule (0.3.13, TCP): the segment handshake
-        (ENGINE_HANDSHAKE_ALLOWANCE_S), then the call's timeout
-        (``max(5, atoi(MC_TRANSFER_TIMEOUT))`` s + 1 ns per byte); then the
-        kernel's: how long bytes queued on a connection that stalled can still
-        be delivered (:func:`stalled_delivery_bound_s`, which covers the
-        transport's no-progress watchdog, ``engine_no_progress_s``, and the
-        orphaned connections it leaves), or, if longer, the watchdog and then the
-        transport's reconnect for the slices still queued (``engine_reconnect_s``).
-        engine_write.py waits for every slice
-        to be terminal and for the kernel's queues (send_queues.py); past this bound it logs the write
-        as overdue and keeps waiting (its blocks stay out of use). A peer that
-        holds blocks for someone else's write uses this bound, computed with
-        the *writer's* MC_TRANSFER_TIMEOUT."""
+        """The one bound on a write of ``nbytes`` in flight: handshake, the call's
+        timeout (+1 ns/byte), then the longer of :func:`stalled_delivery_bound_s` and
+        watchdog + reconnect. A peer holding blocks for it uses the *writer's* values."""
         return (
             ENGINE_HANDSHAKE_ALLOWANCE_S
             + self.engine_transfer_timeout_s
@@ -241,16 +224,10 @@ class ExtConfig:
         source_engine_no_progress_s: int | None = None,
         source_engine_reconnect_s: int | None = None,
     ) -> float:
-        """How long D keeps a push's blocks when C never answers. C starts no write
-        once the push's budget (push_timeout_s, from when C received the request)
-        or its deadline (D's wall clock + push_timeout_s, read on C's clock, which
-        D measured within push_clock_skew_s) has passed; a write started by then
-        ends within C's engine_write_bound_s for the ``nbytes`` asked for,
-        computed with C's MC_TRANSFER_TIMEOUT (``source_engine_timeout_s``), its
-        kernel's orphan retries (``source_tcp_orphan_retries``), its transport's
-        no-progress watchdog (``source_engine_no_progress_s``) and reconnect
-        (``source_engine_reconnect_s``), all from C's /match_blocks answer (None:
-        this instance's own)."""
+        """How long D keeps a push's blocks when C never answers: C starts no write
+        past the push's budget or deadline (push_timeout_s; clocks within
+        push_clock_skew_s), and one started by then ends within C's
+        engine_write_bound_s, from the ``source_*`` values C reported (None: ours)."""
         source = self
         if source_engine_timeout_s is not None:
             source = replace(source, engine_transfer_timeout_s=source_engine_timeout_s)
@@ -274,9 +251,7 @@ class ExtConfig:
         self, decode_limits: Mapping[str, float] | None
     ) -> str | None:
         """P: why it cannot serve a decode instance with these limits layer-wise
-        without risking a write after D gave up (None: it can, or D sent none).
-        P answers after its timeout once the in-flight write ended, which the
-        engine's rule bounds; D must still be waiting then."""
+        without risking a write after D gave up (None: it can, or D sent none)."""
         give_up = (decode_limits or {}).get("pull_give_up_s")
         if give_up is None:
             return None
@@ -503,8 +478,7 @@ MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,128}")
 
 
 def _model_id(env: Mapping[str, str]) -> str | None:
-    """MOONCAKE_MODEL_ID: one printable word (it is shown in the fingerprint and in
-    every mismatch warning)."""
+    """MOONCAKE_MODEL_ID: one printable word (shown in the fingerprint and warnings)."""
     raw = env.get("MOONCAKE_MODEL_ID", "").strip()
     if not raw:
         return None

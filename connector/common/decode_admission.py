@@ -1,30 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """D's admission of incoming transfers: at most N pulls written into D at once.
 
-A P/D request on D (``do_remote_prefill``) gets its blocks and asks P for its
-KV as soon as D's scheduler takes it. In a burst (many first turns at once, a
-"seed storm" after a restart) every pull then reaches P together, while P
-computes the prompts one after another: a pull whose prompt is still queued on
-P waits there (P knows the request is queued: prefill_sender.py), holding D's
-blocks for as long as P's queue takes to drain.
-
-:class:`PullAdmission` bounds the pulls in flight into this D
-(``MOONCAKE_DECODE_MAX_PULLS``; a pull is in flight from its allocation until
-its end reaches the scheduler, or its request finishes). A request beyond the
-bound stays in D's waiting queue, in order, without blocks and without asking
-P (the scheduler's connector answers "not yet": ``None`` matched tokens), so
-the burst becomes a queue on D: the pull it sends later reaches P about when P
-computes the prompt (when D's order differs from P's, it waits on P for its
-prompt), and D's blocks are not held while P's queue drains. A
-request waits at most ``MOONCAKE_DECODE_PULL_WAIT_S``; past that it is
-prefilled on D itself (the connector answers 0 matched tokens: upstream then
-sends P the block-less pull that frees P's copy), with a warning that names the
-variable. That wait is kept below P's own wait for D's pull
-(MOONCAKE_LAYERWISE_TIMEOUT_S), so an admitted pull still finds P's KV.
-
-Scheduler thread only (no lock). O(1) per question; state is bounded by the
-requests in D's waiting queue plus ``max_pulls``: every entry leaves when its
-request finishes (:meth:`forget`).
+In a burst every pull would reach P at once and hold D's blocks while P's queue
+drains. :class:`PullAdmission` bounds the pulls in flight into D
+(``MOONCAKE_DECODE_MAX_PULLS``); a request beyond it waits in D's queue, in order,
+without blocks and without asking P, and after ``MOONCAKE_DECODE_PULL_WAIT_S`` is
+prefilled on D (P is told to free its copy). That wait stays below P's
+MOONCAKE_LAYERWISE_TIMEOUT_S, so an admitted pull still finds P's KV. Scheduler
+thread only (no lock); state is bounded by D's waiting queue plus ``max_pulls``.
 """
 
 from __future__ import annotations
@@ -62,8 +45,7 @@ class PullAdmission:
         self._local: set[str] = set()
 
     def ask(self, req_id: str) -> Verdict:
-        """May ``req_id``'s pull start now? Asked each step the request is
-        considered, until it is allocated (:meth:`started`) or finishes."""
+        """May ``req_id``'s pull start now? Asked each step until :meth:`started`."""
         if req_id in self._local:
             return Verdict.PREFILL_LOCALLY
         if (

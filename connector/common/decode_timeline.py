@@ -1,28 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """D's scheduler-side timeline of each pull: when the KV came, when the request ran.
 
-A P/D request on D (``do_remote_prefill``) waits in WAITING_FOR_REMOTE_KVS
-until its worker reports the pull finished. :class:`DecodePullTimeline` notes,
-on the scheduler's clock, when that report reached the scheduler (the request
-became runnable), when the scheduler first gave it tokens to compute after
-that, and when it finished (and, if D's admission made it wait for a slot,
-when that wait began); :meth:`DecodePullTimeline.finished` hands the
-timeline back once, and the scheduler subclass returns it in the request's
-``kv_transfer_params`` as ``mooncake_timeline``, so the client sees it on D's
-response. With ``max_tokens=1`` (a benchmark's P/D request) "finished" is the
-first token's step.
-
-Times are ``time.monotonic()`` seconds: CLOCK_MONOTONIC, one clock for every
-process on a host (network namespaces do not change it; only a time namespace
-would, and none is used), so D's times compare directly with P's transfer
-timeline (``GET /layerwise/transfers``) when P and D share a host. Across hosts
-they do not compare.
-
-Bounded: a request is tracked from its allocation with external tokens to
-its finish (every request the scheduler admits finishes, aborted ones too),
-and at most ``MAX_TRACKED`` at once (beyond that the newest are not timed).
-The forward path is not touched: each step costs O(requests that became
-runnable) plus O(tracked requests still waiting to be scheduled).
+:class:`DecodePullTimeline` notes on the scheduler's clock when a pull's end reached
+the scheduler, when the request first ran after that, when it finished and when an
+admission wait began; the scheduler returns it once in ``kv_transfer_params`` as
+``mooncake_timeline``. ``time.monotonic()`` seconds: comparable with P's
+``GET /layerwise/transfers`` on one host only. At most ``MAX_TRACKED`` at once.
 """
 
 from __future__ import annotations

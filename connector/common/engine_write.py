@@ -1,46 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Transfer-engine writes that return only when none of their bytes can still land.
 
-Mooncake's ``batch_transfer_sync_write`` (0.3.13, TCP) gives up after
-``max(5, atoi(MC_TRANSFER_TIMEOUT))`` s + 1 ns per byte and returns -1, but the
-batch's slices stay queued in the transport: measured on this project's
-machine with two processes on loopback, a 256 MiB write to a receiver stopped
-for 9 s returned -1 after 5.3 s and every byte of it landed 3.7 s later. A
-returned call is therefore no proof that nothing is in flight, and every
-"free the blocks once the write returned" built on it could corrupt blocks that
-were already given to another request.
-
-:class:`TerminalWriter` writes each entry as a task of its own
-(``transfer_submit_write``) and polls ``transfer_check_status`` until the
-engine reports every task terminal: completed (1) or failed (-1), which
-Mooncake reports only once every slice of the task is done or failed
-(``MultiTransport::getTransferStatus``). Status -2 (a slice timed out) is not
-terminal and polling goes on. Only then does the call return, 0 on success
-and -1 otherwise, so callers keep their "returned = ended" accounting and it is
-now true. Measured with the same stopped receiver: no early return, the call
-returned when the bytes had landed (9.9 s); with the receiver stopped 45 s,
-the transport failed the slices on the stalled connection after 30 s and the
-queued ones completed when it resumed: the call returned after both.
-
-The engine gives no upper bound of its own on a task's life (a receiver that
-is stopped keeps its queued tasks pending). Past
-``ExtConfig.engine_write_bound_s`` the write is logged as overdue, once, and
-the wait goes on: its blocks stay out of use (the writer's source blocks, and
-on the peer the blocks the peer holds for it); a peer that stops holding at the
-bound is the residual risk docs/architecture.md states.
-
-A task reported FAILED is not proof either: after a link cut longer than the
-transport's 30 s no-progress watchdog, the bytes of its dropped connections
-are still in the kernel's send queues and land when the link returns. A failed
-write therefore returns only once :class:`~.send_queues.SendQueueFence` has
-seen every byte the kernel held for the peer at that moment acknowledged or
-dropped.
-
-A peer whose writes keep failing is refused for a while (peer_refusal.py): a
-refused write submits nothing and returns -1 at once.
-
-Verified on the CPU backend over TCP (mooncake-transfer-engine-non-cuda
-0.3.13.post1). The CUDA/RDMA build has the same Python calls; not run here.
+``batch_transfer_sync_write`` (0.3.13, TCP) returns -1 at its timeout while the
+batch's slices stay queued and can land later, so freeing blocks once it returned
+could corrupt blocks given to another request. :class:`TerminalWriter` submits each
+entry as a task and returns 0 or -1 only once the engine reports every task
+completed or failed (-2, a slice timeout, is not) and, after a failure, once
+:class:`~.send_queues.SendQueueFence` has passed: "returned = ended" holds. Past
+``ExtConfig.engine_write_bound_s`` a write is logged overdue and still waited for.
+Writes to a refused peer (peer_refusal.py) submit nothing. Verified on CPU over TCP.
 """
 
 from __future__ import annotations
@@ -148,9 +116,7 @@ class TerminalWriter:
         return rc
 
     def refusal(self, session: str, layout: Layout = None) -> str | None:
-        """Why a write to ``session`` (its KV ``layout``, where the caller knows it)
-        would be refused now (peer_refusal.py), or None. Callers that can name the
-        reason to their requester ask first."""
+        """Why a write to ``session`` (with ``layout``) would be refused now, or None."""
         return self.peers.refusal(session, layout)
 
     def _write(
@@ -267,27 +233,20 @@ def write_to(
     lens: Sequence[int],
     layout: Layout = None,
 ) -> int:
-    """``write_fn``'s write, naming the destination's ``layout`` to a
-    :class:`TerminalWriter` (its refusals are kept per layout); another write
-    function (upstream's engine call, a test's stand-in) gets the four
-    arguments it takes."""
+    """``write_fn``'s write; only a :class:`TerminalWriter` is told ``layout``."""
     if isinstance(write_fn, TerminalWriter):
         return write_fn(session, src, dst, lens, layout)
     return write_fn(session, src, dst, lens)
 
 
 def write_refusal(write_fn: Any, session: str, layout: Layout = None) -> str | None:
-    """Why ``write_fn`` (a :class:`TerminalWriter`, or another write function:
-    never refused) refuses writes to ``session`` now, or None."""
+    """Why ``write_fn`` refuses writes to ``session`` now, or None."""
     refusal = getattr(write_fn, "refusal", None)
     return refusal(session, layout) if refusal is not None else None
 
 
 def write_stats(write_fn: Any) -> dict[str, float]:
-    """The counters of a worker's writes (every path) as the stats routes and
-    /metrics serve them: failed writes that waited for the kernel's send queues
-    (send_queues.py), writes past the engine's bound, refused peers (zeros for
-    another write function)."""
+    """A worker's write counters for the stats routes and /metrics (else zeros)."""
     peers = getattr(write_fn, "peers", None)
     return {
         **fence_stats(write_fn),
@@ -301,11 +260,8 @@ def write_stats(write_fn: Any) -> dict[str, float]:
 def terminal_write_fn(
     write_fn: WriteFn, config: ExtConfig, protocol: str = "tcp"
 ) -> WriteFn:
-    """The write function this series uses for ``write_fn`` (the engine's
-    ``batch_transfer_sync_write``, as upstream registers it): a
-    :class:`TerminalWriter` over the same engine when the engine has the
-    per-task calls, else ``write_fn`` itself (unit tests' stand-ins). Says once
-    what a failed write waits for on this host."""
+    """A :class:`TerminalWriter` over ``write_fn``'s engine when it has the per-task
+    calls, else ``write_fn`` itself (tests' stand-ins)."""
     engine: Any = getattr(write_fn, "__self__", None)
     if (
         engine is not None

@@ -1,30 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fault injection for the project's correctness and lifecycle tests.
+"""Fault injection for the project's tests: each fault is armed by one variable (read
+once, config.FaultConfig), does nothing unless set, and is never set outside tests.
 
-A correctness check is only worth something if it is seen to fail, and a
-"no byte after the end" guarantee only if a late write is provoked. Each fault
-is armed by one environment variable (read once, config.FaultConfig) and does
-nothing unless it is set. Never set them outside tests.
-
-MOONCAKE_FAULT_ZERO_RECV_BLOCK=K        D: the K-th block of every request whose KV
-                                        came from a peer is zeroed (all layers, K and V)
-                                        right after the transfer, before it is scheduled
-MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN=N  P/C: every layer-wise or /push_blocks write of a
-                                        prompt of exactly N tokens fails (as if the engine
-                                        had returned -1)
-MOONCAKE_FAULT_DELAY_WRITE=N:S          P/C: such writes return S seconds late, bytes
-                                        landing at the end (a slow link or peer)
-MOONCAKE_FAULT_HOLD_WRITE=N:W:S         P: after W writes of a layer-wise transfer of such
-                                        a prompt, its writer waits S seconds before the
-                                        next one: the moment a fault test acts (the
-                                        transfer's "writes" in GET /layerwise/transfers
-                                        reads W while it waits)
-MOONCAKE_FAULT_FENCE_BLIND=1            P/C: every writer's send-queue fence reads nothing,
-                                        as on a host whose kernel it cannot read (failed
-                                        writes are held for the bound)
-MOONCAKE_FAULT_KEEP_ASKING_SOURCE=URL   D: failed pushes from this source neither cost nor
-                                        count against it (a test of hostile answers asks
-                                        one fake source many times)
+MOONCAKE_FAULT_ZERO_RECV_BLOCK=K       D: zero the K-th block received from a peer
+MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN=N P/C: layer-wise and push writes of N-token prompts fail
+MOONCAKE_FAULT_DELAY_WRITE=N:S         P/C: such writes return S s late, bytes landed
+MOONCAKE_FAULT_HOLD_WRITE=N:W:S        P: after W writes of such a transfer, its writer
+                                       waits S s (GET /layerwise/transfers shows W)
+MOONCAKE_FAULT_FENCE_BLIND=1           P/C: the send-queue fence reads nothing
+MOONCAKE_FAULT_KEEP_ASKING_SOURCE=URL  D: failed pushes from URL do not count
 """
 
 from __future__ import annotations
@@ -62,12 +46,9 @@ def zero_received_block(
 def write_fault(
     faults: FaultConfig, prompt_len: int, writes_done: int = 0
 ) -> str | None:
-    """Apply the write faults armed for a prompt of ``prompt_len`` tokens.
-
-    Called by the writing side right before its engine call. A delay sleeps
-    here (the write then lands late, as over a slow link); a failure returns
-    the error to report instead of writing. None: write normally.
-    ``writes_done``: how many writes of this transfer already returned."""
+    """Apply the write faults armed for a ``prompt_len``-token prompt, right before
+    the engine call (``writes_done``: this transfer's writes so far). Delays sleep
+    here; returns the error to report instead of writing, or None."""
     if (
         faults.hold_write_prompt_len == prompt_len
         and writes_done == faults.hold_write_after

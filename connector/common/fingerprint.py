@@ -1,43 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """What this instance's KV bytes depend on, named so that two instances can compare.
 
-KV that one instance writes into another's blocks is valid only if the other
-would have computed the same bytes for the same tokens. :func:`local_fingerprint`
-names everything that decides them (push/protocol.py's ``KVFingerprint``):
-
-``model`` = ``"<architecture> cfg=<hex> run=<hex> weights=<identity>"``
-
-- ``cfg``: the model's whole HF configuration (``hf_config.to_dict()``, after
-  vLLM applied its overrides and RoPE patches), without what differs across
-  hosts and cannot change a byte of KV: every key starting with ``_``
-  (``_name_or_path``, ``_commit_hash``, ``_attn_implementation``...),
-  ``name_or_path``, ``transformers_version`` (the installed library's, not the
-  model's) and the output switches in :data:`IGNORED_CONFIG_KEYS`. Everything
-  else counts, also where it cannot matter: a spurious mismatch costs a local
-  prefill, a missed one wrong KV.
-- ``run``: what vLLM applies on top: model dtype, quantization method,
-  attention dtype override, sliding-window switches, model implementation, KV
-  cache dtype, ``calculate_kv_scales``, KV sharing, the attention backend asked
-  for, and the RoPE settings by name.
-- ``weights``: ``id:<MOONCAKE_MODEL_ID>`` when the operator names the weights;
-  else ``files:<hex>``, a digest of the weight files read with bounded work:
-  each file's name and size, each safetensors header (tensor names, dtypes,
-  shapes, offsets) and a sample from the middle of every tensor
-  (:data:`SAMPLE_BUDGET` bytes in all, however large the model; other formats:
-  the first and last MiB and evenly spaced samples), plus the ``*.index.json``
-  files. A model named by its hub id is read from its local snapshot; without
-  one it is named by its revision (``hub:<id>@<revision>``).
-
-``dtype``, ``block_size``, ``tp_size`` as their names say; the worker side adds
-``block_len``, ``num_kv_tensors`` and ``layout`` (:func:`kv_layout`: attention
-backend, split K/V, element type, dimensions and their order in memory), which
-the scheduler side cannot know (None: not compared).
-
-Not named: LoRA adapters (a request names its adapter, not its contents), so
-prefix push refuses requests with one (push/decode_scheduler.py); multimodal inputs
-and prompt embeddings, likewise refused there. A model whose KV depends on a
-weight that no sample touches (a fine-tune changing a few bytes of one tensor
-only) has the same ``files:`` identity: set ``MOONCAKE_MODEL_ID`` then.
+KV written into a peer's blocks is valid only if the peer would have computed the
+same bytes. :func:`local_fingerprint` names what decides them: ``model`` (the
+architecture, the HF configuration without host-specific keys, what vLLM applies on
+top, and ``id:<MOONCAKE_MODEL_ID>`` or a bounded digest of the weight files), dtypes,
+block size, TP size and, worker side, the KV layout. A spurious mismatch costs a
+local prefill, a missed one wrong KV: in doubt, a setting counts. Not named: LoRA,
+multimodal inputs, prompt embeddings (push refuses those requests), nor weight bytes
+no sample touches: set MOONCAKE_MODEL_ID for such fine-tunes.
 """
 
 from __future__ import annotations
@@ -70,9 +41,8 @@ FINGERPRINT_SCHEME = 2  # part of every digest: a new scheme never equals an old
 
 
 class KVFingerprint(BaseModel):
-    """What must be equal on both instances for one's KV bytes to be valid in the other's
-    blocks. A field the scheduler side cannot know is None there (not compared).
-    The push wire carries it (push/protocol.py)."""
+    """What must be equal on both instances for one's KV to be valid in the other's
+    blocks. A field the scheduler side cannot know is None there (not compared)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -166,7 +136,8 @@ def _json_default(o: Any) -> Any:
 
 
 def _config_view(value: Any) -> Any:
-    """hf_config.to_dict() without what differs across hosts (see the module doc)."""
+    """hf_config.to_dict() without ``_`` keys and IGNORED_CONFIG_KEYS: what differs
+    across hosts and cannot change a byte of KV."""
     if isinstance(value, dict):
         return {
             str(k): _config_view(v)
@@ -337,8 +308,7 @@ def _digest_files(
 
 
 def _safetensors_header(p: Path) -> tuple[bytes, list[tuple[int, int]] | None]:
-    """(header bytes, each tensor's absolute byte range, by name) of a safetensors
-    file; (b"", None) for any other file."""
+    """(header, tensors' byte ranges by name) of a safetensors file, else (b"", None)."""
     if not p.name.endswith(".safetensors"):
         return b"", None
     try:
@@ -380,7 +350,7 @@ def _even_samples(size: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def attention_backend_name(vllm_config: VllmConfig) -> str | None:
-    """The attention backend of this worker's layers (as upstream's connector finds it)."""
+    """The attention backend of this worker's layers, as upstream finds it."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.utils import (
             get_current_attn_backend,
@@ -426,8 +396,7 @@ def _tensor_layout(t: torch.Tensor, blocks_dim: int) -> str:
 
 
 def parse_peer_fingerprint(raw: Any) -> KVFingerprint:
-    """A fingerprint a peer sent: its types (strict) and bounds. ValueError names the
-    first problem without echoing the value."""
+    """A peer's fingerprint, types and bounds checked; ValueError does not echo it."""
     if not isinstance(raw, Mapping):
         raise ValueError(f"expected an object, got {type(raw).__name__}")
     try:
@@ -451,9 +420,8 @@ def parse_peer_fingerprint(raw: Any) -> KVFingerprint:
 def handshake_refusal(
     own: KVFingerprint | None, fields: Mapping[str, Any] | None, num_addrs: int
 ) -> str | None:
-    """P: why a decode instance whose pull request carries ``fields``
-    (MooncakeXferMetadata.ext) must not receive this instance's KV layer by layer
-    (None: it may, or D sent no fields at all: an instance without this series)."""
+    """P: why a decode instance whose pull carries ``fields`` must not receive this
+    instance's KV layer by layer; None: it may, or it sent none (built without this series)."""
     if fields is None:
         return None
     if own is None:
@@ -493,9 +461,8 @@ def handshake_refusal(
 
 
 class WarnLimiter:
-    """Warnings by key, each at most once per ``interval_s``. At most ``max_keys``
-    keys are remembered; beyond them, new keys share one budget (one warning per
-    interval), so a peer that varies what it sends cannot flood the log."""
+    """Warnings by key, each at most once per ``interval_s``; beyond ``max_keys`` keys
+    new ones share one budget, so a peer varying what it sends cannot flood the log."""
 
     OVERFLOW = "\0overflow"
 

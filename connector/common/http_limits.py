@@ -2,28 +2,12 @@
 """Connections to the bootstrap server: few at once, few from one address, and
 every request bounded in time and size before any route sees it.
 
-Nothing authenticates a connection before its request's headers are in, and
-upstream's routes (``/register``, ``/query``) never do, so the limits that hold
-for every caller on every route are these, in uvicorn's h11 protocol
-(:class:`LimitedH11Protocol`, used by prefill_bootstrap.py):
-
-- a request's headers must be complete within HEADER_DEADLINE_S of the
-  connection's opening or of the previous response's end, and its body within
-  BODY_DEADLINE_S of its headers' end; else the connection is closed. Once the
-  body is whole the route answers in its own time;
-- a body above ``max_body_bytes`` (the server sets it to the largest body one
-  of its routes accepts) is refused: a declared Content-Length with 413 and
-  the connection's end before any route reads it, a chunked body by closing
-  the connection once it grows past the cap;
-- at most MAX_CONNECTIONS are open at once, and MAX_CONNECTIONS_PER_ADDRESS
-  from one remote address; one beyond is closed at once, with a warning at
-  most once a minute.
-
-Not covered: a flood from many addresses can still fill MAX_CONNECTIONS for as
-long as it lasts (each of its connections lives at most the two deadlines),
-and peers behind one NAT or proxy share one address's room. Limiting by source
-address at that scale is a firewall's job. Verified with uvicorn 0.54.0 (both
-releases' virtualenvs).
+Nothing authenticates a connection before its headers are in, so
+:class:`LimitedH11Protocol` holds every caller to: headers within HEADER_DEADLINE_S,
+the body within BODY_DEADLINE_S after them; a body above ``max_body_bytes`` refused;
+at most MAX_CONNECTIONS open, MAX_CONNECTIONS_PER_ADDRESS from one address. Not
+covered: a flood from many addresses can fill MAX_CONNECTIONS while it lasts, and
+peers behind one NAT share one address's room (a firewall's job).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Read a few bytes of this instance's registered KV blocks (proof of write).
 
-A push source answering "ok" is believed only if it proves the write: D
-plants random canaries at secret random probe positions (KV tensor, block,
-byte offset) of the blocks it asks for, which it owns and nobody reads until
-the push ended; once C has answered, D reads its memory there, and only then
-sends the positions (POST /push_proof); C answers the bytes of its source
-blocks there; D checks that what it read is exactly those bytes and no
-longer its canary. A source that did not write everywhere cannot know where
-D looks, nor fix D's memory once told (push/decode_receiver.py).
-
-Reads and writes go through torch, so they work for CPU and CUDA tensors
-alike. On CUDA a write (a canary) is a copy queued on the current stream:
-the caller orders what follows after it with an event (gpu_order.py); a read
-is a small device-to-host copy. Verified on the CPU backend only.
+D plants canaries at secret probe positions of the blocks it asks a push source
+for, reads them once C answered, and only then sends C the positions; C must answer
+its source bytes there (push/decode_receiver.py). Through torch, so CPU and CUDA
+alike: on CUDA a write is a copy queued on the current stream, ordered by an event
+(gpu_order.py), a read a small device-to-host copy. Verified on CPU only.
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Calls to a peer's HTTP server, bounded in time, in bytes and per peer: D's
-calls to a push source (C's ``/match_blocks`` and ``/push_blocks``) and a
-scheduler's reset notice to its worker (hashsync/scheduler_sync.py).
+"""Calls to a peer's HTTP server, bounded in time, in bytes and per peer: D's calls
+to a push source and a scheduler's reset notice to its worker.
 
-- Time: a call has one deadline (monotonic), not a timeout per read. Every
-  connect, write and read on its connection waits at most until that deadline
-  (:class:`_DeadlineBackend` clamps each one), so a source that trickles a byte
-  every half second, in its headers or its body, is cut off at the deadline
-  like a silent one. (httpx's timeouts restart at every read.)
-- Bytes: an answer is streamed and refused once it exceeds its cap (a declared
-  length above the cap is refused before reading); D never holds more.
-- Sources: each source has its own few threads and its own connections
-  (:class:`SourceLanes`), so a slow source delays only its own calls, never a
-  healthy source's. Only allowlisted sources get a lane: their number is
-  bounded by MOONCAKE_PUSH_SOURCES.
-- No proxy: D connects straight to the source it names. httpcore reads no
-  environment (an httpx client with trust_env left on would route these calls
-  through HTTP_PROXY/HTTPS_PROXY/ALL_PROXY).
-- Kept connections: one idle for KEEPALIVE_EXPIRY_S is not used again, below
-  the source server's own idle close (uvicorn's 5 s). A close the source sent
-  while the link was cut can be lost for good (the kernel gives up on the
-  orphaned connection before the link returns: net.ipv4.tcp_orphan_retries);
-  without an expiry D's pool kept such a connection and the first call after
-  the cut failed on it ("Server disconnected without sending a response"),
-  which cost a push its blocks' hold and then a local prefill.
-- ``shutdown()``: queued calls are cancelled, in-flight ones aborted (their
-  sockets shut down), the threads joined. The threads are daemons: none of
-  them keeps the process from exiting.
-
-- URLs: D builds every URL from a source's normalised origin
-  (``scheme://host:port``, :func:`source_origin`) and a path of its own; a
-  push_from with a path other than "" or "/", a query, a fragment, userinfo,
-  a backslash, whitespace or a non-ASCII character is refused, so a client
-  cannot point D's calls at another route of an allowed source
-  (``http://c:9000/push_blocks?`` would have made D's /match_blocks a push).
-
-The URL is parsed by httpx (as the allowlist test checks: no parser
-differential), the request headers are httpx's; httpcore sends them.
+- Time: one monotonic deadline per call clamps every connect, write and read
+  (httpx's timeouts restart at every read), so a trickling source is cut off too.
+- Bytes: an answer above its cap is refused (a declared length before reading).
+- Sources: each has its own threads and connections (:class:`SourceLanes`), so a
+  slow one delays only its own calls; only allowlisted sources get them, which
+  bounds their number (MOONCAKE_PUSH_SOURCES).
+- No proxy variables are read. URLs are a source's normalised origin plus a path of
+  D's own (:func:`source_origin`): a client cannot aim them at another route.
 """
 
 from __future__ import annotations
@@ -58,9 +31,8 @@ from ..common.config import ConfigError, normalize_source
 
 
 def source_origin(url: str) -> str:
-    """A push_from value's normalised origin, ``scheme://host:port``, the only part
-    D uses; ValueError (naming what is wrong) unless the value is just that origin,
-    optionally with a trailing "/"."""
+    """A push_from value's normalised ``scheme://host:port``; ValueError (naming what
+    is wrong) unless the value is just that origin, optionally with a trailing "/"."""
     if not isinstance(url, str):
         raise ValueError(f"not a string: {type(url).__name__}")
     if not url.isascii() or any(
@@ -81,7 +53,8 @@ def source_origin(url: str) -> str:
 # The largest answer D reads from a source (its answers are a few hundred bytes;
 # a push answer with its probes a few KiB).
 MAX_ANSWER_BYTES = 1 << 20
-# below uvicorn's timeout_keep_alive (5 s), which the source's bootstrap server uses
+# below uvicorn's timeout_keep_alive (5 s), which the source's bootstrap server uses;
+# a close lost while the link was cut would otherwise fail the first call after it
 KEEPALIVE_EXPIRY_S = 2.0
 # A call with less than this left (one queued behind a slow source's calls) cannot
 # get a whole answer: it is not started, so the source sees no connection and no
@@ -230,8 +203,7 @@ class _DeadlineBackend(httpcore.NetworkBackend):
 
 
 class _SourceClient:
-    """One source's connections (keep-alive; an https source's one SSL context:
-    building one takes tens of ms)."""
+    """One source's kept connections (an https source's SSL context built once)."""
 
     def __init__(self, connections: int, max_answer_bytes: int, tls: bool):
         self.backend = _DeadlineBackend()
@@ -253,6 +225,7 @@ class _SourceClient:
                 f"POST {url}: {max(left, 0) * 1000:.0f} ms of the deadline left before "
                 "the call: not started"
             )
+        # httpx parses the URL, as the allowlist test checks: no parser differential
         req = httpx.Request("POST", url, content=content, headers=headers)
         u = req.url
         target = httpcore.URL(
@@ -382,10 +355,7 @@ class _Lane:
 
 
 class SourceLanes:
-    """Per push source: its own ``threads`` threads and as many connections.
-
-    ``submit(source, fn, ...)`` runs ``fn`` on one of that source's threads;
-    ``post(source, path, ...)`` (called there) sends one bounded POST to it."""
+    """Per push source: its own ``threads`` threads and as many connections."""
 
     def __init__(
         self,
@@ -410,8 +380,7 @@ class SourceLanes:
             return source
 
     def _begin(self, source: str) -> _Lane:
-        """``source``'s lane, one call more on it; other lanes idle for ``idle_s``
-        are closed (their threads end, their connections close)."""
+        """``source``'s lane, one call more on it; lanes idle ``idle_s`` are closed."""
         key = self.key(source)
         now = time.monotonic()
         with self._lock:
@@ -448,9 +417,8 @@ class SourceLanes:
         headers: dict[str, str],
         deadline: float,
     ) -> Answer:
-        """POST ``path`` at ``source``'s origin (ValueError if ``source`` is more than
-        an origin); the whole answer by ``deadline`` (monotonic) or DeadlinePassed,
-        at most the cap or AnswerTooLarge."""
+        """POST ``path`` at ``source``'s origin: the whole answer by ``deadline``, else
+        DeadlinePassed or AnswerTooLarge (ValueError: ``source`` is not an origin)."""
         url = source_origin(source) + path  # ValueError before any lane is made
         lane = self._begin(source)
         try:

@@ -1,25 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Peers whose writes keep failing are refused for a while, visibly.
 
-Every engine write of a worker (layer-wise, push, upstream's post-hoc send)
-goes through one :class:`~.engine_write.TerminalWriter`, which asks this
-module before it submits anything. After REFUSE_AFTER failed writes in a row
-to one session (``host:port`` of the peer's transfer engine), writes to it are
-refused for REFUSE_FIRST_S; when that has passed, writes go to it again, and
-another failure refuses it for twice as long (at most REFUSE_MAX_S); one write
-that succeeds ends it all. Failed writes are no cheap answer: after a link cut
-each holds its blocks, the peer's blocks held for it and a writer until the
-kernel has delivered or dropped its bytes (minutes, send_queues.py), and a
-peer that is down answers every new write with the same failure. A refused
-write submits nothing, so it can end at once: no byte of it can land.
-
-A refusal starts with one warning naming the peer, the failures and how long;
-the stats routes and ``/metrics`` count refused peers and refused writes.
-
-A peer is its session *and* the KV layout the write was asked for (its base
-addresses, where the caller knows them): anyone who can ask for a write can name
-a victim's session with a layout of their own, and the failures of those writes
-must not refuse the writes the victim asks for with its real layout.
+Every engine write of a worker goes through a :class:`~.engine_write.TerminalWriter`,
+which asks here first. After REFUSE_AFTER failed writes in a row to a peer, writes
+to it are refused for REFUSE_FIRST_S, twice as long on each new refusal (at most
+REFUSE_MAX_S); one successful write ends it. A failed write holds blocks until the
+kernel delivers or drops its bytes; a refused one submits nothing, so none can land.
+A peer is its session *and* the KV layout asked for, so a caller naming a victim's
+session with a layout of its own cannot get the victim's writes refused.
 """
 
 from __future__ import annotations
@@ -52,8 +40,7 @@ class _Peer:
 
 
 class RefusedPeers:
-    """Per peer session: failed writes in a row, and a refusal after
-    ``refuse_after`` of them. Thread-safe."""
+    """Per peer: failed writes in a row, refused after ``refuse_after``. Thread-safe."""
 
     def __init__(
         self,
@@ -76,8 +63,7 @@ class RefusedPeers:
         self.refused_writes = 0  # writes refused in all
 
     def refusal(self, session: str, layout: Layout = None) -> str | None:
-        """Why a write to ``session`` with ``layout`` is refused now (counted as one
-        refused write), or None: it may be written to."""
+        """Why a write to ``session`` with ``layout`` is refused now (counted), or None."""
         with self._lock:
             peer = self._peers.get((session, layout))
             if peer is None:

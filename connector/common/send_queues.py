@@ -1,32 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fence after a failed transfer-engine write: it returns only once none of
-the write's bytes can still land in the peer's memory.
+"""The fence after a failed transfer-engine write (on the writing side): it returns
+only once none of the write's bytes can still land in the peer's memory.
 
-A task the engine reports FAILED is no proof (TCP, measured with the real engine
-across two network namespaces, docs/results/2026-11-26-late-bytes.md): after a
-link cut the transport drops its stalled connections, the kernel keeps them as
-orphans with their send queues, and their retransmissions deliver those bytes
-into the peer's registered memory when the link returns.
-
-:class:`SendQueueFence` reads this network namespace's TCP sockets to the peer
-from the kernel itself, once per poll for every fenced write
-(:class:`KernelSockets`: NETLINK_SOCK_DIAG, what ``ss`` uses, with each socket's
-send queue and ``bytes_acked``; else ``/proc/net/tcp{,6}``, send queues only), and
-waits until each byte the sockets held when the write failed is acknowledged or
-its socket is gone. It fails closed: when it cannot read the kernel (checked at
-start by a socket of its own with queued bytes) or the peer's host name
-resolves to nothing, it holds the write for the longest time queued bytes can
-still be delivered (``hold_s``, write_bounds.stalled_delivery_bound_s), counted as a
-blind hold. When it sees no socket to any address of the peer (the kernel
-dropped them, or the transport connected to an address the name no longer
-gives), it waits for every socket of this namespace that holds bytes, for at
-most ``hold_s``. RDMA has no kernel queue to read: a failed write with
-the RDMA transport is held for ``rdma_hold_s`` (config.rdma_failed_write_hold_s,
-docs/architecture.md), and fenced on TCP sockets too where the transport fell
-back to TCP.
-
-Not covered: bytes the peer's kernel has acknowledged but the peer's engine has
-not yet copied out of its receive queue (a window of its read loop).
+A FAILED task is no proof: the kernel keeps dropped connections as orphans and
+retransmits their queued bytes into the peer's memory when the link returns
+(docs/results/2026-11-26-late-bytes.md). :class:`SendQueueFence` reads this
+namespace's TCP sockets to the peer and waits until every byte they held at the
+failure is acknowledged or its socket is gone. It fails closed: an unreadable kernel
+or an unresolvable peer holds the write ``hold_s``, the longest queued bytes can
+still land; a failed RDMA write (no kernel queue) is held ``rdma_hold_s``.
+Not covered: bytes the peer's kernel acknowledged that its engine has not yet read.
 """
 
 from __future__ import annotations
@@ -102,8 +85,7 @@ class QueuedSocket:
 
 
 def normal_ip(address: str) -> str:
-    """An IP address in one spelling: IPv4-mapped IPv6 as its IPv4 address, scope
-    dropped."""
+    """An IP address in one spelling: IPv4-mapped IPv6 as IPv4, scope dropped."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return str(ip.ipv4_mapped)
@@ -111,8 +93,7 @@ def normal_ip(address: str) -> str:
 
 
 def _packed_forms(ips: Iterable[str]) -> frozenset[bytes]:
-    """The addresses as sock_diag's 16-byte sockid field holds them: IPv4 in its
-    first 4 bytes (AF_INET), and IPv4-mapped in AF_INET6 dumps."""
+    """The addresses as sock_diag's 16-byte sockid holds them (IPv4 also mapped)."""
     out = set()
     for text in ips:
         ip = ipaddress.ip_address(text)
@@ -132,12 +113,8 @@ def _ip_of(family: int, raw: bytes) -> str:
 
 
 def _remote_filter(peers: frozenset[str]) -> bytes:
-    """sock_diag bytecode that keeps the sockets whose remote address is one of
-    ``peers`` (the kernel matches an IPv4 condition on IPv4-mapped sockets too),
-    as an INET_DIAG_REQ_BYTECODE attribute. Encoded as ``ss`` encodes "A or B":
-    a condition jumps to the next op when true and over it when false; a JMP
-    between two alternatives always jumps over the second (the kernel's audit
-    walks the true jumps and wants every false jump to land on that walk)."""
+    """Bytecode keeping sockets to ``peers``, encoded as ``ss`` encodes "A or B" (the
+    kernel's audit wants every false jump to land on the walk of true jumps)."""
     program = b""
     for text in sorted(peers, reverse=True):
         ip = ipaddress.ip_address(text)
@@ -154,10 +131,8 @@ def _remote_filter(peers: frozenset[str]) -> bytes:
 
 
 def read_sock_diag(peers: frozenset[str] | None) -> list[QueuedSocket] | None:
-    """This namespace's TCP sockets whose remote address is in ``peers`` (None:
-    every socket), from one NETLINK_SOCK_DIAG dump per address family, filtered
-    in the kernel; None when the kernel does not answer (no sock_diag, refused,
-    or no answer within NETLINK_TIMEOUT_S)."""
+    """This namespace's TCP sockets to ``peers`` (None: all), filtered in the
+    kernel; None when sock_diag fails or is silent for NETLINK_TIMEOUT_S."""
     wanted = None if peers is None else _packed_forms(peers)
     bytecode = b"" if peers is None else _remote_filter(peers)
     out: list[QueuedSocket] = []
@@ -247,8 +222,7 @@ def _parse_msg(
 
 
 def _proc_address(text: str) -> tuple[str, int]:
-    """``/proc/net/tcp{,6}``'s ``HEX_IP:HEX_PORT`` (each 32-bit word of the address
-    in this host's byte order)."""
+    """``/proc/net/tcp{,6}``'s ``HEX_IP:HEX_PORT`` (32-bit words in host order)."""
     hex_ip, hex_port = text.split(":")
     raw = bytes.fromhex(hex_ip)
     if sys.byteorder == "little":
@@ -258,9 +232,7 @@ def _proc_address(text: str) -> tuple[str, int]:
 
 
 def parse_proc_net_tcp(text: str, peers: frozenset[str] | None) -> list[QueuedSocket]:
-    """``/proc/net/tcp`` or ``tcp6`` -> the sockets whose remote address is in
-    ``peers`` (None: every socket; tx_queue is the send queue; it has no
-    bytes_acked)."""
+    """``/proc/net/tcp{,6}`` -> the sockets to ``peers`` (None: all); no bytes_acked."""
     out = []
     for line in text.splitlines()[1:]:
         fields = line.split()
@@ -284,8 +256,7 @@ def parse_proc_net_tcp(text: str, peers: frozenset[str] | None) -> list[QueuedSo
 def read_proc_net_tcp(
     peers: frozenset[str] | None, root: str = "/proc/net"
 ) -> list[QueuedSocket] | None:
-    """This namespace's TCP sockets to ``peers`` (None: every socket) from
-    ``/proc/net/tcp{,6}``; None when neither can be read."""
+    """The sockets to ``peers`` from ``/proc/net/tcp{,6}``; None when unreadable."""
     out: list[QueuedSocket] = []
     read_any = False
     for name in ("tcp", "tcp6"):
@@ -307,9 +278,8 @@ READERS: dict[str, Reader] = {
 
 
 def probe_reader(readers: dict[str, Reader] = READERS) -> str | None:
-    """The first reader that sees a socket of this process with bytes queued, as
-    a failed write's socket would be (a loopback connection whose peer does not
-    read), or None: none of them can see the kernel's send queues here."""
+    """The first reader that sees the queued bytes of a loopback socket whose peer
+    does not read, or None: no reader sees send queues here (the fence is blind)."""
     try:
         with socket.create_server(("127.0.0.1", 0)) as listener:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -337,8 +307,7 @@ def probe_reader(readers: dict[str, Reader] = READERS) -> str | None:
 
 
 class KernelSockets:
-    """The kernel's TCP sockets to a set of addresses, read by the reader that
-    :func:`probe_reader` found working at start (None: blind)."""
+    """The kernel's TCP sockets, read by the reader :func:`probe_reader` found."""
 
     def __init__(self, readers: dict[str, Reader] | None = None, probe: bool = True):
         self.readers = READERS if readers is None else readers
@@ -349,18 +318,15 @@ class KernelSockets:
         return self.mode is None
 
     def read(self, peers: frozenset[str] | None) -> list[QueuedSocket] | None:
-        """The sockets to ``peers`` (None: every socket of this namespace); None
-        when the kernel cannot be read."""
+        """The sockets to ``peers`` (None: all); None when the kernel is unreadable."""
         if self.mode is None:
             return None
         return self.readers[self.mode](peers)
 
 
 class PeerAddresses:
-    """Every address a peer session's host name has resolved to, since the first
-    write to it: the transport resolves the name when it connects, and a name
-    with A and AAAA records or changing answers can put its data connection on
-    any of them. Thread-safe; at most ADDRESSES_KEPT sessions."""
+    """Every address a peer's host name resolved to since its first write: the
+    transport may have connected to any. Thread-safe; ADDRESSES_KEPT sessions."""
 
     def __init__(self, resolve: Callable[[str], set[str]] | None = None):
         self._resolve = resolve or resolve_host
@@ -368,8 +334,7 @@ class PeerAddresses:
         self._known: dict[str, set[str]] = {}
 
     def note(self, session: str) -> None:
-        """A write to ``session`` starts: resolve its host once (an IP literal
-        costs nothing; a name is looked up off the writer's thread)."""
+        """A write to ``session`` starts: resolve its host once, off this thread."""
         host = session_host(session)
         with self._lock:
             if session in self._known:
@@ -427,9 +392,7 @@ def resolve_host(host: str) -> set[str]:
 
 
 class SendQueueFence:
-    """Waits until nothing a failed write queued in this namespace's kernel for a
-    peer can still be delivered (module docstring). Thread-safe: concurrent
-    fences share one kernel reading per poll."""
+    """The fence; concurrent fences share one kernel reading per poll."""
 
     def __init__(
         self,
@@ -462,8 +425,7 @@ class SendQueueFence:
         self._last_peers: frozenset[str] = frozenset()
 
     def say_at_start(self) -> None:
-        """Says once what a failed write waits for on this host, and what that
-        costs when the kernel cannot be read."""
+        """Say once what a failed write waits for on this host."""
         if self.kernel.blind:
             logger.warning(
                 "Mooncake writes: cannot read this host's TCP send queues (no "
@@ -489,9 +451,8 @@ class SendQueueFence:
         self.addresses.note(session)
 
     def wait(self, session: str, bound_s: float, started: float) -> float:
-        """Return once no byte a failed write to ``session`` queued can still
-        land; logs once past ``bound_s`` after ``started`` (this clock) and keeps
-        waiting. Returns the seconds waited."""
+        """Return the seconds waited, once no byte a failed write to ``session``
+        queued can still land; past ``bound_s`` after ``started`` it logs and waits on."""
         t0 = self._clock()
         with self._counters:
             self.fencing += 1
@@ -571,8 +532,7 @@ class SendQueueFence:
             self._sleep(min(left, POLL_MAX_S))
 
     def _poll(self, peers: frozenset[str], max_age: float) -> list[QueuedSocket] | None:
-        """The sockets to ``peers``: a reading of every watched peer taken at most
-        ``max_age`` s ago, or a new one."""
+        """The sockets to ``peers`` from a shared reading at most ``max_age`` s old."""
         me = threading.get_ident()
         with self._reading:
             self._watched[me] = peers
@@ -596,9 +556,8 @@ class SendQueueFence:
         started: float,
         until: float | None = None,
     ) -> None:
-        """Until every target is met: its ``bytes_acked`` reached (None: its
-        queue emptied once) and, for a connection this side closed, the peer's
-        application closed too; or its socket gone; or ``until`` (this clock)."""
+        """Until every target is met or its socket gone, or ``until`` passes. Met:
+        ``bytes_acked`` reached (None: queue empty) and, if we closed, the peer too."""
         warned = False
         interval = POLL_MIN_S
         while targets and (until is None or self._clock() < until):
@@ -640,8 +599,7 @@ class SendQueueFence:
 
 
 def fence_stats(write_fn: object) -> dict[str, float]:
-    """The send-queue fence's counters of a terminal write function (zeros for
-    another write function), as the stats routes serve them."""
+    """The fence's counters of a write function (zeros without a fence)."""
     fence = getattr(write_fn, "fence", None)
     return {
         "fenced_writes": getattr(fence, "fenced", 0),

@@ -1,29 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Defaults for the Mooncake TCP transport's queue limits and timeouts.
 
-Mooncake's TCP transport (0.3.13) admits at most ~1024 queued transfers per peer
-and gives a transfer 1 s (``MC_TCP_ADMISSION_TIMEOUT_MS``) to be admitted. A KV
-transfer is one entry per (layer, K/V, run of contiguous blocks): a 2048-token
-prompt of a 48-layer model is ~12k entries, which the transport rejects at once
-(``batch_transfer_sync_write`` returns -1 without a log line), and under CPU
-load a smaller batch waits longer than 1 s for admission and fails the same way.
-Both were seen on this project's CPU machine; the raw engine moves the
-same 12k-entry batch in ~0.5 s once the limits are raised.
-
-Timeouts and the "no byte after the end" bounds (write_bounds.py): a write waiting
-for admission longer than ``MC_TCP_ADMISSION_TIMEOUT_MS`` fails without moving
-bytes; the admission timeout (20 s) is below a push's deadline
-(MOONCAKE_PUSH_TIMEOUT_S, 30 s). Every write of this series waits until the
-engine reports each of its entries done or failed (engine_write.py); the
-bound peers hold blocks for is ``ExtConfig.engine_write_bound_s``, computed
-from the writer's MC_TRANSFER_TIMEOUT, its transport's no-progress watchdog
-(MC_TCP_PROGRESS_TIMEOUT_SEC, MC_TCP_STATUS_TIMEOUT_SEC) and its reconnect
-(MC_TCP_LANES_PER_PEER, one here); C reports them to D in /match_blocks.
-
-The defaults below apply only to the ``tcp`` protocol and only where the user
-has not set the variable: an explicit setting always wins. They must be in the
-environment before the TransferEngine is initialized (the transport reads them
-once, at construction). RDMA is untouched (verified only over TCP here).
+Mooncake's TCP transport (0.3.13) admits ~1024 queued entries per peer, each within
+1 s; a KV transfer has one entry per (layer, K/V, block run), ~12k for a 2048-token
+prompt of a 48-layer model, rejected at once (-1, no log line). The defaults raise
+those limits, keep the admission timeout (20 s) below a push's deadline, and pin the
+timeouts and lanes ``ExtConfig.engine_write_bound_s`` is computed from. They apply
+to ``tcp`` only, where the user left the variable unset, and must be in the
+environment before the TransferEngine is built. RDMA is untouched.
 """
 
 from __future__ import annotations
@@ -88,9 +72,8 @@ def apply_transport_env_defaults(
 
 
 def engine_listen_note(env: Mapping[str, str]) -> str:
-    """Where Mooncake's engine (0.3.13, TCP, P2PHANDSHAKE) listens, whatever
-    MC_TCP_BIND_ADDRESS says: that variable only picks the advertised address
-    (tests/integration/test_engine_listeners.py)."""
+    """Where Mooncake's engine (0.3.13, TCP) listens: MC_TCP_BIND_ADDRESS only picks
+    the advertised address (tests/integration/test_engine_listeners.py)."""
     lo, hi = env.get("MC_MIN_RPC_PORT", "15000"), env.get("MC_MAX_RPC_PORT", "17000")
     return (
         f"Mooncake's transfer engine listens on ALL interfaces (handshake 0.0.0.0, data *) "

@@ -1,14 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How long a write can still land after it was given up: the Mooncake
-engine's and the kernel's timers, as the engine and the kernel read them.
+"""How long a write can still land after it was given up, from the Mooncake engine's
+and the kernel's timers as they read them.
 
-The engine's TCP transport and Linux keep a write's bytes queued, and can
-deliver them, well after the engine's call returned (even with an error) and
-after the transport marked the task FAILED. The functions here bound that time
-from the variables Mooncake reads (MC_*) and this host's sysctls, with the
-measurements behind each bound; ``ExtConfig.engine_write_bound_s`` and
-``push_hold_for_s`` (config.py) combine them. Pure functions, reading
-/proc/sys at most.
+The engine's TCP transport and Linux can deliver a write's queued bytes well after
+the call returned and the task was marked FAILED. These pure functions (reading
+/proc/sys at most) bound that time from Mooncake's MC_* variables and this host's
+sysctls; ``ExtConfig.engine_write_bound_s`` and ``push_hold_for_s`` combine them.
 """
 
 from __future__ import annotations
@@ -99,17 +96,13 @@ def engine_timeout_s(env: Mapping[str, str]) -> int:
 
 
 def _mooncake_timeout_s(env: Mapping[str, str], name: str, default: int) -> int:
-    """A TCP transport timeout as Mooncake reads it (tcp_wire.h,
-    parseTimeoutSecEnv): ``atoi(value)`` seconds when above 0, else ``default``."""
+    """A TCP transport timeout as Mooncake reads it: ``atoi(value)`` if > 0, else default."""
     value = _atoi(env.get(name) or "")
     return value if value > 0 else default
 
 
 def engine_no_progress_s(env: Mapping[str, str]) -> int:
-    """How long Mooncake's TCP transport lets a connection stall before it drops
-    it: the larger of its no-progress watchdog (MC_TCP_PROGRESS_TIMEOUT_SEC) and
-    its status-frame deadline (MC_TCP_STATUS_TIMEOUT_SEC), 30 s each by default.
-    Until then the connection keeps its queued bytes, and may still deliver them."""
+    """How long the TCP transport lets a connection stall before dropping it."""
     return max(
         _mooncake_timeout_s(env, name, ENGINE_NO_PROGRESS_S)
         for name in (MC_TCP_PROGRESS_TIMEOUT_SEC, MC_TCP_STATUS_TIMEOUT_SEC)
@@ -117,9 +110,7 @@ def engine_no_progress_s(env: Mapping[str, str]) -> int:
 
 
 def tcp_retransmission_span_s(retries: int) -> float:
-    """The kernel's time model for ``retries`` retransmissions (tcp_model_timeout
-    with TCP_RTO_MIN): a connection whose unacknowledged data has been
-    retransmitted for this long counts as having used them up."""
+    """The kernel's time model (tcp_model_timeout) for ``retries`` retransmissions."""
     linear_after = 9  # ilog2(TCP_RTO_MAX / TCP_RTO_MIN)
     if retries <= linear_after:
         return ((2 << retries) - 1) * TCP_RTO_MIN_S
@@ -131,27 +122,17 @@ def tcp_retransmission_span_s(retries: int) -> float:
 def stalled_delivery_bound_s(
     orphan_retries: int, no_progress_s: int = ENGINE_NO_PROGRESS_S
 ) -> float:
-    """How long after a connection stalls the bytes it had queued can still be
-    delivered: the transport's watchdog closes it after ``no_progress_s``
-    without progress (engine_no_progress_s), the kernel keeps it as an orphan
-    and gives up at the first retransmission timer past the retransmission span of ``orphan_retries``
-    (counted from the stall), which can fire up to one backed-off interval (no
-    longer than the time so far, nor than TCP_RTO_MAX) after it; 1 s for the RTO
-    above TCP_RTO_MIN. Measured (docs/results/2026-11-27-cut-for-good.md): with
-    the default (8: 102.2 s + 102.2 s + 1 s) the write returned 106.8 s after
-    the cut; with 7 (51 s + 51 s + 1 s), 62.7 and 79.0 s.
-    """
+    """How long after a stall queued bytes can still land: the larger of
+    ``no_progress_s`` and the orphans' retransmission span, plus one backed-off
+    interval (at most that span and TCP_RTO_MAX), plus 1 s."""
     span = max(no_progress_s, tcp_retransmission_span_s(orphan_retries))
     return span + min(span, TCP_RTO_MAX_S) + 1.0
 
 
 def tcp_syn_span_s(syn_retries: int, linear_timeouts: int = 0) -> float:
-    """How long the kernel tries to connect before it gives up (no answer, no
-    error): the SYN is retransmitted ``syn_retries`` times (net.ipv4.tcp_syn_retries)
-    after the first ``linear_timeouts`` retransmissions at the initial 1 s
-    (net.ipv4.tcp_syn_linear_timeouts, where the kernel has it), the timeout
-    doubling from 1 s up to TCP_RTO_MAX; the last timeout ends it. 127 s with 6
-    and none, 131 s with 6 and 4."""
+    """How long the kernel tries to connect without an answer: ``linear_timeouts``
+    timeouts of 1 s, then ``syn_retries`` + 1 doubling from 1 s up to TCP_RTO_MAX
+    (127 s with 6 and 0, 131 s with 6 and 4)."""
     return linear_timeouts * TCP_TIMEOUT_INIT_S + sum(
         min(TCP_TIMEOUT_INIT_S * (1 << k), TCP_RTO_MAX_S)
         for k in range(syn_retries + 1)
@@ -159,9 +140,8 @@ def tcp_syn_span_s(syn_retries: int, linear_timeouts: int = 0) -> float:
 
 
 def engine_lanes(env: Mapping[str, str]) -> int:
-    """The connections the transport opens to a peer, as it reads them:
-    MC_TCP_LANES_PER_PEER (or its old name) when above 0, else what this series
-    sets where unset (transport_env.py)."""
+    """The transport's connections to a peer: MC_TCP_LANES_PER_PEER (or its old
+    name) when above 0, else this series' default (transport_env.py)."""
     for name in (MC_TCP_LANES_PER_PEER, MC_TCP_MAX_CONNECTIONS_PER_PEER):
         value = _atoi(env.get(name) or "")
         if value > 0:
@@ -174,10 +154,8 @@ def engine_reconnect_s(
     syn_retries_path: str = TCP_SYN_RETRIES_PATH,
     syn_linear_path: str = TCP_SYN_LINEAR_TIMEOUTS_PATH,
 ) -> int:
-    """How long the transport may spend connecting again to a peer whose link is
-    down, for a write's slices still queued after it dropped a stalled connection:
-    each of its lanes, one after the other, up to this host's SYN span
-    (:func:`tcp_syn_span_s`) plus ENGINE_CONNECT_ALLOWANCE_S."""
+    """How long the transport may spend reconnecting for a write's queued slices:
+    each lane in turn, this host's SYN span plus ENGINE_CONNECT_ALLOWANCE_S."""
     syn_retries = _read_int(syn_retries_path)
     if syn_retries is None or syn_retries <= 0:
         syn_retries = LINUX_SYN_RETRIES
@@ -207,8 +185,6 @@ def _read_int(path: str) -> int | None:
 
 
 def tcp_orphan_retries(path: str = TCP_ORPHAN_RETRIES_PATH) -> int:
-    """net.ipv4.tcp_orphan_retries of this process's network namespace as the
-    kernel applies it to a connection that was still sending (0 means 8); the
-    Linux default when it cannot be read."""
+    """net.ipv4.tcp_orphan_retries as the kernel applies it (0 and unreadable: 8)."""
     value = _read_int(path)
     return value if value is not None and value > 0 else LINUX_ORPHAN_RETRIES

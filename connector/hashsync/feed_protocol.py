@@ -1,32 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The messages of the prefix-cache feed and of the scheduler's reset notice, one
-model each for both sides.
+"""The messages of the prefix-cache feed and of the scheduler's reset notice.
 
-``POST /hashsync/feed`` (signed like every POST of this series, common/auth.py):
-a peer's holder index (push/decode_index.py) asks a source what changed in its
-block-hash mirror since the position it holds; the source answers with the
-keys it began or stopped holding, in order, or, when the peer's position is
-not one it can continue from (another process of the source: its ``epoch``
-changed; fell behind the kept log; the prefix cache was reset), with a
-``reset`` page that lists the keys it holds now (the most recently cached
-first, at most FEED_SNAPSHOT_MAX_KEYS). A request waits up to ``wait_ms`` for
-something to change.
-
-Keys are the mirror's: ``BlockHashWithGroupId`` bytes (block hash + 4-byte
-group id), hex in the messages. The page carries the source's hash
-configuration (algorithm, NONE_HASH, its scheduler's id) and block size, so a
-peer hashes a prompt as the source does without sharing PYTHONHASHSEED.
-
-``POST /hashsync/reset`` (signed): the instance's own scheduler, when it runs in
-another process than the worker, tells the worker's mirror at once that the
-prefix cache was reset (its ``resets``-th reset; scheduler_recorder.py), so an
-idle instance stops offering the forgotten blocks before the reset returns. The
-notice carries :func:`reset_proof`, keyed by a secret the scheduler process
-draws at start and ships to its worker only in the connector metadata (never in
-a page or an answer): the bootstrap token alone cannot make a mirror reset.
-
-Everything here is untrusted on the receiving side: the models are strict and
-bounded (unknown fields, coercions, oversize lists and strings are refused).
+``POST /hashsync/feed``: a peer asks a source which keys its mirror gained or
+lost since the peer's position, or (``reset`` page) which it holds now when it
+cannot continue from there. ``POST /hashsync/reset``: the scheduler tells its
+worker's mirror (in another process) of a prefix-cache reset, proved by
+:func:`reset_proof` with a key only the two share. Both are signed; the receiving
+side treats everything as untrusted (strict, bounded models).
 """
 
 from __future__ import annotations
@@ -58,8 +38,7 @@ class _Strict(BaseModel):
 
 
 class FeedRequest(_Strict):
-    """A peer's position: the source process it has followed (None: none yet) and
-    the last change it applied."""
+    """A peer's position: the source process it followed and its last change."""
 
     epoch: Token | None = None
     since: Annotated[StrictInt, Field(ge=0, le=2**62)] = 0

@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The scheduler's prefix-cache hash configuration, as shipped to the worker.
-
-Stdlib only, so that the recorder (imported by ``block_pool.py``) stays light.
-"""
+"""The scheduler's prefix-cache hash configuration (stdlib only: block_pool.py
+imports it through the recorder)."""
 
 import secrets
 from dataclasses import dataclass, field
@@ -21,8 +19,7 @@ class HashConfigMismatchError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class HashConfig:
-    """What the worker needs to hash like this instance's scheduler, and to know
-    its scheduler's reset notices."""
+    """How the scheduler hashes, and the key of its reset notices."""
 
     hash_algo: str  # cache_config.prefix_caching_hash_algo
     none_hash: bytes  # kv_cache_utils.NONE_HASH of the scheduler process

@@ -1,20 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hash a prompt's full blocks exactly as the scheduler's prefix cache does.
 
-The scheduler hashes request blocks with
-``vllm.v1.core.kv_cache_utils.get_request_block_hasher``: per full block,
-``hash_block_tokens(hash_fn, parent, tokens, extra_keys)`` where the first
-block's parent is the process-global ``NONE_HASH`` and the extra keys come from
-``generate_block_hash_extra_keys`` (LoRA name on every block, ``cache_salt`` on
-the first block only). ``NONE_HASH`` is random per process unless
-``PYTHONHASHSEED`` is set, and the bootstrap server that matches pushes runs in
-the worker process, so the scheduler's value must be passed in explicitly
-(see :class:`HashConfig`); this module never reads the worker's global.
-
-The block pool keys ``cached_block_hash_to_block`` by ``BlockHashWithGroupId``
-(block hash bytes + 4-byte big-endian KV cache group id), and that key is what
-``KVCacheBlock.block_hash`` holds; :func:`to_pool_key` / :func:`from_pool_key`
-convert between the two.
+The chain starts from the scheduler process's ``NONE_HASH`` (random per process
+unless PYTHONHASHSEED is set), passed in via :class:`HashConfig`: this module
+never reads the worker's global.
 """
 
 from collections.abc import Iterator, Sequence
@@ -50,12 +39,8 @@ __all__ = [
 
 
 def scheduler_hash_config(hash_algo: str) -> HashConfig:
-    """Read this (scheduler) process's ``NONE_HASH``.
-
-    Call lazily (e.g. in ``build_connector_meta``): ``EngineCore`` runs
-    ``init_none_hash`` only after it has constructed the scheduler and its
-    connector, so the global does not exist yet in the connector's ``__init__``.
-    """
+    """Read this (scheduler) process's ``NONE_HASH``. Call lazily: ``EngineCore``
+    runs ``init_none_hash`` only after it has built the connector."""
     none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
     if not none_hash:
         raise RuntimeError(
@@ -89,9 +74,8 @@ def hash_prompt_blocks(
     cache_salt: str | None = None,
     lora_name: str | None = None,
 ) -> list[BlockHash]:
-    """Block hashes of the full blocks of ``token_ids`` (a partial tail block
-    is not hashed), equal to ``Request.block_hashes`` in the scheduler whose
-    ``NONE_HASH`` is ``none_hash`` for a text-only request."""
+    """Hashes of the full blocks of ``token_ids``: a text-only request's
+    ``Request.block_hashes`` in the scheduler whose ``NONE_HASH`` is ``none_hash``."""
     return list(
         iter_prompt_block_hashes(
             token_ids, block_size, hash_algo, none_hash, cache_salt, lora_name
@@ -107,8 +91,7 @@ def iter_prompt_block_hashes(
     cache_salt: str | None = None,
     lora_name: str | None = None,
 ) -> Iterator[BlockHash]:
-    """:func:`hash_prompt_blocks` one block at a time (a caller that stops early
-    hashes no further)."""
+    """:func:`hash_prompt_blocks` one block at a time (lazily)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if not none_hash:

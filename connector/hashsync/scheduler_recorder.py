@@ -1,28 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Scheduler-process recorder of prefix-cache changes.
+"""Scheduler-process recorder of prefix-cache changes (BlockPool's observer).
 
-The recorder is ``BlockPool``'s observer (patch 0010's
-``block_pool.block_hash_observer``, set by scheduler_sync.py): the pool calls
-its ``record_stored``, ``record_removed`` and ``record_cleared``; the
-connector's scheduler side drains it once per step and ships the
-:class:`HashDelta` to the workers in its connector metadata. Without hashsync
-no observer is set and the pool calls nothing.
-
-A reset of the prefix cache is also told at once, before the reset returns: to
-the listeners registered in this process (:meth:`HashRecorder.add_reset_listener`:
-the worker's mirror, when the worker runs in the engine core's process, vLLM's
-"uni" executor), or, when there is none, to ``worker_notifier`` (the scheduler's
-``POST /hashsync/reset`` to its worker's bootstrap server; scheduler_sync.py). An
-idle instance takes no step, so a reset carried only by the next step's delta
-would leave the mirror offering blocks the cache has forgotten (after a weight
-update: the old weights' KV) for as long as the instance stays idle. Each delta
-carries the number of resets recorded before it was drained (``resets``), so a
-mirror that has applied a reset at once drops a delta drained before it, and one
-that missed a reset forgets its blocks on the first delta counting it.
-
-This module imports nothing heavy so that ``vllm/v1/core/block_pool.py`` can
-import it without an import cycle. Single-threaded by design: the block pool
-and ``build_connector_meta`` both run on the engine core's scheduler thread.
+Set as ``block_pool.block_hash_observer`` by scheduler_sync.py and drained into a
+:class:`HashDelta` each step. A reset is also told at once, before it returns (to
+listeners in this process, else ``worker_notifier``): an idle instance takes no
+step, and its mirror must not offer forgotten blocks meanwhile. Imports nothing
+heavy (``block_pool.py`` imports it); single-threaded: the pool and
+``build_connector_meta`` run on the engine core's scheduler thread.
 """
 
 from collections.abc import Callable

@@ -1,20 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Block-hash sync, scheduler process: BlockPool's cache/evict events -> per-step deltas.
 
-BlockPool reports every block it caches or evicts to the recorder (patch:
-block_pool.block_hash_observer); each step the drained delta, with the
-scheduler's hash configuration (algorithm and NONE_HASH, which is random per
-process unless PYTHONHASHSEED is set), rides in the connector metadata to the
-worker (worker_sync.py).
-
-A reset of the prefix cache reaches a worker in another process before the reset
-returns: :class:`WorkerResetNotifier` posts it to the worker's bootstrap server
-(signed like every POST, proved with this process's RESET_KEY, which the worker
-has from the hash configuration in the metadata; the whole call within
-RESET_NOTICE_DEADLINE_S, by the single-deadline client D uses for push sources,
-common/peer_client.py). Only once a delta has been built: before, the worker's
-mirror holds nothing and has no key. If the notice fails, the worker forgets the
-cache with the next step, and the warning says so.
+Each delta, with the hash configuration, rides in the connector metadata to the
+worker. :class:`WorkerResetNotifier` tells a worker in another process of a reset
+before the reset returns; if that fails, the worker forgets with the next step.
 """
 
 from __future__ import annotations
@@ -40,8 +29,7 @@ RESET_NOTICE_DEADLINE_S = 5.0  # connect, send and the whole answer, in all
 
 
 class WorkerResetNotifier:
-    """Scheduler side: tells the worker's mirror, over the worker's bootstrap
-    server (``base_url``), that the prefix cache was reset."""
+    """Tells the worker's mirror, via its bootstrap server, of a prefix-cache reset."""
 
     def __init__(self, base_url: str, config: ExtConfig):
         self.base_url = base_url

@@ -1,28 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Block-hash sync, worker process: the mirror of the scheduler's prefix cache.
 
-Applies the scheduler's delta (scheduler_sync.py) before the forward pass, in
-every release (``bind_connector_metadata``; vLLM 0.32.0 calls ``start_load_kv``
-after the forward, when a block the step evicted and gave to another request is
-already overwritten): an eviction takes effect before the block's new bytes are
-written. New blocks become matchable only once the step that computes them has
-completed (after an event recorded after its forward on CUDA, worker_table.py).
-Answers lookups: which of a prompt's full blocks this instance holds, hashed exactly as
-its scheduler hashes them (same algorithm, NONE_HASH, cache_salt, LoRA), so a
-block is never matched for a request with another cache_salt. Read by prefix
-push (push/source_server.py), served as ``GET /hashsync`` and, for peers'
-holder indexes, as the feed ``POST /hashsync/feed`` (routes.py).
-
-A reset of the prefix cache (``POST /reset_prefix_cache``, as after a weight
-update) empties the table before the reset returns: directly when the scheduler
-runs in this process (vLLM's "uni" executor: TP 1 on CUDA, vLLM 0.18.1's CPU
-backend), by ``POST /hashsync/reset`` from the scheduler when it does not
-(the "mp" executor: vLLM 0.32.0's CPU backend); both verified on the CPU backend
-(tests/integration/test_push.py). The next step's delta clears it too. A notice is
-taken only from this instance's scheduler (its proof, keyed by what the
-scheduler shipped in the metadata) and only for the next reset: whoever else
-holds the bootstrap token can neither empty the mirror nor make it drop the
-scheduler's later deltas.
+Applies each step's delta before the forward pass, so an eviction takes effect
+before the block's new bytes are written; new blocks become matchable once the
+step computing them has completed. Answers which of a prompt's full blocks this
+instance holds, hashed exactly as its scheduler does (cache_salt, LoRA included).
+A prefix-cache reset empties the mirror before it returns: directly when the
+scheduler runs in this process, else by its ``POST /hashsync/reset``.
 """
 
 from __future__ import annotations
@@ -50,8 +34,7 @@ class WorkerHashSync:
         get_recorder().add_reset_listener(self.table.clear)
 
     def on_metadata(self, delta: HashDelta | None) -> None:
-        """Before the forward pass: apply the step's delta (removals at once, stores
-        pending until the step has completed)."""
+        """Before the forward pass: apply the step's delta."""
         if delta is not None and (len(delta) or delta.hash_config is not None):
             self.table.apply(delta)
 
@@ -75,6 +58,7 @@ class WorkerHashSync:
                 "its proof is not this instance's scheduler's: only the scheduler "
                 "may reset this mirror"
             )
+        # only the next reset: a notice cannot make the mirror drop later deltas
         applied = self.table.clear_next(notice.resets)
         if applied is None:
             return None
@@ -89,8 +73,7 @@ class WorkerHashSync:
         get_recorder().remove_reset_listener(self.table.clear)
 
     def after_step(self, event: Any = None) -> None:
-        """After the forward pass was launched: blocks stored this step hold their
-        KV once ``event`` has completed (None: now, as on the CPU backend)."""
+        """After the forward's launch: the step's blocks are ready once ``event`` is."""
         self.table.seal_pending(event)
         self.table.commit_ready()
 

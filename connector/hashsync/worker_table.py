@@ -1,46 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker-side mirror of the scheduler's prefix cache: hash -> block id.
 
-Fed in order with the :class:`HashDelta` s the scheduler's recorder drains
-each step; read by the bootstrap server's ``/push_blocks`` handler from
-another thread, hence the lock.
-
-Keys are ``BlockHashWithGroupId`` bytes, exactly as in
-``BlockPool.cached_block_hash_to_block``. Like that map, one key may be held
-by several blocks (vLLM does not de-duplicate cached blocks); a block holds at
-most one key.
-
-A block's generation is bumped whenever its cached identity changes (removed,
-re-stored under another key, prefix cache cleared). A push snapshots the
-generations of the blocks it reads (:meth:`match_and_snapshot`) and after its
-write checks :meth:`generations_unchanged`; if not, the bytes it sent may
-belong to other content and the push must be reported as failed.
-
-``defer_stores=True``: vLLM caches a block (``cache_full_blocks``) when it is
-*scheduled*, before the forward pass has written its KV, so the worker receives
-the STORED event before the bytes exist. With deferral, stored entries stay
-invisible until the step that computes them has finished: after the forward
-pass :meth:`seal_pending` closes the step's stores with an event recorded
-after its kernels (None on synchronous CPU compute), and :meth:`commit_ready`
-publishes each sealed step once its event has completed. On CUDA,
-``get_finished`` runs when the kernels are launched, not done: publishing
-then would let a push read KV that is not computed yet. Removals always take
-effect at once (also on stores not yet published).
-
-A reset of the scheduler's prefix cache reaches the table at once through
-:meth:`clear`: called by the recorder when both run in one process, by the
-``POST /hashsync/reset`` route when they do not (worker_sync.py; only the next
-reset, :meth:`clear_next`). A delta drained before the latest reset the table has
-applied is then dropped whole: its stores name blocks the cache has forgotten.
-Each delta carries the scheduler's own count of resets: one counting more than
-the table applied forgets every block first (resets it was not told of), so the
-count only moves forward, with the scheduler's deltas.
-
-The table also keeps the feed peers follow (hashsync/feed_protocol.py): each
-key it begins to hold (its first published block) and stops holding (its last
-block dropped), numbered in order, the last FEED_LOG_MAX of them; a reset of
-the prefix cache ends the log (a peer then takes a snapshot). Published keys
-only: a peer never learns of a block before a push could read it.
+Fed in order with the scheduler's :class:`HashDelta` s; read from the bootstrap
+server's thread, hence the lock. Keys are ``BlockHashWithGroupId`` bytes; a key
+may be held by several blocks, a block holds at most one. A block's generation
+is bumped whenever its cached identity changes: a push whose blocks' generations
+changed by the end of its write must be reported failed. Removals and resets act
+at once; with ``defer_stores`` a store is published only once its step completed.
+The feed (feed_protocol.py) logs published keys gained and lost, until a reset.
 """
 
 import itertools
@@ -96,7 +63,9 @@ class BlockHashTable:
                 else:
                     self.hash_config.check_same(delta.hash_config)
             if delta.resets < self._resets:
-                return  # drained before a reset this table has applied already
+                # drained before a reset applied already: its stores name blocks
+                # the cache has forgotten
+                return
             if delta.resets > self._resets:
                 self._resets = delta.resets
                 # NOTE: resets this table was not told of (a notice failed): what it
@@ -114,8 +83,7 @@ class BlockHashTable:
                     raise ValueError(f"unknown hash event kind {kind!r}")
 
     def clear(self, resets: int) -> None:
-        """The scheduler's prefix cache was reset (its ``resets``-th reset): forget
-        every block now, on the resetting thread."""
+        """The scheduler's ``resets``-th prefix-cache reset: forget every block now."""
         with self._lock:
             if resets > self._resets:
                 self._resets = resets
@@ -136,8 +104,7 @@ class BlockHashTable:
             return self._resets
 
     def seal_pending(self, event: Any = None) -> None:
-        """The current step's forward was launched; ``event`` completes after it
-        (an object with ``query()``; None: it has completed already)."""
+        """Forward launched; ``event.query()`` says when it completed (None: done)."""
         with self._lock:
             if self._pending:
                 self._sealed.append((event, self._pending))
@@ -207,6 +174,8 @@ class BlockHashTable:
         if unpublished is not None:
             del unpublished[block_id]
             self._bump(block_id)
+        # vLLM caches a block when it is scheduled, before its KV is computed (on
+        # CUDA, get_finished runs at launch): publish it once its step completed
         if self.defer_stores:
             self._pending[block_id] = key
         else:
@@ -247,8 +216,7 @@ class BlockHashTable:
         return out
 
     def match_prefix(self, hashes: Sequence[BlockHash], group_id: int = 0) -> list[int]:
-        """Block ids of the longest prefix of ``hashes`` (pure block hashes, as
-        from ``hash_prompt_blocks``) that is cached in KV cache group ``group_id``."""
+        """Block ids of the longest cached prefix of ``hashes`` (group ``group_id``)."""
         with self._lock:
             return self._match(hashes, group_id)
 
@@ -263,9 +231,8 @@ class BlockHashTable:
     def feed_page(
         self, epoch: str | None, since: int, block_size: int
     ) -> FeedPage | None:
-        """The changes after ``since`` for a peer that followed ``epoch``, or a reset
-        page if it cannot continue from there; None before the hash configuration is
-        known (no step has run)."""
+        """A peer's next page (changes since its position, or a reset page); None
+        before any step has run."""
         with self._lock:
             cfg = self.hash_config
             if cfg is None:

@@ -1,21 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """D's worker side of layer-wise push: how each pull ends, reported exactly once.
 
-Upstream's receiver reports a successful pull in finished_recving and drops
-a failed one, so the request waits in WAITING_FOR_REMOTE_KVS forever and
-keeps its blocks. With layer-wise on, :class:`PullOutcomes` owns the end of
-every pull: a failed or timed-out pull is reported finished with its blocks
-marked invalid (the scheduler then recomputes or fails the request, per
-``kv_load_failure_policy``), each pull is reported once even when both a
-result and an error arrive, and cleanup-only pulls are never reported
-(vllm-project/vllm#43226). A cleanup-only pull is one without local blocks:
-upstream's scheduler sends it for a request that ended before it was
-scheduled, only so that P frees its blocks; the scheduler does not know that
-request any more. Upstream's own receiver tells them apart the same way from
-0.32.0 on.
-
-P answers a transfer (success or error) only after none of its writes is in
-flight (prefill_sender.py), so D reuses blocks only when no write into them can come.
+Upstream's receiver drops a failed pull, leaving its request waiting forever.
+:class:`PullOutcomes` reports a failed or timed-out pull finished with its blocks
+invalid (per ``kv_load_failure_policy``), each pull once, and never a cleanup-only
+pull (no local blocks). P answers only once no write of the transfer is in flight
+(prefill_sender.py), so D reuses blocks only when no write into them can come.
 """
 
 from __future__ import annotations
@@ -55,8 +45,7 @@ class PullOutcomes:
         self._invalid: set[int] = set()  # their blocks (get_block_ids_with_load_errors)
 
     def _end(self, d_req_id: str, block_ids: list[int]) -> bool:
-        """Caller holds the lock. True if this is the pull's first end and it is
-        to be reported to the scheduler (it has blocks: not cleanup-only)."""
+        """Under the lock: True on the pull's first end, if it has blocks to report."""
         if d_req_id in self._ended:
             return False
         now = self._clock()
@@ -65,14 +54,12 @@ class PullOutcomes:
         return bool(block_ids)
 
     def completed(self, d_req_id: str, block_ids: list[int]) -> bool:
-        """All of a pull's KV arrived in ``block_ids``: report it (True) or not (a
-        duplicate, or cleanup-only)."""
+        """All of a pull's KV arrived: True to report it (not a duplicate or cleanup)."""
         with self._lock:
             return self._end(d_req_id, block_ids)
 
     def failed(self, d_req_id: str, block_ids: list[int], reason: str) -> None:
-        """A pull into ``block_ids`` failed: report it finished with its blocks
-        invalid (once; never a cleanup-only pull)."""
+        """A pull failed: report it once, finished with its blocks invalid."""
         with self._lock:
             if not self._end(d_req_id, block_ids):
                 return
@@ -81,11 +68,8 @@ class PullOutcomes:
         logger.error("KV pull for request %s failed: %s", d_req_id, reason)
 
     def report_once(self, upstream: set[str]) -> set[str]:
-        """This step's finished_recving: upstream's and this tracker's failed pulls,
-        each request id once ever. vLLM 0.32.0's receiver also reports a pull it saw
-        fail (``_handle_failed_recv``); a second report of a request the scheduler
-        already failed and freed trips its ``assert req_id in self.requests`` and
-        kills the engine."""
+        """This step's finished_recving, each id once ever: 0.32.0's receiver reports
+        failures too, and a second report kills the engine (a scheduler assert)."""
         with self._lock:
             candidates = upstream | self._finished
             self._finished = set()

@@ -1,14 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""P's answer to D's pull request (upstream's ``MooncakeXferMetadata`` on its
-ZMQ socket) when layer-wise push is on.
-
-A request is refused at once, with an error D's upstream code reports for each
-of its requests, when it cannot be served layer-wise: unequal TP sizes, no KV
-layout in the request (D is asked to send it again with it), D's limits or KV
-fingerprint not this instance's (common/fingerprint.py), or blocks of several
-KV cache groups. Otherwise the layer-wise sender (prefill_sender.py) serves it
-in a task of its own and answers as its writes end. Each kind of refusal is
-warned about once per interval.
+"""P's answer to D's pull request with layer-wise push on: a refusal at once when
+it cannot be served layer-wise (TP sizes, missing KV layout, limits or KV
+fingerprint, several KV cache groups; each kind warned once per interval), else
+the layer-wise sender's answers, served in a task of its own.
 """
 
 from __future__ import annotations
@@ -47,8 +41,7 @@ class PullAnswers:
         tp_size: int,
         send: Callable[[Any], Awaitable[None]],
     ) -> None:
-        """Answer one pull request ``meta`` of D through ``send``: a refusal at
-        once, or the layer-wise sender's answers as its writes end."""
+        """Answer D's pull request ``meta`` through ``send``."""
         if meta.remote_tp_size != tp_size:
             await send(
                 MooncakeXferResponse(

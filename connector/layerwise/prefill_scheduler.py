@@ -41,9 +41,7 @@ class LayerwiseScheduler:
         self._warned: set[str] = set()
 
     def mode(self, request: Request) -> TransferMode:
-        """The request's kv_transfer_params choose (``mooncake_mode``); else
-        prompts under MOONCAKE_LAYERWISE_MIN_TOKENS go post-hoc, longer ones
-        layer-wise. A bad value is warned about once and the default used."""
+        """The request's ``mooncake_mode``, else by MOONCAKE_LAYERWISE_MIN_TOKENS."""
         try:
             chosen = requested_mode(getattr(request, "kv_transfer_params", None))
         except ValueError as e:
@@ -66,14 +64,11 @@ class LayerwiseScheduler:
         )
 
     def received(self, transfer_id: str) -> None:
-        """A do_remote_decode request entered P's scheduler (its waiting queue):
-        the worker learns, with the next step, that its transfer is coming."""
+        """A do_remote_decode request was queued: told to the worker next step."""
         self._pending.received.append(transfer_id)
 
     def track(self, request: Request, transfer_id: str) -> None:
-        """Register a do_remote_decode request. Post-hoc requests are not pushed
-        per layer; they are sent whole when the request finishes (through the
-        same sender, with the same end-of-transfer guarantees)."""
+        """Register a do_remote_decode request (post-hoc: sent whole at the end)."""
         if self.mode(request) is TransferMode.LAYERWISE:
             self._reqs[request.request_id] = _Tracked(
                 transfer_id, request.num_prompt_tokens
@@ -82,10 +77,9 @@ class LayerwiseScheduler:
     def request_finished(
         self, request: Request, block_ids: list[int], transfer_id: str
     ) -> bool:
-        """P's request ended; returns whether the scheduler must keep its blocks.
-
-        Blocks are kept (also after an abort, so no write in flight reads a
-        re-used block) until the worker reports the request in finished_sending."""
+        """P's request ended; True: the scheduler keeps its blocks until
+        finished_sending (also after an abort: no write in flight may read them
+        once reused)."""
         from vllm.v1.request import RequestStatus
 
         self._reqs.pop(request.request_id, None)

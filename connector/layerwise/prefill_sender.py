@@ -1,62 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """P's worker side of layer-wise push: the owner of every transfer and its writes.
 
-The forward pass calls :meth:`LayerwiseSender.on_metadata` before the model
-runs and :meth:`LayerwiseSender.layer_saved` after each attention layer. The
-forward thread only records the layer (O(1) per layer, whatever the batch); the
-issuer thread turns it into the writes that became possible and queues them to
-the writer thread of their decode peer (one per D session, so a dead or slow peer stalls only its own
-transfers), which issues them with the transfer engine
-(``batch_transfer_sync_write``) in FIFO order while later layers compute. D's request for the KV (upstream's ZMQ
-MooncakeXferMetadata) is served by :meth:`LayerwiseSender.serve`, which
-answers each transfer exactly once.
+The forward thread calls :meth:`LayerwiseSender.on_metadata` before the model
+runs and :meth:`LayerwiseSender.layer_saved` after each attention layer (O(1):
+it only records the layer); the issuer thread turns layers into writes, queued
+to their D session's writer (prefill_writers.py). :meth:`LayerwiseSender.serve`
+answers D's pull (MooncakeXferMetadata), each transfer exactly once.
 
-No byte after the end (the invariant this class owns):
-  A transfer's end is reported to D and its P blocks are handed back to the
-  scheduler (finished_sending) only after every write it issued has returned
-  and no further write of it can start. The writer admits each write through
-  ``tracker.start_writes`` under ``self._lock`` (which drops the queued writes
-  of an ended transfer), and every way a transfer ends (completion, timeout,
-  abort, preemption, expiry, write error) takes that same lock;
-  ``tracker.pop_finished`` only returns transfers with no write in flight. The
-  write function returns only once none of its bytes can still land
-  (engine_write.py), so "returned" means "ended". There is no other way out: on
-  a timeout D is answered when the in-flight write has returned, however long
-  that takes; a write in flight past ``ExtConfig.engine_write_bound_s`` is
-  logged as an error while D's answer keeps waiting for it.
+No byte after the end: a transfer's end is reported to D, and its P blocks are
+handed back (finished_sending), only once every write it issued has returned
+and none can start. Writers admit writes through ``tracker.start_writes`` under
+``self._lock``, every way a transfer ends takes that lock, and an engine write
+returns only once none of its bytes can land (engine_write.py). So on a timeout
+D is answered only when the in-flight write returns, however long that takes.
 
-Only ids P's scheduler handed over are reported: a transfer is created by the
-scheduler's metadata, never by D's request; a destination for an id P's
-scheduler has neither scheduled nor received (queued, ``received`` in the
-metadata) waits at most MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S in a bounded
-table and then leaves no trace (a request P schedules later under that id runs
-as if it had never been named), and poll() reports only P request ids whose
-blocks the scheduler handed over (:class:`~.protocol.FinishedRequest`). A
-destination for a queued request waits for its prefill, like one for a
-scheduled request, up to the transfer timeout: D's order of pulls need not be
-P's order of prefills.
-
-Bounded state: at most MAX_TRANSFERS_PER_REQUEST transfers are served from one
-of D's requests, MAX_UNKNOWN destinations wait for unknown ids and
-MAX_WAITING_QUEUED for requests queued on P (each kind with its own bound on
-the block ids it names, so neither crowds out the other); a
-writer thread serves one decode session while it has work and retires after
-``writer_idle_s`` idle (MAX_PEERS counts sessions with work); the forward
-thread's per-step calls cost O(transfers the step names or that ended), its
-per-layer call O(1).
-
-Shutdown: once :meth:`LayerwiseSender.shutdown` has closed the writer pool no
-write enters the engine; queued writes are dropped and their transfers end
-failed (D is answered), and it waits up to SHUTDOWN_WAIT_S for the writes in
-the engine.
-
-GPU ordering: on CUDA the attention kernels run asynchronously. Each write
-waits, before the engine reads P's blocks, on the event recorded after the
-latest computation of every KV tensor (slot) it reads: the layer's own event
-for writes issued by layer_saved, the slots' latest events for writes issued
-when D's addresses arrive or a request finishes. On the CPU backend there are
-no events (compute is synchronous). Only the CPU path runs in this project's
-CI; the ordering is unit-tested with fake events.
+D's pull never creates a transfer. A pull for an id P has neither scheduled nor
+received waits at most MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S and leaves no trace;
+all waiting state is bounded (MAX_*). Before the engine reads P's blocks, each
+write waits on the events recorded after its slots' latest computation.
 """
 
 from __future__ import annotations
@@ -96,7 +57,8 @@ logger = init_logger(__name__)
 Reply = Callable[[list[str], dict[str, str], bool], Awaitable[None]]
 
 # destinations waiting for a transfer this instance has neither scheduled nor
-# received, and the block ids they name, in all
+# received, and the block ids they name, in all (each kind below is bounded
+# apart, so neither crowds out the other)
 MAX_UNKNOWN = 1024
 MAX_UNKNOWN_BLOCK_IDS = 1 << 20
 # ... and for a request queued on this instance (received, not yet scheduled):
@@ -121,11 +83,8 @@ SHUTDOWN_REASON = "the prefill instance is shutting down"
 def slots_by_layer(
     kv_caches: dict[str, torch.Tensor], split_k_and_v: bool
 ) -> tuple[dict[str, list[int]], list[int]]:
-    """Map each layer to the indices of its registered KV tensors (slots).
-
-    Follows the order and de-duplication of upstream's register_kv_caches, so
-    slot i is kv_caches_base_addr[i] on both instances.
-    """
+    """Map each layer to its registered KV tensors' indices (slots), in upstream's
+    register_kv_caches order: slot i is kv_caches_base_addr[i] on both instances."""
     layer_slots: dict[str, list[int]] = {}
     addrs: list[int] = []
     for name, cache in kv_caches.items():
@@ -275,7 +234,9 @@ class LayerwiseSender:
     def on_metadata(self, meta: LayerwiseMetadata) -> None:
         """Called before the forward pass with this step's layer-wise metadata."""
         self._forward_tid = threading.get_native_id()  # for forward_thread_cpu_s
-        self.issue_computed_layers()  # the previous step's, if the issuer lags
+        # the previous step's layers, if the issuer lags: issued against that
+        # step's tracker state, before this step begins
+        self.issue_computed_layers()
         ops: list[WriteOp] = []
         now = self._clock()
         with self._lock:
@@ -358,10 +319,7 @@ class LayerwiseSender:
         self._layer_hook_calls += 1
 
     def issue_computed_layers(self) -> None:
-        """Turn the layers computed so far into their transfers' writes and queue
-        them. Runs on the issuer thread after each layer, and on the forward
-        thread at the start of the next step (on_metadata), so a step's layers are
-        issued against that step's tracker state, before the next step begins."""
+        """Turn the layers computed so far into their transfers' writes; queue them."""
         batches: list[tuple[list[WriteOp], ComputeEvent | None]] = []
         with self._lock:
             while self._computed_layers:
@@ -383,9 +341,7 @@ class LayerwiseSender:
             self._issuer_cpu_s = time.thread_time() - cpu0
 
     def poll(self) -> set[str]:
-        """Expire transfers D never asked for; return P requests whose blocks can be freed.
-
-        Costs O(expired + ended): deadlines and results are kept in time order."""
+        """Expire transfers D never asked for; return P requests whose blocks can be freed."""
         now = self._clock()
         with self._lock:
             self._expire(
@@ -430,10 +386,9 @@ class LayerwiseSender:
 
     # ---- sender event loop (ZMQ) -----------------------------------------------
     async def push(self, transfer_id: str, dest: Destination) -> str | None:
-        """Serve one transfer to D; returns None on success, else the error.
-
-        Returns only once the transfer has ended and none of its writes is in
-        flight (so D may reuse its blocks as soon as it hears back)."""
+        """Serve one transfer to D: None on success, else the error. Returns only
+        once the transfer has ended and none of its writes is in flight (so D may
+        reuse its blocks as soon as it hears back)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         with self._lock:
@@ -471,10 +426,8 @@ class LayerwiseSender:
                 return fut.result()
             with self._lock:
                 if self.tracker.drop_pending(transfer_id):
-                    # Never scheduled here: nothing was written and nothing of
-                    # it stays. A request scheduled later under this id is
-                    # served if a pull for it comes again, but its blocks wait
-                    # for one only the unknown timeout (this decode gave up).
+                    # never scheduled here: nothing was written; if P runs this id
+                    # later, its blocks wait for a pull only the unknown timeout
                     self._refused_ids[transfer_id] = None
                     self._refused_ids.move_to_end(transfer_id)
                     while len(self._refused_ids) > MAX_REFUSED_IDS:
@@ -488,8 +441,7 @@ class LayerwiseSender:
                 self._waiters.pop(transfer_id, None)
 
     def _waiting_refusal(self, transfer_id: str, num_blocks: int) -> str | None:
-        """Why a destination for a transfer P's scheduler has not announced may
-        not wait (its kind's bound is reached), or None. Under the lock."""
+        """Why a destination may not wait for its unannounced transfer, or None."""
         queued = self.tracker.queued(transfer_id)
         waiting, blocks = self.tracker.waiting(queued)
         if queued:
@@ -506,8 +458,7 @@ class LayerwiseSender:
         )
 
     def _note_destination(self, transfer_id: str, session: str) -> bool:
-        """Record when D's pull arrived (under the lock); True the first time a
-        peer's pull for a layer-wise transfer arrives after P's prefill ended."""
+        """Record D's pull (under the lock); True: warn it came after P's prefill."""
         st = self.log.get(transfer_id)  # None: P has not scheduled it yet (early)
         if st is None or st.destination_at is not None:
             return False
@@ -563,8 +514,7 @@ class LayerwiseSender:
         after_s: float,
         reason: str,
     ) -> None:
-        """Fail the transfers in ``deadlines`` (in order of deadline) whose
-        deadline passed and that still have no destination. Under the lock."""
+        """Fail the transfers whose deadline passed with no destination. Under the lock."""
         while deadlines:
             transfer_id, deadline = next(iter(deadlines.items()))
             if now <= deadline:
@@ -582,11 +532,8 @@ class LayerwiseSender:
     async def _wait_or_timeout(
         self, transfer_id: str, fut: asyncio.Future
     ) -> str | None:
-        """Wait for the transfer's end (None), or return why it must be failed: P
-        neither scheduled nor received it within MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S
-        (an id nobody announced: a stale or forged request on P's unauthenticated ZMQ
-        socket, which would otherwise hold a waiter for the whole timeout), or
-        it did not end within the transfer timeout."""
+        """Wait for the transfer's end (None), or return why it must fail: still
+        unknown to P after the unknown timeout, or not ended within the timeout."""
         start = time.monotonic()
         unknown_s = self._unknown_timeout_s()
         try:
@@ -596,6 +543,8 @@ class LayerwiseSender:
             pass
         with self._lock:
             unknown = self.tracker.unknown(transfer_id)
+        # a stale or forged id (P's ZMQ socket is unauthenticated) must not hold a
+        # waiter for the whole transfer timeout
         if unknown:
             return (
                 f"this prefill instance never scheduled transfer {transfer_id} within "
@@ -618,12 +567,7 @@ class LayerwiseSender:
         req_blocks: dict[str, tuple[str, list[int]]],
         reply: Reply,
     ) -> None:
-        """P side of upstream's pull protocol, served from layer-wise pushes.
-
-        One reply per batch of transfers that ended (CONTINUE), the last one
-        FINISH; each transfer is answered exactly once. Transfers beyond
-        MAX_TRANSFERS_PER_REQUEST are refused in the first reply, before
-        anything is created for them."""
+        """Upstream's pull protocol: CONTINUE per batch of ended transfers, then FINISH."""
         items = list(req_blocks.items())
         served = items[:MAX_TRANSFERS_PER_REQUEST]
         refused = {
@@ -707,8 +651,7 @@ class LayerwiseSender:
         self.writers.idle_s = seconds
 
     def _drop_batch(self, session: str, batch: _Batch) -> None:
-        """The writer pool dropped a queued batch at shutdown: its writes never
-        run, its transfers end failed."""
+        """A batch dropped at shutdown never runs: its transfers end failed."""
         with self._lock:
             for op in batch.ops:
                 self.log.totals.writes_dropped += 1
@@ -794,7 +737,9 @@ class LayerwiseSender:
             logger.error("Layer-wise push: %s", err)
 
     def shutdown(self) -> None:
-        """No write starts after this returns (see the module docstring)."""
+        """No write enters the engine after this returns: queued writes are dropped
+        (their transfers fail, D is answered); waits up to SHUTDOWN_WAIT_S for
+        the writes already in the engine."""
         with self._issue_ready:
             self._stopping = True
             self._issue_ready.notify()
@@ -812,8 +757,7 @@ class LayerwiseSender:
 
     # ---- completion ------------------------------------------------------------
     def _dispatch(self) -> None:
-        """Report ended transfers with no write in flight, exactly once: answer
-        their waiter (D) and hand their P blocks back to the scheduler."""
+        """Report ended transfers with no write in flight: answer D, free P's blocks."""
         resolved: list[
             tuple[asyncio.AbstractEventLoop, asyncio.Future, str | None]
         ] = []
@@ -879,8 +823,7 @@ class LayerwiseSender:
 
 
 def thread_cpu_s(native_id: int | None) -> float | None:
-    """CPU seconds a thread of this process has run (the scheduler's own count,
-    /proc/self/task/<tid>/schedstat, in ns); None off Linux or if it is gone."""
+    """CPU seconds a thread of this process has run (schedstat); None if unknown."""
     if native_id is None:
         return None
     try:

@@ -1,11 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""P's record of its layer-wise transfers: totals and the timeline of the last ones.
-
-Owned by :class:`~.sender.LayerwiseSender`, which updates it under its lock
-(this module takes no lock of its own); served as ``GET /layerwise/transfers``
-(routes.py) and read by tests and benchmarks. Times are ``time.monotonic()``
-seconds of P's worker process.
-"""
+"""P's layer-wise transfer totals and last timelines (``GET /layerwise/transfers``),
+updated under the sender's lock; times are P's ``time.monotonic()`` seconds."""
 
 from __future__ import annotations
 

@@ -1,46 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Progress of layer-wise KV pushes on the prefill side: pure bookkeeping.
+"""P-side state machine of layer-wise pushes: no I/O, threads or vLLM imports.
 
-No I/O, no threads, no vLLM imports: every decision of the layer-wise push
-lives here so it can be unit-tested without an engine. The sender
-(prefill_sender.py) calls it under one lock and executes the WriteOps it returns with
-the transfer engine.
+The sender (prefill_sender.py) calls it under one lock and runs the WriteOps it
+returns. A slot is one registered KV tensor (slot i on P is slot i on D); per
+slot, ``ready``/``issued``/``written`` count the request's blocks holding final
+KV / handed to the writer / written (a contiguous prefix). D's destination may
+arrive before, during or after the prefill; one for an id P's scheduler has not
+announced waits aside (bounded by the sender): only the scheduler creates
+transfers. Each transfer ends exactly once: completed or failed.
 
-Vocabulary
-- slot: one registered KV tensor of the prefill instance (a layer's K or V half
-  on split layouts, a whole layer otherwise). Both instances run the same model,
-  so slot i on P corresponds to slot i on D.
-- ready[slot]: how many of the request's blocks hold final KV in that slot.
-  A block is final once every token of it is computed; the last, partial block
-  is final when the prompt's last chunk is computed.
-- issued[slot] / written[slot]: blocks handed to the writer / confirmed written
-  (a contiguous prefix: a later range that lands first waits in ``ahead``).
-- destination: D's transfer-engine session, KV base addresses and the block
-  ids D allocated for the request. It may arrive before, during or after P's
-  prefill; whatever is ready by then is issued at once, the rest as computed.
+Invariant "no byte after the end" (relied on by prefill_sender.py):
+- :meth:`start_writes` admits a write only for a transfer that has not ended and
+  counts it in flight in the same call; transfers end under the same (sender's)
+  lock, so no queued write of an ended transfer can start;
+- :meth:`pop_finished` hands out an ended transfer (its end reported to D, its P
+  blocks freeable) only once none of its writes is in flight.
 
-Each transfer ends exactly once: completed (every slot written up to the last
-block) or failed (abort, preemption, expiry, a write error, an inconsistent
-destination).
-
-Only P's scheduler creates transfers (a step, a finished or an aborted
-request). A destination for an id it has not announced waits in a side table
-(the sender bounds it); if it is given up (:meth:`drop_pending`) nothing of it
-remains, so a request P schedules later under the same id starts a transfer of
-its own and is reported under its own P request id. The table's destinations
-are counted in two kinds (:meth:`waiting`): for a request P's scheduler holds
-queued (:meth:`received`) and for an id it has not received.
-
-Invariant "no byte after the end" (enforced here, relied on by prefill_sender.py):
-- a write runs only if :meth:`start_writes` admitted it, which it does only
-  for a transfer that has not ended, in the same call (under the sender's
-  lock) that counts it in flight; ending a transfer happens under that lock
-  too, so once a transfer has ended none of its queued writes can start;
-- :meth:`pop_finished` hands out an ended transfer (its end is reported to D,
-  its P blocks may be freed) only once no write of it is in flight.
-
-Cost: the per-step calls touch only the transfers they name (the step's
-requests, the ended ones); nothing scans every transfer.
+Per-step calls touch only the transfers they name; nothing scans them all.
 """
 
 from __future__ import annotations
@@ -162,9 +138,7 @@ class LayerwiseTracker:
 
     # ---- prefill side events -------------------------------------------------
     def received(self, transfer_ids: Iterable[str]) -> None:
-        """P's scheduler received these transfers' requests (queued, not yet
-        scheduled): a destination for one is not :meth:`unknown`. Creates no
-        transfer; the mark ends when the scheduler announces the transfer."""
+        """P's scheduler queued these transfers' requests (not :meth:`unknown`)."""
         for transfer_id in transfer_ids:
             if transfer_id in self.transfers:
                 continue
@@ -178,13 +152,7 @@ class LayerwiseTracker:
                 self._unmark_received(next(iter(self._received)))
 
     def begin_step(self, steps: Iterable[ComputedStep]) -> list[WriteOp]:
-        """A forward step starts; ``steps`` are the layer-wise requests it computes.
-
-        block_ids is the request's whole block list as of this step. If it no
-        longer extends the list known so far, P re-allocated the request
-        (preemption): progress restarts; D's blocks are simply rewritten with the
-        same content.
-        """
+        """A forward step starts; ``steps`` are the layer-wise requests it computes."""
         self._step = []
         ops: list[WriteOp] = []
         for step in steps:
@@ -196,6 +164,8 @@ class LayerwiseTracker:
             t = self._announced(transfer_id, step.p_req_id, step.prompt_len)
             if t is None or t.done:
                 continue
+            # P re-allocated the request (preemption): progress restarts, D's
+            # blocks are rewritten with the same content
             if block_ids[: len(t.block_ids)] != t.block_ids:
                 t.epoch += 1
                 t.ready = [0] * self.num_slots
@@ -225,16 +195,12 @@ class LayerwiseTracker:
         return ops
 
     def set_destination(self, transfer_id: str, dest: Destination) -> list[WriteOp]:
-        """D's addresses arrived: issue everything computed so far.
-
-        If P's scheduler has not announced the transfer yet (D was faster), the
-        destination waits until it does.
-        """
+        """D's addresses arrived: issue everything computed so far."""
         t = self.transfers.get(transfer_id)
         if t is None:
             if transfer_id in self._pending:
                 return []  # a duplicate; the first one stands
-            self._add_pending(transfer_id, dest)
+            self._add_pending(transfer_id, dest)  # D was faster: wait for P
             return []
         if t.done:
             return []
@@ -263,10 +229,9 @@ class LayerwiseTracker:
     def start_writes(
         self, ops: Iterable[WriteOp]
     ) -> tuple[list[WriteOp], list[WriteOp]]:
-        """The writer is about to run these ops: (admitted, dropped).
-
-        Ops of a transfer that has ended (or of a stale epoch) are dropped: they
-        must never run. Admitted ops count as in flight until writes_done."""
+        """The writer is about to run these ops: (admitted, dropped). Ops of an
+        ended transfer or a stale epoch are dropped and must never run;
+        admitted ops count as in flight until :meth:`writes_done`."""
         admitted, dropped = [], []
         for op in ops:
             t = self.transfers.get(op.transfer_id)
@@ -306,12 +271,8 @@ class LayerwiseTracker:
     def request_finished(
         self, transfer_id: str, p_req_id: str, block_ids: list[int], prompt_len: int
     ) -> list[WriteOp]:
-        """P's scheduler finished the request normally: its whole prompt is computed.
-
-        Every block is final in every slot. For a transfer that was never pushed
-        layer by layer (a prompt under the layer-wise threshold) this issues the
-        whole KV at once: the post-hoc path.
-        """
+        """P's scheduler finished the request: every block is final in every slot
+        (a post-hoc transfer is issued whole here)."""
         t = self._announced(transfer_id, p_req_id, prompt_len)
         if t is None:
             self._release_duplicate(p_req_id)
@@ -341,44 +302,32 @@ class LayerwiseTracker:
         holds_blocks: bool = True,
         reason: str = "the request ended on the prefill instance",
     ) -> None:
-        """P's request ended without completing (abort): nothing more to send; its
-        blocks can be released once the transfer has ended (see pop_finished).
-        holds_blocks=False: the scheduler freed them already (never report it).
-
-        A destination still waiting for the transfer to be announced is taken
-        over by it, so whoever serves D answers at once instead of timing out."""
+        """P's request ended without completing (abort): the transfer fails.
+        holds_blocks=False: the scheduler freed its blocks already."""
         t = self._announced(transfer_id, p_req_id, prompt_len)
         if t is None:
             self._release_duplicate(p_req_id, holds_blocks)
             return
+        # the transfer takes over a waiting destination: D is answered now
         self._pop_pending(transfer_id)
         t.holds_blocks = t.holds_blocks and holds_blocks
         self._mark_request_finished(t)
         self._fail(t, reason)
 
     def fail(self, transfer_id: str, reason: str) -> None:
-        """Abort, preemption or expiry: stop issuing; the transfer ends failed (if
-        not ended yet). An id P's scheduler has not announced is left alone: only
-        the scheduler creates transfers (see drop_pending)."""
+        """Fail an announced transfer (abort, preemption, expiry); others stay."""
         t = self.transfers.get(transfer_id)
         if t is not None:
             self._fail(t, reason)
 
     def drop_pending(self, transfer_id: str) -> bool:
-        """Give up a destination whose transfer P's scheduler never announced
-        (stale, or forged on P's unauthenticated socket). True if there was one.
-        Nothing of it remains: no write of it ever existed, and a request P
-        schedules later under the same id starts afresh."""
+        """Drop a never-announced transfer's destination; True if there was one."""
         return self._pop_pending(transfer_id) is not None
 
     # ---- results -------------------------------------------------------------
     def pop_finished(self) -> list[Transfer]:
         """Transfers that ended and have no write in flight, each returned exactly once.
-
-        An ended transfer with a write in flight is returned by a later call,
-        after its last write returned. An ended transfer stays known (so late
-        steps of its request cannot restart it) until forget() is called for it.
-        """
+        An ended transfer stays known (late steps cannot restart it) until forget()."""
         out = [t for t in self._finished if t.inflight == 0]
         self._finished = [t for t in self._finished if t.inflight > 0]
         for t in out:
@@ -388,8 +337,7 @@ class LayerwiseTracker:
         return out
 
     def pop_released_duplicates(self) -> list[str]:
-        """P requests that reused a live transfer_id and have ended, each returned
-        once: nothing of theirs was ever sent, so P may free their blocks now."""
+        """Ended P requests that reused a live transfer_id (never sent), each once."""
         out, self._released_duplicates = self._released_duplicates, []
         return out
 
@@ -398,9 +346,7 @@ class LayerwiseTracker:
         return len(self._duplicates)
 
     def pop_releasable(self) -> list[Transfer]:
-        """Ended and reported transfers whose P request is done, each returned
-        once: P may free their blocks (if it holds any) and forget them. Costs
-        O(returned): the set is kept as transfers reach that state."""
+        """Reported transfers whose P request is done, each once: free and forget them."""
         out = list(self._releasable.values())
         self._releasable.clear()
         return out
@@ -422,20 +368,17 @@ class LayerwiseTracker:
         return self.transfers.get(transfer_id)
 
     def unknown(self, transfer_id: str) -> bool:
-        """P's scheduler has neither announced this transfer nor received its
-        request: an id P may never see (D too early, or stale, or forged)."""
+        """Neither announced nor received by P's scheduler (early, stale or forged)."""
         return transfer_id not in self._received and (
             transfer_id in self._pending or transfer_id not in self.transfers
         )
 
     def queued(self, transfer_id: str) -> bool:
-        """P's scheduler received this transfer's request and has not announced
-        the transfer yet (the request is queued on P)."""
+        """Received by P's scheduler (queued there), not announced yet."""
         return transfer_id in self._received
 
     def num_unannounced(self) -> int:
-        """Destinations waiting for a transfer P's scheduler has not announced
-        (both kinds of :meth:`waiting`)."""
+        """Destinations waiting for an unannounced transfer (both kinds)."""
         return len(self._pending)
 
     def num_unannounced_block_ids(self) -> int:
@@ -443,9 +386,7 @@ class LayerwiseTracker:
         return self._pending_block_ids
 
     def waiting(self, queued: bool) -> tuple[int, int]:
-        """(destinations, block ids they name) waiting for a transfer not
-        announced yet: whose request P's scheduler holds queued (``queued``), or
-        whose id it has not received (the others). O(1)."""
+        """(destinations, block ids) waiting for a request queued on P, or else unknown."""
         if queued:
             return len(self._pending_received), self._pending_received_block_ids
         return (
@@ -457,13 +398,8 @@ class LayerwiseTracker:
     def _announced(
         self, transfer_id: str, p_req_id: str, prompt_len: int
     ) -> Transfer | None:
-        """The transfer P's scheduler announces for request ``p_req_id`` (a step,
-        or the request's end); None when that request reused the transfer_id of
-        another request this tracker still knows (a client's duplicate). Then the
-        id's transfer fails: its writes would mix both requests' blocks, and D
-        cannot tell whose KV it gets; the duplicate is never sent and its blocks
-        are released when it ends (pop_released_duplicates). The sender logs the
-        failure, which names both requests."""
+        """The transfer announced for ``p_req_id``; None if that request reused
+        the transfer_id of another live request (then neither is sent)."""
         self._unmark_received(transfer_id)
         if p_req_id and p_req_id in self._duplicates:
             return None
@@ -525,8 +461,7 @@ class LayerwiseTracker:
         return dest
 
     def _unmark_received(self, transfer_id: str) -> None:
-        """The received mark ends (announced, or the oldest forgotten): a
-        destination waiting for it counts as waiting for an unknown id."""
+        """The received mark ends (announced, or the oldest forgotten)."""
         self._received.pop(transfer_id, None)
         if transfer_id in self._pending_received:
             self._pending_received.remove(transfer_id)
@@ -582,10 +517,8 @@ class LayerwiseTracker:
 
 
 def _mark_written(t: Transfer, slot: int, start: int, end: int) -> None:
-    """Blocks [start, end) of ``slot`` were written. written[slot] only grows over
-    a contiguous prefix: writes of one slot may land out of issue order (issued
-    on different threads), and a later range must not count the earlier blocks,
-    still queued, as written."""
+    """Blocks [start, end) of ``slot`` were written. written[slot] grows only over
+    a contiguous prefix: writes may land out of order (different threads)."""
     if start > t.written[slot]:
         t.ahead.setdefault(slot, []).append((start, end))
         return

@@ -1,11 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""P's layer-wise writer threads: one per decode session with work, each a FIFO.
+"""P's layer-wise writer threads: one FIFO per decode session with work.
 
-A dead or slow decode peer stalls only the transfers to it. What a batch
-means (which writes may still start, the write itself, what ends) is the
-sender's (prefill_sender.py); this module only owns the threads and their queues.
-After :meth:`WriterPool.shutdown` returns no batch starts: the queued ones are
-handed to ``drop`` instead, never run.
+A dead or slow decode peer stalls only the transfers to it. Only threads and
+queues live here; what a batch means is the sender's (prefill_sender.py).
 """
 
 from __future__ import annotations
@@ -23,8 +20,9 @@ from ..common.io_affinity import (
 )
 
 MAX_PEERS = 64  # decode sessions with queued or running writes at once
-# Writers whose write has outlived its bound (a frozen or cut-off peer) leave the
-# cap to the others, up to this many times MAX_PEERS writers in all.
+# Writers whose write has outlived its bound (a frozen or cut-off peer; the write
+# goes on and its blocks stay held) leave the cap to the others, up to this many
+# times MAX_PEERS writers in all.
 OVERDUE_FACTOR = 4
 # shutdown waits this long for the batches being run (a write to a frozen peer
 # may last the engine's bound; shutdown does not wait for that)
@@ -48,14 +46,9 @@ class _Writer(Generic[Batch]):
 
 class WriterPool(Generic[Batch]):
     """Runs ``run(session, batch)`` on the session's writer thread, in FIFO order,
-    then ``after()``. A writer retires once it had nothing to do for ``idle_s``;
-    at :data:`MAX_PEERS` sessions with work a new session is refused. A writer
-    whose batch has run longer than ``overdue_after_s`` (the engine's bound: its
-    peer is frozen or cut off) is counted as overdue and no longer counts
-    toward that cap, so healthy peers proceed; its write goes on (its blocks stay
-    out of use), and at most OVERDUE_FACTOR x MAX_PEERS writers exist at all.
-    ``drop(session, batch)`` is called for each batch that will never run
-    (queued, or taken from the queue but not started, at shutdown)."""
+    then ``after()``. A writer retires after ``idle_s`` without work; past
+    ``overdue_after_s`` it leaves the MAX_PEERS cap (see OVERDUE_FACTOR).
+    ``drop(session, batch)`` gets each batch that will never run (shutdown)."""
 
     def __init__(
         self,
@@ -86,8 +79,7 @@ class WriterPool(Generic[Batch]):
         return self._closed
 
     def submit(self, session: str, batch: Batch) -> bool:
-        """Queue ``batch`` to the session's writer; False: refused (too many peers,
-        or shut down)."""
+        """Queue ``batch`` to the session's writer; False: refused (cap, shutdown)."""
         with self._lock:  # the put too: a writer retires only with nothing queued
             if self._closed:
                 return False
@@ -99,13 +91,12 @@ class WriterPool(Generic[Batch]):
         return True
 
     def _writer_for(self, session: str) -> _Writer[Batch] | None:
-        """The writer serving ``session``, started on first use. Caller holds _lock.
-        At max_peers, writers with nothing to do are retired to make room: the cap
-        counts sessions with work, not every session seen."""
+        """The writer serving ``session``, started on first use. Caller holds _lock."""
         w = self._writers.get(session)
         if w is not None:
             return w
         if len(self._writers) >= self.max_peers:
+            # the cap counts sessions with work: idle writers make room
             for idle in [w for w in self._writers.values() if w.pending == 0]:
                 del self._writers[idle.session]
                 idle.queue.put(None)
@@ -192,9 +183,8 @@ class WriterPool(Generic[Batch]):
             self._drop(session, batch)
 
     def shutdown(self, wait_s: float = SHUTDOWN_WAIT_S) -> list[str]:
-        """Stop: no batch starts once this is called; the queued ones go to
-        ``drop``. Waits up to ``wait_s`` for the batches being run to return;
-        returns the sessions whose batch still runs then."""
+        """Stop: no batch starts from now on (queued ones go to ``drop``); returns
+        the sessions still running a batch after ``wait_s``."""
         dropped: list[tuple[str, Batch]] = []
         with self._lock:  # submit and the loops check _closed under it
             self._closed = True

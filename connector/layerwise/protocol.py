@@ -1,8 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What P's scheduler tells P's worker each step about layer-wise transfers.
-
-Carried in the connector metadata (scheduler process -> worker processes).
-"""
+"""What P's scheduler tells its worker each step about layer-wise transfers."""
 
 from __future__ import annotations
 
@@ -24,10 +21,7 @@ class TransferMode(str, Enum):
 
 def requested_mode(params: Mapping[str, Any] | None) -> TransferMode | None:
     """The mode a request's kv_transfer_params ask for; None: the instance default.
-
-    Raises ValueError naming the accepted values for anything else (the
-    caller warns and uses the default: a client never fails a request or
-    crashes the engine with a bad value)."""
+    ValueError names the accepted values (the caller warns and uses the default)."""
     value = (params or {}).get(MODE_PARAM)
     if value is None:
         return None

@@ -1,18 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """D: requests for one held prefix coalesce onto one push.
 
-A burst of requests forked from one context reaches D at once; each would ask
-the source for the same blocks and each push would write them again, into
-blocks of its own. :class:`PrefixClaims` names, for a source and a block of a
-prompt (its position and everything before it: the salt, the LoRA adapter, the
-tokens: vLLM's chained block hash), the request that is matching or pushing it
-from that source. A request whose first block beyond D's own prefix hit is
-claimed by another waits for that one instead of asking the same source
-(decode_scheduler.py): once the other's push landed, vLLM caches its blocks and
-the waiting request gets them as a local hit, asking the source only for what
-lies beyond. The wait ends when the claimant no longer fetches
-(its push ended, was released, or never started) or after a bound, whichever
-comes first: then the request goes its own way.
+:class:`PrefixClaims` names, per source and prompt block (vLLM's chained block
+hash: salt, LoRA adapter and every token before it), the request matching or
+pushing it. A request whose first block beyond D's own hit is claimed by another
+waits (decode_scheduler.py): once that push landed, vLLM caches its blocks and
+the waiter gets them as a local hit. The wait ends when the claimant no longer
+fetches, or after a bound; then the request goes its own way.
 """
 
 from __future__ import annotations

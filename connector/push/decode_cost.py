@@ -2,65 +2,15 @@
 """D decides whether a prefix push pays: its expected transfer against the local
 prefill of the same tokens, both measured on D.
 
-- **A push**, per source: the round trip of its ``/match_blocks`` (one HTTP call,
-  the source's hashing included) and, from every push that ended, the time from
-  D's allocation of the blocks to the worker's report, less that round trip, per
-  block; a push that did not land whole counts that time plus the local prefill
-  of the blocks it did not land (the request still needs it). And, from every
-  push that landed whole, its **tail**: the time from the worker's report to the
-  request's first token (at least one more scheduler step, which D's other
-  requests lengthen; a local prefill computes its tokens in its first step).
-  Expected: one round trip (the push call), the blocks times the time per
-  block, and the tail.
-- **A local prefill**: every request D prefills itself from its own hit (nothing
-  pulled or pushed, at least MIN_BUCKET's tokens, not resumed after a
-  preemption) is timed from its allocation to its first output token, per
-  token, in buckets by the number of tokens computed (powers of two: attention
-  makes a token of a long prefill dearer). Its own hit is read from the step's
-  scheduler output (NewRequestData.num_computed_tokens), which both supported
-  releases fill before the step's tokens are counted. Expected for N tokens: N
-  times the time per token of N's bucket, or of the nearest measured one.
-
-Both are moving averages (the last few dozen observations weigh most), measured
-on whatever else the instance runs meanwhile, which is what a push competes
-with. **D's own queue**: a local prefill takes D's compute from every request D
-holds whose prompt is not computed yet (waiting or prefilling beside it: steps
-are shared), and delays each of them by about its own time, while a push's
-write runs beside D's steps and delays only its own request. So the local
-prefill weighs its time times (1 + those requests, at most MAX_QUEUED): on a
-saturated D, compute saved counts for the queue, not for one request's latency
-(measured on this project's CPU host: with 39 sessions queued on two instances,
-a gate blind to its queue prefilled 24-38 of 33-43 candidate turns itself).
-**The source's load** (its /match_blocks answer: pushes in flight within
-their bound, its limit, prompt tokens its scheduler admitted and has not
-computed; :class:`SourceLoad`) enters twice. A push's time per block is kept
-apart for a source that was prefilling (a backlog) and one that was not, since
-the write competes with the source's own steps (on the CPU backend for its
-cores; with RDMA far less, and the two figures then converge); and pushes in
-flight at once share the source's link, so a block's time is kept per push
-alone (divided by the pushes in flight when it ran) and expected times the
-pushes in flight with it. A source with every slot taken would answer busy: the
-request is prefilled here at once (refused), not after a wasted allocation. Until both sides are measured for a source, a push goes ahead (it is how
-they get measured); a push granted before its source's answer (auto: judged
-on the index) is judged again on the load that answer reports when the source
-is loaded; a source judged not worth it is tried again once its
-measurement is older than PROBE_AFTER_S, so a better link is noticed (the
-scheduler judges a request once: a push granted before its /match_blocks is
-not judged again on the answer, only held to the minimum). Fewer tokens than
-MOONCAKE_PUSH_MIN_TOKENS beyond D's own hit are never pushed. A source whose
-last FAILURES_TO_DEMOTE pushes landed nothing (failed, or late: not ended within
-twice their budget) is failing: not pushed from, whatever the policy, until one
-probe PROBE_AFTER_S after its last failure; a push that lands ends it. With
-MOONCAKE_PUSH_POLICY=always the minimum is the only other rule (a push then saves
-D's compute even where it is not faster; one that lands nothing saves nothing).
-A push's budget (how long its source may take to start writing) is its expected
-transfer times BUDGET_FACTOR plus a round trip and BUDGET_FLOOR_S, within
-MOONCAKE_PUSH_TIMEOUT_S (that timeout while unmeasured). Sources are keyed
-by their origin (common/peer_client.SourceLanes.key), so spellings of one source share
-its figures and a client cannot add entries.
-
-Pure logic with an injected clock: the scheduler (decode_scheduler.py) feeds it
-and asks it; nothing here talks to anything.
+A push, per source: one ``/match_blocks`` round trip, its blocks times a moving
+average per block (kept apart for a source that was prefilling or not, and per
+push alone: pushes in flight share the link), and the tail from the worker's
+report to the first token. A local prefill: per token, in power-of-two length
+buckets, weighted by the requests of D's own it would delay (MAX_QUEUED at most).
+Unmeasured, a push goes ahead; below MOONCAKE_PUSH_MIN_TOKENS or to a full
+source, never. A source whose last FAILURES_TO_DEMOTE pushes landed nothing is
+failing, whatever the policy, until one probe PROBE_AFTER_S later. Sources are
+keyed by origin, so a client cannot add entries. Pure logic, injected clock.
 """
 
 from __future__ import annotations
@@ -145,8 +95,7 @@ class _Average:
 
 @dataclass
 class _Failures:
-    """A source's pushes in a row that landed nothing, and when the last one (or
-    the last probe) was counted."""
+    """A source's pushes in a row that landed nothing, and when last counted."""
 
     in_a_row: int = 0
     at: float = 0.0
@@ -193,9 +142,8 @@ class PushCostModel:
     def observe_push(
         self, source: str, blocks: int, seconds: float, load: SourceLoad = IDLE
     ) -> None:
-        """A push of ``blocks`` that landed whole, ``seconds`` from allocation to
-        the worker's report, under ``load`` (its source's answer): it also ends
-        the source's failures."""
+        """A push that landed whole, ``seconds`` from allocation to the worker's
+        report; it ends the source's failures."""
         if blocks <= 0:
             return
         self._failures.pop(source, None)
@@ -210,12 +158,9 @@ class PushCostModel:
         block_size: int,
         load: SourceLoad = IDLE,
     ) -> None:
-        """A push of ``blocks`` of which only the first ``landed`` landed (the
-        source refused, failed or was late), ``seconds`` from allocation to the
-        worker's report. It cost the request that wait and then the local prefill
-        of the rest (counted once measured), so a source whose pushes do not land
-        costs more than the prefill they were to save. One that landed some
-        blocks ends the source's failures (what it lands is judged by cost)."""
+        """A push of which only the first ``landed`` blocks landed: it cost the
+        wait plus the local prefill of the rest, so a source whose pushes do not
+        land costs more than the prefill they were to save."""
         if blocks <= 0:
             return
         landed = max(0, min(landed, blocks))
@@ -225,8 +170,7 @@ class PushCostModel:
         self._add_per_block(source, blocks, max(0.0, seconds) + rest, load)
 
     def failed(self, source: str) -> int:
-        """A push from ``source`` landed nothing, or is late: its failures in a row
-        (from FAILURES_TO_DEMOTE on, the source is failing)."""
+        """A push from ``source`` landed nothing, or is late: its failures in a row."""
         f = self._failures.setdefault(source, _Failures())
         f.in_a_row += 1
         f.at = self._clock()
@@ -251,15 +195,13 @@ class PushCostModel:
         )
 
     def _block_time(self, source: str, load: SourceLoad) -> _Average | None:
-        """A block's time alone from ``source`` in ``load``'s state (prefilling
-        or not), else in the other state (the only figure there is)."""
+        """A block's time alone from ``source`` in ``load``'s state, else in the other."""
         return self._per_block.get((source, load.prefilling)) or self._per_block.get(
             (source, not load.prefilling)
         )
 
     def observe_tail(self, seconds: float) -> None:
-        """A push that landed whole: ``seconds`` from the worker's report to the
-        request's first token."""
+        """A landed push: ``seconds`` from the worker's report to the first token."""
         if seconds >= 0:
             self._tail.add(seconds, self._clock())
 
@@ -273,8 +215,7 @@ class PushCostModel:
 
     # ---- estimates ---------------------------------------------------------------
     def write_s(self, source: str, blocks: int, load: SourceLoad) -> float | None:
-        """Expected time from D's allocation to the worker's report: one round
-        trip and the blocks' time, shared with the pushes in flight."""
+        """Expected time from D's allocation to the worker's report."""
         rtt, per_block = self._round_trip.get(source), self._block_time(source, load)
         if rtt is None or per_block is None:
             return None
@@ -283,9 +224,8 @@ class PushCostModel:
     def transfer_s(
         self, source: str, blocks: int, load: SourceLoad = IDLE
     ) -> float | None:
-        """Expected push of ``blocks`` from ``source`` in ``load``, to the first
-        token as a local prefill is timed: its write and the tail (0 until a
-        push has landed)."""
+        """Expected push to the first token, as a local prefill is timed: its
+        write and the tail (0 until a push has landed)."""
         write = self.write_s(source, blocks, load)
         if write is None:
             return None
@@ -299,8 +239,8 @@ class PushCostModel:
         return tokens * self._per_token[nearest].value
 
     def local_cost_s(self, tokens: int, queued: int = 0) -> float | None:
-        """A local prefill of ``tokens``: its time, once for itself and once for
-        each of ``queued`` requests it delays (at most MAX_QUEUED)."""
+        """A local prefill's time, once for itself and once for each of ``queued``
+        requests it delays (steps are shared; a push's write is not)."""
         prefill = self.prefill_s(tokens)
         if prefill is None:
             return None
@@ -309,10 +249,8 @@ class PushCostModel:
     def budget_s(
         self, source: str, blocks: int, cap: float, load: SourceLoad = IDLE
     ) -> float:
-        """How long a push of ``blocks`` from ``source`` may take to start writing
-        (the push's timeout): its expected transfer times BUDGET_FACTOR, plus a
-        round trip and BUDGET_FLOOR_S, at most ``cap`` (MOONCAKE_PUSH_TIMEOUT_S),
-        which is also the budget while the source is unmeasured."""
+        """The push's timeout (how long it may take to start writing): at most
+        ``cap`` (MOONCAKE_PUSH_TIMEOUT_S), which is also the unmeasured budget."""
         expected = self.write_s(source, blocks, load)
         if expected is None:
             return cap
@@ -328,11 +266,9 @@ class PushCostModel:
         load: SourceLoad = IDLE,
         queued: int = 0,
     ) -> Estimate:
-        """Whether to push ``blocks`` full blocks from ``source`` in ``load``
-        with ``queued`` requests of D's own that a local prefill would delay
-        (``judge`` False: the push was granted already; only the minimum, a full
-        source and, when the source is loaded, the cost under that load apply).
-        The estimate's prefill_s is the local prefill's weighted cost."""
+        """Whether to push ``blocks`` from ``source`` (``judge`` False: granted
+        already; only the minimum, a full source and a loaded source's cost apply).
+        prefill_s is the local prefill's weighted cost."""
         tokens = blocks * block_size
         if tokens < max(1, self.min_tokens):
             return Estimate(Decision.BELOW_MINIMUM, None, None)
@@ -371,9 +307,8 @@ class PushCostModel:
 
 
 class PrefillTimer:
-    """Times D's local prefills: from a request's allocation (nothing external
-    loaded) to its first output token, seen at a later step or at its end; and
-    the tails of landed pushes, from the worker's report to the first token."""
+    """Times D's local prefills (allocation to first output token) and the tails
+    of landed pushes (worker's report to first token)."""
 
     def __init__(
         self, model: PushCostModel, clock: Callable[[], float] = time.monotonic
@@ -404,8 +339,7 @@ class PrefillTimer:
             self._tails[request.request_id] = (request, self._clock())  # type: ignore[attr-defined]
 
     def step(self, scheduler_output: object) -> None:
-        """Once a step, from its scheduler output: the new requests' own hits, and
-        the prefills and landed pushes that produced their first token."""
+        """Once a step: the new requests' own hits, and first tokens produced."""
         for rid, (request, _) in list(self._tails.items()):
             self._check_tail(rid, request)
         if not self._running:
@@ -413,6 +347,7 @@ class PrefillTimer:
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
             entry = self._running.get(new.req_id)
             if entry is not None and entry[2] is None:
+                # both supported releases fill it before the step's tokens count
                 hit = int(new.num_computed_tokens)
                 prompt = len(getattr(entry[0], "prompt_token_ids", None) or ())
                 if prompt - hit < 2**MIN_BUCKET:

@@ -1,43 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """D's index of which allowed push source holds which prefix blocks (``push_from: "auto"``).
 
-Fed by each source's own feed of its block-hash mirror (``POST /hashsync/feed``,
-hashsync/feed_protocol.py), followed by one thread per source with a long poll:
-the keys a source began and stopped holding, in order, or a snapshot when D
-cannot continue from its position (the source restarted: a new ``epoch``; D
-fell behind; the source's prefix cache was reset). Why this feed and not vLLM's
-own KV events (``--kv-events-config``): those are published over ZMQ without
-authentication, their format differs between the releases this series supports,
-and they carry hashes truncated to 64 bits; the mirror is already what a
-source's ``/match_blocks`` answers from, the feed is signed like every POST of
-this series, and it carries the source's hash configuration so D hashes a
-prompt as the source does (NONE_HASH is random per process unless
-PYTHONHASHSEED is set).
-
-The index is a hint: the chosen source's ``/match_blocks`` stays the truth, so a
-stale entry costs one match round trip and a local prefill, never wrong KV.
-Bounded: each key is kept as its 64-bit ``hash()`` in a set per source (a
-collision can only make D ask the wrong source, which answers the truth), at
-most ``MOONCAKE_PUSH_INDEX_MAX_BLOCKS`` blocks over all sources (split evenly);
-a source's further keys are dropped and counted. Untrusted: every page is
-validated (feed_protocol.py), a malformed one is counted and dropped whole, a
-source whose blocks can never match D's (another block size, a hash algorithm
-D's vLLM lacks) is refused at its first page with one warning naming the
-difference and asked again only every REFUSED_RETRY_S, a source that stops
-answering is forgotten after FORGET_AFTER_S, a source whose advertised
-blocks repeatedly fail its own ``/match_blocks`` or the push itself is demoted
-for DEMOTE_S (a warning names it), and a source is asked for its next page no
-sooner than :func:`feed_pause` allows (one answering at once, ``more`` or not,
-cannot spin D's thread). An instance that follows its own feed (its
-own bootstrap URL is in MOONCAKE_PUSH_SOURCES) knows itself by its scheduler's
-id and stops following it.
-
-A lookup hashes the prompt one block at a time, once per distinct hash
-configuration among the sources, and stops where the last source of that
-configuration stops holding it: one set lookup per block and source, and a
-prompt nobody holds costs one block's hashing per configuration. A page is
-applied in slices (APPLY_SLICE keys per hold of the lock), so a snapshot of
-65,536 keys does not keep a lookup waiting for the whole of it.
+Fed by each source's signed feed of its block-hash mirror (``POST /hashsync/feed``,
+hashsync/feed_protocol.py), one long-polling thread per source; the feed carries
+the source's hash configuration, so D hashes a prompt as the source does. A hint
+only: the chosen source's ``/match_blocks`` stays the truth, so a stale entry or
+a collision of the 64-bit ``hash()`` kept per key costs a round trip, never
+wrong KV. Bounded and untrusted: MOONCAKE_PUSH_INDEX_MAX_BLOCKS keys over all
+sources (split evenly), a malformed page dropped whole, a source whose blocks
+can never match refused, a silent one forgotten after FORGET_AFTER_S, one whose
+advertised blocks keep failing demoted for DEMOTE_S, each paced by
+:func:`feed_pause`. An instance stops following its own feed.
 """
 
 from __future__ import annotations
@@ -100,12 +73,8 @@ class SourceNotReady(RuntimeError):
 
 
 def feed_pause(started: float, received: float, done: float) -> float:
-    """How long to wait before asking a source again, after a call sent at
-    ``started``, answered at ``received`` and applied by ``done`` (monotonic s):
-    calls FEED_MIN_INTERVAL_S apart at least, and FEED_WORK_PAUSE times the page's
-    cost here, so a source answering at once takes at most 1 / (1 +
-    FEED_WORK_PAUSE) of its thread's time (and of the GIL it shares with D's
-    scheduler)."""
+    """How long to wait before asking a source again: a source answering at once
+    takes at most 1 / (1 + FEED_WORK_PAUSE) of its thread's time (and the GIL)."""
     return max(
         FEED_MIN_INTERVAL_S - (done - started), FEED_WORK_PAUSE * (done - received)
     )
@@ -251,8 +220,8 @@ class HolderIndex:
         return page.more
 
     def _mismatch(self, page: FeedPage) -> str | None:
-        """Why ``page``'s source's blocks can never match this instance's, if so. Its
-        NONE_HASH (seed) is no reason: a prompt is hashed with the source's own."""
+        """Why ``page``'s source's blocks can never match this instance's, if so
+        (not its NONE_HASH: a prompt is hashed with the source's own)."""
         if page.block_size != self.block_size:
             return (
                 f"its block size is {page.block_size}, this instance's "
@@ -302,8 +271,7 @@ class HolderIndex:
             return self._sources[origin].itself
 
     def not_ready(self, origin: str) -> None:
-        """``origin`` answered that it has not run a step yet (it has just started):
-        it holds nothing."""
+        """``origin`` has not run a step yet: it holds nothing."""
         with self._lock:
             s = self._sources[origin]
             s.answered_at, s.failing_since = self._clock(), None
@@ -341,11 +309,7 @@ class HolderIndex:
     ) -> HeldPrefix | None:
         """The source holding the longest run of the prompt's leading full blocks,
         if longer than ``have_blocks`` (this instance's own hit); None otherwise.
-
-        The prompt is hashed one block at a time, once per distinct hash
-        configuration among the sources, and no further than the longest run of
-        a source of that configuration: a prompt nobody holds costs one block's
-        hashing per configuration."""
+        Hashes per configuration, no further than the longest run held."""
         if len(token_ids) // self.block_size <= have_blocks:
             return None
         now = self._clock()
@@ -416,9 +380,8 @@ class HolderIndex:
 
 
 class FeedFollower:
-    """One thread per source following its feed into ``index``, each call signed
-    and bounded (common/peer_client.py), paced by :func:`feed_pause`; a failing source
-    is asked again with backoff."""
+    """One thread per source following its feed into ``index``; each call signed
+    and bounded, paced by :func:`feed_pause`, a failing source asked with backoff."""
 
     def __init__(self, index: HolderIndex, config: ExtConfig):
         self.index = index

@@ -1,76 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """D's worker side of prefix push: post ``/push_blocks`` to C, end each push once.
 
-For each :class:`PushJob` in the step's metadata a :class:`PushTransfer` is
-created and a thread asks C's bootstrap server to write the prompt's held
-blocks into the blocks D allocated, naming D's transfer-engine session and
-KV base addresses. Every push ends exactly once, in ``finished_recving`` (so
-vLLM leaves WAITING_FOR_REMOTE_KVS or frees an aborted request's blocks),
-with the number of leading blocks that landed in the worker metadata
-(decode_scheduler.py cuts back the rest, which D prefills itself).
-
-No byte after the end: the request carries a deadline (now + the push's
-timeout, D's wall clock: MOONCAKE_PUSH_TIMEOUT_S, or less as the scheduler set
-it, PushJob.timeout_s) and a budget (what is left of that timeout when it is
-sent, counted by C from its receipt); C starts no write
-once either has passed. A push ends when C answered (its write has returned:
-nothing more can arrive), when it was never sent (its start deadline passed
-while it waited for one of its source's threads: C was never asked), or, if C
-never answers, when the hold has passed: the timeout, plus C's bound on a
-write of the bytes asked for (with C's engine timeout, from its /match_blocks
-answer), plus the clock-skew allowance the scheduler measured C within
-(config.ExtConfig.push_hold_for_s). Until the push has ended, its blocks stay
-out of use: with the request, or, once the push is past its budget with no
-answer (told to the scheduler once, PushOutcome.due) and the request was given
-other blocks, pinned by the scheduler (decode_scheduler.py).
-
-
-Each source has its own threads and connections, every call one deadline
-(the hold) and a cap on the answer's size (common/peer_client.py): a slow source delays
-only its own pushes.
-
-Proof of write: C's "ok" counts only for blocks it shows it wrote.
-
-1. Before the push (:meth:`PushReceiver.start`, on the model runner's
-   thread) D picks ``num_probes`` distinct random 8-byte positions (block,
-   KV tensor, offset) in the blocks it asks for, the first block always
-   among them, keeps them to itself and plants random canaries there. On
-   CUDA the canary copies are queued on the compute stream behind the step's
-   kernels: an event recorded after them is waited on before /push_blocks
-   goes out. Else C's write could land before a canary (a false rejection),
-   or a canary overwrite pushed KV after the proof passed.
-2. /push_blocks names no position; C writes and answers "ok" with a push id.
-3. Once C has answered (its write has returned), D reads its own bytes at
-   the positions inside the blocks C says it wrote. A canary still there: no
-   block counts.
-4. Only then does D post /push_proof (the push id, those positions); C
-   answers its source bytes there, unless a pushed source block was evicted
-   or reused since the write. The blocks count only if every answer equals
-   what D read in step 3.
-
-A source learns the positions only after D has read its memory, so a write
-aimed at them, before (it cannot know them) or after (any peer that knows
-D's session can write into its registered memory at any time), cannot make a
-partial write pass.
-
-What this does not cover (residual risk):
-
-- Sampling. The check reads ``num_probes`` (16) words of 8 bytes. A source
-  that leaves a fraction m of the pushed bytes unwritten, spread as it
-  likes, passes with probability about (1 - m) ** j, where j is the number
-  of positions in the blocks it claims (all 16 when it claims every block
-  asked for; at most (1 - m) ** (j - 1) for gaps kept out of the first
-  block, which always holds one). With j = 16: m = 96 % (64 of 1536 bytes
-  written) about 1e-22, m = 50 % 1.5e-5, m = 10 % 0.19, one 8-byte word
-  left out of a 1536-byte push 0.92. A small gap in a large push is likely
-  to pass.
-- Wrong KV. A source that writes every byte, but not the KV of the prompt
-  (and answers those bytes), passes: only recomputing the prefix could tell.
-  The proof shows that the source wrote, not what it computed; D trusts its
-  allowlisted sources for the content.
-- Later writes. Mooncake lets any peer that knows D's session write into
-  its registered memory at any time; the proof says nothing of bytes that
-  arrive after it.
+Each PushJob becomes a :class:`PushTransfer`, ended once in ``finished_recving``
+with the leading blocks that landed (PushOutcome). No byte after the end: C
+starts no write past the deadline or budget sent with the request, and a push
+ends only when C answered (its write returned), when it was never sent, or when
+its hold (config.ExtConfig.push_hold_for_s) passed; until then its blocks stay
+out of use. Proof of write: D plants random canaries at ``num_probes`` secret
+positions and counts C's "ok" only if, after D read its own bytes there,
+/push_proof answers the same bytes. Not covered: a small gap in a large push
+may pass the sampling, written but wrong KV passes (D trusts its allowlisted
+sources for content), and bytes landing after the proof.
 """
 
 from __future__ import annotations
@@ -244,9 +184,8 @@ class PushReceiver:
         self._lanes.shutdown()
 
     def make_probes(self, job: PushJob) -> list[tuple[int, int, int]]:
-        """Distinct random positions in the blocks asked for, the first block
-        always among them (whatever C pushes starts there). They leave this
-        instance only after C answered and D read its bytes there (_proof)."""
+        """Distinct random positions in the blocks asked for, the first block always
+        among them; they leave this instance only after D read its bytes (_proof)."""
         if self.kv is None or not job.dst_block_ids:
             return []
         n, slots = len(job.dst_block_ids), len(self.base_addrs)
@@ -399,10 +338,9 @@ class PushReceiver:
         t: PushTransfer | None = None,
         deadline: float | None = None,
     ) -> int:
-        """Blocks an "ok" answer accounts for: never more than asked, only if the
-        bytes it reports are exactly those blocks', and, when this instance
-        planted canaries for the push (``t``), only if C proves its write (else
-        none: D recomputes). ``deadline``: monotonic, the push's own (the hold)."""
+        """Blocks an "ok" answer accounts for: never more than asked, only if its
+        bytes match them, and, with canaries planted (``t``), only if C proves
+        its write; else none. ``deadline``: monotonic, the push's hold."""
         n = resp.pushed_blocks
         expected_bytes = n * self.block_len * len(self.base_addrs)
         if not 0 <= n <= len(job.dst_block_ids) or resp.bytes != expected_bytes:

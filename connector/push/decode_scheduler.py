@@ -1,64 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""D's scheduler side of prefix push migration (C's POST /push_blocks, source_server.py).
+"""D's scheduler side of prefix push: ask a source, count held blocks as external.
 
-A request whose ``kv_transfer_params`` hold ``{"push_from": "<C's bootstrap
-URL>"}`` (and neither ``do_remote_prefill`` nor ``do_remote_decode``: those are
-upstream's P/D path) asks C, in a background thread, how many leading full
-blocks of its prompt C's prefix cache holds (``/match_blocks``); until the
-answer is in, ``get_num_new_matched_tokens`` returns ``None`` (vLLM keeps the
-request waiting and asks again next step). C matches by token ids alone, so a
-request whose KV depends on more (images or other multimodal input, prompt
-embeddings, a LoRA adapter, whose contents neither side can name) is
-prefilled locally, with one warning per kind and interval.
-The held blocks beyond D's own prefix hit are counted as external tokens and
-loaded asynchronously: D's worker posts ``/push_blocks`` with the blocks
-vLLM allocated (decode_receiver.py) and reports, through the worker metadata,
-how many landed. If fewer landed than promised (C evicted them, the write
-failed, C is unreachable, a timeout), the request's computed tokens are cut
-back to what landed *before* vLLM caches the blocks, so the rest is prefilled
-locally whatever ``kv_load_failure_policy`` says: never lost, never stuck.
-A failed or slow ``/match_blocks`` means no push at all, and so does a
-source whose clock is off by more than MOONCAKE_PUSH_CLOCK_SKEW_S: D measures
-the skew on each answer (C's clock against the midpoint of D's send and
-receive, give or take half the round trip), since its hold for the push
-relies on C reading D's deadline within that allowance. C's engine timeout
-and its kernel's orphan retries, from the same answer, go with the job: the
-worker's hold is computed with them (config.ExtConfig.push_hold_for_s).
-
-Each source has its own threads and connections and every call one deadline
-(common/peer_client.py): a slow source delays only its own requests.
-
-``push_from: "auto"`` (or any request without push_from on an instance with
-MOONCAKE_PUSH_AUTO=1): D picks the source itself, from its index of the
-allowed sources' feeds (decode_index.py): the one whose feed says it holds the
-longest run of the prompt's leading blocks beyond D's own hit. No source holds
-more: local prefill with no call at all. Then as above: that source's
-``/match_blocks`` is the truth. A source that holds less than it advertised, or
-whose push lands less, counts a miss against it (a few in a row demote it).
-The index follows the feeds from the start with MOONCAKE_PUSH_AUTO=1, else from
-the first request that asks for "auto".
-
-A request that finishes while its push is in flight keeps its blocks until
-the worker reports the push ended, which it does only once C can no longer
-write into them (decode_receiver.py); one that finishes before its job reached the
-worker frees them at once (C was never asked).
-
-Every push ended is measured (decode_cost.py), whole or not: one that lands
-nothing counts against its source, and so does one not ended within twice its
-budget (late), at once, while its request still waits for its end. A source
-failing FAILURES_TO_DEMOTE pushes in a row is not asked, named or picked, until
-its probe. A push's budget (its timeout, sent with the job) follows what D
-expects of the source, so a late source starts no write after it and the
-push's hold ends sooner. A push with no answer when its budget has passed (the
-worker says so: PushOutcome.due) releases its request: the blocks the source
-may write into get one more reference of this scheduler's (pinned, so no other
-request is given them), the request gives its blocks back and waits no more,
-and is prefilled locally in others; the pinned blocks go back to the pool when
-the push ended (the source answered or the hold passed). This needs the
-scheduler's KV cache manager (bind_kv_cache_manager: vLLM 0.32.0, and 0.18.1
-through this series' scheduler patch); without it the request waits for the
-end and is prefilled in the same blocks.
-
+A request naming ``push_from`` in its ``kv_transfer_params`` (a source's
+bootstrap URL, or "auto": the allowed source whose feed holds the longest run,
+decode_index.py; with MOONCAKE_PUSH_AUTO=1 any request), outside upstream's P/D
+path, asks the source's ``/match_blocks`` in the background (``None`` until it
+answers). The held blocks beyond D's own hit load asynchronously
+(decode_receiver.py); if fewer land than promised, the computed tokens are cut
+back before vLLM caches the blocks, so the rest is prefilled locally: never lost,
+never stuck. A failed or slow match, a clock skew beyond
+MOONCAKE_PUSH_CLOCK_SKEW_S, an incompatible, refused or failing source, or a
+prompt whose KV depends on more than its tokens means local prefill. Blocks C
+may write into stay held (with the request, or pinned once a push past its
+budget released it) until the worker reports the push ended.
 """
 
 from __future__ import annotations
@@ -347,9 +301,8 @@ class PushScheduler:
         return held
 
     def handles(self, request: Request) -> bool:
-        """A request naming a push source, unless it belongs to upstream's P/D path
-        (do_remote_decode: P's send; do_remote_prefill: D's pull): owning it would
-        skip upstream's bookkeeping of that transfer."""
+        """A request naming a push source, unless it is on upstream's P/D path
+        (owning it would skip upstream's bookkeeping of that transfer)."""
         params = getattr(request, "kv_transfer_params", None) or {}
         if params.get("do_remote_decode") or params.get("do_remote_prefill"):
             return False
@@ -609,8 +562,7 @@ class PushScheduler:
 
     # ---- coalescing ------------------------------------------------------------------
     def _fetching(self, rid: str) -> bool:
-        """Whether ``rid`` still matches or pushes blocks within its budget (its
-        claims stand; a push past its budget is no longer waited for)."""
+        """Whether ``rid`` still matches, or pushes within its budget (claims stand)."""
         fut = self._matches.get(rid)
         inf = self._inflight.get(rid)
         return (
@@ -626,11 +578,8 @@ class PushScheduler:
     def _waits_for_another(
         self, request: Request, source: str, num_computed_tokens: int
     ) -> bool:
-        """Whether the request's first block beyond D's hit is being fetched from
-        ``source`` by another request: it waits (vLLM asks again next step) until
-        that one no longer fetches, then finds the blocks in the prefix cache.
-        Bounded: past the push timeout plus the match timeout it goes its own
-        way."""
+        """Whether another request fetches this one's first block beyond D's hit
+        from ``source``: it waits, at most the push plus the match timeout."""
         rid = request.request_id
         first = num_computed_tokens // self.block_size
         holder = self.claims.holder(
@@ -703,9 +652,8 @@ class PushScheduler:
         return self._decisions_sent
 
     def load_of(self, key: str) -> SourceLoad:
-        """A source's load as D knows it: its last reported backlog while fresh
-        (LOAD_FRESH_S), its slots, and its pushes in flight, at least D's own
-        from it that still hold a slot there (not late, not released)."""
+        """A source's load as D knows it: its reported figures while fresh, and at
+        least D's own pushes from it that still hold a slot there."""
         reported, at = self._loads.get(key, (IDLE, 0.0))
         mine = sum(
             1
@@ -721,10 +669,8 @@ class PushScheduler:
 
     def pays(self, rid: str, source: str, blocks: int) -> bool:
         """Whether pushing ``blocks`` from ``source`` is expected to beat prefilling
-        them here, in the source's load as D knows it (load_of); counts the reason
-        when not. A request is judged once (a push granted before the source's
-        answer is then held to the minimum, and judged again only on the load that
-        answer reports, decode_cost.py)."""
+        them here (counts the reason when not). A request is judged once; after
+        that only the minimum and the source's reported load apply."""
         judge, key = rid not in self._granted, SourceLanes.key(source)
         load = self.load_of(key)
         queued = self.own_queue(rid) if self.own_queue is not None else 0
@@ -767,14 +713,12 @@ class PushScheduler:
         return False
 
     def _learns_from(self, key: str) -> bool:
-        """Whether this source's failed pushes count (all but the one a test of
-        hostile answers keeps asking: MOONCAKE_FAULT_KEEP_ASKING_SOURCE)."""
+        """Whether this source's failures count (a fault-injected one's do not)."""
         kept = self.config.faults.keep_asking_source
         return kept is None or key != SourceLanes.key(kept)
 
     def _failed(self, source: str, why: str) -> None:
-        """A push from ``source`` landed nothing, or is late: one more failure in
-        a row; the one that makes it failing is told."""
+        """A push from ``source`` landed nothing, or is late: one more failure."""
         key = SourceLanes.key(source)
         if not self._learns_from(key):
             return
@@ -882,16 +826,13 @@ class PushScheduler:
 
     # ---- past its budget: other blocks ---------------------------------------------
     def bind_kv_cache_manager(self, manager: Any) -> None:
-        """The scheduler's KV cache manager (vLLM 0.32.0 binds it; 0.18.1 through
-        this series' scheduler patch, which backports the call)."""
+        """The scheduler's KV cache manager (0.18.1: through the scheduler patch)."""
         self._kv_cache_manager = manager
 
     def _release(self, rid: str) -> bool:
-        """The worker says the push for ``rid`` is past its budget with no answer:
-        the request gives its blocks back and is prefilled locally in others,
-        while the blocks the source may still write into stay pinned until the
-        push ended. False when it cannot (no manager bound, the request finished
-        or is not waiting for the push any more): it waits for the push's end."""
+        """Past its budget with no answer: the request gives its blocks back and is
+        prefilled in others; the blocks the source may write into stay pinned
+        until the push ended. False when it cannot: it waits for the push's end."""
         inf = self._inflight.get(rid)
         manager = self._kv_cache_manager
         if (
@@ -945,10 +886,8 @@ class PushScheduler:
         inf.blocks = []
 
     def on_connector_output(self, output: Any) -> None:
-        """Before vLLM handles the step's finished_recving: cut back what did not
-        land; release the requests whose push is past its budget (they are back
-        to waiting: in finished_recving) and hide the end of a released push
-        (its request no longer waits for it)."""
+        """Before vLLM handles finished_recving: cut back what did not land,
+        release pushes past their budget, and hide a released push's end."""
         meta = output.kv_connector_worker_meta
         self.on_worker_meta(meta)
         due = meta.due if isinstance(meta, PushOutcome) else frozenset()

@@ -1,47 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every message of prefix push migration, in one place.
+"""Every message of prefix push: HTTP bodies (D -> C), scheduler -> worker jobs,
+worker -> scheduler outcomes.
 
-HTTP (D's worker/scheduler -> C's bootstrap server): the bodies are these
-pydantic models on both sides: D builds them with the model and parses C's
-answer with the response model; C validates with the same model (strict: no
-coercion of ``true``/``"5"``/``1.0`` into integers, unknown fields refused).
-Shape errors become :class:`PushRequestError` naming the field; consistency
-with the serving instance is checked by :func:`validate`. Either way nothing
-is written and the handler answers 422.
-
-Deadline: C's /match_blocks answer carries its wall clock (``now_unix_ms``)
-and its engine's timeout (``engine_timeout_s``, MC_TRANSFER_TIMEOUT as its
-engine reads it). D measures the clock skew from that exchange (C's clock
-against the midpoint of D's send and receive, the round trip as the
-uncertainty) and pushes only within MOONCAKE_PUSH_CLOCK_SKEW_S. A push request
-carries an absolute deadline (``deadline_unix_ms``, D's wall clock) and a
-relative budget (``budget_ms``, from when C received it); C starts no write
-once either has passed, so a skewed clock cannot extend the window. D keeps
-the destination blocks out of the free pool, when C does not answer, for the
-budget plus C's bound on a write of the bytes asked for (with C's engine
-timeout) plus the skew allowance (config.ExtConfig.push_hold_for_s).
-
-Target: C's /match_blocks answer names C (``source_id``, made anew by each C
-process) and D's push request carries that name; C refuses (421) a push naming
-another source. The body is what D signs (common/auth.py), so a signed push
-captured on its way to one source is refused by every other source that shares
-the token, and by the same source once it restarted.
-
-Proof of write, in two calls: an "ok" /push_blocks answer carries a
-``push_id``; D then posts /push_proof with that id and positions in the pushed
-blocks that it chose before the push and sent nowhere until C had answered,
-and C answers its source bytes there (push/decode_receiver.py has the argument,
-push/source_server.py what C remembers and for how long).
+HTTP bodies are strict pydantic models on both sides (no coercion, unknown
+fields refused); a shape error, or an inconsistency with the serving instance
+(:func:`validate`), is a :class:`PushRequestError` naming the field, and nothing
+is written. A push carries a deadline (D's wall clock) and a budget (from C's
+receipt): C starts no write once either has passed, so a skewed clock cannot
+extend the window. C's /match_blocks answer carries its clock and write bounds
+(D's skew check and hold) and a per-process ``source_id`` the signed push names
+back: C refuses (421) any other, so a captured push does not replay to another
+source or to a restarted one. An "ok" push's ``push_id`` serves one /push_proof.
 """
 
 from __future__ import annotations
-
-from typing_extensions import override
 
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from typing_extensions import override
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
@@ -183,9 +161,8 @@ Probe = tuple[
 
 
 class PushProofRequest(_Strict):
-    """POST /push_proof: C's source bytes (PROBE_BYTES at each probe) of a push
-    that has been answered. D chose the positions before the push and reveals
-    them only now, after it read what its own blocks hold there."""
+    """POST /push_proof: C's source bytes at each probe of an answered push; D
+    reveals the positions only after it read its own blocks there."""
 
     push_id: Annotated[StrictStr, Field(min_length=1, max_length=PUSH_ID_MAX_CHARS)]
     probes: Annotated[list[Probe], Field(min_length=1, max_length=MAX_PROBES)]

@@ -1,35 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where C may write: a push's destination session, checked by what the engine
-will actually connect to, and each destination's KV layout.
+"""Where C may write: never its own engine, and each destination's KV layout.
 
-Never into C's own engine. A destination session is ``host:port`` (the peer's
-transfer-engine rpc port). Comparing strings is not enough: ``localhost:P``,
-``127.0.0.1:0P``, ``127.1.2.3:P``, ``[::1]:P``, ``0.0.0.0:P``, ``127.1:P`` and
-this host's own addresses all reach C's engine when P is its port.
-:class:`OwnEngine` parses the session (the port as an integer: leading zeros
-do not matter), resolves the host (an IP literal needs no lookup; a name, or a
-short or numeric form such as ``127.1`` or ``2130706433``, is resolved with a
-timeout, on a daemon thread, at most a few at once) and refuses (409) when the
-port is C's own rpc port and any address the host resolves to is loopback
-(127.0.0.0/8, ::1), unspecified (0.0.0.0, ::) or one of this host's addresses
-(its interfaces', its hostname's, its own session host's; IPv4-mapped IPv6
-compared as IPv4), or the host is this host's name or ``localhost``. A host
-whose lookup does not end in time is refused too: C writes only where it can
-tell it is not itself; a name the resolver does not know is let through (the
-engine resolves with the same resolver: its write fails). Residual: a name
-whose DNS answer changes between this check and the engine's own lookup (DNS
-rebinding); D's sessions are IP literals (upstream registers get_ip()).
-
-A destination's layout (:class:`Destinations`): its block count and KV base
-addresses, recorded per destination (keyed by the canonical ``host:port``, so
-``127.0.0.1:017002`` is ``127.0.0.1:17002``) and checked on every push; each
-push is also bounds-checked against the layout it declares (protocol.validate).
-A push declaring another layout for a known destination is refused (409)
-while a push into that destination is being written, and when it is
-authenticated (signed, auth.py) but signed no later than the push that
-recorded the layout (a replay of an older push); otherwise it re-registers the
-destination: a restarted D (same session, new buffers) is served from its
-first push, with or without a token.
+:class:`OwnEngine` refuses (409) a destination session on C's own rpc port whose
+host is this host's name or ``localhost``, or resolves to a loopback,
+unspecified or own address (IPv4-mapped IPv6 as IPv4): strings are not enough,
+``127.1:P``, ``[::1]:P`` or ``0.0.0.0:P`` reach C too. A lookup that does not end
+in time is refused (C writes only where it can tell it is not itself); a name
+the resolver does not know passes (the engine cannot reach it either). Residual:
+DNS rebinding between this check and the engine's lookup (D's sessions are IP
+literals). :class:`Destinations` records each destination's layout by canonical
+``host:port``; another layout is refused while a push into it is written or when
+signed no later than the recording push (a replay), else re-registered (a
+restarted D).
 """
 
 from __future__ import annotations
@@ -128,10 +110,8 @@ def resolve(
     lookup: Callable[[str], list[IPAddress]] = _getaddrinfo,
 ) -> list[IPAddress]:
     """Every address ``host`` names: a literal at once, else a lookup of at most
-    ``timeout_s`` (on a daemon thread: a hung resolver keeps only that thread).
-    A name the resolver does not know names nothing ([]): the engine, which
-    resolves with the same resolver, cannot connect to it either. Unresolved:
-    no answer in time, or too many lookups in progress."""
+    ``timeout_s`` on a daemon thread ([] for an unknown name). Unresolved: no
+    answer in time, or too many lookups in progress."""
     addr = literal(host)
     if addr is not None:
         return [addr]
@@ -291,9 +271,8 @@ class Destinations:
         signed_ms: int | None = None,
     ) -> str:
         """Raise PushRequestError unless a push into ``session`` with this layout
-        may be written; record the layout and return the destination's key
-        (for :meth:`writing`). ``signed_ms``: the push's signed timestamp if it
-        was authenticated (auth.EndpointGuard.verify)."""
+        may be written; record it and return the key for :meth:`writing`.
+        ``signed_ms``: the push's signed timestamp, if authenticated."""
         key = self.own.check(session).key
         layout = (num_blocks, tuple(base_addrs))
         with self._lock:

@@ -2,35 +2,14 @@
 """C side of prefix push: ``POST /match_blocks``, ``/push_blocks`` and ``/push_proof``.
 
 Runs in the worker process that owns the KV caches (the bootstrap server's
-thread), next to the block-hash mirror (hashsync/); the scheduler and the
-model are not involved. A push: validate (nothing is written on a 4xx; a push
-naming another source than this process's ``source_id``, which its /match_blocks
-answers carry, is refused with 421), hash the prompt as the scheduler does,
-match the longest cached prefix and snapshot its blocks' generations, refuse to
-start once the request's deadline (D's wall clock) or its budget (from when this
-server received it, on this instance's monotonic clock) has passed, write blocks
-``first_block ..`` into D's blocks with one terminal engine write
-(engine_write.py; on a thread at nice 19: it polls the engine, see source_writer.py), then check
-that none of the read blocks was evicted or reused meanwhile (else the push
-is reported ``failed``: D must not use those bytes). The answer is sent only after the engine call
-returned: once D has it, no byte of this push can still arrive.
-
-Verified on the CPU backend over TCP only. With CUDA the KV lives in device
-memory registered with the engine and the write is the same call; a block
-is matchable only after the event recorded after the step that computed it
-has completed (connector/hashsync/worker_table.py), so the engine never reads KV still being
-computed. Tensor parallelism: one worker answers, so only TP=1 is supported.
-
-Proof of write (``POST /push_proof``): an "ok" answer names the push by a
-random id, under which the written source blocks and their generations are
-remembered until the push's hold has passed (:meth:`PushServer.proof_kept_s`),
-for at most PROOFS_KEPT pushes and PROOF_BLOCKS_KEPT blocks (the oldest are
-forgotten first). D then asks once, with at most MAX_PROBES positions, for
-the source bytes there; they are answered only if every position lies inside
-the blocks that push wrote and none of those blocks was evicted or reused
-since (else "failed"). An id is good for one proof: the first call naming it
-forgets it, whatever the answer. Nothing outside the pushed source blocks is
-ever read.
+thread), next to the block-hash mirror (hashsync/). A push is validated (nothing
+is written on a 4xx; one naming another ``source_id`` gets 421), not started once
+its deadline or budget has passed, written with one terminal engine write, and
+reported ``failed`` if a source block was evicted or reused meanwhile. The answer
+is sent only after the engine call returned: once D has it, no byte of the push
+can still arrive. An "ok" push can be proven once (``/push_proof``) until its
+hold has passed; nothing outside the pushed source blocks is ever read.
+Verified on the CPU backend over TCP; TP=1 only (one worker answers).
 """
 
 from __future__ import annotations
@@ -94,11 +73,9 @@ NO_PREFIX_CACHING = (
 
 
 class PushSlots:
-    """C's concurrent pushes: at most ``limit`` that are within ``overdue_after_s``
-    of their start. A push past it (its write outlived the engine's bound: the
-    destination is frozen or cut off) is overdue and no longer takes a slot, so
-    other destinations are served; its write goes on, its blocks out of use. At
-    most OVERDUE_FACTOR x ``limit`` pushes are in progress in all."""
+    """C's concurrent pushes: at most ``limit`` within ``overdue_after_s`` of their
+    start. One past it (a frozen or cut-off destination) leaves its slot to
+    others while its write goes on; at most OVERDUE_FACTOR x ``limit`` in all."""
 
     OVERDUE_FACTOR = 4
 
@@ -146,9 +123,8 @@ class PushSlots:
 
 
 class Counters(dict):
-    """Counters several threads update: each push's in one step (:meth:`add`, under a
-    lock), so a copy (``dict(counters)``, one step under the GIL) never shows half a
-    push, and no update is lost."""
+    """Counters several threads update, each push's in one locked step (:meth:`add`):
+    a copy never shows half a push, and no update is lost."""
 
     def __init__(self, **initial: float):
         super().__init__(initial)
@@ -160,9 +136,8 @@ class Counters(dict):
 
 
 class BytesByDestination:
-    """Bytes this source wrote to each destination session (GET /push/stats), for
-    at most ``kept`` destinations: the one written least recently is forgotten
-    first, so a source serving ever new peers keeps a bounded table."""
+    """Bytes written to each destination session (GET /push/stats), for at most
+    ``kept`` destinations (the least recently written forgotten first)."""
 
     def __init__(self, kept: int = 64):
         self.kept = kept
@@ -189,15 +164,9 @@ def log_id(value: Any) -> str:
 
 class PushServer:
     """Serves pushes of this instance's cached prefixes (one per source worker).
-
-    What may be written: only into a destination whose KV cache matches this
-    one (fingerprint: model, dtype, block size, bytes per block, KV tensors,
-    TP=1 on both sides), never into this instance's own session, only block
-    ids below the destination's block count and addresses inside its KV
-    tensors. A destination's layout (block count, base addresses) is recorded
-    on its first push; a later push with another layout is refused (409)
-    unless it is authenticated and signed later (a restarted destination;
-    source_destinations.py)."""
+    Writes only into a destination whose KV cache matches this one (TP=1 on both
+    sides), never into this instance's own session, only inside the destination's
+    declared block count and KV tensors (source_destinations.py for layouts)."""
 
     def __init__(
         self,
@@ -273,8 +242,7 @@ class PushServer:
         self._pushed_lock = threading.Lock()
 
     def try_begin(self) -> int | None:
-        """Take one of the concurrent-push slots: its token, or None (all busy,
-        answer 429)."""
+        """Take a concurrent-push slot: its token, or None (all busy: 429)."""
         token = self._slots.begin()
         if token is None:
             self.stats.add(busy=1)
@@ -288,8 +256,7 @@ class PushServer:
         return self._slots.overdue()
 
     def write_stats(self) -> dict[str, float]:
-        """This worker's writes (every path): failed ones that waited for the
-        kernel's send queues, overdue ones, refused peers (engine_write.py)."""
+        """This worker's write statistics, every path (engine_write.py)."""
         return write_stats(self._writer.write_fn)
 
     def match(self, payload: Any) -> tuple[int, dict[str, Any]]:
@@ -346,8 +313,7 @@ class PushServer:
         self, payload: Any, received: float | None = None, signed_ms: int | None = None
     ) -> tuple[int, dict[str, Any]]:
         """Serve one /push_blocks body received at ``received`` (this server's
-        clock; None: now), authenticated with a signature of ``signed_ms`` (None:
-        not signed); returns (HTTP status, JSON body)."""
+        clock), signed at ``signed_ms`` (None: not signed); (status, JSON body)."""
         if received is None:
             received = self.clock()
         try:
@@ -488,8 +454,7 @@ class PushServer:
         return 200, resp.model_dump()
 
     def proof_kept_s(self, nbytes: int) -> float:
-        """How long after its receipt a push of ``nbytes`` can be proven: its hold
-        (config.ExtConfig.push_hold_for_s, with this instance's engine timeout),
+        """How long after its receipt a push of ``nbytes`` can be proven: its hold,
         past which D no longer waits for anything of it."""
         return self.config.push_hold_for_s(nbytes)
 

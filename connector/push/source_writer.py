@@ -1,27 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run C's push write on a thread at the lowest CPU priority (nice 19).
+"""Run C's push write on a fresh thread at the lowest CPU priority (nice 19).
 
-Every write of this series polls the engine for completion on the calling
-thread (engine_write.TerminalWriter: it spins for its first polls, then sleeps
-with a back-off); the engine's own ``batch_transfer_sync_write``, which the
-figures below were measured with, busy-polls without sleeping (mooncake 0.3.13,
-``TransferEnginePy::batchTransferSync``). The bytes are moved by the
-transport's own threads (TCP: one io thread). When the caller and those
-threads share one core, as on this project's CPU machine where vLLM binds the
-whole instance to its cores (VLLM_CPU_OMP_THREADS_BIND), the poller takes half
-of that core from the io thread: measured with the engine alone (writer
-process pinned to one core, reader on the other, 256 MiB), the poller used
-0.14 s of CPU against the io thread's 0.10 s, and the same write took 0.62 s
-polled at nice 0 against 0.37 s at nice 19 (medians of 7, loaded machine;
-0.28 s against 0.21 s unloaded). At nice 19 the poller only gets the cycles the
-io thread leaves, so it still sees the completion as soon as the io thread is
-done; on a host with idle cores nothing changes.
-
-Each write gets a fresh thread (a thread's nice cannot be raised back without
-privileges, so the caller's own thread is left alone), and the caller waits
-for it: the write stays synchronous for the push's "no byte after the end"
-accounting. The layer-wise writer's threads poll at the same nice
-(io_affinity.deprioritize_current_poller).
+The write polls the engine for completion on its calling thread
+(engine_write.TerminalWriter) while the transport's own threads move the bytes.
+Where both share a core (vLLM binds the instance to its cores), the poller at
+nice 0 takes about half of it from the io thread; at nice 19 it only gets the
+cycles the io thread leaves and still sees the completion as soon as it is done.
+A thread's nice cannot be raised back without privileges, so each write gets a
+new thread and the caller waits for it: the write stays synchronous for the
+push's "no byte after the end" accounting.
 """
 
 from __future__ import annotations
