@@ -4,9 +4,10 @@
 Our variables start with ``MOONCAKE_``; Mooncake's (``MC_*``) and vLLM's
 (``VLLM_*``) are read only where a bound of ours depends on them. :func:`load`
 reads the environment on first use and caches it, so one process sees one
-configuration; tests build ``ExtConfig.from_env({...})``. The variables and their
-defaults: the README's Configuration table (held to this module by
-tests/unit/connector/common/test_readme_config.py); limits: docs/configuration.md.
+configuration; tests build ``ExtConfig.from_env({...})``. The variables of ours are
+one table, :data:`VARIABLES` (field, default, parser, help), as vLLM's ``envs.py``;
+the README's Configuration table is held equal to it
+(tests/unit/connector/common/test_readme_config.py); limits: docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import functools
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .write_bounds import (
     DEFAULT_ENGINE_TRANSFER_TIMEOUT_S,
@@ -282,169 +284,311 @@ class ExtConfig:
         abort_timeout = _number(
             env, "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", 480, minimum=1
         )
-        io_raw = env.get("MOONCAKE_IO_CPUS", "").strip()
-        io_cpus = None
-        if io_raw and hasattr(os, "sched_setaffinity"):
-            io_cpus = parse_cpu_list(io_raw)
-            missing = io_cpus - set(range(os.cpu_count() or 1))
-            if not io_cpus or missing:
-                raise ConfigError(
-                    f"MOONCAKE_IO_CPUS={io_raw!r}: CPUs {sorted(missing)} do not "
-                    "exist on this host"
-                )
-        delay_raw = env.get("MOONCAKE_FAULT_DELAY_WRITE", "").strip()
-        delay_len, delay_s = None, 0.0
-        if delay_raw:
-            length, _, secs = delay_raw.partition(":")
-            try:
-                delay_len, delay_s = int(length), float(secs)
-            except ValueError:
-                raise ConfigError(
-                    "MOONCAKE_FAULT_DELAY_WRITE must be PROMPT_LEN:SECONDS, got "
-                    f"{delay_raw!r}"
-                ) from None
-        hold_raw = env.get("MOONCAKE_FAULT_HOLD_WRITE", "").strip()
-        hold = (None, 0, 0.0)
-        if hold_raw:
-            try:
-                n, w, secs = hold_raw.split(":")
-                hold = (int(n), int(w), float(secs))
-            except ValueError:
-                raise ConfigError(
-                    "MOONCAKE_FAULT_HOLD_WRITE must be PROMPT_LEN:WRITES:SECONDS, "
-                    f"got {hold_raw!r}"
-                ) from None
-        faults = FaultConfig(
-            hold_write_prompt_len=hold[0],
-            hold_write_after=hold[1],
-            hold_write_s=hold[2],
-            zero_recv_block=_opt_int(env, "MOONCAKE_FAULT_ZERO_RECV_BLOCK"),
-            fail_write_prompt_len=_opt_int(env, "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"),
-            delay_write_prompt_len=delay_len,
-            delay_write_s=delay_s,
-            fence_blind=_flag(env, "MOONCAKE_FAULT_FENCE_BLIND"),
-            keep_asking_source=env.get("MOONCAKE_FAULT_KEEP_ASKING_SOURCE") or None,
-        )
-        engine_timeout = engine_timeout_s(env)
-        orphan_retries = tcp_orphan_retries()
-        no_progress = engine_no_progress_s(env)
-        reconnect = engine_reconnect_s(env)
-        # D's pull socket gives up after VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s
-        # (upstream) and then frees the blocks; P must have answered by then. P
-        # answers after its timeout once the in-flight write is terminal, which the
-        # engine's rule bounds (engine_write_bound_s; the byte term is a layer's
-        # write, small against the rest).
-        d_gives_up = abort_timeout + 60
-        write_bound = cls(
-            engine_transfer_timeout_s=engine_timeout,
-            tcp_orphan_retries=orphan_retries,
-            engine_no_progress_s=no_progress,
-            engine_reconnect_s=reconnect,
-        ).engine_write_bound_s(0)
-        default_layerwise_timeout = max(
-            0.1, min(abort_timeout, math.floor(d_gives_up - write_bound - 5))
-        )
-        cfg = cls(
-            layerwise=_flag(env, "MOONCAKE_LAYERWISE"),
-            layerwise_min_tokens=int(
-                _number(env, "MOONCAKE_LAYERWISE_MIN_TOKENS", 256, integer=True)
-            ),
-            layerwise_timeout_s=_number(
-                env,
-                "MOONCAKE_LAYERWISE_TIMEOUT_S",
-                default_layerwise_timeout,
-                minimum=0.1,
-            ),
-            layerwise_unknown_timeout_s=_number(
-                env, "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S", 60.0, minimum=0.1
-            ),
-            pull_give_up_s=d_gives_up,
-            decode_max_pulls=int(
-                _number(env, "MOONCAKE_DECODE_MAX_PULLS", 8, minimum=0, integer=True)
-            ),
-            io_cpus=io_cpus,
-            push_match_timeout_s=_number(
-                env, "MOONCAKE_PUSH_MATCH_TIMEOUT_S", 5.0, minimum=0.1
-            ),
-            push_timeout_s=_number(env, "MOONCAKE_PUSH_TIMEOUT_S", 30.0, minimum=0.1),
-            push_clock_skew_s=_number(env, "MOONCAKE_PUSH_CLOCK_SKEW_S", 5.0),
-            engine_transfer_timeout_s=engine_timeout,
-            tcp_orphan_retries=orphan_retries,
-            engine_no_progress_s=no_progress,
-            engine_reconnect_s=reconnect,
-            push_source_timeout_max_s=int(
-                _number(
-                    env,
-                    "MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S",
-                    max(120, engine_timeout),
-                    minimum=ENGINE_TIMEOUT_FLOOR_S,
-                    integer=True,
-                )
-            ),
-            push_sources=tuple(
-                normalize_source(u)
-                for u in env.get("MOONCAKE_PUSH_SOURCES", "").split(",")
-                if u.strip()
-            ),
-            push_auto=_flag(env, "MOONCAKE_PUSH_AUTO"),
-            push_index_max_blocks=int(
-                _number(
-                    env,
-                    "MOONCAKE_PUSH_INDEX_MAX_BLOCKS",
-                    1 << 20,
-                    minimum=0,
-                    integer=True,
-                )
-            ),
-            push_min_tokens=int(
-                _number(env, "MOONCAKE_PUSH_MIN_TOKENS", 256, minimum=0, integer=True)
-            ),
-            push_policy=_choice(env, "MOONCAKE_PUSH_POLICY", PUSH_POLICIES),
-            push_max_tokens=int(
-                _number(
-                    env, "MOONCAKE_PUSH_MAX_TOKENS", 131072, minimum=1, integer=True
-                )
-            ),
-            push_max_concurrent=int(
-                _number(env, "MOONCAKE_PUSH_MAX_CONCURRENT", 4, minimum=1, integer=True)
-            ),
-            bootstrap_host=env.get("MOONCAKE_BOOTSTRAP_HOST", "").strip() or "0.0.0.0",
-            bootstrap_token=env.get("MOONCAKE_BOOTSTRAP_TOKEN") or None,
-            bootstrap_insecure=_flag(env, "MOONCAKE_BOOTSTRAP_INSECURE"),
-            model_id=_model_id(env),
-            faults=faults,
-        )
-        if cfg.layerwise_timeout_s + write_bound >= d_gives_up:
+        # Mooncake's and the kernel's values first: defaults of ours derive from them.
+        # D's pull socket gives up VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s after
+        # asking (upstream) and frees the blocks; P must have answered by then.
+        values: dict[str, Any] = {
+            "engine_transfer_timeout_s": engine_timeout_s(env),
+            "tcp_orphan_retries": tcp_orphan_retries(),
+            "engine_no_progress_s": engine_no_progress_s(env),
+            "engine_reconnect_s": engine_reconnect_s(env),
+            "pull_give_up_s": abort_timeout + 60,
+            "faults": _faults(env),
+        }
+        for name, var in VARIABLES.items():
+            default = var.default(values) if callable(var.default) else var.default
+            values[var.field] = var.read(env, name, default)
+        cfg = cls(**values)
+        write_bound = cfg.engine_write_bound_s(0)
+        if cfg.layerwise_timeout_s + write_bound >= cfg.pull_give_up_s:
             raise ConfigError(
                 f"MOONCAKE_LAYERWISE_TIMEOUT_S={cfg.layerwise_timeout_s:g} + the bound on an "
                 f"in-flight write ({write_bound:g} s, from MC_TRANSFER_TIMEOUT, the "
-                f"transport's {no_progress} s no-progress watchdog, its {reconnect} s "
-                f"reconnect and net.ipv4.tcp_orphan_retries={orphan_retries}) must "
-                f"stay below the decode side's {d_gives_up:g} s "
-                "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): lower it, shorten the "
-                "bound (MC_TCP_LANES_PER_PEER, the kernel's tcp_syn_retries or "
-                "tcp_orphan_retries), or raise VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on "
-                "both instances"
+                f"transport's {cfg.engine_no_progress_s} s no-progress watchdog, its "
+                f"{cfg.engine_reconnect_s} s reconnect and net.ipv4.tcp_orphan_retries="
+                f"{cfg.tcp_orphan_retries}) must stay below the decode side's "
+                f"{cfg.pull_give_up_s:g} s (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60): "
+                "lower it, shorten the bound (MC_TCP_LANES_PER_PEER, the kernel's "
+                "tcp_syn_retries or tcp_orphan_retries), or raise "
+                "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both instances"
             )
         # P holds a finished prefill's KV for D's pull MOONCAKE_LAYERWISE_TIMEOUT_S:
         # a pull that waited its whole turn on D must still find it
-        pull_wait = _number(
-            env,
-            "MOONCAKE_DECODE_PULL_WAIT_S",
-            min(120.0, cfg.layerwise_timeout_s - 5)
-            if cfg.layerwise_timeout_s > 10
-            else cfg.layerwise_timeout_s / 2,
-            minimum=0.1,
-        )
-        if pull_wait >= cfg.layerwise_timeout_s:
+        if cfg.decode_pull_wait_s >= cfg.layerwise_timeout_s:
             raise ConfigError(
-                f"MOONCAKE_DECODE_PULL_WAIT_S={pull_wait:g} must stay below "
+                f"MOONCAKE_DECODE_PULL_WAIT_S={cfg.decode_pull_wait_s:g} must stay below "
                 f"MOONCAKE_LAYERWISE_TIMEOUT_S={cfg.layerwise_timeout_s:g} (how long the "
                 "prefill instance keeps a finished prefill's KV for the decode "
                 "instance's pull): lower it, or raise MOONCAKE_LAYERWISE_TIMEOUT_S"
             )
-        cfg = replace(cfg, decode_pull_wait_s=pull_wait)
         return cfg
+
+
+# -- the variables -------------------------------------------------------------------
+
+Read = Callable[[Mapping[str, str], str, Any], Any]  # (env, name, default) -> value
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One variable of ours: the ExtConfig field it sets, its default (a value, or a
+    function of the fields set before it), how its text is read, and its README row
+    (the default as stated there, one line of help)."""
+
+    field: str
+    default: Any
+    read: Read
+    shown: str
+    help: str
+
+
+def _num(minimum: float = 0.0, integer: bool = False) -> Read:
+    def read(env: Mapping[str, str], name: str, default: Any) -> Any:
+        value = _number(env, name, default, minimum=minimum, integer=integer)
+        return int(value) if integer else value
+
+    return read
+
+
+def _on(env: Mapping[str, str], name: str, default: Any) -> bool:
+    return _flag(env, name)
+
+
+def _text(env: Mapping[str, str], name: str, default: Any) -> Any:
+    return env.get(name, "").strip() or default
+
+
+def _layerwise_timeout(values: dict[str, Any]) -> float:
+    """P's wait: the longest that still lets P answer before D gives up, its write
+    in flight included (engine_write_bound_s), and no longer than D's abort timeout."""
+    give_up = values["pull_give_up_s"]
+    bound = ExtConfig(**{k: values[k] for k in ENGINE_FIELDS}).engine_write_bound_s(0)
+    return max(0.1, min(give_up - 60, math.floor(give_up - bound - 5)))
+
+
+def _pull_wait(values: dict[str, Any]) -> float:
+    timeout = values["layerwise_timeout_s"]
+    return min(120.0, timeout - 5) if timeout > 10 else timeout / 2
+
+
+ENGINE_FIELDS = (
+    "engine_transfer_timeout_s",
+    "tcp_orphan_retries",
+    "engine_no_progress_s",
+    "engine_reconnect_s",
+)
+
+# Read in this order (a default may use the fields before it). The README's
+# Configuration table is held to this one (test_readme_config.py).
+VARIABLES: dict[str, Variable] = {
+    "MOONCAKE_LAYERWISE": Variable(
+        "layerwise",
+        False,
+        _on,
+        "off",
+        "`1`: P pushes each layer's KV to D as soon as it is computed (set on both instances)",
+    ),
+    "MOONCAKE_LAYERWISE_MIN_TOKENS": Variable(
+        "layerwise_min_tokens",
+        256,
+        _num(integer=True),
+        "256",
+        "shorter prompts take the post-hoc path",
+    ),
+    "MOONCAKE_LAYERWISE_TIMEOUT_S": Variable(
+        "layerwise_timeout_s",
+        _layerwise_timeout,
+        _num(minimum=0.1),
+        "294",
+        "P's wait for D's request and for a transfer's writes (capped; a larger value is refused)",
+    ),
+    "MOONCAKE_LAYERWISE_UNKNOWN_TIMEOUT_S": Variable(
+        "layerwise_unknown_timeout_s",
+        60.0,
+        _num(minimum=0.1),
+        "60",
+        "P fails D's request for a transfer P has neither scheduled nor received within this",
+    ),
+    "MOONCAKE_DECODE_MAX_PULLS": Variable(
+        "decode_max_pulls",
+        8,
+        _num(integer=True),
+        "8",
+        "D: P->D transfers written into D at once; later ones wait in D's queue (`0`: no bound)",
+    ),
+    "MOONCAKE_DECODE_PULL_WAIT_S": Variable(
+        "decode_pull_wait_s",
+        _pull_wait,
+        _num(minimum=0.1),
+        "120",
+        "D: the longest such a wait; after it D prefills the request itself",
+    ),
+    "MOONCAKE_IO_CPUS": Variable(
+        "io_cpus",
+        None,
+        lambda env, name, _: _io_cpus(env, name),
+        "unset",
+        "CPU backend only: the transfer threads run on these CPUs",
+    ),
+    "MOONCAKE_PUSH_SOURCES": Variable(
+        "push_sources",
+        (),
+        lambda env, name, _: _sources(env, name),
+        "empty",
+        "D: the `push_from` origins D accepts (`http://host:port,...`; empty: no prefix push)",
+    ),
+    "MOONCAKE_PUSH_MATCH_TIMEOUT_S": Variable(
+        "push_match_timeout_s",
+        5.0,
+        _num(minimum=0.1),
+        "5",
+        "D's total wait for C's `/match_blocks`; after it D prefills locally",
+    ),
+    "MOONCAKE_PUSH_TIMEOUT_S": Variable(
+        "push_timeout_s",
+        30.0,
+        _num(minimum=0.1),
+        "30",
+        "a push's deadline and budget: C starts no write after it",
+    ),
+    "MOONCAKE_PUSH_CLOCK_SKEW_S": Variable(
+        "push_clock_skew_s",
+        5.0,
+        _num(),
+        "5",
+        "the largest clock skew D accepts from a source",
+    ),
+    "MOONCAKE_PUSH_SOURCE_TIMEOUT_MAX_S": Variable(
+        "push_source_timeout_max_s",
+        lambda values: max(120, values["engine_transfer_timeout_s"]),
+        _num(minimum=ENGINE_TIMEOUT_FLOOR_S, integer=True),
+        "120",
+        "D: the largest engine timeout (`MC_TRANSFER_TIMEOUT`) D accepts from a source",
+    ),
+    "MOONCAKE_PUSH_AUTO": Variable(
+        "push_auto",
+        False,
+        _on,
+        "off",
+        '`1`: D treats every request without `push_from` as `"push_from": "auto"`',
+    ),
+    "MOONCAKE_PUSH_INDEX_MAX_BLOCKS": Variable(
+        "push_index_max_blocks",
+        1 << 20,
+        _num(integer=True),
+        "1048576",
+        "D: blocks its index of the sources keeps, over all sources",
+    ),
+    "MOONCAKE_PUSH_MIN_TOKENS": Variable(
+        "push_min_tokens",
+        256,
+        _num(integer=True),
+        "256",
+        "D: fewer held tokens beyond its own hit are prefilled locally",
+    ),
+    "MOONCAKE_PUSH_POLICY": Variable(
+        "push_policy",
+        PUSH_POLICIES[0],
+        lambda env, name, _: _choice(env, name, PUSH_POLICIES),
+        "measured",
+        "D: `measured` pushes only when expected to be faster; `always` whenever enough is held",
+    ),
+    "MOONCAKE_PUSH_MAX_TOKENS": Variable(
+        "push_max_tokens",
+        131072,
+        _num(minimum=1, integer=True),
+        "131072",
+        "C and D: the longest prompt a push may name",
+    ),
+    "MOONCAKE_PUSH_MAX_CONCURRENT": Variable(
+        "push_max_concurrent",
+        4,
+        _num(minimum=1, integer=True),
+        "4",
+        "C: pushes served at once (429 beyond)",
+    ),
+    "MOONCAKE_BOOTSTRAP_HOST": Variable(
+        "bootstrap_host",
+        "0.0.0.0",
+        _text,
+        "0.0.0.0",
+        "bind address of the bootstrap server (127.0.0.1 keeps it local)",
+    ),
+    "MOONCAKE_BOOTSTRAP_TOKEN": Variable(
+        "bootstrap_token",
+        None,
+        lambda env, name, _: env.get(name) or None,
+        "unset",
+        "shared secret for this series' endpoints (same value everywhere); required off loopback",
+    ),
+    "MOONCAKE_BOOTSTRAP_INSECURE": Variable(
+        "bootstrap_insecure",
+        False,
+        _on,
+        "off",
+        "`1`: serve the endpoints without a token on a non-loopback bind (trusted network only)",
+    ),
+    "MOONCAKE_MODEL_ID": Variable(
+        "model_id",
+        None,
+        lambda env, name, _: _model_id(env),
+        "unset",
+        "names the weights in the KV fingerprint instead of the identity read from the weight files",
+    ),
+}
+
+
+def _io_cpus(env: Mapping[str, str], name: str) -> frozenset[int] | None:
+    raw = env.get(name, "").strip()
+    if not raw or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = parse_cpu_list(raw)
+    missing = cpus - set(range(os.cpu_count() or 1))
+    if not cpus or missing:
+        raise ConfigError(
+            f"{name}={raw!r}: CPUs {sorted(missing)} do not exist on this host"
+        )
+    return cpus
+
+
+def _sources(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    return tuple(normalize_source(u) for u in env.get(name, "").split(",") if u.strip())
+
+
+def _faults(env: Mapping[str, str]) -> FaultConfig:
+    delay_raw = env.get("MOONCAKE_FAULT_DELAY_WRITE", "").strip()
+    delay_len, delay_s = None, 0.0
+    if delay_raw:
+        length, _, secs = delay_raw.partition(":")
+        try:
+            delay_len, delay_s = int(length), float(secs)
+        except ValueError:
+            raise ConfigError(
+                "MOONCAKE_FAULT_DELAY_WRITE must be PROMPT_LEN:SECONDS, got "
+                f"{delay_raw!r}"
+            ) from None
+    hold_raw = env.get("MOONCAKE_FAULT_HOLD_WRITE", "").strip()
+    hold = (None, 0, 0.0)
+    if hold_raw:
+        try:
+            n, w, secs = hold_raw.split(":")
+            hold = (int(n), int(w), float(secs))
+        except ValueError:
+            raise ConfigError(
+                "MOONCAKE_FAULT_HOLD_WRITE must be PROMPT_LEN:WRITES:SECONDS, "
+                f"got {hold_raw!r}"
+            ) from None
+    return FaultConfig(
+        hold_write_prompt_len=hold[0],
+        hold_write_after=hold[1],
+        hold_write_s=hold[2],
+        zero_recv_block=_opt_int(env, "MOONCAKE_FAULT_ZERO_RECV_BLOCK"),
+        fail_write_prompt_len=_opt_int(env, "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"),
+        delay_write_prompt_len=delay_len,
+        delay_write_s=delay_s,
+        fence_blind=_flag(env, "MOONCAKE_FAULT_FENCE_BLIND"),
+        keep_asking_source=env.get("MOONCAKE_FAULT_KEEP_ASKING_SOURCE") or None,
+    )
 
 
 def is_loopback(host: str) -> bool:

@@ -1,9 +1,8 @@
-"""The README's configuration table says what connector/common/config.py reads.
+"""The README's configuration table is config.VARIABLES, the one table the code reads.
 
-Every variable ``ExtConfig.from_env`` reads is in the README's "Configuration"
-table and no other, and setting a variable to the default the table states
-changes nothing: a variable added to the code but not to the README, or a
-default changed in one place only, fails here.
+Each README row is a variable of the table with its stated default and help, the
+code reads no variable of ours outside the table, and setting a variable to the
+default the README states changes nothing.
 """
 
 from __future__ import annotations
@@ -18,17 +17,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import con
 
 README = Path(__file__).resolve().parents[4] / "README.md"
 NAME = r"MOONCAKE_[A-Z_]*[A-Z*]"
-README_ROW = re.compile(rf"^\| `({NAME})` \| ([^|]+?) \|", re.MULTILINE)
+README_ROW = re.compile(rf"^\| `({NAME})` \| ([^|]+?) \| (.+?) \|$", re.MULTILINE)
 # Read by config.py only to validate or parse; documented under MOONCAKE_FAULT_*.
 FAULT = "MOONCAKE_FAULT_"
 # A default the README states in words: the value that means it.
 SPELLED = {"off": "0", "empty": ""}
 
 
-def readme_table() -> dict[str, str]:
+def readme_rows() -> dict[str, tuple[str, str]]:
     text = README.read_text(encoding="utf-8")
     section = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
-    return dict(README_ROW.findall(section))
+    return {
+        name: (default, help) for name, default, help in README_ROW.findall(section)
+    }
+
+
+def readme_table() -> dict[str, str]:
+    return {name: default for name, (default, _) in readme_rows().items()}
 
 
 def names_read_by_code() -> set[str]:
@@ -37,8 +42,14 @@ def names_read_by_code() -> set[str]:
     return {n for n in names if not n.startswith(FAULT)} | {FAULT + "*"}
 
 
-def test_the_readme_names_every_variable_the_code_reads_and_no_other():
-    assert names_read_by_code() == set(readme_table())
+def test_the_readme_table_is_the_code_table():
+    table = {name: (v.shown, v.help) for name, v in config.VARIABLES.items()}
+    table[FAULT + "*"] = ("unset", "fault injection, tests only")
+    assert readme_rows() == table
+
+
+def test_the_code_reads_no_variable_of_ours_outside_the_table():
+    assert names_read_by_code() == set(config.VARIABLES) | {FAULT + "*"}
 
 
 @pytest.mark.parametrize(
