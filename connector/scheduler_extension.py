@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from .common.config import ExtConfig, load
-from .common.decode_admission import PullAdmission, Verdict
-from .common.decode_timeline import TIMELINE_PARAM, DecodePullTimeline
 from .common.fingerprint import local_fingerprint
 from .hashsync.scheduler_sync import SchedulerHashSync, WorkerResetNotifier
+from .layerwise.decode_admission import PullAdmission, Verdict
+from .layerwise.decode_timeline import TIMELINE_PARAM, DecodePullTimeline
 from .layerwise.prefill_scheduler import LayerwiseScheduler
 from .layerwise.protocol import MODE_PARAM, TransferMode, requested_mode
 from .metadata import ExtMetadata

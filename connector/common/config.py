@@ -5,7 +5,7 @@ Our variables start with ``MOONCAKE_``; Mooncake's (``MC_*``) and vLLM's
 (``VLLM_*``) are read only where a bound of ours depends on them. :func:`load`
 reads the environment on first use and caches it, so one process sees one
 configuration; tests build ``ExtConfig.from_env({...})``. The variables of ours are
-one table, :data:`VARIABLES` (field, default, parser, help), as vLLM's ``envs.py``;
+one table, :data:`VARIABLES` (field, default, parser, help), as in ``vllm.envs``;
 the README's Configuration table is held equal to it
 (tests/unit/connector/common/test_readme_config.py); limits: docs/configuration.md.
 """
@@ -379,7 +379,7 @@ ENGINE_FIELDS = (
 )
 
 # Read in this order (a default may use the fields before it). The README's
-# Configuration table is held to this one (test_readme_config.py).
+# Configuration table is held equal to it (see the module docstring).
 VARIABLES: dict[str, Variable] = {
     "MOONCAKE_LAYERWISE": Variable(
         "layerwise",

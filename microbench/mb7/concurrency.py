@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from harness.kv_usage import wait_no_blocks_in_use
 from harness.pd_client import RequestFailed, pd_generate
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_timeline import (
     TIMELINE_PARAM,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (

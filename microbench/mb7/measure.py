@@ -49,7 +49,7 @@ from harness.pd_client import (
     layerwise_transfers,
     pd_generate,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_timeline import (
     TIMELINE_PARAM,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (

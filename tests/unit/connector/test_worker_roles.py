@@ -11,15 +11,15 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
     ExtConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
-    DecodePullTimeline,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import (
     ExtMooncakeConnector,
     ExtMooncakeConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_pulls import (
     PullOutcomes,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_timeline import (
+    DecodePullTimeline,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.metadata import (
     ExtMetadata,

@@ -1,9 +1,9 @@
 """D's pull timeline: each event once, in order, bounded, handed back once."""
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise import (
     decode_timeline,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_timeline import (
     DecodePullTimeline,
 )
 

@@ -10,15 +10,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config imp
     ConfigError,
     ExtConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_admission import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import (
+    ExtMooncakeConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_admission import (
     PullAdmission,
     Verdict,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.decode_timeline import (
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.layerwise.decode_timeline import (
     DecodePullTimeline,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.connector import (
-    ExtMooncakeConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extension import (
     SchedulerExtension,
