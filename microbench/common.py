@@ -1,7 +1,9 @@
-"""Shared pieces of the microbenchmarks: prompts, machine facts, JSON + table output."""
+"""Shared pieces of the microbenchmarks: prompts, machine facts, JSON + table output,
+the command line's shared options and the plots' figures."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -10,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -182,17 +185,61 @@ def model_facts(model_dir: Path) -> dict:
     }
 
 
-def pyplot() -> Any:
-    """matplotlib's pyplot on the file-only backend, or None where matplotlib is
-    not installed (the benchmarks then write no plot)."""
+def figure(
+    nrows: int, ncols: int, figsize: tuple[float, float], *, tag: str | None = None
+) -> tuple[Any, Any] | None:
+    """``plt.subplots`` on the file-only backend: the figure and its axes, or None
+    where matplotlib is not installed (then no plot; said on stderr under ``tag``)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        if tag:
+            print(f"[{tag}] matplotlib not installed: no plot", file=sys.stderr)
         return None
-    return plt
+    return plt.subplots(nrows, ncols, figsize=figsize)
+
+
+def save_figure(
+    fig: Any, path: Path, title: str, *, fontsize: float = 9, wrap: int | None = None
+) -> Path:
+    """Title ``fig`` (wrapped at ``wrap`` characters), write it to ``path``, close it."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(textwrap.fill(title, wrap) if wrap else title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+class Parser(argparse.ArgumentParser):
+    """A benchmark's command line, with the options several benchmarks share."""
+
+    def add_seed(self) -> None:
+        self.add_argument("--seed", type=int, default=0)
+
+    def add_kv_cache_gib(self) -> None:
+        self.add_argument("--kv-cache-gib", type=int, default=4)
+
+    def add_out(self, default: Path | None = None, help: str | None = None) -> None:
+        self.add_argument("--out", type=Path, default=default, help=help)
+
+
+def parser(module: str, doc: str | None) -> Parser:
+    """``python -m microbench.<module>``'s parser, described by ``doc``'s first
+    paragraph."""
+    return Parser(
+        prog=f"python -m microbench.{module}",
+        description=doc.split("\n\n")[0] if doc else None,
+    )
+
+
+def config_of(args: argparse.Namespace) -> dict:
+    """The parsed options as a result's ``config`` holds them (paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
 def clean_run_target(name: str, row: dict) -> dict:

@@ -13,7 +13,6 @@ dump is filtered) and for one that every socket goes to.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import resource
@@ -25,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from microbench.common import parser
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.send_queues import (
     read_proc_net_tcp,
     read_sock_diag,
@@ -66,12 +66,10 @@ def timed(read: Callable[[frozenset[str]], object], peers: frozenset[str], reps:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m microbench.fence_cost", description=__doc__.split("\n")[0]
-    )
+    ap = parser("fence_cost", __doc__.split("\n")[0])
     ap.add_argument("--sockets", type=int, default=6000)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=Path("results/fence_cost.json"))
+    ap.add_out(Path("results/fence_cost.json"))
     args = ap.parse_args(argv)
     sockets = open_pairs(args.sockets)
     readers = {"sock_diag": read_sock_diag, "/proc/net/tcp": read_proc_net_tcp}

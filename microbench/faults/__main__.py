@@ -11,11 +11,12 @@ allocated, and how long the cluster took to serve again.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from microbench.common import parser
 
 from .bench import (
     BLIND_REQUEST_DEADLINE_S,
@@ -59,13 +60,11 @@ def render(outcomes: list[Outcome]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m microbench.faults", description=__doc__.split("\n")[0]
-    )
+    ap = parser("faults", __doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="runs per fault (default 3)")
     known = [*SCENARIOS, *CUT_SCENARIOS, *BLIND_SCENARIOS]
     ap.add_argument("--only", help="comma-separated faults: " + ", ".join(known))
-    ap.add_argument("--out", type=Path, default=Path("results/faults.json"))
+    ap.add_out(Path("results/faults.json"))
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else known
     unknown = [n for n in names if n not in known]

@@ -29,8 +29,6 @@ context's KV, 0 errors, 0 wrong answers, 0 blocks held after.
 
 from __future__ import annotations
 
-import argparse
-import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -53,10 +51,13 @@ from microbench.common import (
     DEFAULT_RESULTS_DIR,
     clean_run_target,
     code_version,
+    config_of,
+    figure,
     finish,
     machine_info,
     model_facts,
-    pyplot,
+    parser,
+    save_figure,
     stamp,
     target_line,
 )
@@ -262,10 +263,9 @@ TABLE = [
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    plt = pyplot()
-    if plt is None:
+    if (made := figure(1, 2, (10, 4))) is None:
         return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b) = made
     names = [r["arm"] for r in rows]
     a.boxplot(
         [
@@ -278,16 +278,11 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     a.set_ylabel("TTFT of the forks (s)")
     b.bar(names, [r["contexts_computed_away"] for r in rows], color="tab:red")
     b.set_ylabel("contexts computed off the holder, a burst")
-    fig.suptitle(textwrap.fill(title, 110), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, title, fontsize=8, wrap=110)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m microbench.fork", description=__doc__.split("\n\n")[0]
-    )
+    ap = parser("fork", __doc__)
     ap.add_argument("--fork", type=int, default=8, help="forks per burst")
     ap.add_argument("--context", type=int, default=16384, help="shared tokens")
     ap.add_argument("--suffix", type=int, default=256, help="each fork's own tokens")
@@ -296,11 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bursts", type=int, default=2, help="bursts per arm")
     ap.add_argument("--samples", type=int, default=2, help="forks checked per burst")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_kv_cache_gib()
     ap.add_argument("--deadline-s", type=float, default=600.0)
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_seed()
+    ap.add_out()
     args = ap.parse_args(argv)
     if args.instances < 2 or args.fork < 1 or args.context < BLOCK:
         ap.error("need --instances >= 2, --fork >= 1 and --context >= one block")
@@ -331,9 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "code": code,
         "model": facts,
-        "config": {
-            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-        },
+        "config": config_of(args),
         "rows": ordered,
         "targets": met,
         "summary": {"lines": lines},

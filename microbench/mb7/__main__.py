@@ -34,7 +34,6 @@ per target, and draws a PNG.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import time
@@ -54,9 +53,11 @@ from harness.pd_client import (
 from harness.prompts import PromptSource
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
+    config_of,
     finish,
     machine_info,
     model_facts,
+    parser,
     stamp,
 )
 from microbench.load import DecodeLoad
@@ -360,9 +361,7 @@ def run_cluster(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m microbench.mb7", description=__doc__.split("\n\n")[0]
-    )
+    ap = parser("mb7", __doc__)
     ap.add_argument(
         "--model",
         type=Path,
@@ -434,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         default="tcp",
         help="Mooncake protocol (tcp here; rdma on RDMA hosts)",
     )
-    ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_kv_cache_gib()
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument(
@@ -459,13 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="transfer threads on D's cores (MOONCAKE_IO_CPUS): auto = idle only",
     )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON path (default results/mb7-<time>.json)",
-    )
+    ap.add_seed()
+    ap.add_out(help="JSON path (default results/mb7-<time>.json)")
     args = ap.parse_args(argv)
     defaults = FULL if args.full else QUICK
     args.sizes = [int(s) for s in (args.sizes or defaults["sizes"]).split(",")]
@@ -562,9 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "mb7",
         "machine": machine,
         "model": facts,
-        "config": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-        },
+        "config": config_of(args),
         "one_layer_write": layer,
         "warm_up": warm,
         "rows": rows,

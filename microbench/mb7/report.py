@@ -12,9 +12,10 @@ several seconds from each other and its noise exceeds the transfer.
 from __future__ import annotations
 
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from microbench.common import figure, save_figure
 
 from .measure import kv_bytes
 from .plan import LAYERWISE, POSTHOC, PREFILL_ONLY
@@ -445,16 +446,10 @@ TABLE = [
 
 
 def plot(rows: list[dict], path: Path, facts: dict, machine: str) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[mb7] matplotlib not installed: no plot", file=sys.stderr)
+    if (made := figure(1, 2, (12, 4.8), tag="mb7")) is None:
         return None
+    fig, axes = made
     rows = [r for r in rows if r.get("tail_s")]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for load in sorted({r["load"] for r in rows}):
         ls = "-" if load == 0 else "--"
         tag = "idle" if load == 0 else f"{load} decode streams"
@@ -508,12 +503,10 @@ def plot(rows: list[dict], path: Path, facts: dict, machine: str) -> Path | None
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.suptitle(
+    return save_figure(
+        fig,
+        path,
         f"mb7: {facts['layers']}-layer model, {facts['kv_bytes_per_token'] // 1024} KiB "
         f"KV/token; bars min-max over reps; {machine}",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

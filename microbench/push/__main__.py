@@ -48,7 +48,6 @@ The default model here is the generated one with --layers 8 (48 makes a cold
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import uuid
@@ -75,10 +74,12 @@ from microbench.bandwidth import (
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
     code_version,
+    config_of,
     finish,
     machine_info,
     median,
     model_facts,
+    parser,
     stamp,
     target_line,
 )
@@ -468,9 +469,7 @@ TABLE = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m microbench.push", description=__doc__.split("\n\n")[0]
-    )
+    ap = parser("push", __doc__)
     ap.add_argument(
         "--model",
         type=Path,
@@ -503,17 +502,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn1-output", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--protocol", default="tcp")
-    ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_kv_cache_gib()
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--c-cores", default="0")
     ap.add_argument("--d-cores", default="1")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON path (default results/push-<time>.json)",
-    )
+    ap.add_seed()
+    ap.add_out(help="JSON path (default results/push-<time>.json)")
     args = ap.parse_args(argv)
     args.sizes = [
         int(s)
@@ -609,9 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "code": code,
         "model": facts,
-        "config": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-        },
+        "config": config_of(args),
         "engine_bandwidth": bw,
         "c_push_stats": c_stats,
         "rows": rows,

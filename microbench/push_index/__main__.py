@@ -30,7 +30,6 @@ per index reports:
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import hashlib
@@ -42,7 +41,15 @@ import sys
 import time
 from pathlib import Path
 
-from microbench.common import PROJECT_ROOT, format_table, machine_info, write_json
+from microbench.common import (
+    PROJECT_ROOT,
+    figure,
+    format_table,
+    machine_info,
+    parser,
+    save_figure,
+    write_json,
+)
 
 TAG = "push-index"
 RESULTS_DIR = PROJECT_ROOT / "docs" / "results"
@@ -261,15 +268,9 @@ def machine(date: str) -> dict:
 
 
 def plot(result: dict, path: Path, title: str) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"[{TAG}] matplotlib not installed: no plot", file=sys.stderr)
+    if (made := figure(1, 3, (16, 5), tag=TAG)) is None:
         return None
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 5))
+    fig, (a, b, c) = made
     rows = result["lookups"]
     labels = [
         f"{r['size'] // 1000:,}k {r['sources']}s/{r['configs']}c "
@@ -370,11 +371,7 @@ def plot(result: dict, path: Path, title: str) -> Path | None:
     c2.set_ylim(bottom=0)
     c.grid(True, alpha=0.3)
     c.legend(fontsize=6, loc="lower left")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def markdown(result: dict, json_name: str, png_name: str | None) -> str:
@@ -476,9 +473,7 @@ def markdown(result: dict, json_name: str, png_name: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m microbench.push_index", description=__doc__.split("\n\n")[0]
-    )
+    ap = parser("push_index", __doc__)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument(
         "--quick",
@@ -491,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         help="1,000 lookups per row, 32,768-token prompts too, 5 timed fills, "
         "tracemalloc at every size",
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_seed()
     ap.add_argument("--hash-algo", default="sha256")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--note", default="", help="a sentence for the results page")

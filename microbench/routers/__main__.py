@@ -20,7 +20,6 @@ Writes results/routers-<time>.json and .png, prints a table.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 
@@ -33,10 +32,13 @@ from harness.prompts import PromptSource
 from harness.routers import upstream_proxy, vllm_router
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
+    config_of,
+    figure,
     finish,
     machine_info,
     model_facts,
-    pyplot,
+    parser,
+    save_figure,
     stamp,
 )
 
@@ -174,10 +176,9 @@ def display(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    plt = pyplot()
-    if plt is None:
+    if (made := figure(1, 3, (13, 4))) is None:
         return None
-    fig, (a, t, b) = plt.subplots(1, 3, figsize=(13, 4))
+    fig, (a, t, b) = made
     names = [r["dispatcher"] for r in rows]
     a.boxplot([[x * 1e3 for x in r["ttft_all_s"]] for r in rows], tick_labels=names)
     a.set_ylabel("time to first token, client (ms)")
@@ -186,22 +187,17 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     b.boxplot([[x * 100 for x in r["shares_all"]] for r in rows], tick_labels=names)
     b.set_ylabel("layer-wise bytes written before P's prefill ended (%)")
     b.set_ylim(-5, 105)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m microbench.routers", description=__doc__.split("\n\n")[0]
-    )
+    ap = parser("routers", __doc__)
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=ModelShape().num_layers)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_seed()
+    ap.add_out()
     args = ap.parse_args(argv)
     facts = model_facts(Path(ensure_model(ModelShape(num_layers=args.layers))))
     run_id = stamp()
@@ -250,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "routers",
         "machine": machine_info(),
         "model": facts,
-        "config": {
-            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-        },
+        "config": config_of(args),
         "rows": rows,
         "summary": {"lines": lines},
     }

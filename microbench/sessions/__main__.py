@@ -65,12 +65,10 @@ and the targets.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import random
 import statistics
 import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -105,10 +103,13 @@ from microbench.common import (
     DEFAULT_RESULTS_DIR,
     clean_run_target,
     code_version,
+    config_of,
+    figure,
     finish,
     machine_info,
     model_facts,
-    pyplot,
+    parser,
+    save_figure,
     stamp,
     target_line,
 )
@@ -588,10 +589,9 @@ def plot_curve(rows: list[dict], slo: float, path: Path, title: str) -> Path | N
     """TTFT p90 against offered load, a line per arm; beside it the p90 of TTFT
     in cold prefills of each request's own prompt, the SLO drawn, and the
     prefill tokens each arm computed."""
-    plt = pyplot()
-    if plt is None:
+    if (made := figure(1, 3, (16, 4.5))) is None:
         return None
-    fig, (a, c, b) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (a, c, b) = made
     for arm in dict.fromkeys(r["arm"] for r in rows):
         mine = [r for r in rows if r["arm"] == arm]
         xs = [r["load_per_min"] for r in mine]
@@ -616,16 +616,15 @@ def plot_curve(rows: list[dict], slo: float, path: Path, title: str) -> Path | N
     b.set_xlabel("offered load (sessions a minute)")
     b.set_ylabel("prefill tokens computed")
     loads = sorted({r["load_per_min"] for r in rows})
+    from matplotlib.ticker import NullLocator
+
     for ax in (a, c, b):
         ax.set_xscale("log")
         ax.set_xticks(loads, [f"{x:g}" for x in loads])
-        ax.xaxis.set_minor_locator(plt.NullLocator())
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(alpha=0.3)
     a.legend(fontsize=8)
-    fig.suptitle(textwrap.fill(title, 140), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, title, fontsize=8, wrap=140)
 
 
 def targets(rows: dict[str, dict]) -> list[dict]:
@@ -772,10 +771,9 @@ def display(rows: list[dict], slo: float | None = None) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    plt = pyplot()
-    if plt is None:
+    if (made := figure(1, 3, (13, 4))) is None:
         return None
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
+    fig, (a, b, c) = made
     names = [r["arm"] for r in rows]
     ttft = lambda r, pick: [  # noqa: E731
         o["ttft_s"] * 1e3 for o in r["outcomes"] if o["ttft_s"] is not None and pick(o)
@@ -798,16 +796,11 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
         ax.tick_params(axis="x", labelrotation=30)
     c.set_ylim(0, 1.35 * max(bottom + [1.0]))
     c.legend(fontsize=8, loc="upper right")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m microbench.sessions", description=__doc__.split("\n\n")[0]
-    )
+    ap = parser("sessions", __doc__)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument(
         "--aiperf",
@@ -890,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         "8-layer model prefills a 16k-token prompt in about 110 s; the layer count "
         "scales prefill and KV bytes alike, so their ratio is a deep model's)",
     )
-    ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_kv_cache_gib()
     ap.add_argument(
         "--samples", type=int, default=2, help="requests checked per arm and load"
     )
@@ -913,8 +906,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"run only these of the selected arms (comma-separated: {', '.join(ARMS)})",
     )
     ap.add_argument("--full", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_seed()
+    ap.add_out()
     args = ap.parse_args(argv)
     code = code_version()  # the code this process runs: edits made later do not
     n = args.requests or (40 if args.full else 16)
@@ -1143,9 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "code": code,
         "model": facts,
-        "config": {
-            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-        }
+        "config": config_of(args)
         | {"requests": n, "block_tokens": BLOCK, "loads_per_min": loads},
         "trace": {"path": str(args.trace), "scaled": str(scaled_path), **shape},
         "unbounded": {k: v for k, v in unbounded.items() if k != "per_request"},

@@ -40,7 +40,6 @@ the Python of ``.venv-aiperf`` (aiperf.py; made on first use).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import subprocess
@@ -58,9 +57,11 @@ from harness.vllm_series import selected
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
     code_version,
+    config_of,
     finish,
     machine_info,
     model_facts,
+    parser,
     stamp,
 )
 from microbench.loadcurve import quantile
@@ -423,10 +424,7 @@ def display(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m microbench.sessions.multiturn",
-        description=__doc__.split("\n\n")[0],
-    )
+    ap = parser("sessions.multiturn", __doc__)
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--clients", type=int, default=3, help="conversations at once")
     ap.add_argument(
@@ -437,15 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--kv-cache-gib", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_kv_cache_gib()
+    ap.add_seed()
     ap.add_argument(
         "--samples",
         type=int,
         default=4,
         help="prompts checked against a from-scratch reference after each arm",
     )
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_out()
     args = ap.parse_args(argv)
     code = code_version()
     run_id = stamp()
@@ -538,10 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "code": code,
         "model": facts,
-        "config": {
-            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-        }
-        | {"conversations_config": config},
+        "config": config_of(args) | {"conversations_config": config},
         "rows": ordered,
         "targets": met,
         "summary": {
