@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import override
 
 from vllm.logger import init_logger
 
@@ -281,6 +282,7 @@ class WorkerExtension(UpstreamHooks):
         self.features = features + self.features
 
     # ---- the hook points in upstream's worker (hooks.py) ------------------------------
+    @override
     def write_blocks(
         self,
         engine: Any,
@@ -295,24 +297,28 @@ class WorkerExtension(UpstreamHooks):
             raise RuntimeError("write_blocks before the KV caches were registered")
         return self._write(session, src, dst, lengths)
 
+    @override
     def send_failed(self, send_meta: Any) -> None:
         """A post-hoc send's write failed: free P's blocks now, not at the abort timeout."""
         if self._on_send_failed is not None:
             self._on_send_failed(send_meta)
 
+    @override
     def bootstrap_server(self, vllm_config: VllmConfig, host: str, port: int) -> Any:
         """The server bound at MOONCAKE_BOOTSTRAP_HOST (upstream: 0.0.0.0), our routes added."""
         server = bootstrap_server(vllm_config, self.config.bootstrap_host, port)
         self.register_routes(server.app)
         return server
 
+    @override
     def xfer_metadata(self, metadata: Any) -> Any:
         """D: each pull request carries this series' fields (xfer_request_fields)."""
         return with_ext(metadata, self.xfer_request_fields())
 
-    def registration_host(self, upstream_host: str) -> str:
+    @override
+    def registration_host(self, host: str) -> str:
         """Where this worker registers with the bootstrap server (ExtConfig)."""
-        return self.config.reachable_bootstrap_host(upstream_host)
+        return self.config.reachable_bootstrap_host(host)
 
     def register_routes(self, app: Any) -> None:
         """This series' routes on the bootstrap server, behind this worker's guard."""

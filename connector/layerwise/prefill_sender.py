@@ -466,7 +466,7 @@ class LayerwiseSender:
         if not st.layerwise or st.prefill_end is None:
             return False
         st.destination_after_prefill = True
-        self.log.totals.destination_after_prefill += 1
+        self.log.totals.add(destination_after_prefill=1)
         if session in self._late_peers or len(self._late_peers) >= MAX_LATE_PEERS:
             return False
         self._late_peers.add(session)
@@ -654,7 +654,7 @@ class LayerwiseSender:
         """A batch dropped at shutdown never runs: its transfers end failed."""
         with self._lock:
             for op in batch.ops:
-                self.log.totals.writes_dropped += 1
+                self.log.totals.add(writes_dropped=1)
                 self.log.of(op.transfer_id).writes_dropped += 1
             for tid in {op.transfer_id for op in batch.ops}:
                 self.tracker.fail(tid, SHUTDOWN_REASON)
@@ -665,7 +665,7 @@ class LayerwiseSender:
             run, dropped = self.tracker.start_writes(batch.ops)
             now = self._clock()
             for op in dropped:
-                self.log.totals.writes_dropped += 1
+                self.log.totals.add(writes_dropped=1)
                 self.log.of(op.transfer_id).writes_dropped += 1
             prompt_lens: dict[int, int] = {}  # prompt length -> writes done (faults)
             for op in run:
@@ -723,9 +723,9 @@ class LayerwiseSender:
             self._in_flight.pop(session, None)
             self.tracker.writes_done(ops, err is None, err)
             now = self._clock()
-            self.log.totals.writes += len(src)
+            self.log.totals.add(writes=len(src))
             if err is None:
-                self.log.totals.bytes += sum(lens)
+                self.log.totals.add(bytes=sum(lens))
                 for op, nbytes in zip(ops, op_bytes):
                     st = self.log.of(op.transfer_id)
                     st.writes += 1
@@ -770,9 +770,9 @@ class LayerwiseSender:
                     else (t.error or "failed")
                 )
                 if err is None:
-                    self.log.totals.transfers_completed += 1
+                    self.log.totals.add(transfers_completed=1)
                 else:
-                    self.log.totals.transfers_failed += 1
+                    self.log.totals.add(transfers_failed=1)
                 st = self.log.of(t.transfer_id, t.prompt_len)
                 st.outcome, st.ended_at = err or "completed", now
                 self._results[t.transfer_id] = (now, err)

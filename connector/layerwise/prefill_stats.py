@@ -8,6 +8,8 @@ import collections
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..common.counters import Counters
+
 STATS_KEPT = 256  # transfers whose timeline is kept (the oldest are forgotten)
 
 
@@ -40,23 +42,20 @@ class TransferStats:
     )
 
 
-@dataclass
-class TransferTotals:
-    writes: int = 0
-    bytes: int = 0
-    writes_dropped: int = 0
-    transfers_completed: int = 0
-    transfers_failed: int = 0
-    # layer-wise transfers whose destination arrived after P's prefill ended
-    destination_after_prefill: int = 0
-
-
 class TransferLog:
     """The totals and the last :data:`STATS_KEPT` transfers' timelines."""
 
     def __init__(self, kept: int = STATS_KEPT):
         self.kept = kept
-        self.totals = TransferTotals()
+        self.totals = Counters(
+            writes=0,
+            bytes=0,
+            writes_dropped=0,
+            transfers_completed=0,
+            transfers_failed=0,
+            # layer-wise transfers whose destination arrived after P's prefill ended
+            destination_after_prefill=0,
+        )
         self._transfers: collections.OrderedDict[str, TransferStats] = (
             collections.OrderedDict()
         )
@@ -81,6 +80,6 @@ class TransferLog:
     def snapshot(self, waiting_unknown: int) -> dict[str, Any]:
         """What ``GET /layerwise/transfers`` answers."""
         return {
-            "totals": {**asdict(self.totals), "waiting_unknown": waiting_unknown},
+            "totals": {**self.totals, "waiting_unknown": waiting_unknown},
             "transfers": [asdict(s) for s in self._transfers.values()],
         }

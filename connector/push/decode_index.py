@@ -26,6 +26,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 
 from ..common.auth import request_headers
 from ..common.config import ExtConfig
+from ..common.counters import Counters
 from ..common.fingerprint import WarnLimiter
 from ..common.peer_client import SourceLanes
 from ..hashsync.feed_protocol import (
@@ -138,17 +139,17 @@ class HolderIndex:
         self._sources = {o: _Source(o, cap) for o in origins}
         self._lock = threading.Lock()
         self._warnings = WarnLimiter(logger)
-        self.stats = {
-            "pages": 0,
-            "keys_stored": 0,
-            "keys_removed": 0,
-            "keys_dropped_full": 0,
-            "pages_malformed": 0,
-            "feed_failures": 0,
-            "forgotten": 0,
-            "demoted": 0,
-            "pages_refused": 0,
-        }
+        self.stats = Counters(
+            pages=0,
+            keys_stored=0,
+            keys_removed=0,
+            keys_dropped_full=0,
+            pages_malformed=0,
+            feed_failures=0,
+            forgotten=0,
+            demoted=0,
+            pages_refused=0,
+        )
 
     @property
     def origins(self) -> list[str]:
@@ -176,11 +177,11 @@ class HolderIndex:
             s = self._sources[origin]
             s.answered_at, s.failing_since = self._clock(), None
             if why is not None:
-                self.stats["pages_refused"] += 1
+                self.stats.add(pages_refused=1)
                 s.keys, s.epoch, s.seq, s.config = set(), None, 0, None
                 first, s.refused = s.refused != why, why
             else:
-                self.stats["pages"] += 1
+                self.stats.add(pages=1)
                 was, s.refused = s.refused, None
         if why is not None:
             if first:  # one warning per difference, not one per page
@@ -243,14 +244,14 @@ class HolderIndex:
             h = hash(key)
             if not stored:
                 keys.discard(h)
-                self.stats["keys_removed"] += 1
+                self.stats.add(keys_removed=1)
             elif h in keys:
                 pass
             elif len(keys) < s.cap:
                 keys.add(h)
-                self.stats["keys_stored"] += 1
+                self.stats.add(keys_stored=1)
             else:
-                self.stats["keys_dropped_full"] += 1
+                self.stats.add(keys_dropped_full=1)
                 self._warnings.warn(
                     f"full:{s.origin}",
                     "Prefix push index: %s advertises more than %d blocks "
@@ -264,7 +265,7 @@ class HolderIndex:
 
     def malformed(self) -> None:
         with self._lock:
-            self.stats["pages_malformed"] += 1
+            self.stats.add(pages_malformed=1)
 
     def is_itself(self, origin: str) -> bool:
         with self._lock:
@@ -283,14 +284,14 @@ class HolderIndex:
         now = self._clock()
         with self._lock:
             s = self._sources[origin]
-            self.stats["feed_failures"] += 1
+            self.stats.add(feed_failures=1)
             if s.failing_since is None:
                 s.failing_since = now
             silent = now - (s.answered_at or s.failing_since)
             forget = s.epoch is not None and silent >= FORGET_AFTER_S
             if forget:
                 s.keys, s.epoch, s.seq, s.config = set(), None, 0, None
-                self.stats["forgotten"] += 1
+                self.stats.add(forgotten=1)
         self._warnings.warn(
             f"feed:{origin}",
             "Prefix push index: the feed of %s failed (%s)%s; asking again",
@@ -349,7 +350,7 @@ class HolderIndex:
             demote = s.misses >= DEMOTE_AFTER
             if demote:
                 s.misses, s.demoted_until = 0, self._clock() + DEMOTE_S
-                self.stats["demoted"] += 1
+                self.stats.add(demoted=1)
         if demote:
             logger.warning(
                 "Prefix push index: %s is not chosen for %.0f s: %d pushes in a row "

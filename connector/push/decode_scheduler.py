@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 
 from ..common.auth import request_headers
 from ..common.config import ExtConfig
+from ..common.counters import Counters
 from ..common.fingerprint import WarnLimiter
 from ..common.peer_client import SourceLanes, source_origin
 from ..common.write_bounds import ENGINE_RECONNECT_MAX_S, LINUX_ORPHAN_RETRIES
@@ -198,27 +199,27 @@ class PushScheduler:
         self._loads: dict[str, tuple[SourceLoad, float]] = {}
         self.index: HolderIndex | None = None
         self._follower: FeedFollower | None = None
-        self.stats = {
-            "requests": 0,
-            "pushed_blocks": 0,
-            "fallback_blocks": 0,
-            "match_failed": 0,
-            "refused_sources": 0,
-            "refused_clock_skew": 0,
-            "auto_asked": 0,
-            "auto_no_holder": 0,
-            "auto_picked": 0,
-            "auto_missed": 0,
-            "failed_pushes": 0,
-            "late_pushes": 0,
-            "released_pushes": 0,  # past their budget: prefilled in other blocks
-            "coalesced": 0,  # requests that waited for another's push of their prefix
-            "source_full": 0,  # not asked to push: every slot of the source taken
-        }
+        self.stats = Counters(
+            requests=0,
+            pushed_blocks=0,
+            fallback_blocks=0,
+            match_failed=0,
+            refused_sources=0,
+            refused_clock_skew=0,
+            auto_asked=0,
+            auto_no_holder=0,
+            auto_picked=0,
+            auto_missed=0,
+            failed_pushes=0,
+            late_pushes=0,
+            released_pushes=0,  # past their budget: prefilled in other blocks
+            coalesced=0,  # requests that waited for another's push of their prefix
+            source_full=0,  # not asked to push: every slot of the source taken
+        )
 
         # every request this instance considered for a push, once, by what became
         # of it (decode_cost.Decision); the worker serves them on /metrics
-        self.decisions = {d.value: 0 for d in Decision}
+        self.decisions = Counters(**{d.value: 0 for d in Decision})
         self._decided: set[str] = set()  # req ids counted (a preempted one asks again)
         self._granted: set[str] = set()  # req ids judged worth a push (judged once)
         self._decisions_sent: dict[str, int] | None = None
@@ -280,7 +281,7 @@ class PushScheduler:
     def _pick(self, request: Request, num_computed_tokens: int) -> HeldPrefix | None:
         """The allowed source whose feed holds the longest run of the prompt's leading
         blocks beyond this instance's own hit (None: none)."""
-        self.stats["auto_asked"] += 1
+        self.stats.add(auto_asked=1)
         index = self._holder_index()
         if index is None:
             self._warnings.warn(
@@ -297,7 +298,7 @@ class PushScheduler:
                 lora_name(request),
                 num_computed_tokens // self.block_size,
             )
-        self.stats["auto_picked" if held is not None else "auto_no_holder"] += 1
+        self.stats.add(**{"auto_picked" if held is not None else "auto_no_holder": 1})
         return held
 
     def handles(self, request: Request) -> bool:
@@ -419,7 +420,7 @@ class PushScheduler:
             origin, why = None, f"is not a bare scheme://host:port ({e}), so not in"
         ok = origin is not None and origin in self.config.push_sources
         if not ok:
-            self.stats["refused_sources"] += 1
+            self.stats.add(refused_sources=1)
             # any client names push_from: at most one warning per source per interval
             self._warnings.warn(
                 f"refused:{origin or str(source)[:100]}",
@@ -522,7 +523,7 @@ class PushScheduler:
                 source,
                 self.match_timeout_s,
             )
-            self.stats["match_failed"] += 1
+            self.stats.add(match_failed=1)
             self._decide(rid, Decision.FELL_BACK)
         else:
             match = self._match_result(fut, rid, source)
@@ -595,7 +596,7 @@ class PushScheduler:
         since = self._coalescing.get(rid)
         if since is None:
             self._coalescing[rid] = since = now
-            self.stats["coalesced"] += 1
+            self.stats.add(coalesced=1)
             self._decide(rid, Decision.COALESCED)
             logger.debug("Prefix push for %s: waits for %s's push", rid, holder)
         return now - since < self.config.push_timeout_s + self.match_timeout_s
@@ -610,7 +611,7 @@ class PushScheduler:
                 source,
                 e,
             )
-            self.stats["refused_clock_skew"] += 1
+            self.stats.add(refused_clock_skew=1)
             self._decide(rid, Decision.REFUSED)
         except IncompatibleSourceError as e:
             # every request from this source meets it: one warning per interval
@@ -622,7 +623,7 @@ class PushScheduler:
                 source,
                 e,
             )
-            self.stats["match_failed"] += 1
+            self.stats.add(match_failed=1)
             self._decide(rid, Decision.REFUSED)
         except Exception as e:  # SourceRefusedError: refused; anything else: failed
             refused = isinstance(e, SourceRefusedError)
@@ -633,7 +634,7 @@ class PushScheduler:
                 "refused" if refused else "gave no match",
                 e,
             )
-            self.stats["match_failed"] += 1
+            self.stats.add(match_failed=1)
             self._decide(rid, Decision.REFUSED if refused else Decision.FELL_BACK)
         return None
 
@@ -641,7 +642,7 @@ class PushScheduler:
         """Count what became of a request's push, once per request."""
         if rid not in self._decided:
             self._decided.add(rid)
-            self.decisions[decision.value] += 1
+            self.decisions.add(**{decision.value: 1})
 
     def decisions_changed(self) -> dict[str, int] | None:
         """The decision counters, when they changed since the last call (the
@@ -680,7 +681,7 @@ class PushScheduler:
             return True
         self._decide(rid, est.decision)
         if est.decision is Decision.REFUSED:
-            self.stats["source_full"] += 1
+            self.stats.add(source_full=1)
             logger.debug(
                 "Prefix push for %s from %s: the source serves %d pushes, its limit "
                 "(%s); prefilling locally",
@@ -741,7 +742,7 @@ class PushScheduler:
             if inf.late or now - inf.allocated < 2 * inf.budget_s:
                 continue
             inf.late = True
-            self.stats["late_pushes"] += 1
+            self.stats.add(late_pushes=1)
             logger.warning(
                 "Prefix push for %s from %s: not ended %.1f s after its blocks were "
                 "allocated (its budget: %.1f s); counted as a failure of the source. "
@@ -755,7 +756,7 @@ class PushScheduler:
             self._failed(inf.source, f"{rid} late")
 
     def _missed(self, origin: str, why: str) -> None:
-        self.stats["auto_missed"] += 1
+        self.stats.add(auto_missed=1)
         if self.index is not None:
             self.index.missed(origin, why)
 
@@ -810,7 +811,7 @@ class PushScheduler:
                 timeout_s=budget,
             )
         )
-        self.stats["requests"] += 1
+        self.stats.add(requests=1)
 
     def take_jobs(self) -> list[PushJob]:
         """Once a step: the jobs for the worker."""
@@ -862,8 +863,8 @@ class PushScheduler:
         inf.request.num_external_computed_tokens = 0
         inf.released = True
         self.claims.drop(rid)  # its blocks will not be cached: others go their way
-        self.stats["released_pushes"] += 1
-        self.stats["fallback_blocks"] += inf.n_blocks
+        self.stats.add(released_pushes=1)
+        self.stats.add(fallback_blocks=inf.n_blocks)
         self._decide(rid, Decision.FELL_BACK)
         logger.warning(
             "Prefix push for %s from %s: no answer %.1f s after its blocks were "
@@ -917,7 +918,7 @@ class PushScheduler:
                     # not be told (a finished one is, to let it go)
                     self._ended_released.add(rid)
             landed = max(0, min(landed, inf.n_blocks))
-            self.stats["pushed_blocks"] += landed
+            self.stats.add(pushed_blocks=landed)
             now = self._clock()
             # what D expected (before this push is measured), for the log
             key = SourceLanes.key(inf.source)
@@ -941,7 +942,7 @@ class PushScheduler:
                 # NOTE: a refusal (busy, say) is answered at once and holds nothing:
                 # its cost is measured, but it does not make the source failing
                 if landed == 0 and not refused:
-                    self.stats["failed_pushes"] += 1
+                    self.stats.add(failed_pushes=1)
                     if not inf.late:  # a late one was counted when it became late
                         self._failed(inf.source, f"{rid}: nothing landed")
             if inf.finished:
@@ -968,7 +969,7 @@ class PushScheduler:
                     self.index.confirmed(inf.source)
             if landed < inf.n_blocks and not inf.released:
                 missing = inf.n_blocks - landed
-                self.stats["fallback_blocks"] += missing
+                self.stats.add(fallback_blocks=missing)
                 req = inf.request
                 req.num_computed_tokens = (inf.first_block + landed) * self.block_size
                 req.num_external_computed_tokens = landed * self.block_size

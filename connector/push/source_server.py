@@ -28,6 +28,7 @@ from vllm.logger import init_logger
 
 from ..common.block_runs import block_entries
 from ..common.config import ExtConfig, FaultConfig
+from ..common.counters import Counters
 from ..common.engine_write import write_refusal, write_stats
 from ..common.fault_injection import write_fault
 from ..common.kv_reader import ReadFn
@@ -120,19 +121,6 @@ class PushSlots:
         """Pushes in progress within their bound (each holds a slot)."""
         with self._lock:
             return len(self._started) - self._num_overdue(self._clock())
-
-
-class Counters(dict):
-    """Counters several threads update, each push's in one locked step (:meth:`add`):
-    a copy never shows half a push, and no update is lost."""
-
-    def __init__(self, **initial: float):
-        super().__init__(initial)
-        self._lock = threading.Lock()
-
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            dict.update(self, {k: self[k] + v for k, v in deltas.items()})
 
 
 class BytesByDestination:
