@@ -365,14 +365,18 @@ def check_overrides(
             Problem("unverifiable", ERROR, paths, 0, None, None, message)
         )
         return report
+    # each checked file read once (upstream_subclasses parsed every one of them)
+    read = {
+        dst: (src.text.splitlines(), ast.parse(src.text))
+        for dst, src in checked.items()
+    }
     for dst, diag in diagnostics:
-        src = checked[dst]
+        src, (lines, tree) = checked[dst], read[dst]
         line = diag["range"]["start"]["line"] + 1
-        lines = src.text.splitlines()
         kind = _kind(diag, lines[line - 1] if line <= len(lines) else "", top)
         if kind is None:
             continue
-        cls, method = _enclosing(ast.parse(src.text), line)
+        cls, method = _enclosing(tree, line)
         message = "; ".join(_lines(diag["message"]))
         name = _OVERRIDE_MISSING.match(diag["message"])
         advice = _ADVICE.get(kind[0])
