@@ -24,10 +24,12 @@ evenly spaced, each keeping its turns' gaps), in arms:
                     writing each layer's KV as soon as it is computed
   pd-posthoc        the same, P writing the KV once its prefill has ended
 
-By default sticky, rr, rr+push, p2c and p2c+push run (--arms picks, --full runs
-all). The kv_aware arms run with --kv-aware (or --full), where vllm-router can read
+By default sticky, rr, rr+push, p2c and p2c+push run (--arms picks; --full runs
+every routed arm on 120 requests at 8, 16 and 24 sessions a minute, about 90 min
+here). The kv_aware arms run with --kv-aware (or --full), where vllm-router can read
 the release's KV events (not vLLM 0.18.1: harness.routers.KV_EVENTS_UNREADABLE);
-the P/D arms with --pd (or --full), on a start of their own with
+the P/D arms only with --pd (one P core saturates below the routed arms' loads, so
+they run at loads of their own), on a start of their own with
 MOONCAKE_LAYERWISE=1 and the mode chosen per request. The arms without push run
 on one start of the instances, those with push on another; every arm starts each
 load on empty prefix caches (POST /reset_prefix_cache, vLLM's dev route, on both
@@ -152,7 +154,11 @@ ARMS = (
 # vllm-router's policy behind each routed arm (kv_aware has its own set-up)
 POLICIES = {"rr": "round_robin", "p2c": "power_of_two", "cache_aware": "cache_aware"}
 DEFAULT_ARMS = ("sticky", "rr", "rr+push", "p2c", "p2c+push")
-DEFAULT_LOADS, FULL_LOADS = "3,6,12", "1.5,3,6,12,24"  # sessions a minute
+DEFAULT_LOADS, FULL_LOADS = "3,6,12", "8,16,24"  # sessions a minute
+# --full: the 39-session window (120 requests from 600 s) at 8-24 sessions a minute is
+# where the arms' knees lie on a 2-core host (docs/results/2026-12-02-sessions-load.md);
+# about 4 minutes per arm and load there
+FULL_REQUESTS = 120
 PD_MODES = {"pd-layerwise": "layerwise", "pd-posthoc": "posthoc"}
 TTFT_VS_LOCAL = 1.5  # turn >= 2 TTFT p50 with push, against sticky's
 REUSE_OF_UNBOUNDED = 0.9
@@ -824,7 +830,10 @@ def main(argv: list[str] | None = None) -> int:
         "to 29k; 0 with --aiperf)",
     )
     ap.add_argument(
-        "--requests", type=int, default=None, help="default 16 (--full: 40)"
+        "--requests",
+        type=int,
+        default=None,
+        help=f"default 16 (--full: {FULL_REQUESTS})",
     )
     ap.add_argument("--min-turns", type=int, default=2)
     ap.add_argument("--max-turns", type=int, default=6)
@@ -897,8 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pd",
         action="store_true",
-        help="add the P/D arms, layer-wise against post-hoc (about 5 min more; on "
-        "with --full)",
+        help="add the P/D arms, layer-wise against post-hoc (about 5 min more a "
+        "load; not with --full: P's one core saturates at 2-8 sessions a minute)",
     )
     ap.add_argument(
         "--arms",
@@ -910,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_out()
     args = ap.parse_args(argv)
     code = code_version()  # the code this process runs: edits made later do not
-    n = args.requests or (40 if args.full else 16)
+    n = args.requests or (FULL_REQUESTS if args.full else 16)
     run_id = stamp()
     out = args.out or DEFAULT_RESULTS_DIR / f"sessions-trace-{run_id}.json"
     if args.aiperf is not None:
@@ -980,7 +989,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{KV_EVENTS_UNREADABLE[version]}",
             flush=True,
         )
-    pd = args.pd or args.full
+    # not with --full: P/D's one P core saturates below the routed arms' loads (2-8
+    # sessions a minute on a 2-core host), so its series runs apart with --pd --loads
+    pd = args.pd
     both = (("a", "kv_both"), ("b", "kv_both"))
     plans = [
         ({}, [a for a in ARMS if a in POLICIES or a == "sticky"], both),
