@@ -24,9 +24,8 @@ evenly spaced, each keeping its turns' gaps), in arms:
                     writing each layer's KV as soon as it is computed
   pd-posthoc        the same, P writing the KV once its prefill has ended
 
-By default sticky, rr, rr+push, p2c and p2c+push run (--arms picks; --full runs
-every routed arm on 120 requests at 8, 16 and 24 sessions a minute, about 90 min
-here). The kv_aware arms run with --kv-aware (or --full), where vllm-router can read
+By default sticky, rr and rr+push run, on 120 requests at 8, 16 and 24 sessions a
+minute (about 35 min here; --arms picks; --full runs every routed arm, about 80 min). The kv_aware arms run with --kv-aware (or --full), where vllm-router can read
 the release's KV events (not vLLM 0.18.1: harness.routers.KV_EVENTS_UNREADABLE);
 the P/D arms only with --pd (one P core saturates below the routed arms' loads, so
 they run at loads of their own), on a start of their own with
@@ -52,7 +51,7 @@ requests keep it; an arm's goodput is the highest load up to which it keeps it.
 The plot: TTFT p90 and TTFT p90 in cold prefills (the SLO drawn) against offered
 load, a line per arm.
 
-    python -m microbench.sessions [--requests 16] [--loads 3,6,12] [--kv-aware]
+    python -m microbench.sessions [--requests 120] [--loads 8,16,24] [--kv-aware]
                                   [--pd] [--arms LIST] [--full] [--trace FILE]
 
 Any Mooncake-format trace replays with --trace (and --source-block-tokens if its
@@ -153,12 +152,13 @@ ARMS = (
 )
 # vllm-router's policy behind each routed arm (kv_aware has its own set-up)
 POLICIES = {"rr": "round_robin", "p2c": "power_of_two", "cache_aware": "cache_aware"}
-DEFAULT_ARMS = ("sticky", "rr", "rr+push", "p2c", "p2c+push")
-DEFAULT_LOADS, FULL_LOADS = "3,6,12", "8,16,24"  # sessions a minute
-# --full: the 39-session window (120 requests from 600 s) at 8-24 sessions a minute is
-# where the arms' knees lie on a 2-core host (docs/results/2026-12-02-sessions-load.md);
-# about 4 minutes per arm and load there
-FULL_REQUESTS = 120
+# the 39-session window (120 requests from 600 s) at 8-24 sessions a minute is where
+# the arms' knees lie on a 2-core host (docs/results/2026-12-02-sessions-load.md);
+# a smaller window never queues there, so the default keeps the window and runs three
+# arms (about 11 minutes an arm), --full every routed arm
+DEFAULT_ARMS = ("sticky", "rr", "rr+push")
+LOADS = "8,16,24"  # sessions a minute
+REQUESTS = 120
 PD_MODES = {"pd-layerwise": "layerwise", "pd-posthoc": "posthoc"}
 TTFT_VS_LOCAL = 1.5  # turn >= 2 TTFT p50 with push, against sticky's
 REUSE_OF_UNBOUNDED = 0.9
@@ -826,14 +826,14 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="the window's first session starts at or after this time of the trace "
-        "(default 600: 4 sessions of 14 requests, prompts of 8.8k tokens median and up "
+        "(default 600: 39 sessions of 119 requests, prompts of 8.6k tokens median and up "
         "to 29k; 0 with --aiperf)",
     )
     ap.add_argument(
         "--requests",
         type=int,
         default=None,
-        help=f"default 16 (--full: {FULL_REQUESTS})",
+        help=f"default {REQUESTS}",
     )
     ap.add_argument("--min-turns", type=int, default=2)
     ap.add_argument("--max-turns", type=int, default=6)
@@ -854,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         "--loads",
         default=None,
         help="offered loads, sessions a minute, comma-separated: every arm runs at "
-        f"each (default {DEFAULT_LOADS}; --full: {FULL_LOADS})",
+        f"each (default {LOADS})",
     )
     ap.add_argument(
         "--slo-cold-prefills",
@@ -919,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_out()
     args = ap.parse_args(argv)
     code = code_version()  # the code this process runs: edits made later do not
-    n = args.requests or (FULL_REQUESTS if args.full else 16)
+    n = args.requests or REQUESTS
     run_id = stamp()
     out = args.out or DEFAULT_RESULTS_DIR / f"sessions-trace-{run_id}.json"
     if args.aiperf is not None:
@@ -950,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.session_interval_s is not None and args.loads is None:
         loads = [60 / args.session_interval_s]
     else:
-        loads = parse_loads(args.loads or (FULL_LOADS if args.full else DEFAULT_LOADS))
+        loads = parse_loads(args.loads or LOADS)
     facts = model_facts(Path(ensure_model(ModelShape(num_layers=args.layers))))
     builder = trace.PromptBuilder(args.id_tokens, facts["vocab_size"], seed=args.seed)
     work = {load: workload(raw, load, args, builder) for load in loads}
