@@ -99,7 +99,10 @@ class SchedulerExtension:
         )
         self._warned_no_layerwise = False
         self.push = PushScheduler(
-            cache.block_size, cfg, local_fingerprint(vllm_config, cfg)
+            cache.block_size,
+            cfg,
+            local_fingerprint(vllm_config, cfg),
+            workers=vllm_config.parallel_config.world_size,
         )
         self.hashsync = (
             SchedulerHashSync(

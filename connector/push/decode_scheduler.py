@@ -173,8 +173,13 @@ class PushScheduler:
         fingerprint: KVFingerprint,
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
+        workers: int = 1,
     ):
         self.block_size = block_size
+        # D's workers (vLLM's world size): each ends its own rank's push
+        self.workers = workers
+        # req id -> (workers whose end came in, fewest blocks landed, refused by any)
+        self._partial: dict[str, tuple[int, int, bool]] = {}
         self.config = config
         self.fingerprint = fingerprint  # this instance's (scheduler-side fields)
         self.match_timeout_s = config.push_match_timeout_s
@@ -904,9 +909,17 @@ class PushScheduler:
         if not isinstance(meta, PushOutcome):
             return
         for rid, landed in meta.landed.items():
-            inf = self._inflight.pop(rid, None)
-            if inf is None:
+            if rid not in self._inflight:
                 continue
+            seen, fewest, refused = self._partial.pop(rid, (0, landed, False))
+            seen += meta.workers_of(rid)
+            fewest, refused = min(fewest, landed), refused or rid in meta.refused
+            if seen < self.workers:
+                # NOTE: another worker's write into these blocks may still land:
+                # the push ends when every worker's has
+                self._partial[rid] = (seen, fewest, refused)
+                continue
+            landed, inf = fewest, self._inflight.pop(rid)
             self._ended.add(rid)
             self.claims.drop(rid)
             if inf.finished:
@@ -933,7 +946,6 @@ class PushScheduler:
                 ):
                     self.prefill_timer.landed(inf.request)
             else:
-                refused = rid in meta.refused
                 self._decide(rid, Decision.REFUSED if refused else Decision.FELL_BACK)
                 if self._learns_from(key):
                     self.cost.observe_shortfall(

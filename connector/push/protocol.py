@@ -370,7 +370,9 @@ class PushJob:
 @dataclass
 class PushOutcome(KVConnectorWorkerMetadata):
     """D's worker -> D's scheduler: leading blocks that landed, per ended push;
-    the pushes past their budget with no answer yet (once each)."""
+    the pushes past their budget with no answer yet (once each). With several
+    workers (TP > 1) each ends its own rank's push, in a step of its own: vLLM
+    aggregates one step's outcomes, and the scheduler counts the workers."""
 
     landed: dict[str, int] = field(default_factory=dict)
     # of those, the pushes the source refused (or was busy for), nothing written
@@ -378,14 +380,21 @@ class PushOutcome(KVConnectorWorkerMetadata):
     # still running, past their budget (PushJob.timeout_s) with no answer: their
     # requests may take other blocks (decode_scheduler.py)
     due: frozenset[str] = frozenset()
+    # how many workers' ends each ``landed`` entry holds (absent: one)
+    workers: dict[str, int] = field(default_factory=dict)
+
+    def workers_of(self, rid: str) -> int:
+        return self.workers.get(rid, 1)
 
     @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PushOutcome)
-        merged = dict(self.landed)
-        for (
-            rid,
-            n,
-        ) in other.landed.items():  # several workers: a block is valid on all or none
-            merged[rid] = min(n, merged.get(rid, n))
-        return PushOutcome(merged, self.refused | other.refused, self.due | other.due)
+        landed, workers = dict(self.landed), {}
+        for rid in self.landed.keys() | other.landed.keys():
+            mine, theirs = rid in self.landed, rid in other.landed
+            workers[rid] = mine * self.workers_of(rid) + theirs * other.workers_of(rid)
+            if theirs:  # a block is valid on all workers or on none
+                landed[rid] = min(other.landed[rid], landed.get(rid, other.landed[rid]))
+        return PushOutcome(
+            landed, self.refused | other.refused, self.due | other.due, workers
+        )

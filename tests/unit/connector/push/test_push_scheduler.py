@@ -179,6 +179,48 @@ def test_full_landing_changes_nothing():
 def test_outcomes_of_several_workers_keep_the_minimum():
     agg = PushOutcome({"a": 3, "b": 2}).aggregate(PushOutcome({"a": 1}))
     assert agg.landed == {"a": 1, "b": 2}
+    assert (agg.workers_of("a"), agg.workers_of("b")) == (2, 1)
+    three = agg.aggregate(PushOutcome({"a": 2, "c": 0}))
+    assert three.landed == {"a": 1, "b": 2, "c": 0}
+    assert [three.workers_of(r) for r in "abc"] == [3, 1, 1]
+
+
+def two_worker_push(rid="r1"):
+    """A push of 4 blocks on a D of two workers (TP 2), its job taken."""
+    s = PushScheduler(BS, SCHED_CONFIG, FP, workers=2)
+    r = req(rid)
+    matched(s, r)
+    s.update_state_after_alloc(r, Blocks([1, 2, 3, 4, 5]), 4 * BS)
+    s.take_jobs()
+    r.num_computed_tokens, r.num_external_computed_tokens = 4 * BS, 4 * BS
+    return s, r
+
+
+def test_a_push_ends_only_when_every_worker_ended_its_write():
+    s, r = two_worker_push()
+    # rank 0 landed all its shard in one step; rank 1's write may still land
+    s.on_worker_meta(PushOutcome({"r1": 4}))
+    assert s.request_finished(r) is True  # its blocks are kept
+    assert s.decisions["pushed"] == 0 and s.stats["pushed_blocks"] == 0
+    # rank 1 ends in a later step with 2 of its 4: the whole push has 2
+    s.on_worker_meta(PushOutcome({"r1": 2}))
+    assert (r.num_computed_tokens, r.num_external_computed_tokens) == (2 * BS, 2 * BS)
+    assert s.stats["pushed_blocks"] == 2 and s.stats["fallback_blocks"] == 2
+    assert s.request_finished(r) is False
+
+
+def test_one_step_holding_both_workers_ends_the_push():
+    s, r = two_worker_push()
+    s.on_worker_meta(PushOutcome({"r1": 4}).aggregate(PushOutcome({"r1": 4})))
+    assert s.decisions["pushed"] == 1 and s.stats["pushed_blocks"] == 4
+
+
+def test_a_refusal_on_one_worker_refuses_the_push():
+    s, r = two_worker_push()
+    s.on_worker_meta(PushOutcome({"r1": 0}, frozenset({"r1"})))
+    s.on_worker_meta(PushOutcome({"r1": 4}))
+    assert s.decisions["refused"] == 1 and s.stats["failed_pushes"] == 0
+    assert r.num_computed_tokens == 0
 
 
 class Clock:
