@@ -1055,13 +1055,16 @@ def main(argv: list[str] | None = None) -> int:
             for inst in (a, b):  # compiled paths warm, on tokens the trace never has
                 complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=model)
             if not cold:  # the SLO's unit: idle, nothing cached, at two lengths
-                for n, reps in ((shape["input_median"], 3), (shape["input_max"], 1)):
-                    if n in cold:  # one length only
+                for length, reps in (
+                    (shape["input_median"], 3),
+                    (shape["input_max"], 1),
+                ):
+                    if length in cold:  # one length only
                         continue
-                    cold[n] = [
+                    cold[length] = [
                         complete(
                             a.url,
-                            warm(n),
+                            warm(length),
                             max_tokens=1,
                             logprobs=None,
                             model=model,
