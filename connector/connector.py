@@ -201,6 +201,9 @@ class ExtMooncakeConnectorWorker(MooncakeConnectorWorker):
                 num_blocks=geometry.num_blocks,
                 tp_size=self.tp_size,
                 protocol=self._protocol,
+                tp_rank=self.tp_rank,
+                engine_id=str(self.engine_id),
+                dp_rank=self.dp_rank,
             )
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import uvicorn
 from typing_extensions import override
@@ -38,6 +39,18 @@ def largest_body_bytes(config: ExtConfig) -> int:
     return max(
         UPSTREAM_MAX_BODY_BYTES, PROOF_MAX_BODY_BYTES, config.push_max_body_bytes
     )
+
+
+def own_bootstrap_url(vllm_config: Any, config: ExtConfig) -> str:
+    """This instance's bootstrap server, as its own processes reach it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+        get_mooncake_bootstrap_addr,
+    )
+    from vllm.utils.network_utils import make_zmq_path
+
+    host, port = get_mooncake_bootstrap_addr(vllm_config)
+    # built as upstream's worker builds its registration URL
+    return make_zmq_path("http", config.reachable_bootstrap_host(host), port)
 
 
 class BootstrapServerStartError(RuntimeError):

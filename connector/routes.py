@@ -3,7 +3,8 @@
 
 Served by the first worker's bootstrap server next to upstream's ``/register`` and
 ``/query`` (left as they are): the push source's (C) ``/match_blocks``,
-``/push_blocks``, ``/push_proof``, ``/push/stats``; the hash mirror's ``/hashsync``,
+``/push_blocks``, ``/push_proof``, ``/push/stats``, ``/push/ranks`` (TP > 1: each
+rank's listener, source_ranks.py); the hash mirror's ``/hashsync``,
 ``/hashsync/feed``, ``/hashsync/reset``; P's ``/layerwise/transfers``; ``/metrics``.
 Authentication is the router's dependency (:func:`bootstrap_router`): no route is
 served without it, and a POST's signature is checked before its body is read.
@@ -26,7 +27,8 @@ from .hashsync.feed_protocol import FEED_PATH, RESET_PATH, FeedRequest, ResetNot
 from .hashsync.worker_sync import WorkerHashSync
 from .layerwise.prefill_sender import LayerwiseSender
 from .metrics import CONTENT_TYPE, exposition
-from .push.protocol import SOURCE_REFUSAL
+from .push.protocol import SOURCE_REFUSAL, RankRegistered, RankRegistration
+from .push.source_ranks import RANKS_PATH
 from .push.source_server import NO_PREFIX_CACHING, PROOF_MAX_BODY_BYTES, PushServer
 
 NOT_READY = "KV caches not registered yet; retry"
@@ -199,6 +201,28 @@ def bootstrap_router(
         return await run(
             server, lambda: server.proof(caller.body, caller.received), limited=False
         )
+
+    @router.post(RANKS_PATH)
+    async def push_ranks(
+        request: Request, caller: Caller = Depends(authenticate)
+    ) -> JSONResponse:
+        server = push_server()
+        ranks = server.ranks  # rank 0 of a TP > 1 source only (source_ranks.py)
+        if ranks is None:
+            raise refusal(404, "this instance serves pushes from one TP rank")
+        client = request.client.host if request.client else None
+        if not server.on_this_host(client):  # an instance's ranks share one host
+            raise refusal(403, f"{client}: not this host, so not a rank of it")
+        try:
+            reg = RankRegistration.model_validate_json(caller.body)
+        except ValueError as e:
+            raise refusal(422, f"not a rank registration: {str(e)[:300]}") from None
+        try:
+            engine_ports = ranks.register(reg)
+        except ValueError as e:
+            raise refusal(409, f"not registered: {e}") from None
+        answer = RankRegistered(source_id=server.source_id, engine_ports=engine_ports)
+        return JSONResponse(answer.model_dump())
 
     @router.get("/push/stats")
     async def push_stats() -> dict[str, Any]:

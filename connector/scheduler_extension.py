@@ -24,6 +24,7 @@ from .layerwise.decode_timeline import TIMELINE_PARAM, DecodePullTimeline
 from .layerwise.prefill_scheduler import LayerwiseScheduler
 from .layerwise.protocol import MODE_PARAM, TransferMode, requested_mode
 from .metadata import ExtMetadata
+from .prefill_bootstrap import own_bootstrap_url
 from .push.decode_scheduler import PushScheduler
 
 if TYPE_CHECKING:
@@ -38,18 +39,6 @@ logger = init_logger(__name__)
 
 def is_consumer(vllm_config: VllmConfig) -> bool:
     return vllm_config.kv_transfer_config.kv_role == "kv_consumer"  # type: ignore[union-attr]
-
-
-def own_bootstrap_url(vllm_config: VllmConfig, config: ExtConfig) -> str:
-    """This instance's bootstrap server, as its own processes reach it."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
-        get_mooncake_bootstrap_addr,
-    )
-    from vllm.utils.network_utils import make_zmq_path
-
-    host, port = get_mooncake_bootstrap_addr(vllm_config)
-    # built as upstream's worker builds its registration URL
-    return make_zmq_path("http", config.reachable_bootstrap_host(host), port)
 
 
 class PrefillBacklog:
@@ -103,6 +92,7 @@ class SchedulerExtension:
             cfg,
             local_fingerprint(vllm_config, cfg),
             workers=vllm_config.parallel_config.world_size,
+            pipeline_parallel=vllm_config.parallel_config.pipeline_parallel_size,
         )
         self.hashsync = (
             SchedulerHashSync(

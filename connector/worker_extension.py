@@ -37,8 +37,10 @@ from .layerwise.decode_pulls import PullOutcomes
 from .layerwise.prefill_answer import PullAnswers
 from .layerwise.prefill_sender import LayerwiseSender
 from .metadata import ExtMetadata
+from .prefill_bootstrap import BootstrapServerStartError, own_bootstrap_url
 from .push.decode_receiver import PushReceiver
-from .push.protocol import PushOutcome
+from .push.protocol import PushOutcome, RankRegistration
+from .push.source_ranks import RankPorts, rank_listener, register_rank
 from .push.source_server import PushServer
 from .routes import Served, add_routes
 from .vllm_compat import all_block_ids, bootstrap_server
@@ -64,6 +66,9 @@ class RegisteredKV:
     num_blocks: int
     tp_size: int
     protocol: str = "tcp"  # the transfer engine's (kv_connector_extra_config)
+    tp_rank: int = 0
+    engine_id: str = ""  # upstream's, the same on every rank of this instance
+    dp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,10 @@ class WorkerRoles:
         return cls(
             layerwise_prefill=config.layerwise and not consumer,
             layerwise_decode=config.layerwise and not producer,
-            push_source=not consumer and vllm_config.cache_config.enable_prefix_caching,
+            # one stage holds every layer's KV: no pushes from pipeline stages
+            push_source=not consumer
+            and vllm_config.cache_config.enable_prefix_caching
+            and vllm_config.parallel_config.pipeline_parallel_size == 1,
         )
 
 
@@ -207,6 +215,8 @@ class WorkerExtension(UpstreamHooks):
         self.hashsync: WorkerHashSync | None = None
         self.push_server: PushServer | None = None
         self.push_receiver: PushReceiver | None = None
+        # TP > 1 push source, a rank r >= 1: its own listener (source_ranks.py)
+        self.rank_listener: Any = None
         # before registration: upstream's pull path may report to it from the start
         self.pulls = PullOutcomes() if self.roles.layerwise_decode else None
         self.features: list[WorkerFeature] = (
@@ -250,8 +260,11 @@ class WorkerExtension(UpstreamHooks):
                 kv.session,
                 cfg,
                 reader=kv_reader.read,
+                tp_rank=kv.tp_rank,
             )
             features.append(PushSourceStep(self.push_server))
+            if kv.tp_size > 1:
+                self._serve_ranks(kv, self.push_server)
         if roles.layerwise_prefill:
             self.sender = LayerwiseSender.for_kv_caches(
                 write_fn,
@@ -264,6 +277,7 @@ class WorkerExtension(UpstreamHooks):
                 max_blocks_per_request=-(
                     -self.vllm_config.model_config.max_model_len // kv.block_size
                 ),
+                tp_rank=kv.tp_rank,
             )
             features.append(LayerwisePrefillStep(self.sender))
             logger.info("Mooncake layer-wise KV push enabled (MOONCAKE_LAYERWISE)")
@@ -277,6 +291,7 @@ class WorkerExtension(UpstreamHooks):
                 fingerprint,
                 cfg,
                 kv=kv_reader,
+                tp_rank=kv.tp_rank,
             )
             features.append(PushDestinationStep(self.push_receiver))
         self.features = features + self.features
@@ -319,6 +334,48 @@ class WorkerExtension(UpstreamHooks):
     def registration_host(self, host: str) -> str:
         """Where this worker registers with the bootstrap server (ExtConfig)."""
         return self.config.reachable_bootstrap_host(host)
+
+    def _serve_ranks(self, kv: RegisteredKV, server: PushServer) -> None:
+        """TP > 1 push source (source_ranks.py): rank 0 records its ranks; a rank r
+        >= 1 serves its pushes on a listener of its own, registered with rank 0."""
+        rank0_url = own_bootstrap_url(self.vllm_config, self.config)
+        engine_port = int(kv.session.rsplit(":", 1)[1])
+        if kv.tp_rank == 0:
+            own = RankRegistration(
+                tp_rank=0,
+                port=int(rank0_url.rsplit(":", 1)[1]),
+                engine_port=engine_port,
+                engine_id=kv.engine_id,
+                dp_rank=kv.dp_rank,
+            )
+            server.ranks = RankPorts(kv.tp_size, own, server.ranks_registered)
+            return
+        listener = rank_listener(self.vllm_config, self.config.bootstrap_host)
+        self.register_routes(listener.app)
+        try:
+            listener.start()
+        except BootstrapServerStartError as e:  # push is off, the instance serves
+            logger.warning(
+                "TP rank %d serves no prefix pushes, so neither does this instance "
+                "(destinations prefill locally): %s",
+                kv.tp_rank,
+                e,
+            )
+            return
+        self.rank_listener = listener
+        reg = RankRegistration(
+            tp_rank=kv.tp_rank,
+            port=listener.port,
+            engine_port=engine_port,
+            engine_id=kv.engine_id,
+            dp_rank=kv.dp_rank,
+        )
+
+        def registered(source_id: str, engine_ports: list[int]) -> None:
+            server.source_id = source_id
+            server.ranks_registered(engine_ports)
+
+        register_rank(rank0_url, reg, self.config, registered)
 
     def register_routes(self, app: Any) -> None:
         """This series' routes on the bootstrap server, behind this worker's guard."""
@@ -414,3 +471,5 @@ class WorkerExtension(UpstreamHooks):
     def shutdown(self) -> None:
         for feature in self.features:
             feature.shutdown()
+        if self.rank_listener is not None:
+            self.rank_listener.shutdown()

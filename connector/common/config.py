@@ -104,6 +104,8 @@ class FaultConfig:
     zero_recv_block: int | None = None
     # P/C: every layer-wise or /push_blocks write of a prompt of exactly N tokens fails
     fail_write_prompt_len: int | None = None
+    # ... on this TP rank only (None: every rank)
+    fail_write_rank: int | None = None
     # P/C: writes of a prompt of exactly N tokens take S seconds longer
     # (the engine call returns, bytes landed, only after the delay)
     delay_write_prompt_len: int | None = None
@@ -578,12 +580,26 @@ def _faults(env: Mapping[str, str]) -> FaultConfig:
                 "MOONCAKE_FAULT_HOLD_WRITE must be PROMPT_LEN:WRITES:SECONDS, "
                 f"got {hold_raw!r}"
             ) from None
+    fail_raw = env.get("MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN", "").strip()
+    fail_len, fail_rank = None, None
+    if fail_raw:
+        try:
+            n, _, rank = fail_raw.partition("@")
+            fail_len, fail_rank = int(n), int(rank) if rank else None
+            if fail_len < 0 or (fail_rank or 0) < 0:
+                raise ValueError(fail_raw)
+        except ValueError:
+            raise ConfigError(
+                "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN must be PROMPT_LEN or "
+                f"PROMPT_LEN@TP_RANK, got {fail_raw!r}"
+            ) from None
     return FaultConfig(
         hold_write_prompt_len=hold[0],
         hold_write_after=hold[1],
         hold_write_s=hold[2],
         zero_recv_block=_opt_int(env, "MOONCAKE_FAULT_ZERO_RECV_BLOCK"),
-        fail_write_prompt_len=_opt_int(env, "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN"),
+        fail_write_prompt_len=fail_len,
+        fail_write_rank=fail_rank,
         delay_write_prompt_len=delay_len,
         delay_write_s=delay_s,
         fence_blind=_flag(env, "MOONCAKE_FAULT_FENCE_BLIND"),

@@ -4,6 +4,7 @@ once, config.FaultConfig), does nothing unless set, and is never set outside tes
 
 MOONCAKE_FAULT_ZERO_RECV_BLOCK=K       D: zero the K-th block received from a peer
 MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN=N P/C: layer-wise and push writes of N-token prompts fail
+                                       (N@R: TP rank R's writes only)
 MOONCAKE_FAULT_DELAY_WRITE=N:S         P/C: such writes return S s late, bytes landed
 MOONCAKE_FAULT_HOLD_WRITE=N:W:S        P: after W writes of such a transfer, its writer
                                        waits S s (GET /layerwise/transfers shows W)
@@ -44,7 +45,7 @@ def zero_received_block(
 
 
 def write_fault(
-    faults: FaultConfig, prompt_len: int, writes_done: int = 0
+    faults: FaultConfig, prompt_len: int, writes_done: int = 0, tp_rank: int = 0
 ) -> str | None:
     """Apply the write faults armed for a ``prompt_len``-token prompt, right before
     the engine call (``writes_done``: this transfer's writes so far). Delays sleep
@@ -70,6 +71,9 @@ def write_fault(
             faults.delay_write_s,
         )
         time.sleep(faults.delay_write_s)
-    if faults.fail_write_prompt_len == prompt_len:
+    if faults.fail_write_prompt_len == prompt_len and faults.fail_write_rank in (
+        None,
+        tp_rank,
+    ):
         return f"FAULT INJECTION (MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN={prompt_len}): write failed"
     return None

@@ -130,7 +130,11 @@ class LayerwiseSender:
         clock: Callable[[], float] = time.monotonic,
         max_blocks_per_request: int | None = None,
         cpu_clock: Callable[[], float] = time.thread_time,
+        tp_rank: int = 0,
     ):
+        self.tp_rank = (
+            tp_rank  # this worker's: D's rank of the same number pulls from it
+        )
         # a pull naming more blocks than a request of max_model_len has is refused
         self.max_blocks_per_request = max_blocks_per_request
         self.layer_slots = layer_slots
@@ -214,6 +218,7 @@ class LayerwiseSender:
         block_size: int,
         config: ExtConfig,
         max_blocks_per_request: int | None = None,
+        tp_rank: int = 0,
     ) -> LayerwiseSender:
         layer_slots, addrs = slots_by_layer(kv_caches, split_k_and_v)
         if addrs != list(base_addrs):
@@ -228,6 +233,7 @@ class LayerwiseSender:
             block_size,
             config,
             max_blocks_per_request=max_blocks_per_request,
+            tp_rank=tp_rank,
         )
 
     # ---- forward thread ------------------------------------------------------
@@ -700,7 +706,9 @@ class LayerwiseSender:
             )
         if self.config.faults.armed:  # tests only
             for plen, writes_done in prompt_lens.items():
-                err = err or write_fault(self.config.faults, plen, writes_done)
+                err = err or write_fault(
+                    self.config.faults, plen, writes_done, self.tp_rank
+                )
         # a peer whose writes keep failing: refused for a while, nothing written
         # refusals are kept per session and layout (peer_refusal.py): a pull naming
         # D's session with a layout of its own does not get D's own pulls refused

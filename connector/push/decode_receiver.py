@@ -107,8 +107,11 @@ class PushReceiver:
         kv: KVReader | None = None,
         num_probes: int = MAX_PROBES,
         event_factory: EventFactory = record_after_compute,
+        tp_rank: int = 0,
     ):
         self.session = session
+        # this worker's rank: it asks the source's rank of the same number for its shard
+        self.tp_rank = tp_rank
         self.base_addrs = list(base_addrs)
         self.block_len = block_len
         self.block_size = block_size
@@ -171,10 +174,13 @@ class PushReceiver:
             with self._lock:
                 self._transfers[job.req_id] = t
             try:
-                self._lanes.submit(job.source, self._run, t)
+                self._lanes.submit(job.source_of(self.tp_rank), self._run, t)
             except RuntimeError as e:  # shut down: never sent
                 logger.warning(
-                    "push for %s from %s not sent: %s", job.req_id, job.source, e
+                    "push for %s from %s not sent: %s",
+                    job.req_id,
+                    job.source_of(self.tp_rank),
+                    e,
                 )
                 with self._lock:
                     t.answered(0)
@@ -234,6 +240,7 @@ class PushReceiver:
             dst_num_blocks=self.num_blocks,
             fingerprint=self.fingerprint,
             source_id=job.source_id,
+            tp_rank=self.tp_rank,
         )
 
     def _run(self, t: PushTransfer) -> None:
@@ -247,7 +254,7 @@ class PushReceiver:
             logger.warning(
                 "push for %s from %s not sent: waiting for its canaries failed: %r",
                 job.req_id,
-                job.source,
+                job.source_of(self.tp_rank),
                 e,
             )
             with self._lock:
@@ -265,7 +272,7 @@ class PushReceiver:
                 logger.warning(
                     "push for %s from %s not sent: %s",
                     job.req_id,
-                    job.source,
+                    job.source_of(self.tp_rank),
                     "it already ended"
                     if t.ended
                     else f"its start deadline passed {-budget_ms} ms ago while it "
@@ -276,9 +283,11 @@ class PushReceiver:
         deadline = time.monotonic() + max(0.0, t.hold_until - now)
         resp: PushBlocksResponse | None = None
         try:
-            content = self.request(t, budget_ms).model_dump_json().encode()
+            # at rank 0 as before, so a source of an earlier release takes it
+            first = {"tp_rank"} if self.tp_rank == 0 else None
+            content = self.request(t, budget_ms).model_dump_json(exclude=first).encode()
             r = self._lanes.post(
-                job.source,
+                job.source_of(self.tp_rank),
                 "/push_blocks",
                 content,
                 request_headers(self.config, "POST", "/push_blocks", content),
@@ -290,7 +299,7 @@ class PushReceiver:
                     logger.warning(
                         "push for %s from %s: %s %s",
                         job.req_id,
-                        job.source,
+                        job.source_of(self.tp_rank),
                         resp.status,
                         resp.message,
                     )
@@ -300,7 +309,7 @@ class PushReceiver:
                 logger.warning(
                     "push for %s from %s: refused, nothing written: HTTP %d %s",
                     job.req_id,
-                    job.source,
+                    job.source_of(self.tp_rank),
                     r.status,
                     r.text(),
                 )
@@ -312,7 +321,7 @@ class PushReceiver:
                     "own; its blocks are kept until the push's hold has passed "
                     "(%.0f s from its start), then recomputed locally",
                     job.req_id,
-                    job.source,
+                    job.source_of(self.tp_rank),
                     r.status,
                     r.text(),
                     t.hold_until - t.started,
@@ -321,7 +330,12 @@ class PushReceiver:
         except Exception as e:
             # No answer, or one we cannot read: C may still be writing. The
             # push ends when its hold has passed (try_end), not now.
-            logger.warning("push for %s from %s failed: %r", job.req_id, job.source, e)
+            logger.warning(
+                "push for %s from %s failed: %r",
+                job.req_id,
+                job.source_of(self.tp_rank),
+                e,
+            )
             return
         if resp is not None and resp.status == "ok":  # C's write has returned: prove it
             landed = self.proven_blocks(job, resp, t, deadline)
@@ -348,7 +362,7 @@ class PushReceiver:
                 "push for %s from %s: the answer claims %d blocks and %d bytes "
                 "(%d blocks asked, %d bytes each); not trusted, prefilling locally",
                 job.req_id,
-                job.source,
+                job.source_of(self.tp_rank),
                 n,
                 resp.bytes,
                 len(job.dst_block_ids),
@@ -365,7 +379,7 @@ class PushReceiver:
                     "push for %s from %s: the answer says %d blocks were written, "
                     "but %s; prefilling locally",
                     job.req_id,
-                    job.source,
+                    job.source_of(self.tp_rank),
                     n,
                     why,
                 )
@@ -403,7 +417,7 @@ class PushReceiver:
             .encode()
         )
         r = self._lanes.post(
-            job.source,
+            job.source_of(self.tp_rank),
             "/push_proof",
             content,
             request_headers(self.config, "POST", "/push_proof", content),

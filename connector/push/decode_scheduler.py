@@ -48,6 +48,7 @@ from .protocol import (
     MatchBlocksResponse,
     PushJob,
     PushOutcome,
+    rank_urls,
 )
 
 if TYPE_CHECKING:
@@ -104,6 +105,9 @@ class _Match:
     engine_no_progress_s: int | None = None  # the source's transport's (None: ours)
     engine_reconnect_s: int | None = None  # the source's transport's (None: ours)
     load: SourceLoad = IDLE  # as the source reported it, bounded (reported_load)
+    rank_urls: tuple[
+        str, ...
+    ] = ()  # TP > 1: where each of D's ranks asks (protocol.rank_urls)
 
 
 def reported_load(resp: MatchBlocksResponse) -> SourceLoad:
@@ -174,10 +178,13 @@ class PushScheduler:
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
         workers: int = 1,
+        pipeline_parallel: int = 1,
     ):
         self.block_size = block_size
         # D's workers (vLLM's world size): each ends its own rank's push
         self.workers = workers
+        # a push moves every layer into one stage's workers: none with stages
+        self.pipeline_parallel = pipeline_parallel
         # req id -> (workers whose end came in, fewest blocks landed, refused by any)
         self._partial: dict[str, tuple[int, int, bool]] = {}
         self.config = config
@@ -312,7 +319,19 @@ class PushScheduler:
         params = getattr(request, "kv_transfer_params", None) or {}
         if params.get("do_remote_decode") or params.get("do_remote_prefill"):
             return False
-        return self.source_of(request) is not None
+        if self.source_of(request) is None:
+            return False
+        if self.pipeline_parallel > 1:
+            self._warnings.warn(
+                "pipeline",
+                "Prefix push for %s (and every request asking for it): this instance "
+                "runs %d pipeline stages, which prefix push does not serve; prefilling "
+                "locally",
+                request.request_id,
+                self.pipeline_parallel,
+            )
+            return False
+        return True
 
     def shutdown(self) -> None:
         """Cancel queued queries, abort running ones, close the connections."""
@@ -337,6 +356,9 @@ class PushScheduler:
             deadline,
         )
         received, round_trip = self._wall_clock(), time.monotonic() - started
+        if r.status == 503:  # not ready (its TP ranks, its first step): each request
+            # meets it alike, so one warning per interval
+            raise IncompatibleSourceError(f"it is not ready: {r.text()[:300]}")
         if r.status != 200:
             raise SourceRefusedError(
                 f"{source}/match_blocks answered {r.status}: {r.text()}"
@@ -362,6 +384,12 @@ class PushScheduler:
                 "lengthens how long a push's blocks are held when the source does not "
                 "answer)"
             )
+        try:  # equal fingerprints: C's TP size is this instance's
+            ranks = rank_urls(source, resp.rank_ports, self.fingerprint.tp_size)
+        except ValueError as e:
+            raise IncompatibleSourceError(
+                f"{e}: its TP ranks cannot be asked"
+            ) from None
         accepted = self.config.push_source_timeout_max_s
         if not 0 < resp.engine_timeout_s <= accepted:
             raise SourceRefusedError(
@@ -414,6 +442,7 @@ class PushScheduler:
             stall,
             reconnect,
             reported_load(resp),
+            ranks,
         )
 
     def _allowed(self, rid: str, source: str) -> bool:
@@ -814,6 +843,7 @@ class PushScheduler:
                 source_engine_no_progress_s=match.engine_no_progress_s,
                 source_engine_reconnect_s=match.engine_reconnect_s,
                 timeout_s=budget,
+                rank_urls=match.rank_urls,
             )
         )
         self.stats.add(requests=1)

@@ -108,6 +108,10 @@ class MatchBlocksResponse(_Strict):
     pushes_in_flight: StrictInt | None = None
     push_slots: StrictInt | None = None
     prefill_backlog_tokens: StrictInt | None = None
+    # TP > 1: the port on which each of C's TP ranks serves /push_blocks and
+    # /push_proof, rank 0's first (this server's); D's rank r asks C's rank r for
+    # its shard, at the host D reached this server at. None: one rank, this server.
+    rank_ports: list[StrictInt] | None = None
 
 
 class PushBlocksRequest(_Strict):
@@ -138,6 +142,45 @@ class PushBlocksRequest(_Strict):
     # the source this push is for (its /match_blocks answer's): C refuses (421)
     # any other, so a captured signed push does not replay to another source
     source_id: SourceId
+    # D's TP rank: the shard it asks for, from C's rank of the same number (421
+    # at any other rank)
+    tp_rank: StrictInt = 0
+
+
+class RankRegistration(_Strict):
+    """POST /push/ranks, C's TP rank r >= 1 -> its rank 0, on this host: where rank r
+    serves /push_blocks and /push_proof, and its transfer engine's port; the
+    instance it belongs to (rank 0 refuses another's)."""
+
+    tp_rank: StrictInt
+    port: StrictInt
+    engine_port: StrictInt
+    engine_id: Annotated[StrictStr, Field(max_length=256)]
+    dp_rank: StrictInt = 0
+
+
+class RankRegistered(_Strict):
+    source_id: SourceId  # the instance's name in every rank's answers
+    # every rank's engine port, once all registered (None before): a push is never
+    # written into any of them
+    engine_ports: list[StrictInt] | None = None
+
+
+def rank_urls(source: str, ports: list[int] | None, tp_size: int) -> tuple[str, ...]:
+    """Where D's rank r asks C's rank r: ``source`` for rank 0, its scheme and host
+    on C's rank r port for the others (never another host); () for one rank.
+    ValueError naming what is wrong with C's ports."""
+    if tp_size == 1:
+        return ()
+    if ports is None or len(ports) != tp_size:
+        named = 0 if ports is None else len(ports)
+        raise ValueError(f"it names {named} TP rank ports for TP size {tp_size}")
+    if any(not 0 < p < 65536 for p in ports):
+        raise ValueError(f"a TP rank port is out of range: {ports}")
+    if not source.startswith("http://"):
+        raise ValueError("the ranks' listeners serve plain HTTP, the source is not")
+    base = source.rstrip("/").rpartition(":")[0]
+    return (source, *(f"{base}:{p}" for p in ports[1:]))
 
 
 class PushBlocksResponse(_Strict):
@@ -239,13 +282,10 @@ def validate(
                 "the two instances' KV caches differ: " + "; ".join(diff),
                 409,
             )
-        if fingerprint.tp_size != 1 or req.fingerprint.tp_size != 1:
+        if not 0 <= req.tp_rank < fingerprint.tp_size:
             raise PushRequestError(
-                "fingerprint",
-                "prefix push supports TP=1 on both "
-                f"instances (source {fingerprint.tp_size}, destination "
-                f"{req.fingerprint.tp_size})",
-                409,
+                "tp_rank",
+                f"{req.tp_rank}: this instance's TP ranks are 0..{fingerprint.tp_size - 1}",
             )
     if any(t < 0 for t in req.token_ids):
         raise PushRequestError("token_ids", "token ids must be non-negative")
@@ -365,6 +405,12 @@ class PushJob:
     source_engine_reconnect_s: int | None = None
     # this push's timeout, at most MOONCAKE_PUSH_TIMEOUT_S (None: that timeout)
     timeout_s: float | None = None
+    # C's base URL per TP rank from the same answer (empty: one rank, ``source``)
+    rank_urls: tuple[str, ...] = ()
+
+    def source_of(self, tp_rank: int) -> str:
+        """Where D's rank ``tp_rank`` asks for its shard."""
+        return self.rank_urls[tp_rank] if self.rank_urls else self.source
 
 
 @dataclass

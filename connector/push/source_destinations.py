@@ -178,7 +178,8 @@ def reaches_this_host(addr: IPAddress, own: Iterable[IPAddress]) -> bool:
 
 
 class OwnEngine:
-    """Refuses destinations that are this instance's own transfer engine."""
+    """Refuses destinations that are this instance's own transfer engine, or (TP > 1)
+    another rank's of this instance on this host (``siblings``)."""
 
     def __init__(
         self,
@@ -190,6 +191,7 @@ class OwnEngine:
         own = parse_session(local_session)
         self.session = local_session
         self.port = own.port
+        self.ports = frozenset({own.port})  # this engine's and its siblings'
         self.timeout_s = timeout_s
         self._lookup = lookup
         self.addresses = (
@@ -204,11 +206,15 @@ class OwnEngine:
             if n
         }
 
+    def siblings(self, ports: Iterable[int]) -> None:
+        """The engine ports of this instance's other TP ranks, on this host."""
+        self.ports = frozenset({self.port, *ports})
+
     def check(self, session: str) -> Session:
         """The parsed destination; PushRequestError 409 if it is this engine (or
         cannot be told apart from it), 422 if it is no ``host:port``."""
         dst = parse_session(session)
-        if dst.port != self.port:
+        if dst.port not in self.ports:
             return dst
         name = dst.host.lower().rstrip(".")
         if name in self.names or name.endswith(".localhost"):
@@ -216,7 +222,7 @@ class OwnEngine:
                 "dst_session",
                 (
                     f"{session[:100]!r} is this instance's own transfer engine (this host's "
-                    f"name, port {self.port}): a push never writes into its source"
+                    f"name, port {dst.port}): a push never writes into its source"
                 ),
                 409,
             )
@@ -238,7 +244,7 @@ class OwnEngine:
                 "dst_session",
                 (
                     f"{session[:100]!r} is this instance's own transfer engine ({hit} port "
-                    f"{self.port}, own session {self.session}): a push never writes into its "
+                    f"{dst.port}, own session {self.session}): a push never writes into its "
                     "source"
                 ),
                 409,

@@ -9,7 +9,8 @@ reported ``failed`` if a source block was evicted or reused meanwhile. The answe
 is sent only after the engine call returned: once D has it, no byte of the push
 can still arrive. An "ok" push can be proven once (``/push_proof``) until its
 hold has passed; nothing outside the pushed source blocks is ever read.
-Verified on the CPU backend over TCP; TP=1 only (one worker answers).
+With TP > 1 each rank serves its own shard (source_ranks.py). Verified on the CPU
+backend over TCP, at TP 1 and 2.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from .protocol import (
     validate,
     validate_probes,
 )
-from .source_destinations import Destinations, OwnEngine
+from .source_destinations import Destinations, OwnEngine, literal, reaches_this_host
+from .source_ranks import RankPorts
 from .source_writer import LowPriorityWriter, WriteFn
 
 logger = init_logger(__name__)
@@ -151,10 +153,10 @@ def log_id(value: Any) -> str:
 
 
 class PushServer:
-    """Serves pushes of this instance's cached prefixes (one per source worker).
-    Writes only into a destination whose KV cache matches this one (TP=1 on both
-    sides), never into this instance's own session, only inside the destination's
-    declared block count and KV tensors (source_destinations.py for layouts)."""
+    """Serves pushes of this instance's cached prefixes (one per source worker: its
+    rank's shard). Writes only into a destination whose KV cache matches this one
+    (TP size included), never into this instance's own session, only inside the
+    destination's declared block count and KV tensors (source_destinations.py)."""
 
     def __init__(
         self,
@@ -169,9 +171,14 @@ class PushServer:
         reader: ReadFn | None = None,
         clock: Callable[[], float] = time.monotonic,
         source_id: str | None = None,
+        tp_rank: int = 0,
+        ranks: RankPorts | None = None,
     ):
         config = config or ExtConfig()
         self.sync = sync
+        self.tp_rank = tp_rank  # the shard this worker holds and writes
+        # rank 0 of a TP > 1 instance: where every rank serves its pushes
+        self.ranks = ranks
         self.reader = reader  # proof of write: source bytes at D's probes
         # the write polls the engine on its caller: at nice 19 (source_writer.py)
         self._writer = LowPriorityWriter(write_fn)
@@ -203,6 +210,8 @@ class PushServer:
         )
         # never into this instance's own engine, by address; each destination's layout
         self.destinations = Destinations(OwnEngine(local_session))
+        # TP > 1: no write until every rank's engine is known (ranks_registered)
+        self.ranks_ready = (fingerprint.tp_size or 1) == 1
         self.stats = Counters(
             matches=0,  # /match_blocks answered
             pushes=0,
@@ -228,6 +237,18 @@ class PushServer:
         self._pushed: collections.OrderedDict[str, _Pushed] = collections.OrderedDict()
         self._pushed_blocks = 0
         self._pushed_lock = threading.Lock()
+
+    def ranks_registered(self, engine_ports: list[int]) -> None:
+        """Every rank of this instance has registered: never write into their engines."""
+        self.destinations.own.siblings(engine_ports)
+        self.ranks_ready = True
+
+    def on_this_host(self, host: str | None) -> bool:
+        """Whether a caller at ``host`` (an address) is on this host."""
+        addr = literal(host or "")
+        return addr is not None and reaches_this_host(
+            addr, self.destinations.own.addresses
+        )
 
     def try_begin(self) -> int | None:
         """Take a concurrent-push slot: its token, or None (all busy: 429)."""
@@ -280,6 +301,9 @@ class PushServer:
             )
         except RuntimeError as e:  # no step has run yet: no hash configuration
             return 503, {"detail": {"field": "", "message": str(e)}}
+        ports = self.ranks.ports() if self.ranks is not None else None
+        if self.ranks is not None and ports is None:
+            return 503, {"detail": {"field": "", "message": self.ranks.missing()}}
         bs = self.sync.block_size
         return 200, MatchBlocksResponse(
             matched_blocks=len(block_ids),
@@ -295,7 +319,8 @@ class PushServer:
             pushes_in_flight=self._slots.working(),
             push_slots=self._slots.limit,
             prefill_backlog_tokens=self.prefill_backlog_tokens,
-        ).model_dump()
+            rank_ports=ports,
+        ).model_dump(exclude=None if ports else {"rank_ports"})  # as before, at TP 1
 
     def push(
         self, payload: Any, received: float | None = None, signed_ms: int | None = None
@@ -322,6 +347,20 @@ class PushServer:
                 fingerprint=self.fingerprint,
                 max_tokens=self.config.push_max_tokens,
             )
+            if req.tp_rank != self.tp_rank:
+                raise PushRequestError(
+                    "tp_rank",
+                    f"the push asks for TP rank {req.tp_rank}'s shard, this is rank "
+                    f"{self.tp_rank}; nothing written",
+                    421,
+                )
+            if not self.ranks_ready:
+                raise PushRequestError(
+                    "tp_rank",
+                    "this instance's TP ranks have not all registered yet; nothing "
+                    "written, retry",
+                    503,
+                )
             dst_key = self.destinations.check(
                 req.dst_session, req.dst_num_blocks, req.dst_kv_base_addrs, signed_ms
             )
@@ -392,7 +431,9 @@ class PushServer:
             return 200, resp.model_dump()
         t0 = time.perf_counter()
         err = (
-            write_fault(self.faults, len(req.token_ids)) if self.faults.armed else None
+            write_fault(self.faults, len(req.token_ids), tp_rank=self.tp_rank)
+            if self.faults.armed
+            else None
         )
         try:
             if err is None:

@@ -43,7 +43,7 @@ The default model here is the generated one with --layers 8 (48 makes a cold
 16k-token prefill take minutes on this CPU); the layer count is an option.
 
     python -m microbench.push [--sizes 8192,16384] [--reps 3] [--under-load 4]
-                              [--full] [--layers 8]
+                              [--full] [--layers 8] [--tp 2]
 """
 
 from __future__ import annotations
@@ -506,6 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--c-cores", default="0")
     ap.add_argument("--d-cores", default="1")
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of C and of D (each rank its own core: with 2, "
+        "C's and D's ranks share cores 0 and 1; C's write figures are rank 0's)",
+    )
     ap.add_seed()
     ap.add_out(help="JSON path (default results/push-<time>.json)")
     args = ap.parse_args(argv)
@@ -554,16 +561,21 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=max_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=facts["dtype"],
-        extra_args=["--enable-prompt-tokens-details"],
+        extra_args=["--enable-prompt-tokens-details"]
+        + (["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else []),
     )
+    # TP > 1: one core per rank, as the CPU backend binds them (the engine's probe
+    # stays on --c-cores and --d-cores)
+    ranks = "|".join(map(str, range(args.tp)))
+    c_cores, d_cores = (ranks, ranks) if args.tp > 1 else (args.c_cores, args.d_cores)
     specs = [
-        InstanceSpec("c", role="kv_producer", cores=args.c_cores, **common),
-        InstanceSpec("d", role="kv_consumer", cores=args.d_cores, **common),
+        InstanceSpec("c", role="kv_producer", cores=c_cores, **common),
+        InstanceSpec("d", role="kv_consumer", cores=d_cores, **common),
     ]
     prompts = PromptSource(facts["vocab_size"], seed=args.seed)
     rows = []
     print(
-        f"[push] starting C (cores {args.c_cores}) and D (cores {args.d_cores}); logs in "
+        f"[push] starting C (cores {c_cores}) and D (cores {d_cores}); logs in "
         f"{log_dir}",
         flush=True,
     )

@@ -225,10 +225,15 @@ def test_failed_write_fails_one_request_and_both_keep_serving(cluster):
     decode request with an error, never a hang; no blocks stay allocated; the
     API servers survive (upstream's stats logger used to die on such a request,
     patch 0010) and the next transfer is byte-exact."""
+    failed_write_ends_the_request(cluster["prefill"], cluster["decode"], seed=4000)
+
+
+def failed_write_ends_the_request(p, d, seed: int) -> None:
+    """A prompt of FAULTY_PROMPT_LEN tokens, whose writes P fails, ends with an error
+    in bounded time and strands nothing; the next transfer is byte-exact."""
     from harness.pd_client import RequestFailed
 
-    p, d = cluster["prefill"], cluster["decode"]
-    ids = prompt(FAULTY_PROMPT_LEN, seed=4000)
+    ids = prompt(FAULTY_PROMPT_LEN, seed=seed)
     started = time.monotonic()
     with pytest.raises(RequestFailed):
         pd_generate(
@@ -241,11 +246,11 @@ def test_failed_write_fails_one_request_and_both_keep_serving(cluster):
         f"KV blocks still allocated after a failed write (P, D): {usage}"
     )
     assert "Counters can only be incremented" not in d.log_text()
-    ids = prompt(600, seed=4001)
+    ids = prompt(600, seed=seed + 1)
     r = pd_generate(
         p.url, p.bootstrap_url, d.url, ids, max_tokens=3, logprobs=5, timeout=300
     )
-    ref = reference_completion(p.url, ids, max_tokens=3)
+    ref = reference_completion(d.url, ids, max_tokens=3)
     check = compare(
         r.decode, ref, expected_cached_tokens=cached_tokens_of_whole_prompt(600)
     )

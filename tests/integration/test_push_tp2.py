@@ -1,45 +1,69 @@
-"""Prefix push refuses tensor parallelism > 1 (two real instances, TP=2 source).
+"""Prefix push between tensor-parallel instances (three real instances: C and D at
+TP 2, a third at TP 1).
 
-Only one worker of a TP=2 instance serves the bootstrap server, so a push would
-move one rank's head shard into every destination rank: push is refused until
-TP > 1 is implemented. D sees C's TP in C's /match_blocks fingerprint and
-prefills locally; C refuses (409) a push naming TP=2 even when D claims to match.
+Each of C's ranks holds its own heads' shard of every block and serves it from a
+listener of its own (rank 1 registers its port with rank 0, which names both in
+its /match_blocks answer); D's rank r asks C's rank r. The push counts only when
+both ranks' writes are proven: a write failing on one rank fails the whole push
+(D prefills locally, nothing stranded). A TP 1 destination of the TP 2 source is
+refused at the match, with one warning naming both sizes, and prefills locally.
 """
 
 from __future__ import annotations
 
-import time
-
-import httpx
 import pytest
 
 from harness.correctness import compare, reference_completion
+from harness.kv_usage import wait_no_blocks_in_use
 from harness.launcher import BLOCK
-from harness.pd_client import complete, match_blocks
+from harness.pd_client import (
+    complete,
+    match_blocks,
+    push_stats,
+    wait_for_matched_blocks,
+)
 from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
+
+FAULTY_PROMPT_LEN = 4 * BLOCK + 5  # rank 1's writes of this length fail
 
 
 @pytest.fixture(scope="module")
 def cluster(pd_cluster):
     cl = pd_cluster(
-        {"c": "kv_producer", "d": "kv_consumer"},
+        {"c": "kv_producer", "d": "kv_consumer", "d1": "kv_consumer"},
         kv_cache_gib=1,
         max_model_len=2048,
-        instances={"c": {"tp": 2}},
+        instances={
+            "c": {
+                "tp": 2,
+                "env": {
+                    "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": f"{FAULTY_PROMPT_LEN}@1"
+                },
+            },
+            "d": {"tp": 2},
+        },
     )
-    return cl["c"], cl["d"]
+    return cl["c"], cl["d"], cl["d1"]
 
 
-def test_push_from_a_tp2_source_is_refused_and_d_prefills_locally(cluster):
-    c, d = cluster
-    ids = prompt(4 * BLOCK + 3, seed=8800)
+def held_on_c(c, ids) -> dict:
+    """C computes ``ids``; its /match_blocks answer once it holds their full blocks."""
     complete(c.url, ids, max_tokens=1, logprobs=None, timeout=300)
-    match = match_blocks(c.bootstrap_url, ids)
-    fp = match["fingerprint"]
-    assert fp["tp_size"] == 2, fp
-    got = complete(
+    return wait_for_matched_blocks(c.bootstrap_url, ids, len(ids) // BLOCK)
+
+
+def rank_stats(c, match: dict) -> list[dict]:
+    """Each of C's ranks' push counters, from the listener its match answer names."""
+    host = c.bootstrap_url.rsplit(":", 1)[0]
+    return [push_stats(c.bootstrap_url)] + [
+        push_stats(f"{host}:{port}") for port in match["rank_ports"][1:]
+    ]
+
+
+def pushed(d, c, ids):
+    return complete(
         d.url,
         ids,
         max_tokens=4,
@@ -47,23 +71,63 @@ def test_push_from_a_tp2_source_is_refused_and_d_prefills_locally(cluster):
         timeout=300,
         kv_transfer_params={"push_from": c.bootstrap_url},
     )
+
+
+def test_each_rank_writes_its_own_shard_and_d_decodes_from_both(cluster):
+    c, d, _ = cluster
+    ids = prompt(4 * BLOCK + 3, seed=8800)
+    match = held_on_c(c, ids)
+    assert match["fingerprint"]["tp_size"] == 2 and len(match["rank_ports"]) == 2
+    before = rank_stats(c, match)
+    got = pushed(d, c, ids)
+    check = compare(
+        got,
+        reference_completion(d.url, ids, max_tokens=4),
+        expected_cached_tokens=4 * BLOCK,
+    )
+    assert check.ok, check.problems
+    after = rank_stats(c, match)
+    written = [a["bytes"] - b["bytes"] for a, b in zip(after, before)]
+    assert [a["ok"] - b["ok"] for a, b in zip(after, before)] == [1, 1], after
+    # the two shards of 4 blocks: equal halves of the blocks' KV
+    assert written[0] == written[1] > 0, written
+    assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)
+
+
+def test_a_write_failing_on_one_rank_fails_the_whole_push(cluster):
+    c, d, _ = cluster
+    ids = prompt(FAULTY_PROMPT_LEN, seed=8801)
+    match = held_on_c(c, ids)
+    before = rank_stats(c, match)
+    got = pushed(d, c, ids)
+    # rank 0's shard landed, rank 1's did not: no block counts, D computed them all
     assert not got.cached_tokens, got.cached_tokens
     check = compare(
         got, reference_completion(d.url, ids, max_tokens=4), expected_cached_tokens=None
     )
     assert check.ok, check.problems
-    assert "tp_size 1 (this instance) != 2" in d.log_path.read_text()
-    # C itself refuses a push even from a destination claiming the same TP=2
-    body = {
-        "token_ids": ids,
-        "block_size": BLOCK,
-        "dst_session": "127.0.0.1:1",
-        "dst_kv_base_addrs": [(i + 1) << 32 for i in range(fp["num_kv_tensors"])],
-        "dst_block_ids": [0, 1, 2, 3],
-        "deadline_unix_ms": int(time.time() * 1000) + 60_000,
-        "dst_num_blocks": 64,
-        "fingerprint": fp,
-        "source_id": match["source_id"],
-    }
-    r = httpx.post(c.bootstrap_url + "/push_blocks", json=body, timeout=30)
-    assert r.status_code == 409 and "TP=1" in r.text, r.text
+    after = rank_stats(c, match)
+    assert [a["ok"] - b["ok"] for a, b in zip(after, before)] == [1, 0], after
+    assert [a["failed"] - b["failed"] for a, b in zip(after, before)] == [0, 1], after
+    assert wait_no_blocks_in_use(c.url, d.url) == (0.0, 0.0)
+    # D serves the next push of another prompt whole
+    ids = prompt(4 * BLOCK + 3, seed=8802)
+    held_on_c(c, ids)
+    assert pushed(d, c, ids).cached_tokens == 4 * BLOCK
+
+
+def test_a_tp1_destination_of_a_tp2_source_prefills_locally(cluster):
+    c, _, d1 = cluster
+    ids = prompt(4 * BLOCK + 3, seed=8803)
+    held_on_c(c, ids)
+    got = pushed(d1, c, ids)
+    assert not got.cached_tokens, got.cached_tokens
+    check = compare(
+        got,
+        reference_completion(d1.url, ids, max_tokens=4),
+        expected_cached_tokens=None,
+    )
+    assert check.ok, check.problems
+    assert "tp_size 1 (this instance) != 2" in d1.log_path.read_text()
+    assert match_blocks(c.bootstrap_url, ids)["matched_blocks"] == 4
+    assert wait_no_blocks_in_use(c.url, d1.url) == (0.0, 0.0)

@@ -50,10 +50,14 @@ def c_server():
         config: ExtConfig | None = None,
         fingerprint: KVFingerprint = FP,
         source_id: str = C_SOURCE,
+        **rank,
     ) -> CServer:
         made.append(
             CServer(
-                config or ExtConfig(bootstrap_host="127.0.0.1"), fingerprint, source_id
+                config or ExtConfig(bootstrap_host="127.0.0.1"),
+                fingerprint,
+                source_id,
+                **rank,
             )
         )
         return made[-1]

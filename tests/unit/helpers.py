@@ -251,7 +251,11 @@ def serve(app) -> tuple[str, callable]:
 
 
 def serve_routes(
-    config: ExtConfig, push=None, hashsync=None, layerwise=None, push_here: bool = True
+    config: ExtConfig,
+    push=None,
+    hashsync=None,
+    layerwise=None,
+    push_here: bool = True,
 ) -> tuple[str, callable]:
     """The bootstrap server's routes (routes.py) on 127.0.0.1, behind one guard
     built from ``config``, serving the given objects (None: not there): (url, stop)."""
@@ -285,7 +289,9 @@ class CServer:
         config: ExtConfig,
         fingerprint: KVFingerprint = FP,
         source_id: str = C_SOURCE,
+        tp_rank: int = 0,
     ):
+        """``tp_rank``: one rank of a TP > 1 source (source_ranks.py)."""
         self.config = config
         self.c = KV(fill=True)
         self.sync = filled_mirror(BS, TOKENS, C_BLOCKS, HCFG)
@@ -299,6 +305,7 @@ class CServer:
             C_SESSION,
             config,
             source_id=source_id,
+            tp_rank=tp_rank,
         )
         self.url, self._stop = serve_routes(
             config, push=self.server, hashsync=self.sync

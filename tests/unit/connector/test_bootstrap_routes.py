@@ -54,6 +54,7 @@ def bootstrap_app(config: ExtConfig | None = None) -> FastAPI:
     cfg = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
         cache_config=SimpleNamespace(enable_prefix_caching=True),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
     )
     WorkerExtension(
         cfg, config or ExtConfig(bootstrap_host="127.0.0.1")
@@ -76,6 +77,7 @@ def test_upstreams_and_our_routes_are_still_served():
         "/push_blocks",
         "/push_proof",
         "/push/stats",
+        "/push/ranks",
         "/hashsync",
         "/hashsync/feed",
         "/hashsync/reset",
@@ -92,7 +94,7 @@ TOKEN = "tok-5d1e0c2b"
 def test_every_route_of_this_series_answers_401_without_credentials():
     app = bootstrap_app(ExtConfig(bootstrap_host="0.0.0.0", bootstrap_token=TOKEN))
     ours = [r for r in app.routes if isinstance(r, APIRoute) and r.path != "/query"]
-    assert len(ours) == 9
+    assert len(ours) == 10
     client = TestClient(app)
     for route in ours:
         for method in route.methods:

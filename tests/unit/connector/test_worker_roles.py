@@ -44,7 +44,7 @@ def vllm_config(role: str, prefix_caching: bool = True, block_size: int = 16):
             prefix_caching_hash_algo="sha256",
         ),
         model_config=None,
-        parallel_config=None,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
     )
 
 

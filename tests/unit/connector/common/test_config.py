@@ -78,6 +78,7 @@ def test_values_are_read():
             "MOONCAKE_PUSH_CLOCK_SKEW_S": "1",
             "MOONCAKE_FAULT_DELAY_WRITE": "600:12",
             "MOONCAKE_FAULT_HOLD_WRITE": "1500:10:4.5",
+            "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": "2051@1",
             "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "300",
         }
     )
@@ -91,6 +92,9 @@ def test_values_are_read():
         10,
         4.5,
     )
+    assert (f.fail_write_prompt_len, f.fail_write_rank) == (2051, 1)
+    every_rank = ExtConfig.from_env({"MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": "2051"})
+    assert every_rank.faults.fail_write_rank is None
 
 
 @pytest.mark.parametrize(
@@ -101,6 +105,14 @@ def test_values_are_read():
         ({"MOONCAKE_PUSH_TIMEOUT_S": "nan"}, "MOONCAKE_PUSH_TIMEOUT_S"),
         ({"MOONCAKE_FAULT_DELAY_WRITE": "600"}, "MOONCAKE_FAULT_DELAY_WRITE"),
         ({"MOONCAKE_FAULT_HOLD_WRITE": "600:3"}, "MOONCAKE_FAULT_HOLD_WRITE"),
+        (
+            {"MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": "600@x"},
+            "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN",
+        ),
+        (
+            {"MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": "600@-1"},
+            "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN",
+        ),
         ({"MOONCAKE_IO_CPUS": "9999"}, "MOONCAKE_IO_CPUS"),
     ],
 )

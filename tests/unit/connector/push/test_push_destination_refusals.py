@@ -133,33 +133,40 @@ def test_fingerprint_mismatch_is_409_naming_both(c_servers, field, value):
     assert repr(getattr(FP, field)) in msg and repr(value) in msg, msg
 
 
-@pytest.mark.parametrize("c_tp,d_tp", [(1, 2), (2, 1), (2, 2)])
-def test_tensor_parallel_is_refused(c_servers, c_tp, d_tp):
+@pytest.mark.parametrize("c_tp,d_tp", [(1, 2), (2, 1), (2, 4)])
+def test_different_tensor_parallel_sizes_are_409_naming_both(c_servers, c_tp, d_tp):
     c = c_servers(fingerprint=FP.model_copy(update={"tp_size": c_tp}))
     d = c.destination()
-    out = refused(
-        c,
-        push_body(d, fingerprint=FP.model_copy(update={"tp_size": d_tp}).model_dump()),
-        409,
-        d,
-    )
-    assert "tp" in out["detail"]["message"].lower()
-    if c_tp == d_tp:
-        assert "TP=1" in out["detail"]["message"]
+    d_fp = FP.model_copy(update={"tp_size": d_tp}).model_dump()
+    out = refused(c, push_body(d, fingerprint=d_fp), 409, d)
+    msg = out["detail"]["message"]
+    assert f"tp_size {c_tp} (source) != {d_tp} (destination)" in msg, msg
     # and directly, as validate() sees it
     with pytest.raises(PushRequestError) as e:
         validate(
-            parse_push_request(
-                push_body(
-                    d, fingerprint=FP.model_copy(update={"tp_size": d_tp}).model_dump()
-                )
-            ),
+            parse_push_request(push_body(d, fingerprint=d_fp)),
             block_size=BS,
             num_kv_tensors=SLOTS,
             block_len=BLEN,
             fingerprint=FP.model_copy(update={"tp_size": c_tp}),
         )
     assert e.value.status == 409
+
+
+def test_each_tp_rank_writes_only_the_shard_asked_of_it(c_server):
+    """TP 2 on both sides: a push names D's rank; C's rank 0 serves rank 0's shard,
+    refuses another rank's (421) and a rank beyond the TP size (422)."""
+    fp2 = FP.model_copy(update={"tp_size": 2})
+    c = c_server(fingerprint=fp2, tp_rank=0)
+    c.server.ranks_registered([])  # its sibling's engine: none here
+    d = c.destination()
+    body = push_body(d, fingerprint=fp2.model_dump())
+    out = refused(c, {**body, "tp_rank": 1}, 421, d)
+    assert out["detail"]["field"] == "tp_rank" and "rank 0" in out["detail"]["message"]
+    out = refused(c, {**body, "tp_rank": 2}, 422, d)
+    assert out["detail"]["field"] == "tp_rank"
+    assert_push_ok(c, d, c.post("/push_blocks", body))
+    assert_landed(c.c, d)
 
 
 def test_token_count_above_the_limit_is_413(c_servers):

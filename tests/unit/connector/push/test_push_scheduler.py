@@ -366,12 +366,12 @@ class Output:
         self.finished_recving = finished_recving
 
 
-def released_push(bind=True, free=100):
+def released_push(bind=True, free=100, workers=1):
     """r1 (a local hit of 1 block, 4 pushed into 31-34) waits for its push; the
     worker says the push is past its budget with no answer."""
     from vllm.v1.request import RequestStatus
 
-    s = scheduler()
+    s = PushScheduler(BS, SCHED_CONFIG, FP, workers=workers)
     r = req(n_tokens=5 * BS + 3)
     matched(s, r, local_tokens=BS, answer=5)
     blocks = Blocks([30, 31, 32, 33, 34, 35])
@@ -663,3 +663,18 @@ def test_the_gate_weighs_the_requests_queued_on_d():
     s.own_queue = lambda rid: 3  # three requests of D's wait behind a local prefill
     assert s.pays("r2", SRC, 4)
     s.shutdown()
+
+
+def test_a_released_push_of_two_workers_keeps_its_blocks_until_both_ended():
+    """D at TP 2: one worker's push ended, the other's may still be written into the
+    same blocks (each rank its own shard): they stay pinned, and vLLM, which counts
+    both workers' ends, is told nothing of the request."""
+    s, r, blocks, manager, _ = released_push(workers=2)
+    first = Output(PushOutcome({"r1": 4}), None)  # vLLM waits for the other worker
+    s.on_connector_output(first)
+    assert manager.free_queue == [30, 35] and first.finished_recving is None
+    last = Output(PushOutcome({"r1": 1}), {"r1", "other"})
+    s.on_connector_output(last)
+    assert last.finished_recving == {"other"}
+    assert manager.free_queue == [30, 35, 31, 32, 33, 34]
+    assert s.stats["pushed_blocks"] == 1
