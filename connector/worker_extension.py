@@ -40,7 +40,7 @@ from .metadata import ExtMetadata
 from .prefill_bootstrap import BootstrapServerStartError, own_bootstrap_url
 from .push.decode_receiver import PushReceiver
 from .push.protocol import PushOutcome, RankRegistration
-from .push.source_ranks import RankPorts, rank_listener, register_rank
+from .push.source_ranks import RankPorts, rank_listener, rank_port, register_rank
 from .push.source_server import PushServer
 from .routes import Served, add_routes
 from .vllm_compat import all_block_ids, bootstrap_server
@@ -350,11 +350,17 @@ class WorkerExtension(UpstreamHooks):
             )
             server.ranks = RankPorts(kv.tp_size, own, server.ranks_registered)
             return
-        listener = rank_listener(self.vllm_config, self.config.bootstrap_host)
-        self.register_routes(listener.app)
         try:
+            port = rank_port(
+                self.config.push_rank_port, kv.tp_rank, kv.tp_size, kv.dp_rank
+            )
+            listener = rank_listener(self.vllm_config, self.config.bootstrap_host, port)
+            self.register_routes(listener.app)
             listener.start()
-        except BootstrapServerStartError as e:  # push is off, the instance serves
+        except (
+            BootstrapServerStartError,
+            ValueError,
+        ) as e:  # push off, instance serves
             logger.warning(
                 "TP rank %d serves no prefix pushes, so neither does this instance "
                 "(destinations prefill locally): %s",

@@ -177,6 +177,7 @@ class ExtConfig:
     push_policy: str = "measured"  # or "always" (PUSH_POLICIES)
     push_max_tokens: int = 131072
     push_max_concurrent: int = 4
+    push_rank_port: int = 0
     bootstrap_host: str = "0.0.0.0"
     bootstrap_token: str | None = None
     bootstrap_insecure: bool = False
@@ -352,6 +353,13 @@ def _num(minimum: float = 0.0, integer: bool = False) -> Read:
     return read
 
 
+def _port(env: Mapping[str, str], name: str, default: Any) -> int:
+    port = int(_number(env, name, default, integer=True))
+    if port > 65535:
+        raise ConfigError(f"{name} must be a port (0 to 65535), got {port}")
+    return port
+
+
 def _on(env: Mapping[str, str], name: str, default: Any) -> bool:
     return _flag(env, name)
 
@@ -508,6 +516,13 @@ VARIABLES: dict[str, Variable] = {
         _num(minimum=1, integer=True),
         "4",
         "C: pushes served at once (429 beyond)",
+    ),
+    "MOONCAKE_PUSH_RANK_PORT": Variable(
+        "push_rank_port",
+        0,
+        _port,
+        "0",
+        "C at TP > 1: first port of ranks 1 to N-1's push listeners (0: the kernel picks)",
     ),
     "MOONCAKE_BOOTSTRAP_HOST": Variable(
         "bootstrap_host",

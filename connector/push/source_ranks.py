@@ -5,7 +5,8 @@ Rank 0's bootstrap server answers ``/match_blocks`` (every rank's hash mirror is
 fed the same scheduler deltas) and names, in its answer, the port each rank serves
 ``/push_blocks`` and ``/push_proof`` on; D's rank r asks C's rank r for rank r's
 shard. A rank r >= 1 serves this series' routes on a listener of its own at the
-bootstrap host (the port the kernel picks) and registers it with rank 0 (``POST
+bootstrap host (``MOONCAKE_PUSH_RANK_PORT`` + offset, or a port the kernel picks) and
+registers it with rank 0 (``POST
 /push/ranks``, behind the same guard, from this host, naming the instance's engine
 id and DP rank), with its transfer engine's port. Once every rank has registered,
 rank 0 answers with every rank's engine port, and each rank refuses to write into
@@ -104,12 +105,28 @@ class RankPorts:
         )
 
 
-def rank_listener(vllm_config: object, host: str) -> object:
-    """A bootstrap server without upstream's routes (rank 0's alone), on a port the
-    kernel picks at ``host``; not started. The caller adds this series' routes."""
+def rank_port(first: int, tp_rank: int, tp_size: int, dp_rank: int) -> int:
+    """The port TP rank ``tp_rank`` >= 1 of DP rank ``dp_rank`` listens on: ``first``
+    + dp_rank * (tp_size - 1) + tp_rank - 1, so the ranks of every DP rank on a host
+    take one contiguous range; 0 (``first`` unset) lets the kernel pick. Raises
+    ValueError past 65535."""
+    if first == 0:
+        return 0
+    port = first + dp_rank * (tp_size - 1) + tp_rank - 1
+    if port > 65535:
+        raise ValueError(
+            f"MOONCAKE_PUSH_RANK_PORT={first} puts TP rank {tp_rank} of DP rank "
+            f"{dp_rank} at port {port}, past 65535; set a lower first port"
+        )
+    return port
+
+
+def rank_listener(vllm_config: object, host: str, port: int) -> object:
+    """A bootstrap server without upstream's routes (rank 0's alone) at ``host`` and
+    ``port`` (0: the kernel picks); not started. The caller adds this series' routes."""
     from ..vllm_compat import bootstrap_server
 
-    server = bootstrap_server(vllm_config, host, 0)  # type: ignore[arg-type]
+    server = bootstrap_server(vllm_config, host, port)  # type: ignore[arg-type]
     server.app.router.routes.clear()
     return server
 

@@ -2,8 +2,8 @@
 TP 2, a third at TP 1).
 
 Each of C's ranks holds its own heads' shard of every block and serves it from a
-listener of its own (rank 1 registers its port with rank 0, which names both in
-its /match_blocks answer); D's rank r asks C's rank r. The push counts only when
+listener of its own (at MOONCAKE_PUSH_RANK_PORT; rank 1 registers its port with
+rank 0, which names both in its /match_blocks answer); D's rank r asks C's rank r. The push counts only when
 both ranks' writes are proven: a write failing on one rank fails the whole push
 (D prefills locally, nothing stranded). A TP 1 destination of the TP 2 source is
 refused at the match, with one warning naming both sizes, and prefills locally.
@@ -15,7 +15,7 @@ import pytest
 
 from harness.correctness import compare, reference_completion
 from harness.kv_usage import wait_no_blocks_in_use
-from harness.launcher import BLOCK
+from harness.launcher import BLOCK, free_port
 from harness.pd_client import (
     complete,
     match_blocks,
@@ -27,6 +27,7 @@ from harness.prompts import random_prompt as prompt
 pytestmark = pytest.mark.integration
 
 FAULTY_PROMPT_LEN = 4 * BLOCK + 5  # rank 1's writes of this length fail
+RANK1_PORT = free_port()  # C's rank 1 serves pushes here (MOONCAKE_PUSH_RANK_PORT)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def cluster(pd_cluster):
             "c": {
                 "tp": 2,
                 "env": {
-                    "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": f"{FAULTY_PROMPT_LEN}@1"
+                    "MOONCAKE_FAULT_FAIL_WRITE_PROMPT_LEN": f"{FAULTY_PROMPT_LEN}@1",
+                    "MOONCAKE_PUSH_RANK_PORT": str(RANK1_PORT),
                 },
             },
             "d": {"tp": 2},
@@ -77,7 +79,8 @@ def test_each_rank_writes_its_own_shard_and_d_decodes_from_both(cluster):
     c, d, _ = cluster
     ids = prompt(4 * BLOCK + 3, seed=8800)
     match = held_on_c(c, ids)
-    assert match["fingerprint"]["tp_size"] == 2 and len(match["rank_ports"]) == 2
+    assert match["fingerprint"]["tp_size"] == 2
+    assert match["rank_ports"] == [int(c.bootstrap_url.rsplit(":", 1)[1]), RANK1_PORT]
     before = rank_stats(c, match)
     got = pushed(d, c, ids)
     check = compare(

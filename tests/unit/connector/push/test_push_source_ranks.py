@@ -24,6 +24,7 @@ from test_push_scheduler import BS, C_FP, SRC, Clock, http_answer
 from test_push_scheduler import FP as D_FP
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config import (
+    ConfigError,
     ExtConfig,
     FaultConfig,
 )
@@ -41,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol imp
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.source_ranks import (
     RANKS_PATH,
     RankPorts,
+    rank_port,
     register_rank,
 )
 
@@ -58,6 +60,21 @@ def reg(rank, port, engine_port=None, engine_id=ENGINE, dp_rank=0):
         engine_id=engine_id,
         dp_rank=dp_rank,
     )
+
+
+def test_rank_listeners_take_one_range_per_host_from_the_first_port():
+    # TP 4, two DP ranks on one host: ranks 1-3 of each, contiguous, no overlap
+    ports = [rank_port(20000, r, 4, d) for d in (0, 1) for r in (1, 2, 3)]
+    assert ports == [20000, 20001, 20002, 20003, 20004, 20005]
+    assert rank_port(0, 3, 4, 1) == 0  # unset: the kernel picks
+    with pytest.raises(ValueError, match="past 65535"):
+        rank_port(65535, 2, 4, 0)
+
+
+@pytest.mark.parametrize("raw", ["-1", "65536", "x"])
+def test_a_rank_port_that_is_no_port_is_refused_at_start(raw):
+    with pytest.raises(ConfigError, match="MOONCAKE_PUSH_RANK_PORT"):
+        ExtConfig.from_env({"MOONCAKE_PUSH_RANK_PORT": raw})
 
 
 def test_rank_zero_records_each_rank_of_its_own_instance_once():
