@@ -4,9 +4,11 @@ prefill of the same tokens, both measured on D.
 
 A push, per source: one ``/match_blocks`` round trip, its blocks times a moving
 average per block (kept apart for a source that was prefilling or not, and per
-push alone: pushes in flight share the link), and the tail from the worker's
-report to the first token. A local prefill: per token, in power-of-two length
-buckets, weighted by the requests of D's own it would delay (MAX_QUEUED at most).
+push alone: pushes in flight share the link), and the tail it adds: the worker's
+report to the first token, less the local prefill of the request's own tokens
+(the suffix after the pushed prefix, which a local prefill computes too). A local
+prefill: per token, in power-of-two length buckets, weighted by the requests of
+D's own it would delay (MAX_QUEUED at most).
 Unmeasured, a push goes ahead; below MOONCAKE_PUSH_MIN_TOKENS or to a full
 source, never. A source whose last FAILURES_TO_DEMOTE pushes landed nothing is
 failing, whatever the policy, until one probe PROBE_AFTER_S later. Sources are
@@ -200,10 +202,15 @@ class PushCostModel:
             (source, not load.prefilling)
         )
 
-    def observe_tail(self, seconds: float) -> None:
-        """A landed push: ``seconds`` from the worker's report to the first token."""
-        if seconds >= 0:
-            self._tail.add(seconds, self._clock())
+    def observe_tail(self, seconds: float, own_tokens: int = 0) -> None:
+        """A landed push: ``seconds`` from the worker's report to the first token,
+        in which the request computed ``own_tokens`` beyond what it held."""
+        if seconds < 0:
+            return
+        # NOTE: its own tokens, and the steps it shared doing so, a local prefill
+        # computes as well: the tail is what the push added (the step boundary)
+        own = self.prefill_s(own_tokens) if own_tokens > 0 else None
+        self._tail.add(max(0.0, seconds - (own or 0.0)), self._clock())
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A local prefill of ``tokens`` that took ``seconds`` to its first token."""
@@ -318,8 +325,8 @@ class PrefillTimer:
         # req id -> (request, allocated at, its own hit: None until the step's
         # scheduler output says it)
         self._running: dict[str, tuple[object, float, int | None]] = {}
-        # req id -> (request, its push landed at)
-        self._tails: dict[str, tuple[object, float]] = {}
+        # req id -> (request, its push landed at, its hit: None until scheduled)
+        self._tails: dict[str, tuple[object, float, int | None]] = {}
 
     def allocated(self, request: object, num_external_tokens: int) -> None:
         rid = request.request_id  # type: ignore[attr-defined]
@@ -336,15 +343,20 @@ class PrefillTimer:
     def landed(self, request: object) -> None:
         """Its push landed whole (the worker's report): its tail starts."""
         if len(self._tails) < MAX_TRACKED:
-            self._tails[request.request_id] = (request, self._clock())  # type: ignore[attr-defined]
+            self._tails[request.request_id] = (request, self._clock(), None)  # type: ignore[attr-defined]
 
     def step(self, scheduler_output: object) -> None:
         """Once a step: the new requests' own hits, and first tokens produced."""
-        for rid, (request, _) in list(self._tails.items()):
+        news = getattr(scheduler_output, "scheduled_new_reqs", None) or ()
+        for new in news if self._tails else ():
+            tail = self._tails.get(new.req_id)
+            if tail is not None and tail[2] is None:
+                self._tails[new.req_id] = (*tail[:2], int(new.num_computed_tokens))
+        for rid, (request, _, _) in list(self._tails.items()):
             self._check_tail(rid, request)
         if not self._running:
             return
-        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        for new in news:
             entry = self._running.get(new.req_id)
             if entry is not None and entry[2] is None:
                 # both supported releases fill it before the step's tokens count
@@ -371,8 +383,12 @@ class PrefillTimer:
 
     def _check_tail(self, rid: str, request: object) -> None:
         if getattr(request, "num_output_tokens", 0) >= 1:
-            _, landed = self._tails.pop(rid)
-            self._model.observe_tail(self._clock() - landed)
+            _, landed, hit = self._tails.pop(rid)
+            if hit is None:  # its first token came before a later step
+                hit = getattr(request, "num_cached_tokens", -1)
+            prompt = len(getattr(request, "prompt_token_ids", None) or ())
+            own = prompt - hit if hit is not None and hit >= 0 else 0
+            self._model.observe_tail(self._clock() - landed, own)
 
     def _check(self, rid: str, request: object) -> None:
         _, started, computed = self._running[rid]

@@ -288,13 +288,34 @@ def test_a_push_costs_its_tail_the_step_after_it_landed():
     r.num_output_tokens = 1
     timer.step(scheduled())
     est = m.decide(SRC, 4, 128)
-    assert est.transfer_s == pytest.approx(0.02 + 0.025)
+    # the tail less its own 88 tokens' local prefill (22 ms a 512)
+    assert est.transfer_s == pytest.approx(0.02 + 0.025 - 88 * 0.022 / 512)
     assert est.decision is Decision.NOT_WORTH_IT
     # a long push still pays: 32 blocks, 0.005 + 32 x 3.75 ms + 25 ms, against 0.2 s
     m.observe_prefill(4096, 0.2)
     assert m.decide(SRC, 32, 128).decision is None
     # the budget (how long the source may take to start writing) is the write's
     assert m.budget_s(SRC, 4, 30.0) == pytest.approx(4 * 0.02 + 0.005 + 5.0)
+
+
+def test_a_tail_leaves_out_the_requests_own_tokens():
+    """A landed push's request computes its suffix (a turn's new message) before
+    its first token, as a local prefill of it would: the tail counts only what the
+    push added. Measured with the suffix in it, a loaded D's tails of seconds made
+    every later push "not worth it", 17k-token prefixes included."""
+    m, clock = measured(push_s=0.05, blocks=40, rtt_s=0.01, prefill_s=2.0, tokens=20000)
+    timer = PrefillTimer(m, clock)
+    r = req("turn-2", prompt=24000)
+    timer.landed(r)
+    clock.now += 0.01
+    timer.step(scheduled((r, 4000)))  # 4,000 tokens held: 20,000 of its own
+    clock.now += 2.04  # 2.0 s of them at D's measured 100 us a token, and a step
+    r.num_output_tokens = 1
+    timer.step(scheduled())
+    assert m._tail.value == pytest.approx(0.05)
+    # 40 blocks (5,120 tokens) pushed in 0.01 + 0.05 + 0.05 s against 0.51 s here
+    est = m.decide(SRC, 40, 128)
+    assert est.decision is None, est
 
 
 def test_a_tail_is_timed_only_to_a_first_token():
