@@ -43,13 +43,14 @@ class PullAnswers:
     ) -> None:
         """Answer D's pull request ``meta`` through ``send``."""
         if meta.remote_tp_size != tp_size:
+            refusal = (
+                f"layer-wise push needs equal TP sizes (prefill {tp_size}, "
+                f"decode {meta.remote_tp_size}); unset MOONCAKE_LAYERWISE"
+            )
+            self._warnings.warn(refusal, "Layer-wise push refused: %s", refusal)
             await send(
                 MooncakeXferResponse(
-                    status=MooncakeXferResponseStatus.ERROR,
-                    err_msg=(
-                        f"layer-wise push needs equal TP sizes (prefill {tp_size}, "
-                        f"decode {meta.remote_tp_size}); unset MOONCAKE_LAYERWISE"
-                    ),
+                    status=MooncakeXferResponseStatus.ERROR, err_msg=refusal
                 )
             )
             return

@@ -443,6 +443,20 @@ def test_a_decode_instance_with_another_kv_cache_is_refused_naming_both_values(
     assert len(warned) == 1 and named[0] in warned[0], warned
 
 
+def test_a_decode_instance_of_another_tp_size_is_refused_naming_both(caplog):
+    meta = pull_request(d_fields())
+    meta.remote_tp_size = 2  # P serves at TP 1
+    p = worker("kv_producer")
+    with caplog.at_level(logging.WARNING):
+        (resp,) = serve(p, meta)
+        (again,) = serve(p, meta)
+    assert resp.status == again.status == MooncakeXferResponseStatus.ERROR
+    assert "prefill 1, decode 2" in resp.err_msg, resp.err_msg
+    assert p.sender.served == []
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "prefill 1, decode 2" in warned[0], warned
+
+
 def fp_raw(**over):
     return {**P_FIELDS, **over}
 
