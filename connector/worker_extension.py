@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -339,15 +340,15 @@ class WorkerExtension(UpstreamHooks):
         """TP > 1 push source (source_ranks.py): rank 0 records its ranks; a rank r
         >= 1 serves its pushes on a listener of its own, registered with rank 0."""
         rank0_url = own_bootstrap_url(self.vllm_config, self.config)
-        engine_port = int(kv.session.rsplit(":", 1)[1])
+        registration = partial(
+            RankRegistration,
+            tp_rank=kv.tp_rank,
+            engine_port=int(kv.session.rsplit(":", 1)[1]),
+            engine_id=kv.engine_id,
+            dp_rank=kv.dp_rank,
+        )
         if kv.tp_rank == 0:
-            own = RankRegistration(
-                tp_rank=0,
-                port=int(rank0_url.rsplit(":", 1)[1]),
-                engine_port=engine_port,
-                engine_id=kv.engine_id,
-                dp_rank=kv.dp_rank,
-            )
+            own = registration(port=int(rank0_url.rsplit(":", 1)[1]))
             server.ranks = RankPorts(kv.tp_size, own, server.ranks_registered)
             return
         try:
@@ -357,10 +358,8 @@ class WorkerExtension(UpstreamHooks):
             listener = rank_listener(self.vllm_config, self.config.bootstrap_host, port)
             self.register_routes(listener.app)
             listener.start()
-        except (
-            BootstrapServerStartError,
-            ValueError,
-        ) as e:  # push off, instance serves
+        except (BootstrapServerStartError, ValueError) as e:
+            # push is off, the instance serves
             logger.warning(
                 "TP rank %d serves no prefix pushes, so neither does this instance "
                 "(destinations prefill locally): %s",
@@ -369,13 +368,7 @@ class WorkerExtension(UpstreamHooks):
             )
             return
         self.rank_listener = listener
-        reg = RankRegistration(
-            tp_rank=kv.tp_rank,
-            port=listener.port,
-            engine_port=engine_port,
-            engine_id=kv.engine_id,
-            dp_rank=kv.dp_rank,
-        )
+        reg = registration(port=listener.port)
 
         def registered(source_id: str, engine_ports: list[int]) -> None:
             server.source_id = source_id

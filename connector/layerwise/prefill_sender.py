@@ -132,9 +132,8 @@ class LayerwiseSender:
         cpu_clock: Callable[[], float] = time.thread_time,
         tp_rank: int = 0,
     ):
-        self.tp_rank = (
-            tp_rank  # this worker's: D's rank of the same number pulls from it
-        )
+        # this worker's: D's rank of the same number pulls from it
+        self.tp_rank = tp_rank
         # a pull naming more blocks than a request of max_model_len has is refused
         self.max_blocks_per_request = max_blocks_per_request
         self.layer_slots = layer_slots

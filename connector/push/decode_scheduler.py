@@ -105,9 +105,8 @@ class _Match:
     engine_no_progress_s: int | None = None  # the source's transport's (None: ours)
     engine_reconnect_s: int | None = None  # the source's transport's (None: ours)
     load: SourceLoad = IDLE  # as the source reported it, bounded (reported_load)
-    rank_urls: tuple[
-        str, ...
-    ] = ()  # TP > 1: where each of D's ranks asks (protocol.rank_urls)
+    # TP > 1: where each of D's ranks asks (protocol.rank_urls)
+    rank_urls: tuple[str, ...] = ()
 
 
 def reported_load(resp: MatchBlocksResponse) -> SourceLoad:

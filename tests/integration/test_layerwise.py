@@ -64,28 +64,26 @@ def test_layerwise_kv_lands_byte_exact(cluster, n):
     assert check.ok, check.problems
 
 
-def test_layerwise_writes_start_before_the_prefill_ends(cluster):
-    """The point of layer-wise push: most of a long prompt's KV is written while P
-    still computes. P's sender timeline (GET /layerwise/transfers) must show the
-    first write starting, and most bytes written, before P's last layer of the
-    prompt's last chunk was computed. A post-hoc transfer (all writes after the
-    prefill) fails this."""
-    p, d = cluster["prefill"], cluster["decode"]
-    ids = prompt(1500, seed=1500)  # 6 chunks of 256 tokens on P
-    transfer_id = f"xfer-overlap-{time.time_ns()}"
+def written_layer_by_layer(
+    p, d, ids, tag: str, max_tokens: int, reference_url: str
+) -> dict:
+    """One layer-wise request, its answer checked against ``reference_url``'s from
+    scratch: P's timeline of the transfer (its bootstrap server's rank), completed,
+    its first write started before P's prefill ended."""
+    transfer_id = f"xfer-{tag}-{time.time_ns()}"
     r = pd_generate(
         p.url,
         p.bootstrap_url,
         d.url,
         ids,
-        max_tokens=2,
+        max_tokens=max_tokens,
         logprobs=5,
         transfer_id=transfer_id,
         timeout=300,
     )
     check = compare(
         r.decode,
-        reference_completion(p.url, ids, max_tokens=2),
+        reference_completion(reference_url, ids, max_tokens=max_tokens),
         expected_cached_tokens=cached_tokens_of_whole_prompt(len(ids)),
     )
     assert check.ok, check.problems
@@ -95,6 +93,18 @@ def test_layerwise_writes_start_before_the_prefill_ends(cluster):
     assert t["first_write_start"] < t["prefill_end"], (
         f"the first write started {t['first_write_start'] - t['prefill_end']:.3f}s after the prefill ended"
     )
+    return t
+
+
+def test_layerwise_writes_start_before_the_prefill_ends(cluster):
+    """The point of layer-wise push: most of a long prompt's KV is written while P
+    still computes. P's sender timeline (GET /layerwise/transfers) must show the
+    first write starting, and most bytes written, before P's last layer of the
+    prompt's last chunk was computed. A post-hoc transfer (all writes after the
+    prefill) fails this."""
+    p, d = cluster["prefill"], cluster["decode"]
+    ids = prompt(1500, seed=1500)  # 6 chunks of 256 tokens on P
+    t = written_layer_by_layer(p, d, ids, "overlap", max_tokens=2, reference_url=p.url)
     share = t["bytes_before_prefill_end"] / t["bytes_written"]
     assert share > 0.5, (
         f"only {share:.0%} of the KV was written before the prefill ended: {t}"

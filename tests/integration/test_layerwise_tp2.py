@@ -10,18 +10,15 @@ bounded time, with nothing stranded on either side, and both keep serving.
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from test_layerwise import FAULTY_PROMPT_LEN, failed_write_ends_the_request
-
-from harness.correctness import compare, reference_completion
-from harness.kv_usage import wait_no_blocks_in_use
-from harness.pd_client import layerwise_transfer, pd_generate
-from harness.prompts import random_prompt as prompt
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.vllm_compat import (
-    cached_tokens_of_whole_prompt,
+from test_layerwise import (
+    FAULTY_PROMPT_LEN,
+    failed_write_ends_the_request,
+    written_layer_by_layer,
 )
+
+from harness.kv_usage import wait_no_blocks_in_use
+from harness.prompts import random_prompt as prompt
 
 pytestmark = pytest.mark.integration
 
@@ -54,27 +51,8 @@ def cluster(pd_cluster):
 def test_each_rank_writes_its_shard_layer_by_layer(cluster):
     p, d = cluster
     ids = prompt(700, seed=9700)  # 3 chunks of 256 tokens on P
-    transfer_id = f"xfer-tp2-{time.time_ns()}"
-    r = pd_generate(
-        p.url,
-        p.bootstrap_url,
-        d.url,
-        ids,
-        max_tokens=4,
-        logprobs=5,
-        transfer_id=transfer_id,
-        timeout=300,
-    )
-    check = compare(
-        r.decode,
-        reference_completion(d.url, ids, max_tokens=4),
-        expected_cached_tokens=cached_tokens_of_whole_prompt(len(ids)),
-    )
-    assert check.ok, check.problems
     # rank 0's timeline (its bootstrap server's): written layer-wise, during the prefill
-    t = layerwise_transfer(p.bootstrap_url, transfer_id)
-    assert t["outcome"] == "completed", t
-    assert t["first_write_start"] < t["prefill_end"], t
+    written_layer_by_layer(p, d, ids, "tp2", max_tokens=4, reference_url=d.url)
     assert wait_no_blocks_in_use(p.url, d.url) == (0.0, 0.0)
 
 
