@@ -44,7 +44,10 @@ def cluster(pd_cluster):
                     "MOONCAKE_PUSH_RANK_PORT": str(RANK1_PORT),
                 },
             },
-            "d": {"tp": 2},
+            # D pushes every match: these tests check each rank's writes, and a
+            # measured gate may keep a 4-block push local (its local prefill timed
+            # by the test before) on a busy host
+            "d": {"tp": 2, "env": {"MOONCAKE_PUSH_POLICY": "always"}},
         },
     )
     return cl["c"], cl["d"], cl["d1"]
