@@ -53,6 +53,7 @@ load, a line per arm.
 
     python -m microbench.sessions [--requests 120] [--loads 8,16,24] [--kv-aware]
                                   [--pd] [--arms LIST] [--full] [--trace FILE]
+                                  [--push-policy always]
 
 Any Mooncake-format trace replays with --trace (and --source-block-tokens if its
 blocks are not 512 tokens), a multi-turn one (AIPerf's) too; --aiperf N replays
@@ -196,6 +197,13 @@ def grown(before: dict, after: dict) -> dict:
             )
         for k in ("push_ok", "push_failed"):
             out[k] += after[name][k] - before[name][k]
+    # each instance's share of the prefill: a router that piles sessions onto one
+    # instance shows here, whatever the totals
+    out["computed_by_instance"] = {
+        name: after[name]["tokens"]["local_compute"]
+        - before[name]["tokens"]["local_compute"]
+        for name in before
+    }
     return out
 
 
@@ -415,6 +423,7 @@ def run_arm(
         "tpot_p90_s": quantile([o.tpot_s for o, _ in ok], 0.9),
         "send_late_max_s": max(o.late_s for o in outcomes),
         "tokens": diff["tokens"],
+        "computed_by_instance": diff["computed_by_instance"],
         "decisions": diff["decisions"],
         "pushes_ok": diff["push_ok"],
         "pushes_failed": diff["push_failed"],
@@ -451,10 +460,16 @@ def where_the_time_goes(row: dict) -> str:
     hit = [o["ttft_s"] for o in later if (o["cached_tokens"] or 0) > 0]
     miss = [o["ttft_s"] for o in later if not o["cached_tokens"]]
     p = lambda xs: "-" if not xs else f"{quantile(xs, 0.5) * 1e3:.0f} ms"  # noqa: E731
+    split = row.get("computed_by_instance") or {}
+    total = sum(split.values())
+    shares = (
+        ", ".join(f"{k} {v / total:.0%}" for k, v in split.items()) if total else ""
+    )
     return (
         f"turns >= 2 with a cached prefix: {len(hit)}, TTFT p50 {p(hit)}; without: "
         f"{len(miss)}, p50 {p(miss)}; decisions {int(row['decisions']['pushed'])} "
         f"pushed, {int(row['decisions']['not_worth_it'])} not worth it"
+        + (f"; prefill computed by {shares}" if shares else "")
     )
 
 
@@ -914,6 +929,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"run only these of the selected arms (comma-separated: {', '.join(ARMS)})",
     )
+    ap.add_argument(
+        "--push-policy",
+        choices=("measured", "always"),
+        default=None,
+        help="MOONCAKE_PUSH_POLICY of the push arms (default: the connector's, "
+        "measured; always pushes every held prefix above the minimum, the most "
+        "reuse D's gate would allow)",
+    )
     ap.add_argument("--full", action="store_true")
     ap.add_seed()
     ap.add_out()
@@ -995,7 +1018,12 @@ def main(argv: list[str] | None = None) -> int:
     both = (("a", "kv_both"), ("b", "kv_both"))
     plans = [
         ({}, [a for a in ARMS if a in POLICIES or a == "sticky"], both),
-        ({"MOONCAKE_PUSH_AUTO": "1"}, [a + "+push" for a in POLICIES], both),
+        (
+            {"MOONCAKE_PUSH_AUTO": "1"}
+            | ({"MOONCAKE_PUSH_POLICY": args.push_policy} if args.push_policy else {}),
+            [a + "+push" for a in POLICIES],
+            both,
+        ),
         (
             {"MOONCAKE_LAYERWISE": "1"},  # the mode is chosen per request
             list(PD_MODES) if pd else [],

@@ -10,7 +10,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from microbench.sessions.__main__ import add_reuse, targets, ttft_difference
+from microbench.sessions.__main__ import (
+    PUSH_REASONS,
+    add_reuse,
+    grown,
+    targets,
+    ttft_difference,
+    where_the_time_goes,
+)
 from microbench.sessions.replay import replay
 from microbench.sessions.trace import TraceRequest
 
@@ -33,6 +40,31 @@ def test_reuse_is_cache_hits_and_connector_tokens_against_the_unbounded_cache():
     assert row["computed_tokens"] == 700
     # 600 tokens no cache could have saved; 100 more were computed
     assert row["recomputed_tokens"] == 100
+
+
+def snap(computed: float, hits: float = 0.0) -> dict:
+    return {
+        "tokens": {
+            "local_compute": computed,
+            "local_cache_hit": hits,
+            "external_kv_transfer": 0.0,
+        },
+        "decisions": dict.fromkeys(PUSH_REASONS, 0.0),
+        "push_ok": 0,
+        "push_failed": 0,
+    }
+
+
+def test_each_instances_share_of_the_prefill_is_kept_beside_the_total():
+    before = {"a": snap(100.0), "b": snap(50.0)}
+    after = {"a": snap(400.0, hits=30.0), "b": snap(150.0)}
+    diff = grown(before, after)
+    assert diff["tokens"]["local_compute"] == 400.0
+    assert diff["computed_by_instance"] == {"a": 300.0, "b": 100.0}
+    row = {"outcomes": [], "decisions": diff["decisions"]} | {
+        "computed_by_instance": diff["computed_by_instance"]
+    }
+    assert where_the_time_goes(row).endswith("prefill computed by a 75%, b 25%")
 
 
 def test_the_same_latencies_are_within_the_noise():
