@@ -452,7 +452,9 @@ VARIABLES: dict[str, Variable] = {
         5.0,
         _num(minimum=0.1),
         "5",
-        "D's total wait for C's `/match_blocks`; after it D prefills locally",
+        "D's longest wait for C's `/match_blocks`; once D has timed local prefills "
+        "it waits only as long as the prefill of the blocks the push would bring "
+        "(1 s at least); then D prefills locally",
     ),
     "MOONCAKE_PUSH_TIMEOUT_S": Variable(
         "push_timeout_s",

@@ -64,6 +64,9 @@ MATCH_THREADS_PER_SOURCE = 4
 MAX_REPORTED_SLOTS = 4096
 MAX_REPORTED_BACKLOG = 1 << 40  # tokens
 LOAD_FRESH_S = 2.0  # a source's last reported backlog counts this long after it
+# D waits for a /match_blocks answer at least this long before the local prefill
+# it would save bounds the wait (below it, a busy host's ordinary round trip)
+MATCH_WAIT_FLOOR_S = 1.0
 
 
 class ClockSkewError(RuntimeError):
@@ -215,6 +218,7 @@ class PushScheduler:
             pushed_blocks=0,
             fallback_blocks=0,
             match_failed=0,
+            slow_matches=0,  # given up after the local prefill's time (match_wait_s)
             refused_sources=0,
             refused_clock_skew=0,
             auto_asked=0,
@@ -545,19 +549,43 @@ class PushScheduler:
             return None, False  # asked again next step
         match: _Match | None = None
         if not fut.done():
-            if time.monotonic() - self._times[rid][0] < self.match_timeout_s:
+            waited = time.monotonic() - self._times[rid][0]
+            patience = self.match_wait_s(rid, request, num_computed_tokens)
+            if waited < patience:
                 return None, False
             # the query's own deadline ends it (common/peer_client.py); stop waiting for it now
             fut.cancel()
-            logger.warning(
-                "Prefix push for %s: %s/match_blocks did not answer within %.1f s; "
-                "prefilling locally",
-                rid,
-                source,
-                self.match_timeout_s,
-            )
-            self.stats.add(match_failed=1)
-            self._decide(rid, Decision.FELL_BACK)
+            if patience < self.match_timeout_s:
+                # a busy source answers late (its one core computing): by now the
+                # local prefill would have ended, so waiting on cannot pay; the
+                # wait counts as its round trip, so the next requests are judged
+                # with it before they ask
+                self.cost.observe_round_trip(SourceLanes.key(source), waited)
+                self.stats.add(slow_matches=1)
+                self._decide(rid, Decision.NOT_WORTH_IT)
+                logger.debug(
+                    "Prefix push for %s: %s/match_blocks not answered after %.0f ms, "
+                    "the local prefill's time; prefilling locally",
+                    rid,
+                    source,
+                    1e3 * waited,
+                )
+                # no answer is no miss of its feed; asked again, it prefills
+                self._ended.add(rid)
+                for table in (self._matches, self._times, self._auto):
+                    table.pop(rid, None)
+                self.claims.drop(rid)
+                return 0, False
+            else:
+                logger.warning(
+                    "Prefix push for %s: %s/match_blocks did not answer within %.1f "
+                    "s; prefilling locally",
+                    rid,
+                    source,
+                    self.match_timeout_s,
+                )
+                self.stats.add(match_failed=1)
+                self._decide(rid, Decision.FELL_BACK)
         else:
             match = self._match_result(fut, rid, source)
             if match is not None:
@@ -593,6 +621,27 @@ class PushScheduler:
             )
         self._planned[rid] = (source, first, n, match)
         return n * self.block_size, True
+
+    def match_wait_s(
+        self, rid: str, request: Request, num_computed_tokens: int
+    ) -> float:
+        """How long D waits for a source's /match_blocks answer: the push saves at
+        most the local prefill of the blocks it could bring, so D waits that long
+        (MATCH_WAIT_FLOOR_S at least) and then prefills (at most twice the better
+        choice's time, as in ski rental); MOONCAKE_PUSH_MATCH_TIMEOUT_S at most, and
+        unmeasured."""
+        held = self._auto.get(rid)
+        first = num_computed_tokens // self.block_size
+        blocks = (
+            held.blocks
+            if held is not None
+            else len(request.prompt_token_ids or []) // self.block_size
+        ) - first
+        queued = self.own_queue(rid) if self.own_queue is not None else 0
+        local = self.cost.local_cost_s(max(0, blocks) * self.block_size, queued)
+        if local is None:
+            return self.match_timeout_s
+        return min(self.match_timeout_s, max(MATCH_WAIT_FLOOR_S, local))
 
     # ---- coalescing ------------------------------------------------------------------
     def _fetching(self, rid: str) -> bool:

@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing 
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
     decode_cost,
+    decode_scheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     FAILURES_TO_DEMOTE,
@@ -470,4 +471,72 @@ def test_an_unanswered_match_is_not_a_push_failure():
     for i in range(2 * FAILURES_TO_DEMOTE):
         assert ask(s, request(f"r{i}")) == (0, False)
     assert not s.cost.failing(SRC)
+    s.shutdown()
+
+
+# ---- a source that answers its match late ----------------------------------------------
+
+
+class HangingMatch:
+    """SRC's /match_blocks that answers only when released (a busy source)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.answer = MatchStub(4)
+
+    def __call__(self, source, path, content, headers, deadline):
+        self.release.wait(10)
+        return self.answer(source, path, content, headers, deadline)
+
+
+@pytest.mark.parametrize("mode", ["named", "auto"])
+def test_a_match_slower_than_the_local_prefill_it_would_save_is_given_up(
+    mode, monkeypatch
+):
+    """D has timed its local prefills (50 ms for these 4 blocks); C's match does
+    not answer. Within MOONCAKE_PUSH_MATCH_TIMEOUT_S (5 s) D stops waiting once
+    the wait passes the local prefill (here the floor, shortened to 0.1 s),
+    prefills locally (not worth it), and the wait counts as one of C's round
+    trips, which the next requests are judged with."""
+    monkeypatch.setattr(decode_scheduler, "MATCH_WAIT_FLOOR_S", 0.1, raising=False)
+    clock = Clock()
+    config = ExtConfig(push_min_tokens=0, push_match_timeout_s=5, push_sources=(SRC,))
+    s = PushScheduler(BS, config, SCHED_FP, clock=clock)
+    if mode == "auto":
+        s.index = HolderIndex([SRC], BS)
+        s.index.apply(SRC, held_page(4))
+    s._lanes.post = hanging = HangingMatch()
+    s.cost.observe_prefill(4 * BS, 0.05)
+    s.cost.observe_round_trip(SRC, 0.01)
+    s.cost.observe_push(SRC, 4, 0.02)
+    expected = s.cost.transfer_s(SRC, 4)
+    r = request("slow", mode)
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # asked
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # waits
+    time.sleep(0.15)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert {k: v for k, v in s.decisions.items() if v} == {"not_worth_it": 1}
+    assert s.stats["slow_matches"] == 1 and s.stats["match_failed"] == 0
+    hanging.release.set()  # its late answer changes nothing
+    time.sleep(0.05)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    # the wait (at least 0.1 s) is one more of C's round trips
+    assert s.cost.transfer_s(SRC, 4) >= expected + decode_cost.ALPHA * (0.1 - 0.01)
+    s.shutdown()
+
+
+def test_a_match_within_the_local_prefills_time_is_waited_for():
+    """The same, C answering after 0.05 s: D waits and pushes."""
+    clock = Clock()
+    config = ExtConfig(push_min_tokens=0, push_match_timeout_s=5, push_sources=(SRC,))
+    s = PushScheduler(BS, config, SCHED_FP, clock=clock)
+    s._lanes.post = hanging = HangingMatch()
+    s.cost.observe_prefill(4 * BS, 0.05)
+    r = request("quick")
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    time.sleep(0.05)
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    hanging.release.set()
+    assert ask(s, r) == (4 * BS, True)
+    assert s.stats["slow_matches"] == 0
     s.shutdown()

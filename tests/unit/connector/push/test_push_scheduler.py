@@ -151,6 +151,7 @@ def test_blocks_that_did_not_land_are_prefilled_locally():
         "pushed_blocks": 1,
         "fallback_blocks": 3,
         "match_failed": 0,
+        "slow_matches": 0,
         "refused_sources": 0,
         "refused_clock_skew": 0,
         "auto_asked": 0,
