@@ -206,14 +206,19 @@ def test_abort_mid_transfer_frees_blocks_on_both_sides(cluster):
 
     def post_and_drop(url, b):
         try:
-            httpx.post(url + "/v1/completions", json=b, timeout=patience)
+            r = httpx.post(url + "/v1/completions", json=b, timeout=patience)
         except httpx.TimeoutException:
             return "dropped"
-        return "finished"
+        return "finished" if r.is_success else "error"
 
     with cf.ThreadPoolExecutor(2) as pool:
         outcomes = list(pool.map(post_and_drop, [p.url, d.url], [p_body, d_body]))
-    assert outcomes == ["dropped", "dropped"], (outcomes, f"patience {patience:.2f} s")
+    # D's client gives up as P's does, unless P's abort reaches D first: then D
+    # ends the request itself, with an error (its pull failed); never an answer
+    assert outcomes[0] == "dropped" and outcomes[1] in ("dropped", "error"), (
+        outcomes,
+        f"patience {patience:.2f} s",
+    )
     usage = wait_no_blocks_in_use(p.url, d.url, timeout=120)
     assert usage == (0.0, 0.0), (
         f"KV blocks still allocated after abort (P, D usage): {usage}"
