@@ -32,6 +32,9 @@ FAILURES_TO_DEMOTE = 3  # pushes in a row that landed nothing: the source is fai
 BUDGET_FACTOR = 4.0  # a push's budget: its expected transfer times this,
 BUDGET_FLOOR_S = 5.0  # plus one round trip and this
 MAX_QUEUED = 16  # requests behind a local prefill that its cost counts, at most
+# D waits for a /match_blocks answer at least this long before the local prefill
+# it would save bounds the wait (below it, a busy host's ordinary round trip)
+MATCH_WAIT_FLOOR_S = 1.0
 
 
 class Decision(str, Enum):
@@ -252,6 +255,17 @@ class PushCostModel:
         if prefill is None:
             return None
         return prefill * (1 + max(0, min(queued, MAX_QUEUED)))
+
+    def match_wait_s(self, tokens: int, cap: float, queued: int = 0) -> float:
+        """How long D waits for a source's /match_blocks answer for a push of
+        ``tokens``: the push saves at most their local prefill, so D waits that
+        long (MATCH_WAIT_FLOOR_S at least) and then prefills, at most twice the
+        better choice's time (as in ski rental); at most ``cap``
+        (MOONCAKE_PUSH_MATCH_TIMEOUT_S), which is also the unmeasured wait."""
+        local = self.local_cost_s(max(0, tokens), queued)
+        if local is None:
+            return cap
+        return min(cap, max(MATCH_WAIT_FLOOR_S, local))
 
     def budget_s(
         self, source: str, blocks: int, cap: float, load: SourceLoad = IDLE

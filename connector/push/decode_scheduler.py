@@ -64,9 +64,6 @@ MATCH_THREADS_PER_SOURCE = 4
 MAX_REPORTED_SLOTS = 4096
 MAX_REPORTED_BACKLOG = 1 << 40  # tokens
 LOAD_FRESH_S = 2.0  # a source's last reported backlog counts this long after it
-# D waits for a /match_blocks answer at least this long before the local prefill
-# it would save bounds the wait (below it, a busy host's ordinary round trip)
-MATCH_WAIT_FLOOR_S = 1.0
 
 
 class ClockSkewError(RuntimeError):
@@ -547,10 +544,17 @@ class PushScheduler:
                 return 0, False
             self._times[rid] = (asked, 0.0)
             return None, False  # asked again next step
+        full_blocks = len(request.prompt_token_ids or []) // self.block_size
         match: _Match | None = None
         if not fut.done():
             waited = time.monotonic() - self._times[rid][0]
-            patience = self.match_wait_s(rid, request, num_computed_tokens)
+            held = self._auto.get(rid)
+            blocks = held.blocks if held is not None else full_blocks
+            patience = self.cost.match_wait_s(
+                (blocks - num_computed_tokens // self.block_size) * self.block_size,
+                self.match_timeout_s,
+                self._queued(rid),
+            )
             if waited < patience:
                 return None, False
             # the query's own deadline ends it (common/peer_client.py); stop waiting for it now
@@ -559,7 +563,8 @@ class PushScheduler:
                 # a busy source answers late (its one core computing): by now the
                 # local prefill would have ended, so waiting on cannot pay; the
                 # wait counts as its round trip, so the next requests are judged
-                # with it before they ask
+                # with it before they ask. No answer is no miss of its feed, so
+                # the request's push ends here: asked again, it prefills
                 self.cost.observe_round_trip(SourceLanes.key(source), waited)
                 self.stats.add(slow_matches=1)
                 self._decide(rid, Decision.NOT_WORTH_IT)
@@ -570,22 +575,20 @@ class PushScheduler:
                     source,
                     1e3 * waited,
                 )
-                # no answer is no miss of its feed; asked again, it prefills
                 self._ended.add(rid)
-                for table in (self._matches, self._times, self._auto):
-                    table.pop(rid, None)
+                self._matches.pop(rid, None)
+                self._times.pop(rid, None)
                 self.claims.drop(rid)
                 return 0, False
-            else:
-                logger.warning(
-                    "Prefix push for %s: %s/match_blocks did not answer within %.1f "
-                    "s; prefilling locally",
-                    rid,
-                    source,
-                    self.match_timeout_s,
-                )
-                self.stats.add(match_failed=1)
-                self._decide(rid, Decision.FELL_BACK)
+            logger.warning(
+                "Prefix push for %s: %s/match_blocks did not answer within %.1f s; "
+                "prefilling locally",
+                rid,
+                source,
+                self.match_timeout_s,
+            )
+            self.stats.add(match_failed=1)
+            self._decide(rid, Decision.FELL_BACK)
         else:
             match = self._match_result(fut, rid, source)
             if match is not None:
@@ -602,7 +605,6 @@ class PushScheduler:
                 f"its feed advertised {held.blocks} blocks of a prompt, /match_blocks "
                 f"{'failed' if match is None else f'found {match.blocks}'}",
             )
-        full_blocks = len(request.prompt_token_ids or []) // self.block_size
         # never more than the prompt holds
         matched = max(0, min(match.blocks, full_blocks)) if match is not None else 0
         asked = self._times.get(rid, (time.monotonic(), 0.0))[0]
@@ -621,27 +623,6 @@ class PushScheduler:
             )
         self._planned[rid] = (source, first, n, match)
         return n * self.block_size, True
-
-    def match_wait_s(
-        self, rid: str, request: Request, num_computed_tokens: int
-    ) -> float:
-        """How long D waits for a source's /match_blocks answer: the push saves at
-        most the local prefill of the blocks it could bring, so D waits that long
-        (MATCH_WAIT_FLOOR_S at least) and then prefills (at most twice the better
-        choice's time, as in ski rental); MOONCAKE_PUSH_MATCH_TIMEOUT_S at most, and
-        unmeasured."""
-        held = self._auto.get(rid)
-        first = num_computed_tokens // self.block_size
-        blocks = (
-            held.blocks
-            if held is not None
-            else len(request.prompt_token_ids or []) // self.block_size
-        ) - first
-        queued = self.own_queue(rid) if self.own_queue is not None else 0
-        local = self.cost.local_cost_s(max(0, blocks) * self.block_size, queued)
-        if local is None:
-            return self.match_timeout_s
-        return min(self.match_timeout_s, max(MATCH_WAIT_FLOOR_S, local))
 
     # ---- coalescing ------------------------------------------------------------------
     def _fetching(self, rid: str) -> bool:
@@ -750,13 +731,17 @@ class PushScheduler:
             backlog_tokens=reported.backlog_tokens if fresh else 0,
         )
 
+    def _queued(self, rid: str) -> int:
+        """D's requests a local prefill of ``rid`` would delay."""
+        return self.own_queue(rid) if self.own_queue is not None else 0
+
     def pays(self, rid: str, source: str, blocks: int) -> bool:
         """Whether pushing ``blocks`` from ``source`` is expected to beat prefilling
         them here (counts the reason when not). A request is judged once; after
         that only the minimum and the source's reported load apply."""
         judge, key = rid not in self._granted, SourceLanes.key(source)
         load = self.load_of(key)
-        queued = self.own_queue(rid) if self.own_queue is not None else 0
+        queued = self._queued(rid)
         est = self.cost.decide(key, blocks, self.block_size, judge, load, queued)
         if est.decision is None:
             self._granted.add(rid)

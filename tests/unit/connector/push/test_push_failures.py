@@ -48,7 +48,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.hashsync.hashing 
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push import (
     decode_cost,
-    decode_scheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     FAILURES_TO_DEMOTE,
@@ -498,7 +497,7 @@ def test_a_match_slower_than_the_local_prefill_it_would_save_is_given_up(
     the wait passes the local prefill (here the floor, shortened to 0.1 s),
     prefills locally (not worth it), and the wait counts as one of C's round
     trips, which the next requests are judged with."""
-    monkeypatch.setattr(decode_scheduler, "MATCH_WAIT_FLOOR_S", 0.1, raising=False)
+    monkeypatch.setattr(decode_cost, "MATCH_WAIT_FLOOR_S", 0.1, raising=False)
     clock = Clock()
     config = ExtConfig(push_min_tokens=0, push_match_timeout_s=5, push_sources=(SRC,))
     s = PushScheduler(BS, config, SCHED_FP, clock=clock)
