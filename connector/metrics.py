@@ -137,7 +137,8 @@ def exposition(
             "them: pushed (every block landed), no_holder, below_minimum "
             "(MOONCAKE_PUSH_MIN_TOKENS), not_worth_it (expected transfer >= expected "
             "local prefill, failed pushes counted at their cost, or the source's last "
-            "pushes landed nothing), refused (by the source, busy or every slot taken, "
+            "pushes landed nothing), slow_match (the source's match answered later than "
+            "the local prefill would take), refused (by the source, busy or every slot taken, "
             "or of the source), "
             "fell_back (the match failed or fewer blocks landed: prefilled locally), "
             "coalesced (waited for another request's push of its prefix).",

@@ -46,6 +46,8 @@ class Decision(str, Enum):
     BELOW_MINIMUM = "below_minimum"  # fewer tokens than MOONCAKE_PUSH_MIN_TOKENS
     # expected transfer >= expected local prefill, or the source is failing
     NOT_WORTH_IT = "not_worth_it"
+    # the source's /match_blocks answer was later than the local prefill it would save
+    SLOW_MATCH = "slow_match"
     # the source refused or was busy (or said every slot was taken), or D refused it
     REFUSED = "refused"
     FELL_BACK = "fell_back"  # match failed, or fewer blocks landed: local prefill

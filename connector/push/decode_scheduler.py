@@ -154,7 +154,7 @@ class _Inflight:
     first_block: int
     n_blocks: int
     asked: float  # first get_num_new_matched_tokens
-    matched: float  # /match_blocks answered
+    matched: float  # /match_blocks answered, as the scheduler saw it
     allocated: float = field(default_factory=time.monotonic)
     finished: bool = False  # request_finished while the push was in flight
     auto: bool = False  # the source was picked from the index
@@ -166,6 +166,7 @@ class _Inflight:
     # reference of this scheduler's) until the push ended
     released: bool = False
     load: SourceLoad = IDLE  # its source's when it was granted (decode_cost.py)
+    answer_s: float = 0.0  # the /match_blocks call's own time (_Match.round_trip_s)
 
 
 class PushScheduler:
@@ -567,7 +568,7 @@ class PushScheduler:
                 # the request's push ends here: asked again, it prefills
                 self.cost.observe_round_trip(SourceLanes.key(source), waited)
                 self.stats.add(slow_matches=1)
-                self._decide(rid, Decision.NOT_WORTH_IT)
+                self._decide(rid, Decision.SLOW_MATCH)
                 logger.debug(
                     "Prefix push for %s: %s/match_blocks not answered after %.0f ms, "
                     "the local prefill's time; prefilling locally",
@@ -860,6 +861,7 @@ class PushScheduler:
             budget_s=budget,
             blocks=pushed_into,
             load=load,
+            answer_s=match.round_trip_s,
         )
         self._jobs.append(
             PushJob(
@@ -1023,13 +1025,18 @@ class PushScheduler:
             if inf.finished:
                 self._decided.discard(rid)
             logger.info(
-                "Prefix push for %s from %s: %d/%d blocks; match %.0f ms, scheduled "
-                "after %.0f ms, push %.0f ms (expected %s, their local prefill %s)",
+                # NOTE: the match as seen against the source's answer: the rest is
+                # D's own steps (a request waiting for its match is polled only
+                # when a step's token budget reaches it)
+                "Prefix push for %s from %s: %d/%d blocks; match %.0f ms (the "
+                "source's answer %.0f ms), scheduled after %.0f ms, push %.0f ms "
+                "(expected %s, their local prefill %s)",
                 rid,
                 inf.source,
                 landed,
                 inf.n_blocks,
                 1e3 * (inf.matched - inf.asked),
+                1e3 * inf.answer_s,
                 1e3 * (inf.allocated - inf.matched),
                 1e3 * (now - inf.allocated),
                 "unmeasured" if expected is None else f"{1e3 * expected:.0f} ms",

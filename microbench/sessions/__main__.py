@@ -468,7 +468,8 @@ def where_the_time_goes(row: dict) -> str:
     return (
         f"turns >= 2 with a cached prefix: {len(hit)}, TTFT p50 {p(hit)}; without: "
         f"{len(miss)}, p50 {p(miss)}; decisions {int(row['decisions']['pushed'])} "
-        f"pushed, {int(row['decisions']['not_worth_it'])} not worth it"
+        f"pushed, {int(row['decisions']['not_worth_it'])} not worth it, "
+        f"{int(row['decisions'].get('slow_match', 0))} source's match too slow"
         + (f"; prefill computed by {shares}" if shares else "")
     )
 
@@ -937,6 +938,16 @@ def main(argv: list[str] | None = None) -> int:
         "measured; always pushes every held prefix above the minimum, the most "
         "reuse D's gate would allow)",
     )
+    ap.add_argument(
+        "--long-prefill-tokens",
+        type=int,
+        default=0,
+        help="vLLM's --long-prefill-token-threshold on every instance (default 0: "
+        "vLLM's own): a prompt's prefill takes at most this many of a step's token "
+        "budget (2048 on the CPU backend), so a request that waited for its pushed "
+        "blocks or its source's match is not held back until the prefills that "
+        "started meanwhile end",
+    )
     ap.add_argument("--full", action="store_true")
     ap.add_seed()
     ap.add_out()
@@ -1002,6 +1013,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype=facts["dtype"],
     )
     common_args = ["--enable-prompt-tokens-details"]
+    if args.long_prefill_tokens:
+        common_args += ["--long-prefill-token-threshold", str(args.long_prefill_tokens)]
     warm = PromptSource(facts["vocab_size"], seed=10_000 + args.seed)
     version = selected().version
     asked = args.kv_aware or args.full
