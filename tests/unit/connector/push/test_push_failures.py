@@ -524,6 +524,54 @@ def test_a_match_slower_than_the_local_prefill_it_would_save_is_given_up(
     s.shutdown()
 
 
+def a_step_of(s: PushScheduler, clock: Clock, seconds: float) -> None:
+    """D's scheduler builds a step's metadata, ``seconds`` after the last."""
+    s.take_jobs()
+    clock.now += seconds
+    s.take_jobs()
+
+
+def test_a_match_answered_within_the_step_is_used_in_the_step_that_asked():
+    """D's last step took 1 s. C answers at once: D waits for it inline (at most
+    50 ms a step) and the request is pushed in the step that asked, not when a
+    later step's token budget reaches it again."""
+    clock = Clock()
+    config = ExtConfig(push_min_tokens=0, push_match_timeout_s=5, push_sources=(SRC,))
+    s = PushScheduler(BS, config, SCHED_FP, clock=clock)
+    s._lanes.post = MatchStub(4)
+    a_step_of(s, clock, 1.0)
+    assert s.get_num_new_matched_tokens(request("inline"), 0) == (4 * BS, True)
+    s.shutdown()
+
+
+def test_the_inline_wait_is_bounded_by_the_step_and_spent_once_a_step():
+    """C does not answer. After a step of 0.1 s D waits at most a quarter of it
+    (25 ms) in a step, whatever the number of requests asking (prompts of their
+    own: one prefix's requests wait for the first's push); the next step waits
+    again; a D that measured no step yet does not wait."""
+    clock = Clock()
+    config = ExtConfig(push_min_tokens=0, push_match_timeout_s=5, push_sources=(SRC,))
+    s = PushScheduler(BS, config, SCHED_FP, clock=clock)
+    s._lanes.post = hanging = HangingMatch()
+    started = time.monotonic()
+    assert s.get_num_new_matched_tokens(request("unmeasured"), 0) == (None, False)
+    assert time.monotonic() - started < 0.02
+    a_step_of(s, clock, 0.1)
+    started = time.monotonic()
+    for i in range(3):
+        r = d_request(f"r{i}", source=SRC, tokens=[i] + PROMPT[1:])
+        assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    spent = time.monotonic() - started
+    assert 0.02 <= spent < 0.1, spent
+    a_step_of(s, clock, 0.1)
+    started = time.monotonic()
+    r = d_request("next", source=SRC, tokens=[9] + PROMPT[1:])
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert time.monotonic() - started >= 0.02
+    hanging.release.set()
+    s.shutdown()
+
+
 def test_a_match_within_the_local_prefills_time_is_waited_for():
     """The same, C answering after 0.05 s: D waits and pushes."""
     clock = Clock()

@@ -82,7 +82,9 @@ def matched(sched, r, local_tokens=0, answer=4, load=None):
         )
 
     sched._lanes.post = post
-    assert sched.get_num_new_matched_tokens(r, local_tokens) == (None, False)
+    first = sched.get_num_new_matched_tokens(r, local_tokens)
+    if first != (None, False):  # answered within the step's inline wait
+        return first
     deadline = time.monotonic() + 5
     while not sched._matches[r.request_id].done() and time.monotonic() < deadline:
         time.sleep(0.01)
