@@ -118,7 +118,7 @@ class SchedulerExtension:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.push.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.push.matched_or_held(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

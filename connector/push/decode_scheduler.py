@@ -68,6 +68,9 @@ LOAD_FRESH_S = 2.0  # a source's last reported backlog counts this long after it
 # most this share of its last step (a GPU's step of 30 ms: 7.5 ms)
 MATCH_INLINE_MAX_S = 0.05
 MATCH_INLINE_STEP_SHARE = 0.25
+# A local prefill behind a push in flight waits for its landing at most this long,
+# and at most the local prefill the push saves (PushScheduler.held_back)
+LANDING_HOLD_MAX_S = 2.0
 
 
 class ClockSkewError(RuntimeError):
@@ -171,6 +174,7 @@ class _Inflight:
     released: bool = False
     load: SourceLoad = IDLE  # its source's when it was granted (decode_cost.py)
     answer_s: float = 0.0  # the /match_blocks call's own time (_Match.round_trip_s)
+    hold_s: float = 0.0  # local prefills behind it wait this long at most (held_back)
 
 
 class PushScheduler:
@@ -235,6 +239,7 @@ class PushScheduler:
             released_pushes=0,  # past their budget: prefilled in other blocks
             coalesced=0,  # requests that waited for another's push of their prefix
             source_full=0,  # not asked to push: every slot of the source taken
+            held_for_landing=0,  # local prefills that waited for a push ahead of them
         )
 
         # every request this instance considered for a push, once, by what became
@@ -256,6 +261,8 @@ class PushScheduler:
         # push, since when (decode_coalesce.py)
         self.claims = PrefixClaims(block_size)
         self._coalescing: dict[str, float] = {}
+        # req id -> since when its local prefill waits for pushes ahead (held_back)
+        self._held: dict[str, float] = {}
         self.cost = PushCostModel(
             config.push_min_tokens, clock, always=config.push_policy == "always"
         )
@@ -871,6 +878,7 @@ class PushScheduler:
             blocks=pushed_into,
             load=load,
             answer_s=match.round_trip_s,
+            hold_s=self._landing_hold_s(n, budget),
         )
         self._jobs.append(
             PushJob(
@@ -891,6 +899,48 @@ class PushScheduler:
             )
         )
         self.stats.add(requests=1)
+
+    def _landing_hold_s(self, blocks: int, budget_s: float) -> float:
+        """How long local prefills behind a push of ``blocks`` wait for it: at
+        most the local prefill it saves (unmeasured: LANDING_HOLD_MAX_S)."""
+        saves = self.cost.prefill_s(blocks * self.block_size)
+        return min(budget_s, LANDING_HOLD_MAX_S, saves or LANDING_HOLD_MAX_S)
+
+    def matched_or_held(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """get_num_new_matched_tokens, but a local prefill held back (held_back)
+        is ``None`` (asked again next step, where only the hold is looked at)."""
+        if request.request_id not in self._held:
+            matched = self.get_num_new_matched_tokens(request, num_computed_tokens)
+            if matched != (0, False):
+                return matched
+        return (None, False) if self.held_back(request) else (0, False)
+
+    def held_back(self, request: Request) -> bool:
+        """Whether ``request``, about to start a local prefill, waits (vLLM asks
+        again next step) for a push allocated before it was first held to land.
+        A push's request waits for its blocks outside vLLM's queue; a prefill
+        started behind it takes the step's token budget ahead of it once it
+        landed, until that prefill ends (on a loaded CPU host: seconds behind a
+        push of tens of milliseconds). Bounded: by each push's hold_s."""
+        rid = request.request_id
+        if rid in self._inflight:
+            return False
+        now = self._clock()
+        first = rid not in self._held
+        since = self._held.setdefault(rid, now)
+        ahead = any(
+            inf.allocated <= since
+            and now - inf.allocated < inf.hold_s
+            and not (inf.released or inf.late or inf.finished)
+            for inf in self._inflight.values()
+        )
+        if not ahead:
+            self._held.pop(rid, None)
+        elif first:
+            self.stats.add(held_for_landing=1)
+        return ahead
 
     def _answered_inline(self, fut: Future) -> bool:
         """Whether a match just asked for is answered within this step's inline
@@ -1104,6 +1154,7 @@ class PushScheduler:
         self._decided.discard(rid)
         self._granted.discard(rid)
         self._coalescing.pop(rid, None)
+        self._held.pop(rid, None)
         self._due.discard(rid)
         self.claims.drop(rid)
         fut = self._matches.pop(rid, None)

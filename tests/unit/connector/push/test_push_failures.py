@@ -67,6 +67,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_sched
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.protocol import (
     PushOutcome,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.scheduler_extension import (
+    SchedulerExtension,
+)
 
 SRC = "http://c:9000"
 
@@ -586,4 +589,78 @@ def test_a_match_within_the_local_prefills_time_is_waited_for():
     hanging.release.set()
     assert ask(s, r) == (4 * BS, True)
     assert s.stats["slow_matches"] == 0
+    s.shutdown()
+
+
+# ---- a local prefill behind a push in flight ------------------------------------------
+
+
+def extension_of(s: PushScheduler) -> SchedulerExtension:
+    """The scheduler process's extension around ``s`` (what vLLM's scheduler asks)."""
+    ext = object.__new__(SchedulerExtension)
+    ext.push = s
+    return ext
+
+
+def pushing(s: PushScheduler, stub: MatchStub, rid: str, first_token: int):
+    """A request of its own prompt that C holds 4 blocks of, pushed and in flight."""
+    stub.blocks = 4
+    r = d_request(rid, source=SRC, tokens=[first_token] + PROMPT[1:])
+    assert ask(s, r) == (4 * BS, True)
+    s.update_state_after_alloc(r, Blocks([10, 11, 12, 13, 14]), 4 * BS)
+    s.take_jobs()
+    return r
+
+
+def local(s: PushScheduler, stub: MatchStub, rid: str, first_token: int):
+    """A request C holds nothing of: a local prefill, once its match is in."""
+    stub.blocks = 0
+    r = d_request(rid, source=SRC, tokens=[first_token] + PROMPT[1:])
+    s.get_num_new_matched_tokens(r, 0)
+    s._matches[rid].result(timeout=10)
+    return r
+
+
+def test_a_local_prefill_behind_a_push_in_flight_starts_once_the_push_landed():
+    """vLLM's scheduler skips a request whose push is in flight and starts the
+    prefills behind it; once the push landed, those prefills take the step's
+    token budget first, until they end. So a local prefill asked for after a
+    push was allocated waits (asked again next step, without asking C again)
+    until the push landed; a push allocated after it was held does not hold it."""
+    clock = Clock()
+    config = ExtConfig(push_min_tokens=0, push_match_timeout_s=5, push_sources=(SRC,))
+    s = PushScheduler(BS, config, SCHED_FP, clock=clock)
+    s._lanes.post = stub = MatchStub(4)
+    ext = extension_of(s)
+    ahead = pushing(s, stub, "ahead", 1)
+    behind = local(s, stub, "behind", 2)
+    asked = len(stub.calls)
+    for _ in range(3):
+        assert ext.get_num_new_matched_tokens(behind, 0) == (None, False)
+        clock.now += 0.1
+    assert len(stub.calls) == asked and s.stats["held_for_landing"] == 1
+    later = pushing(s, stub, "later", 3)  # behind it: it does not hold it
+    s.on_worker_meta(PushOutcome({ahead.request_id: 4}))
+    assert ext.get_num_new_matched_tokens(behind, 0) == (0, False)
+    assert s.decisions["no_holder"] == 1 and s.decisions["pushed"] == 1
+    assert later.request_id in s._inflight
+    s.shutdown()
+
+
+def test_a_local_prefill_waits_for_a_push_ahead_at_most_the_prefill_it_saves():
+    """The push ahead does not land: the local prefill behind it waits at most the
+    local prefill of the pushed tokens (D measured 0.3 s), then starts."""
+    clock = Clock()
+    config = ExtConfig(push_min_tokens=0, push_match_timeout_s=5, push_sources=(SRC,))
+    s = PushScheduler(BS, config, SCHED_FP, clock=clock)
+    s.cost.observe_prefill(4 * BS, 0.3)
+    s._lanes.post = stub = MatchStub(4)
+    ext = extension_of(s)
+    pushing(s, stub, "ahead", 1)
+    behind = local(s, stub, "behind", 2)
+    assert ext.get_num_new_matched_tokens(behind, 0) == (None, False)
+    clock.now += 0.29
+    assert ext.get_num_new_matched_tokens(behind, 0) == (None, False)
+    clock.now += 0.02
+    assert ext.get_num_new_matched_tokens(behind, 0) == (0, False)
     s.shutdown()

@@ -165,6 +165,7 @@ def test_blocks_that_did_not_land_are_prefilled_locally():
         "released_pushes": 0,
         "coalesced": 0,
         "source_full": 0,
+        "held_for_landing": 0,
     }
 
 
