@@ -7,8 +7,10 @@ average per block (kept apart for a source that was prefilling or not, and per
 push alone: pushes in flight share the link), and the tail it adds: the worker's
 report to the first token, less the local prefill of the request's own tokens
 (the suffix after the pushed prefix, which a local prefill computes too). A local
-prefill: per token, in power-of-two length buckets, weighted by the requests of
-D's own it would delay (MAX_QUEUED at most).
+prefill: a fresh prefill's time per token, in power-of-two length buckets; tokens
+after a cached prefix cost the difference of two fresh prefills (they attend to
+the prefix), at least their own fresh prefill; weighted by the requests of D's
+own it would delay (MAX_QUEUED at most).
 Unmeasured, a push goes ahead; below MOONCAKE_PUSH_MIN_TOKENS or to a full
 source, never. A source whose last FAILURES_TO_DEMOTE pushes landed nothing is
 failing, whatever the policy, until one probe PROBE_AFTER_S later. Sources are
@@ -207,22 +209,37 @@ class PushCostModel:
             (source, not load.prefilling)
         )
 
-    def observe_tail(self, seconds: float, own_tokens: int = 0) -> None:
+    def observe_tail(
+        self, seconds: float, own_tokens: int = 0, held_tokens: int = 0
+    ) -> None:
         """A landed push: ``seconds`` from the worker's report to the first token,
-        in which the request computed ``own_tokens`` beyond what it held."""
+        in which the request computed ``own_tokens`` beyond the ``held_tokens``
+        it held."""
         if seconds < 0:
             return
         # NOTE: its own tokens, and the steps it shared doing so, a local prefill
-        # computes as well: the tail is what the push added (the step boundary)
-        own = self.prefill_s(own_tokens) if own_tokens > 0 else None
+        # computes as well: the tail is what the push added (the step boundary).
+        # They attend to the held ones: timed as a fresh prefill of their own
+        # length, a turn of 7.5k tokens after 7.5k held read 1.4 s more tail on
+        # the CPU backend's test model than there was, and its pushes not worth it
+        own = self.span_s(held_tokens, own_tokens) if own_tokens > 0 else None
         self._tail.add(max(0.0, seconds - (own or 0.0)), self._clock())
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A local prefill of ``tokens`` that took ``seconds`` to its first token."""
+    def observe_prefill(self, tokens: int, seconds: float, start: int = 0) -> None:
+        """A local prefill of ``tokens`` after ``start`` cached ones that took
+        ``seconds`` to its first token."""
         if tokens <= 0 or seconds <= 0:
             return
-        self._per_token.setdefault(bucket(tokens), _Average()).add(
-            seconds / tokens, self._clock()
+        before = self.prefill_s(start) if start > 0 else 0.0
+        if before is None:  # nothing to tell the cached prefix's part by
+            self._per_token.setdefault(bucket(tokens), _Average()).add(
+                seconds / tokens, self._clock()
+            )
+            return
+        # a fresh prefill of start + tokens: the cached part's and this one's
+        end = start + tokens
+        self._per_token.setdefault(bucket(end), _Average()).add(
+            (seconds + before) / end, self._clock()
         )
 
     # ---- estimates ---------------------------------------------------------------
@@ -250,21 +267,37 @@ class PushCostModel:
         nearest = min(self._per_token, key=lambda b: (abs(b - want), -b))
         return tokens * self._per_token[nearest].value
 
-    def local_cost_s(self, tokens: int, queued: int = 0) -> float | None:
-        """A local prefill's time, once for itself and once for each of ``queued``
-        requests it delays (steps are shared; a push's write is not)."""
-        prefill = self.prefill_s(tokens)
+    def span_s(self, start: int, tokens: int) -> float | None:
+        """``tokens`` computed after ``start`` cached ones: what a fresh prefill of
+        all of them takes more than one of the cached ones, at least a fresh
+        prefill of their own length."""
+        own = self.prefill_s(tokens)
+        if own is None or start <= 0:
+            return own
+        end, before = self.prefill_s(start + tokens), self.prefill_s(start)
+        assert end is not None and before is not None  # measured: own is
+        return max(own, end - before)
+
+    def local_cost_s(
+        self, tokens: int, queued: int = 0, start: int = 0
+    ) -> float | None:
+        """A local prefill's time (of ``tokens`` after ``start`` cached ones), once
+        for itself and once for each of ``queued`` requests it delays (steps are
+        shared; a push's write is not)."""
+        prefill = self.span_s(start, tokens)
         if prefill is None:
             return None
         return prefill * (1 + max(0, min(queued, MAX_QUEUED)))
 
-    def match_wait_s(self, tokens: int, cap: float, queued: int = 0) -> float:
+    def match_wait_s(
+        self, tokens: int, cap: float, queued: int = 0, start: int = 0
+    ) -> float:
         """How long D waits for a source's /match_blocks answer for a push of
         ``tokens``: the push saves at most their local prefill, so D waits that
         long (MATCH_WAIT_FLOOR_S at least) and then prefills, at most twice the
         better choice's time (as in ski rental); at most ``cap``
         (MOONCAKE_PUSH_MATCH_TIMEOUT_S), which is also the unmeasured wait."""
-        local = self.local_cost_s(max(0, tokens), queued)
+        local = self.local_cost_s(max(0, tokens), queued, start)
         if local is None:
             return cap
         return min(cap, max(MATCH_WAIT_FLOOR_S, local))
@@ -288,10 +321,12 @@ class PushCostModel:
         judge: bool = True,
         load: SourceLoad = IDLE,
         queued: int = 0,
+        start: int = 0,
     ) -> Estimate:
-        """Whether to push ``blocks`` from ``source`` (``judge`` False: granted
-        already; only the minimum, a full source and a loaded source's cost apply).
-        prefill_s is the local prefill's weighted cost."""
+        """Whether to push ``blocks`` from ``source`` after ``start`` tokens D holds
+        (``judge`` False: granted already; only the minimum, a full source and a
+        loaded source's cost apply). prefill_s is the local prefill's weighted
+        cost."""
         tokens = blocks * block_size
         if tokens < max(1, self.min_tokens):
             return Estimate(Decision.BELOW_MINIMUM, None, None)
@@ -303,7 +338,7 @@ class PushCostModel:
             if load.idle or self.always:
                 return Estimate(None, None, None)
             transfer = self.transfer_s(source, blocks, load)
-            prefill = self.local_cost_s(tokens, queued)
+            prefill = self.local_cost_s(tokens, queued, start)
             if transfer is None or prefill is None or transfer < prefill:
                 return Estimate(None, transfer, prefill)
             return Estimate(Decision.NOT_WORTH_IT, transfer, prefill)
@@ -317,7 +352,7 @@ class PushCostModel:
         if self.always:
             return Estimate(None, None, None)
         transfer = self.transfer_s(source, blocks, load)
-        prefill = self.local_cost_s(tokens, queued)
+        prefill = self.local_cost_s(tokens, queued, start)
         if transfer is None or prefill is None or transfer < prefill:
             return Estimate(None, transfer, prefill)
         per_block = self._block_time(source, load)
@@ -404,7 +439,7 @@ class PrefillTimer:
                 hit = getattr(request, "num_cached_tokens", -1)
             prompt = len(getattr(request, "prompt_token_ids", None) or ())
             own = prompt - hit if hit is not None and hit >= 0 else 0
-            self._model.observe_tail(self._clock() - landed, own)
+            self._model.observe_tail(self._clock() - landed, own, max(0, hit or 0))
 
     def _check(self, rid: str, request: object) -> None:
         _, started, computed = self._running[rid]
@@ -414,7 +449,9 @@ class PrefillTimer:
             return
         del self._running[rid]
         prompt = len(getattr(request, "prompt_token_ids", None) or ())
-        self._model.observe_prefill(prompt - computed, self._clock() - started)
+        self._model.observe_prefill(
+            prompt - computed, self._clock() - started, computed
+        )
 
 
 __all__ = [

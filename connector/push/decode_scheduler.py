@@ -512,7 +512,9 @@ class PushScheduler:
             self._auto[rid] = held
             source = held.origin
             first = num_computed_tokens // self.block_size
-            if fut is None and not self.pays(rid, source, held.blocks - first):
+            if fut is None and not self.pays(
+                rid, source, held.blocks - first, first * self.block_size
+            ):
                 self._ended.add(rid)  # judged before asking the source anything
                 return 0, False
         if fut is None and not self._allowed(rid, source):
@@ -567,10 +569,12 @@ class PushScheduler:
             waited = time.monotonic() - self._times[rid][0]
             held = self._auto.get(rid)
             blocks = held.blocks if held is not None else full_blocks
+            first = num_computed_tokens // self.block_size
             patience = self.cost.match_wait_s(
-                (blocks - num_computed_tokens // self.block_size) * self.block_size,
+                (blocks - first) * self.block_size,
                 self.match_timeout_s,
                 self._queued(rid),
+                first * self.block_size,
             )
             if waited < patience:
                 return None, False
@@ -628,7 +632,7 @@ class PushScheduler:
         self._times[rid] = (asked, time.monotonic())
         first = num_computed_tokens // self.block_size
         n = matched - first
-        if n <= 0 or not self.pays(rid, source, n):
+        if n <= 0 or not self.pays(rid, source, n, first * self.block_size):
             self._decide(rid, Decision.NO_HOLDER)  # unless counted already
             self._planned.pop(rid, None)
             self._times.pop(rid, None)
@@ -752,14 +756,15 @@ class PushScheduler:
         """D's requests a local prefill of ``rid`` would delay."""
         return self.own_queue(rid) if self.own_queue is not None else 0
 
-    def pays(self, rid: str, source: str, blocks: int) -> bool:
-        """Whether pushing ``blocks`` from ``source`` is expected to beat prefilling
-        them here (counts the reason when not). A request is judged once; after
-        that only the minimum and the source's reported load apply."""
+    def pays(self, rid: str, source: str, blocks: int, start: int = 0) -> bool:
+        """Whether pushing ``blocks`` from ``source`` after the ``start`` tokens D
+        holds is expected to beat prefilling them here (counts the reason when
+        not). A request is judged once; after that only the minimum and the
+        source's reported load apply."""
         judge, key = rid not in self._granted, SourceLanes.key(source)
         load = self.load_of(key)
         queued = self._queued(rid)
-        est = self.cost.decide(key, blocks, self.block_size, judge, load, queued)
+        est = self.cost.decide(key, blocks, self.block_size, judge, load, queued, start)
         if est.decision is None:
             self._granted.add(rid)
             return True
@@ -878,7 +883,7 @@ class PushScheduler:
             blocks=pushed_into,
             load=load,
             answer_s=match.round_trip_s,
-            hold_s=self._landing_hold_s(n, budget),
+            hold_s=self._landing_hold_s(first, n, budget),
         )
         self._jobs.append(
             PushJob(
@@ -900,10 +905,11 @@ class PushScheduler:
         )
         self.stats.add(requests=1)
 
-    def _landing_hold_s(self, blocks: int, budget_s: float) -> float:
-        """How long local prefills behind a push of ``blocks`` wait for it: at
-        most the local prefill it saves (unmeasured: LANDING_HOLD_MAX_S)."""
-        saves = self.cost.prefill_s(blocks * self.block_size)
+    def _landing_hold_s(self, first: int, blocks: int, budget_s: float) -> float:
+        """How long local prefills behind a push of ``blocks`` from block ``first``
+        wait for it: at most the local prefill it saves (unmeasured:
+        LANDING_HOLD_MAX_S)."""
+        saves = self.cost.span_s(first * self.block_size, blocks * self.block_size)
         return min(budget_s, LANDING_HOLD_MAX_S, saves or LANDING_HOLD_MAX_S)
 
     def matched_or_held(
@@ -1079,7 +1085,9 @@ class PushScheduler:
             # what D expected (before this push is measured), for the log
             key = SourceLanes.key(inf.source)
             expected = self.cost.write_s(key, inf.n_blocks, inf.load)
-            local = self.cost.prefill_s(inf.n_blocks * self.block_size)
+            local = self.cost.span_s(
+                inf.first_block * self.block_size, inf.n_blocks * self.block_size
+            )
             held = now - inf.allocated
             if landed == inf.n_blocks:
                 self._decide(rid, Decision.PUSHED)

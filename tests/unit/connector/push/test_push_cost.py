@@ -353,3 +353,55 @@ def test_a_local_prefill_weighs_the_requests_it_delays():
     # a bounded weight: a client cannot make every prefill infinitely dear
     assert m.local_cost_s(1024, 10**9) == pytest.approx(0.2 * (1 + MAX_QUEUED))
     assert m.local_cost_s(1024, -5) == pytest.approx(0.2)
+
+
+def prefill_measured_at(*rates):
+    """D measured fresh prefills: (tokens, seconds a token) each."""
+    m, clock = model()
+    for tokens, rate in rates:
+        m.observe_prefill(tokens, tokens * rate)
+    return m, clock
+
+
+def test_a_tail_leaves_out_its_own_tokens_as_they_attend_to_the_held_ones():
+    """A landed push's own tokens attend to the held prefix: after 1,024 held
+    tokens, its own 1,024 cost what a fresh prefill of 2,048 costs more than one
+    of 1,024 (0.3072 s at 100 and 200 us a token), not a fresh 1,024's 0.1024 s.
+    Timed as the latter, a turn of 7.5k tokens after 7.5k held read 1.4 s more
+    tail than there was, and D judged pushes of 4 blocks to take 2 s."""
+    m, clock = prefill_measured_at((1024, 1e-4), (2048, 2e-4))
+    timer = PrefillTimer(m, clock)
+    r = req("turn-2", prompt=2048)
+    timer.landed(r)
+    timer.step(scheduled((r, 1024)))  # 1,024 held: 1,024 of its own
+    clock.now += 0.3072 + 0.05  # its own tokens, and 50 ms the push added
+    r.num_output_tokens = 1
+    timer.step(scheduled())
+    assert m._tail.value == pytest.approx(0.05)
+
+
+def test_a_local_prefill_after_a_cached_prefix_is_timed_as_a_fresh_one_of_both():
+    """1,024 tokens computed after 1,024 cached in 0.3072 s: a fresh prefill of
+    2,048 takes that and the cached part's 0.1024 s; a fresh 1,024's time stays."""
+    m, clock = prefill_measured_at((1024, 1e-4))
+    timer = PrefillTimer(m, clock)
+    r = req("turn-2", prompt=2048)
+    timer.allocated(r, 0)
+    timer.step(scheduled((r, 1024)))
+    clock.now += 0.3072
+    r.num_output_tokens = 1
+    timer.step(scheduled())
+    assert m.prefill_s(1024) == pytest.approx(0.1024)
+    assert m.prefill_s(2048) == pytest.approx(0.4096)
+
+
+def test_a_push_after_tokens_d_holds_saves_what_they_would_cost_there():
+    """8 blocks (1,024 tokens) pushed in 0.2 s: not worth it from the prompt's
+    start (a fresh 1,024 takes 0.1024 s), worth it after 1,024 tokens D holds
+    (0.3072 s there)."""
+    m, _ = prefill_measured_at((1024, 1e-4), (2048, 2e-4))
+    m.observe_round_trip(SRC, 0.0)
+    m.observe_push(SRC, 8, 0.2)
+    assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT
+    est = m.decide(SRC, 8, 128, start=1024)
+    assert est.decision is None and est.prefill_s == pytest.approx(0.3072)
