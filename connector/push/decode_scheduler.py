@@ -934,7 +934,7 @@ class PushScheduler:
         if rid in self._inflight:
             return False
         now = self._clock()
-        first = rid not in self._held
+        newly_held = rid not in self._held
         since = self._held.setdefault(rid, now)
         ahead = any(
             inf.allocated <= since
@@ -944,7 +944,7 @@ class PushScheduler:
         )
         if not ahead:
             self._held.pop(rid, None)
-        elif first:
+        elif newly_held:
             self.stats.add(held_for_landing=1)
         return ahead
 
