@@ -7,10 +7,14 @@ average per block (kept apart for a source that was prefilling or not, and per
 push alone: pushes in flight share the link), and the tail it adds: the worker's
 report to the first token, less the local prefill of the request's own tokens
 (the suffix after the pushed prefix, which a local prefill computes too). A local
-prefill: a fresh prefill's time per token, in power-of-two length buckets; tokens
-after a cached prefix cost the difference of two fresh prefills (they attend to
-the prefix), at least their own fresh prefill; weighted by the requests of D's
-own it would delay (MAX_QUEUED at most).
+prefill: a fresh prefill's time per token, in power-of-two length buckets; between
+two buckets' mean lengths the time goes in a straight line from one's to the
+other's (so a token costs more after a longer prefix, as attention does); tokens
+after a cached prefix cost
+the difference of two fresh prefills (they attend to the prefix), at least their
+own fresh prefill; weighted by the requests of D's own it would delay
+(MAX_QUEUED at most). The tail is the median of the last TAIL_SAMPLES, 0 before
+TAIL_MIN_SAMPLES.
 Unmeasured, a push goes ahead; below MOONCAKE_PUSH_MIN_TOKENS or to a full
 source, never. A source whose last FAILURES_TO_DEMOTE pushes landed nothing is
 failing, whatever the policy, until one probe PROBE_AFTER_S later. Sources are
@@ -19,11 +23,16 @@ keyed by origin, so a client cannot add entries. Pure logic, injected clock.
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+
+logger = logging.getLogger(__name__)
 
 ALPHA = 0.2  # weight of a new observation in a moving average
 PROBE_AFTER_S = 60.0  # a source's transfer measurement older than this is tried again
@@ -34,6 +43,8 @@ FAILURES_TO_DEMOTE = 3  # pushes in a row that landed nothing: the source is fai
 BUDGET_FACTOR = 4.0  # a push's budget: its expected transfer times this,
 BUDGET_FLOOR_S = 5.0  # plus one round trip and this
 MAX_QUEUED = 16  # requests behind a local prefill that its cost counts, at most
+TAIL_SAMPLES = 15  # landed pushes whose tails make the median
+TAIL_MIN_SAMPLES = 3  # fewer: the tail counts 0 (one long turn is not the median)
 # D waits for a /match_blocks answer at least this long before the local prefill
 # it would save bounds the wait (below it, a busy host's ordinary round trip)
 MATCH_WAIT_FLOOR_S = 1.0
@@ -138,8 +149,10 @@ class PushCostModel:
         self._round_trip: dict[str, _Average] = {}
         # (source, prefilling) -> seconds per block of one push alone
         self._per_block: dict[tuple[str, bool], _Average] = {}
-        self._per_token: dict[int, _Average] = {}
-        self._tail = _Average()  # a landed push's report to its first token
+        # length bucket -> (its prefills' mean length, seconds per token)
+        self._per_token: dict[int, tuple[_Average, _Average]] = {}
+        # landed pushes: the report to the first token, beyond their own tokens
+        self._tails: deque[float] = deque(maxlen=TAIL_SAMPLES)
         self._failures: dict[str, _Failures] = {}
 
     # ---- observations ------------------------------------------------------------
@@ -211,19 +224,21 @@ class PushCostModel:
 
     def observe_tail(
         self, seconds: float, own_tokens: int = 0, held_tokens: int = 0
-    ) -> None:
+    ) -> float | None:
         """A landed push: ``seconds`` from the worker's report to the first token,
         in which the request computed ``own_tokens`` beyond the ``held_tokens``
-        it held."""
+        it held. Returns the tail kept (None: none)."""
         if seconds < 0:
-            return
+            return None
         # NOTE: its own tokens, and the steps it shared doing so, a local prefill
         # computes as well: the tail is what the push added (the step boundary).
         # They attend to the held ones: timed as a fresh prefill of their own
         # length, a turn of 7.5k tokens after 7.5k held read 1.4 s more tail on
         # the CPU backend's test model than there was, and its pushes not worth it
         own = self.span_s(held_tokens, own_tokens) if own_tokens > 0 else None
-        self._tail.add(max(0.0, seconds - (own or 0.0)), self._clock())
+        tail = max(0.0, seconds - (own or 0.0))
+        self._tails.append(tail)
+        return tail
 
     def observe_prefill(self, tokens: int, seconds: float, start: int = 0) -> None:
         """A local prefill of ``tokens`` after ``start`` cached ones that took
@@ -232,15 +247,18 @@ class PushCostModel:
             return
         before = self.prefill_s(start) if start > 0 else 0.0
         if before is None:  # nothing to tell the cached prefix's part by
-            self._per_token.setdefault(bucket(tokens), _Average()).add(
-                seconds / tokens, self._clock()
-            )
+            self._add_prefill(tokens, seconds)
             return
         # a fresh prefill of start + tokens: the cached part's and this one's
-        end = start + tokens
-        self._per_token.setdefault(bucket(end), _Average()).add(
-            (seconds + before) / end, self._clock()
+        self._add_prefill(start + tokens, seconds + before)
+
+    def _add_prefill(self, tokens: int, seconds: float) -> None:
+        now = self._clock()
+        length, per_token = self._per_token.setdefault(
+            bucket(tokens), (_Average(), _Average())
         )
+        length.add(tokens, now)
+        per_token.add(seconds / tokens, now)
 
     # ---- estimates ---------------------------------------------------------------
     def write_s(self, source: str, blocks: int, load: SourceLoad) -> float | None:
@@ -254,18 +272,42 @@ class PushCostModel:
         self, source: str, blocks: int, load: SourceLoad = IDLE
     ) -> float | None:
         """Expected push to the first token, as a local prefill is timed: its
-        write and the tail (0 until a push has landed)."""
+        write and the tail (0 until TAIL_MIN_SAMPLES pushes have landed)."""
         write = self.write_s(source, blocks, load)
         if write is None:
             return None
-        return write + (self._tail.value if self._tail.n else 0.0)
+        return write + self.tail_s
+
+    @property
+    def tail_s(self) -> float:
+        """A landed push's report to its first token, beyond its own tokens."""
+        # NOTE: the median: a tail is what is left after D's estimate of the
+        # request's own tokens, whose error grows with them (a turn of 14.5k own
+        # tokens read 4.2 s of tail on the CPU backend, the next ones 0-0.3 s);
+        # averaged, one such turn priced every short push out for minutes; a
+        # median of two is their mean, so the tail counts from the third on
+        if len(self._tails) < TAIL_MIN_SAMPLES:
+            return 0.0
+        return statistics.median(self._tails)
 
     def prefill_s(self, tokens: int) -> float | None:
+        """A fresh prefill of ``tokens``: on the straight line between the
+        prefills measured at the lengths around it; beyond the ends, a token's
+        time at the nearest length measured."""
         if not self._per_token:
             return None
-        want = bucket(tokens)
-        nearest = min(self._per_token, key=lambda b: (abs(b - want), -b))
-        return tokens * self._per_token[nearest].value
+        points = sorted((n.value, t.value) for n, t in self._per_token.values())
+        below = [p for p in points if p[0] <= tokens]
+        above = [p for p in points if p[0] > tokens]
+        if not below or not above:
+            return tokens * (above[0] if not below else below[-1])[1]
+        # NOTE: the line's slope is a token's time between the two lengths, not
+        # the bucket's mean: with the mean, the tokens after a long cached prefix
+        # (span_s) cost what an average token of that length does, not what the
+        # last ones do (on the CPU backend a turn's 543 tokens after 25k held
+        # left 186 ms of tail, and pushes of 4 blocks were judged not worth it)
+        (n0, t0), (n1, t1) = below[-1], above[0]
+        return n0 * t0 + (n1 * t1 - n0 * t0) * (tokens - n0) / (n1 - n0)
 
     def span_s(self, start: int, tokens: int) -> float | None:
         """``tokens`` computed after ``start`` cached ones: what a fresh prefill of
@@ -376,8 +418,9 @@ class PrefillTimer:
         # req id -> (request, allocated at, its own hit: None until the step's
         # scheduler output says it)
         self._running: dict[str, tuple[object, float, int | None]] = {}
-        # req id -> (request, its push landed at, its hit: None until scheduled)
-        self._tails: dict[str, tuple[object, float, int | None]] = {}
+        # req id -> (request, its push landed at, its hit and when it was
+        # scheduled: None until then)
+        self._tails: dict[str, tuple[object, float, int | None, float | None]] = {}
 
     def allocated(self, request: object, num_external_tokens: int) -> None:
         rid = request.request_id  # type: ignore[attr-defined]
@@ -394,7 +437,7 @@ class PrefillTimer:
     def landed(self, request: object) -> None:
         """Its push landed whole (the worker's report): its tail starts."""
         if len(self._tails) < MAX_TRACKED:
-            self._tails[request.request_id] = (request, self._clock(), None)  # type: ignore[attr-defined]
+            self._tails[request.request_id] = (request, self._clock(), None, None)  # type: ignore[attr-defined]
 
     def step(self, scheduler_output: object) -> None:
         """Once a step: the new requests' own hits, and first tokens produced."""
@@ -402,8 +445,9 @@ class PrefillTimer:
         for new in news if self._tails else ():
             tail = self._tails.get(new.req_id)
             if tail is not None and tail[2] is None:
-                self._tails[new.req_id] = (*tail[:2], int(new.num_computed_tokens))
-        for rid, (request, _, _) in list(self._tails.items()):
+                hit = int(new.num_computed_tokens)
+                self._tails[new.req_id] = (*tail[:2], hit, self._clock())
+        for rid, (request, *_) in list(self._tails.items()):
             self._check_tail(rid, request)
         if not self._running:
             return
@@ -434,12 +478,28 @@ class PrefillTimer:
 
     def _check_tail(self, rid: str, request: object) -> None:
         if getattr(request, "num_output_tokens", 0) >= 1:
-            _, landed, hit = self._tails.pop(rid)
+            _, landed, hit, scheduled = self._tails.pop(rid)
             if hit is None:  # its first token came before a later step
                 hit = getattr(request, "num_cached_tokens", -1)
             prompt = len(getattr(request, "prompt_token_ids", None) or ())
             own = prompt - hit if hit is not None and hit >= 0 else 0
-            self._model.observe_tail(self._clock() - landed, own, max(0, hit or 0))
+            seconds, held = self._clock() - landed, max(0, hit or 0)
+            tail = self._model.observe_tail(seconds, own, held)
+            if tail is not None and logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "Prefix push for %s: first token %.0f ms after the landing "
+                    "(scheduled after %s; %d own tokens after %d held): tail %.0f "
+                    "ms, on average %.0f ms",
+                    rid,
+                    1e3 * seconds,
+                    "?"
+                    if scheduled is None
+                    else f"{1e3 * (scheduled - landed):.0f} ms",
+                    own,
+                    held,
+                    1e3 * tail,
+                    1e3 * self._model.tail_s,
+                )
 
     def _check(self, rid: str, request: object) -> None:
         _, started, computed = self._running[rid]

@@ -8,6 +8,7 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     MAX_QUEUED,
     PROBE_AFTER_S,
+    TAIL_MIN_SAMPLES,
     Decision,
     PrefillTimer,
     PushCostModel,
@@ -84,15 +85,51 @@ def test_a_source_judged_not_worth_it_is_tried_again_later():
     assert m.decide(SRC, 8, 128).decision is None
 
 
-def test_prefill_cost_comes_from_the_nearest_length_measured():
+def test_prefill_cost_goes_in_a_line_between_the_lengths_measured():
+    """Between two measured lengths a prefill's time goes in a straight line from
+    one's to the other's; beyond them, a token costs what it did at the nearest."""
     m, _ = model()
     m.observe_prefill(128, 0.0128)  # 100 us a token
     m.observe_prefill(8192, 1.6384)  # 200 us a token
     assert m.prefill_s(100) == pytest.approx(100 * 1e-4)
-    assert m.prefill_s(6000) == pytest.approx(6000 * 2e-4)
-    assert m.prefill_s(512) == pytest.approx(512 * 1e-4)  # bucket 9: nearer 7
-    assert m.prefill_s(1024) == pytest.approx(1024 * 2e-4)  # a tie: the longer
+    assert m.prefill_s(128) == pytest.approx(0.0128)
+    # 1.6256 s over 8,064 tokens: 201.6 us a token between the two
+    assert m.prefill_s(4160) == pytest.approx(0.0128 + 4032 * 1.6256 / 8064)
+    assert m.prefill_s(8192) == pytest.approx(1.6384)
+    assert m.prefill_s(16384) == pytest.approx(16384 * 2e-4)
     assert bucket(1) == bucket(64) and bucket(65) == 7
+
+
+def test_tokens_after_a_long_prefix_cost_what_the_last_ones_do():
+    """A fresh prefill's time grows faster than its length (attention). 512
+    tokens after 24,576 held cost what a token costs between the measured 16,384
+    and 32,768 (300 us), not a token's mean in a fresh 32k (200 us): the mean
+    left 186 ms of a turn's own tokens on the CPU backend in a push's tail."""
+    m, _ = model()
+    m.observe_prefill(16384, 16384 * 1e-4)  # 1.6384 s
+    m.observe_prefill(32768, 32768 * 2e-4)  # 6.5536 s
+    slope = (6.5536 - 1.6384) / 16384  # 300 us a token between them
+    assert m.span_s(24576, 512) == pytest.approx(512 * slope)
+
+
+def test_one_long_tail_does_not_price_out_every_short_push():
+    """A tail is what is left of a landed push's first token after D's estimate
+    of its own tokens; for a long turn that estimate's error is seconds. The tail
+    is the median of the last ones, so one such turn does not make every short
+    push "not worth it" (an average took minutes to forget 4.2 s)."""
+    m, clock = measured(push_s=0.02, blocks=4, rtt_s=0.005, prefill_s=0.1, tokens=512)
+    timer = PrefillTimer(m, clock)
+    for i, extra in enumerate((0.01, 4.2, 0.01)):
+        if i == 2:  # two tails: their median would be their mean
+            assert m.decide(SRC, 4, 128).decision is None
+        r = req(f"turn-{i}", prompt=600)
+        timer.landed(r)
+        timer.step(scheduled((r, 512)))
+        clock.now += 88 * 0.1 / 512 + extra  # its own 88 tokens and the tail
+        r.num_output_tokens = 1
+        timer.step(scheduled())
+    assert m.decide(SRC, 4, 128).decision is None  # 30 ms against 100 ms
+    assert m.tail_s == pytest.approx(0.01)
 
 
 def test_observations_are_a_moving_average_not_the_last_one():
@@ -279,14 +316,15 @@ def test_a_push_costs_its_tail_the_step_after_it_landed():
     m, clock = measured(push_s=0.02, blocks=4, rtt_s=0.005, prefill_s=0.022, tokens=512)
     assert m.decide(SRC, 4, 128).decision is None  # the write alone: 20 ms < 22 ms
     timer = PrefillTimer(m, clock)
-    r = req("pushed", computed=512, prompt=600)
-    timer.landed(r)  # the worker's report
-    clock.now += 0.01
-    timer.step(scheduled((r, 512)))  # scheduled: its tail computes in this step
-    assert m.transfer_s(SRC, 4) == pytest.approx(0.02)  # no first token yet
-    clock.now += 0.015
-    r.num_output_tokens = 1
-    timer.step(scheduled())
+    for i in range(TAIL_MIN_SAMPLES):
+        r = req(f"pushed-{i}", computed=512, prompt=600)
+        timer.landed(r)  # the worker's report
+        clock.now += 0.01
+        timer.step(scheduled((r, 512)))  # scheduled: its tail computes in this step
+        assert m.transfer_s(SRC, 4) == pytest.approx(0.02)  # not counted yet
+        clock.now += 0.015
+        r.num_output_tokens = 1
+        timer.step(scheduled())
     est = m.decide(SRC, 4, 128)
     # the tail less its own 88 tokens' local prefill (22 ms a 512)
     assert est.transfer_s == pytest.approx(0.02 + 0.025 - 88 * 0.022 / 512)
@@ -312,7 +350,7 @@ def test_a_tail_leaves_out_the_requests_own_tokens():
     clock.now += 2.04  # 2.0 s of them at D's measured 100 us a token, and a step
     r.num_output_tokens = 1
     timer.step(scheduled())
-    assert m._tail.value == pytest.approx(0.05)
+    assert m._tails[-1] == pytest.approx(0.05)
     # 40 blocks (5,120 tokens) pushed in 0.01 + 0.05 + 0.05 s against 0.51 s here
     est = m.decide(SRC, 40, 128)
     assert est.decision is None, est
@@ -330,7 +368,7 @@ def test_a_tail_is_timed_only_to_a_first_token():
     clock.now += 0.03
     done.num_output_tokens = 1
     timer.finished(done)  # finished at its first token, before any later step
-    assert m._tail.n == 1 and m._tail.value == pytest.approx(0.03)
+    assert list(m._tails) == [pytest.approx(0.03)]
     assert not timer._tails
 
 
@@ -377,7 +415,7 @@ def test_a_tail_leaves_out_its_own_tokens_as_they_attend_to_the_held_ones():
     clock.now += 0.3072 + 0.05  # its own tokens, and 50 ms the push added
     r.num_output_tokens = 1
     timer.step(scheduled())
-    assert m._tail.value == pytest.approx(0.05)
+    assert m._tails[-1] == pytest.approx(0.05)
 
 
 def test_a_local_prefill_after_a_cached_prefix_is_timed_as_a_fresh_one_of_both():
