@@ -10,10 +10,9 @@ report to the first token, less the local prefill of the request's own tokens
 prefill: a fresh prefill's time per token, in power-of-two length buckets; between
 two buckets' mean lengths the time goes in a straight line from one's to the
 other's (so a token costs more after a longer prefix, as attention does); tokens
-after a cached prefix cost
-the difference of two fresh prefills (they attend to the prefix), at least their
-own fresh prefill; weighted by the requests of D's own it would delay
-(MAX_QUEUED at most). The tail is the median of the last TAIL_SAMPLES, 0 before
+after a cached prefix cost the difference of two fresh prefills (they attend to
+the prefix), at least their own fresh prefill; weighted by the requests of D's
+own it would delay (MAX_QUEUED at most). The tail is the median of the last TAIL_SAMPLES, 0 before
 TAIL_MIN_SAMPLES.
 Unmeasured, a push goes ahead; below MOONCAKE_PUSH_MIN_TOKENS or to a full
 source, never. A source whose last FAILURES_TO_DEMOTE pushes landed nothing is
@@ -283,7 +282,7 @@ class PushCostModel:
         """A landed push's report to its first token, beyond its own tokens."""
         # NOTE: the median: a tail is what is left after D's estimate of the
         # request's own tokens, whose error grows with them (a turn of 14.5k own
-        # tokens read 4.2 s of tail on the CPU backend, the next ones 0-0.3 s);
+        # tokens read 4.2 s of tail on the CPU backend, the turns around it 0-0.7 s);
         # averaged, one such turn priced every short push out for minutes; a
         # median of two is their mean, so the tail counts from the third on
         if len(self._tails) < TAIL_MIN_SAMPLES:
