@@ -488,7 +488,7 @@ class PrefillTimer:
                 logger.debug(
                     "Prefix push for %s: first token %.0f ms after the landing "
                     "(scheduled after %s; %d own tokens after %d held): tail %.0f "
-                    "ms, on average %.0f ms",
+                    "ms, the median now %.0f ms",
                     rid,
                     1e3 * seconds,
                     "?"
