@@ -140,6 +140,34 @@ def test_observations_are_a_moving_average_not_the_last_one():
     assert 1024 * 1e-3 < m.prefill_s(1024) < 1024 * 1e-2
 
 
+def test_a_short_push_held_by_its_step_does_not_price_out_long_ones():
+    """A block's time is weighed by the blocks each push wrote: a push of 4 blocks
+    whose landing waited 0.585 s for its step does not make the next 48 dearer
+    than their prefill (measured on the CPU backend: pushes of 44-96 blocks in
+    26-113 ms, one of 4 in 585 ms, then 48 judged 1.44 s against 0.80 s)."""
+    m, _ = model()
+    m.observe_round_trip(SRC, 0.005)
+    m.observe_prefill(48 * 128, 0.8)
+    for _ in range(5):
+        m.observe_push(SRC, 48, 0.065)  # 1.25 ms a block beyond the round trip
+    m.observe_push(SRC, 4, 0.585)
+    est = m.decide(SRC, 48, 128)
+    assert est.decision is None
+    # seconds and blocks each a moving average: (0.8 x 0.06 + 0.2 x 0.58) / 39.2
+    assert est.transfer_s == pytest.approx(0.005 + 48 * 0.164 / 39.2)
+    # pushes of one size: a block's moving average, as before
+    m.observe_push(SRC, 4, 3.0)
+    assert m.write_s(SRC, 48, SourceLoad()) > 0.8
+
+
+def test_pushes_of_one_size_average_a_blocks_time():
+    m, _ = model()
+    m.observe_round_trip(SRC, 0.0)
+    m.observe_push(SRC, 8, 0.08)
+    m.observe_push(SRC, 8, 0.16)
+    assert m.write_s(SRC, 1, SourceLoad()) == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)
+
+
 def req(rid="r1", computed=0, prompt=1024, outputs=0):
     return SimpleNamespace(
         request_id=rid,
