@@ -79,10 +79,10 @@ BESIDE_UNIT_TESTS = (
 )
 
 # Tests run once, with the pinned release, that scripts/test.sh runs in the
-# background beside the rolls' integration tests: the release-independent ones and
+# background beside every release's integration tests: the release-independent ones and
 # the pinned-only ones that mostly wait out a deadline (test_push_proxy_answers: D's
 # hold of about 31 s).
-BESIDE_ROLLS_TESTS = RELEASE_INDEPENDENT_TESTS + (
+BESIDE_INTEGRATION_TESTS = RELEASE_INDEPENDENT_TESTS + (
     "tests/integration/test_push_proxy_answers.py",
     "tests/integration/test_faults_blind.py",
 )
@@ -150,7 +150,7 @@ def selected(root: Path = ROOT) -> VllmSeries:
 def release_assignments() -> dict[str, str]:
     """What scripts/test.sh runs: the pinned release, the rolls it runs, the patch
     folders of the rolls it checks only, the tests it runs once, and of those the
-    ones it runs beside the rolls' integration tests, and the integration tests it
+    ones it runs beside the integration tests, and the integration tests it
     runs beside the unit tests (space-separated)."""
     return {
         "VMP_PINNED": PINNED,
@@ -159,7 +159,7 @@ def release_assignments() -> dict[str, str]:
         "VMP_ONCE": " ".join(
             RELEASE_INDEPENDENT_TESTS + PINNED_ONLY_TESTS + TOOLING_TESTS
         ),
-        "VMP_BESIDE_ROLLS": " ".join(BESIDE_ROLLS_TESTS),
+        "VMP_BESIDE_INTEGRATION": " ".join(BESIDE_INTEGRATION_TESTS),
         "VMP_BESIDE_UNIT": " ".join(BESIDE_UNIT_TESTS),
     }
 

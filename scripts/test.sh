@@ -11,8 +11,8 @@
 # whole suite, each roll (0.32.0) the whole suite but the patch manager's tests and
 # the tests that do not depend on the release (harness.vllm_series: VMP_ONCE); of
 # those, the ones that mostly wait run with the pinned release in the background
-# beside the rolls' integration tests (VMP_BESIDE_ROLLS: the engine-only tests, a
-# push source's answers), and the pinned release's fault matrix and every release's
+# beside every release's integration tests (VMP_BESIDE_INTEGRATION: the engine-only
+# tests, a push source's answers, a blind fence's hold), and the pinned release's fault matrix and every release's
 # bootstrap-port test beside the unit tests (VMP_BESIDE_UNIT: link cuts, deadlines,
 # one instance's start; their reports come after). A roll that is checked only
 # (0.33.0: no CPU build exists) gets `build.py check`.
@@ -161,7 +161,7 @@ done
 # which ran with the pinned one. Some run on their own, beside others (below).
 # the pinned release's integration tests that run on their own, beside others
 elsewhere=()
-for path in ${VMP_BESIDE_ROLLS:-} ${VMP_BESIDE_UNIT:-}; do
+for path in ${VMP_BESIDE_INTEGRATION:-} ${VMP_BESIDE_UNIT:-}; do
   elsewhere+=("--ignore=$path")
 done
 once=()
@@ -239,33 +239,35 @@ for entry in ${unit_pids[@]+"${unit_pids[@]}"}; do
 done
 
 # 2. The integration tests (vLLM instances on both cores), one release at a time.
-# The tests run once that mostly wait (VMP_BESIDE_ROLLS: the engine-only ones, no
-# vLLM code, wait out link cuts and the kernel's retransmissions; a push source's
-# answers, D's hold) run with the pinned release's virtualenv, in the background
-# beside the rolls' integration tests instead of before them: CI's time.
-beside_rolls_pid=""
-beside_rolls_log="$ROOT/.cache/logs/pytest-beside-rolls.log"
+# The tests run once that mostly wait (VMP_BESIDE_INTEGRATION: the engine-only ones, no
+# vLLM code, wait out link cuts and the kernel's retransmissions and a blind
+# fence's hold; a push source's answers, D's hold) run with the pinned release's
+# virtualenv, in the background beside every release's integration tests: they
+# take longer than one release's (about 20 min against 10-12 on a 2-core host),
+# and beside the rolls' alone they were CI's last 8 minutes.
+beside_integration_pid=""
+beside_integration_log="$ROOT/.cache/logs/pytest-beside-integration.log"
+if [ -n "${VMP_BESIDE_INTEGRATION:-}" ] && [[ " ${ready[*]-} " == *" $VMP_PINNED "* ]]; then
+  beside_integration_times="$ROOT/.cache/logs/pytest-beside-integration.xml"
+  vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_BESIDE_INTEGRATION, in the background (its output: $beside_integration_log, each test's time: $beside_integration_times)"
+  preload="$(preload_of "$pinned_py")"
+  # shellcheck disable=SC2086  # VMP_BESIDE_INTEGRATION: test paths, space-separated
+  VMP_VLLM="$VMP_PINNED" LD_PRELOAD="$preload" "$pinned_py" -m pytest -ra \
+    --junitxml="$beside_integration_times" $VMP_BESIDE_INTEGRATION "${args[@]}" > "$beside_integration_log" 2>&1 &
+  beside_integration_pid=$!
+fi
 for version in ${ready[@]+"${ready[@]}"}; do
   # shellcheck disable=SC2046  # paths_of: paths and options, space-separated
   run_pytest "$version" integration $(paths_of "$version" integration) "${args[@]}" \
     || failed+=("$version (integration)")
-  if [ "$version" = "$VMP_PINNED" ] && [ -n "${VMP_BESIDE_ROLLS:-}" ]; then
-    beside_rolls_times="$ROOT/.cache/logs/pytest-beside-rolls.xml"
-    vmp_say "vLLM $VMP_PINNED: pytest -ra $VMP_BESIDE_ROLLS, in the background (its output: $beside_rolls_log, each test's time: $beside_rolls_times)"
-    preload="$(preload_of "$pinned_py")"
-    # shellcheck disable=SC2086  # VMP_BESIDE_ROLLS: test paths, space-separated
-    VMP_VLLM="$VMP_PINNED" LD_PRELOAD="$preload" "$pinned_py" -m pytest -ra \
-      --junitxml="$beside_rolls_times" $VMP_BESIDE_ROLLS "${args[@]}" > "$beside_rolls_log" 2>&1 &
-    beside_rolls_pid=$!
-  fi
 done
-if [ -n "$beside_rolls_pid" ]; then
-  beside_rolls_rc=0
-  wait "$beside_rolls_pid" || beside_rolls_rc=$?
-  vmp_say "vLLM $VMP_PINNED: the report of the tests beside the rolls' ($beside_rolls_log):"
-  cat "$beside_rolls_log"
-  if [ "$beside_rolls_rc" -ne 0 ] && [ "$beside_rolls_rc" -ne 5 ]; then  # 5: none selected (-m)
-    failed+=("the tests beside the rolls' integration tests")
+if [ -n "$beside_integration_pid" ]; then
+  beside_integration_rc=0
+  wait "$beside_integration_pid" || beside_integration_rc=$?
+  vmp_say "vLLM $VMP_PINNED: the report of the tests beside the integration tests ($beside_integration_log):"
+  cat "$beside_integration_log"
+  if [ "$beside_integration_rc" -ne 0 ] && [ "$beside_integration_rc" -ne 5 ]; then  # 5: none selected (-m)
+    failed+=("the tests beside the integration tests")
   fi
 fi
 if [ ${#failed[@]} -gt 0 ]; then

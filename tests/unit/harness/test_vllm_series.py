@@ -88,7 +88,7 @@ def test_release_independent_tests_exist_and_every_release_pins_one_engine():
 def shell_values(mode: str) -> dict[str, str]:
     """What bash sees after ``eval "$(python -m harness.vllm_series MODE)"``."""
     names = (
-        "VMP_PINNED VMP_ROLLS VMP_CHECKED_ONLY VMP_ONCE VMP_BESIDE_UNIT VMP_BESIDE_ROLLS"
+        "VMP_PINNED VMP_ROLLS VMP_CHECKED_ONLY VMP_ONCE VMP_BESIDE_UNIT VMP_BESIDE_INTEGRATION"
         " VMP_VLLM VMP_PATCHES"
     )
     script = (
@@ -121,8 +121,8 @@ def test_the_releases_mode_gives_test_sh_every_list_in_one_call():
     # beside the unit tests: integration tests (each release those of them it runs)
     beside = got["VMP_BESIDE_UNIT"].split()
     assert beside and all(p.startswith("tests/integration/") for p in beside), beside
-    # beside the rolls' integration tests: tests run once, with the pinned release
-    beside = got["VMP_BESIDE_ROLLS"].split()
+    # beside the integration tests: tests run once, with the pinned release
+    beside = got["VMP_BESIDE_INTEGRATION"].split()
     assert set(RELEASE_INDEPENDENT_TESTS) <= set(beside), beside
     assert set(beside) <= set(got["VMP_ONCE"].split()), beside
     assert not set(beside) & set(got["VMP_BESIDE_UNIT"].split()), beside

@@ -17,7 +17,7 @@ def stand_in_project(
     tmp_path: Path,
     setup_status: int,
     checked_only: dict[str, str] | None = None,
-    beside_rolls: str = "",
+    beside_integration: str = "",
     rolls: str = "",
     beside_unit: str = "",
     once: str | None = None,
@@ -25,10 +25,10 @@ def stand_in_project(
     """A project with the real scripts/test.sh, a scripts/setup.sh that defines the
     real output functions when sourced and, run, records "setup <release> <args>"
     (a roll's after half a second) and exits ``setup_status``; the pinned release 1.0
-    (and ``rolls``, space-separated; ``checked_only`` rolls; ``beside_rolls``: the
-    tests run beside the rolls' integration tests; ``beside_unit``: the tests run
+    (and ``rolls``, space-separated; ``checked_only`` rolls; ``beside_integration``: the
+    tests run beside the integration tests; ``beside_unit``: the tests run
     beside the unit tests; ``once``: the tests a roll does not run, else
-    ``beside_rolls``), and a build.py that records each call's arguments."""
+    ``beside_integration``), and a build.py that records each call's arguments."""
     root = tmp_path / "project"
     (root / "scripts").mkdir(parents=True)
     (root / "harness").mkdir()
@@ -61,8 +61,8 @@ def stand_in_project(
             f"""\
             import sys
             if sys.argv[1:] == ["releases"]:
-                print("VMP_PINNED=1.0 VMP_ROLLS='{rolls}' VMP_ONCE='{beside_rolls if once is None else once}'")
-                print("VMP_BESIDE_ROLLS='{beside_rolls}'")
+                print("VMP_PINNED=1.0 VMP_ROLLS='{rolls}' VMP_ONCE='{beside_integration if once is None else once}'")
+                print("VMP_BESIDE_INTEGRATION='{beside_integration}'")
                 print("VMP_BESIDE_UNIT='{beside_unit}'")
                 print("VMP_CHECKED_ONLY='{" ".join((checked_only or {}).values())}'")
             else:
@@ -136,14 +136,59 @@ def engine_test(root: Path, passes: bool) -> str:
     return "tests/integration/test_engine.py"
 
 
-def test_the_tests_beside_the_rolls_run_once_and_count(tmp_path):
+def meets(ran_file: Path) -> str:
+    """A stand-in test's ``meet(me, other)``: records ``me`` and waits (15 s at
+    most, else it fails "ran alone") until ``other`` ran too."""
+    return textwrap.dedent(
+        f"""\
+        import time
+        from pathlib import Path
+        def meet(me, other):
+            ran = Path({str(ran_file)!r})
+            with ran.open("a") as f:
+                f.write(me + "\\n")
+            deadline = time.monotonic() + 15
+            while other not in ran.read_text().splitlines():
+                assert time.monotonic() < deadline, "ran alone"
+                time.sleep(0.05)
+        """
+    )
+
+
+def test_the_tests_beside_the_integration_tests_run_beside_the_pinned_releases(
+    tmp_path,
+):
+    """VMP_BESIDE_INTEGRATION's tests start with the first release's integration
+    tests (the pinned one's), not after them: each here waits until the other ran."""
+    root = stand_in_project(
+        tmp_path, setup_status=0, beside_integration="tests/integration/test_engine.py"
+    )
+    ran_file = root / "ran"
+    (root / "tests" / "integration").mkdir(parents=True)
+    (root / "tests" / "integration" / "test_engine.py").write_text(
+        meets(ran_file) + "def test_engine():\n    meet('engine', 'integration')\n"
+    )
+    (root / "tests" / "integration" / "test_other.py").write_text(
+        meets(ran_file) + "def test_other():\n    meet('integration', 'engine')\n"
+    )
+    r = run_tests(root, tmp_path)
+    ran = [
+        line
+        for line in ran_file.read_text().splitlines()
+        if not line.startswith(("build.py", "setup"))
+    ]
+    assert sorted(ran) == ["engine", "integration"], r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_tests_beside_the_integration_tests_run_once_and_count(tmp_path):
     """They run in the background (the pinned release's run ignores them), and the
     run waits for them: one that fails fails the run, with its report shown."""
     for passes in (True, False):
         base = tmp_path / str(passes)
         base.mkdir()
         root = stand_in_project(
-            base, setup_status=0, beside_rolls="tests/integration/test_engine.py"
+            base, setup_status=0, beside_integration="tests/integration/test_engine.py"
         )
         engine_test(root, passes)
         r = run_tests(root, base)
@@ -154,9 +199,9 @@ def test_the_tests_beside_the_rolls_run_once_and_count(tmp_path):
             assert r.returncode == 0, r.stdout + r.stderr
         else:
             assert r.returncode != 0, r.stdout
-            assert (
-                "FAILED: the tests beside the rolls' integration tests" in r.stdout
-            ), r.stdout
+            assert "FAILED: the tests beside the integration tests" in r.stdout, (
+                r.stdout
+            )
 
 
 def test_a_rolls_setup_runs_beside_the_pinned_ones_and_ends_before_any_test(tmp_path):
@@ -217,25 +262,12 @@ def test_the_tests_that_wait_run_once_beside_the_unit_tests_and_count(tmp_path):
         ran_file = root / "ran"
         (root / "tests" / "integration").mkdir(parents=True)
         (root / "tests" / "unit").mkdir()
-        meets = textwrap.dedent(
-            f"""\
-            import time
-            from pathlib import Path
-            def meet(me, other):
-                ran = Path({str(ran_file)!r})
-                with ran.open("a") as f:
-                    f.write(me + "\\n")
-                deadline = time.monotonic() + 15
-                while other not in ran.read_text().splitlines():
-                    assert time.monotonic() < deadline, "ran alone"
-                    time.sleep(0.05)
-            """
-        )
+        meets_code = meets(ran_file)
         (root / "tests" / "unit" / "test_one.py").write_text(
-            meets + "def test_one():\n    meet('unit', 'waits')\n"
+            meets_code + "def test_one():\n    meet('unit', 'waits')\n"
         )
         (root / "tests" / "integration" / "test_waits.py").write_text(
-            meets
+            meets_code
             + f"def test_waits():\n    meet('waits', 'unit')\n    assert {passes}\n"
         )
         (root / "tests" / "integration" / "test_other.py").write_text(
