@@ -57,6 +57,11 @@ class BootstrapServerStartError(RuntimeError):
     """P's bootstrap server could not listen, or did not start in time."""
 
 
+def why_not(error: BaseException) -> str:
+    """Why a socket could not listen, as its error says it."""
+    return getattr(error, "strerror", None) or str(error) or type(error).__name__
+
+
 class PrefillBootstrapServer(MooncakeBootstrapServer):
     """Upstream's server whose ``start()`` returns or raises within ``START_TIMEOUT_S``."""
 
@@ -65,10 +70,9 @@ class PrefillBootstrapServer(MooncakeBootstrapServer):
     max_body_bytes: int | None = None
 
     def _cannot_listen(self, error: BaseException) -> BootstrapServerStartError:
-        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
         return BootstrapServerStartError(
             f"Mooncake bootstrap server cannot listen on {self.host}:{self.port} "
-            f"({reason}). Another process may hold the port: free it, or start "
+            f"({why_not(error)}). Another process may hold the port: free it, or start "
             f"this prefill instance with {PORT_ENV} set to a free port (D learns "
             "it from the request's kv_transfer_params)."
         )
@@ -141,3 +145,18 @@ class PrefillBootstrapServer(MooncakeBootstrapServer):
     def shutdown(self) -> None:
         super().shutdown()
         self._close_listener()
+
+
+class PushRankListener(PrefillBootstrapServer):
+    """A TP rank >= 1's push listener (push/source_ranks.py): the same server, at
+    the port MOONCAKE_PUSH_RANK_PORT sets."""
+
+    @override
+    def _cannot_listen(self, error: BaseException) -> BootstrapServerStartError:
+        # not the bootstrap server's advice: its port variable does not move this one
+        return BootstrapServerStartError(
+            f"its push listener cannot listen on {self.host}:{self.port} "
+            f"({why_not(error)}); set MOONCAKE_PUSH_RANK_PORT to the first of a free "
+            "range (TP rank r of DP rank d listens at it + d x (TP size - 1) + r - 1), "
+            "or to 0 (the kernel picks)"
+        )

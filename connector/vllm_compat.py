@@ -104,14 +104,18 @@ def kv_geometry(worker: Any) -> KVGeometry:
     )
 
 
-def bootstrap_server(vllm_config: VllmConfig, host: str, port: int) -> Any:
-    """Upstream's bootstrap server, not started, with a bounded ``start()``."""
+def bootstrap_server(
+    vllm_config: VllmConfig, host: str, port: int, server_class: type | None = None
+) -> Any:
+    """Upstream's bootstrap server, not started, with a bounded ``start()``
+    (``server_class``: a subclass of PrefillBootstrapServer)."""
     from .prefill_bootstrap import PrefillBootstrapServer
 
+    cls = server_class or PrefillBootstrapServer
     # MooncakeBootstrapServer(vllm_config, host, port) up to 0.18.1, (host, port) later
-    if _takes(PrefillBootstrapServer.__init__, "vllm_config"):
-        return PrefillBootstrapServer(vllm_config, host, port)
-    return PrefillBootstrapServer(host, port)
+    if _takes(cls.__init__, "vllm_config"):
+        return cls(vllm_config, host, port)
+    return cls(host, port)
 
 
 def cached_tokens_of_whole_prompt(prompt_len: int) -> int:

@@ -360,24 +360,11 @@ class WorkerExtension(UpstreamHooks):
             listener.start()
         except (BootstrapServerStartError, ValueError) as e:
             # push is off, the instance serves
-            why = str(e)
-            if isinstance(e, BootstrapServerStartError):
-                # NOTE: not the error's own advice, which names the bootstrap
-                # server's port variable: this listener's is MOONCAKE_PUSH_RANK_PORT
-                cause = e.__cause__
-                why = (
-                    f"its push listener cannot listen on "
-                    f"{self.config.bootstrap_host}:{port} "
-                    f"({getattr(cause, 'strerror', None) or cause or e}); set "
-                    "MOONCAKE_PUSH_RANK_PORT to the first of a free range (TP rank r "
-                    "of DP rank d listens at it + d x (TP size - 1) + r - 1), or to 0 "
-                    "(the kernel picks)"
-                )
             logger.warning(
                 "TP rank %d serves no prefix pushes, so neither does this instance "
                 "(destinations prefill locally): %s",
                 kv.tp_rank,
-                why,
+                e,
             )
             return
         self.rank_listener = listener

@@ -124,9 +124,10 @@ def rank_port(first: int, tp_rank: int, tp_size: int, dp_rank: int) -> int:
 def rank_listener(vllm_config: object, host: str, port: int) -> object:
     """A bootstrap server without upstream's routes (rank 0's alone) at ``host`` and
     ``port`` (0: the kernel picks); not started. The caller adds this series' routes."""
+    from ..prefill_bootstrap import PushRankListener
     from ..vllm_compat import bootstrap_server
 
-    server = bootstrap_server(vllm_config, host, port)  # type: ignore[arg-type]
+    server = bootstrap_server(vllm_config, host, port, PushRankListener)  # type: ignore[arg-type]
     server.app.router.routes.clear()
     return server
 
