@@ -2,10 +2,10 @@
 """D decides whether a prefix push pays: its expected transfer against the local
 prefill of the same tokens, both measured on D.
 
-A push, per source: one ``/match_blocks`` round trip, its blocks times a block's
-time (the moving average of pushes' times over that of their blocks; kept apart
-for a source that was prefilling or not, and per push alone: pushes in flight
-share the link), and the tail it adds: the worker's
+A push, per source: one ``/match_blocks`` round trip; a line fitted to pushes'
+times against the blocks on the link (its own times the pushes sharing it), whose
+fixed part is the step whose end a landing waits for, kept apart for a source
+that was prefilling or not; and the tail it adds: the worker's
 report to the first token, less the local prefill of the request's own tokens
 (the suffix after the pushed prefix, which a local prefill computes too). A local
 prefill: a fresh prefill's time per token, in power-of-two length buckets; between
@@ -45,6 +45,8 @@ BUDGET_FLOOR_S = 5.0  # plus one round trip and this
 MAX_QUEUED = 16  # requests behind a local prefill that its cost counts, at most
 TAIL_SAMPLES = 15  # landed pushes whose tails make the median
 TAIL_MIN_SAMPLES = 3  # fewer: the tail counts 0 (one long turn is not the median)
+# pushes' sizes vary less than this (standard deviation over mean): no fixed part
+SIZE_SPREAD = 0.25
 # D waits for a /match_blocks answer at least this long before the local prefill
 # it would save bounds the wait (below it, a busy host's ordinary round trip)
 MATCH_WAIT_FLOOR_S = 1.0
@@ -113,25 +115,41 @@ class _Average:
         self.at = now
 
 
-class _Rate:
-    """A block's time as the moving average of pushes' seconds over that of their
-    blocks: each push weighs by the blocks it wrote."""
+class _Line:
+    """A push's seconds against the blocks on the link: the least-squares line
+    through moving averages of both (and of their squares and product), so that
+    recent pushes weigh most. A fixed part (the step whose end a landing waits
+    for) and a part per block, neither below 0; pushes all of about one size tell
+    no fixed part apart, and go through the origin as one time per block."""
 
-    __slots__ = ("_seconds", "_blocks", "at")
+    __slots__ = ("_x", "_y", "_xx", "_xy", "at")
 
     def __init__(self) -> None:
-        self._seconds = _Average()
-        self._blocks = _Average()
+        self._x, self._y, self._xx, self._xy = (_Average() for _ in range(4))
         self.at = 0.0
 
-    def add(self, seconds: float, blocks: int, now: float) -> None:
-        self._seconds.add(seconds, now)
-        self._blocks.add(blocks, now)
+    def add(self, seconds: float, blocks: float, now: float) -> None:
+        for avg, v in (
+            (self._x, blocks),
+            (self._y, seconds),
+            (self._xx, blocks * blocks),
+            (self._xy, blocks * seconds),
+        ):
+            avg.add(v, now)
         self.at = now
 
-    @property
-    def value(self) -> float:
-        return self._seconds.value / self._blocks.value
+    def seconds(self, blocks: float) -> float:
+        mx, my = self._x.value, self._y.value
+        spread = self._xx.value - mx * mx
+        if spread <= (SIZE_SPREAD * mx) ** 2:
+            return my * blocks / mx
+        slope = (self._xy.value - mx * my) / spread
+        if slope <= 0:  # longer pushes no slower: their time is the fixed part
+            return my
+        fixed = my - slope * mx
+        if fixed < 0:
+            return my * blocks / mx
+        return fixed + slope * blocks
 
 
 @dataclass
@@ -168,8 +186,8 @@ class PushCostModel:
         self.always = always  # MOONCAKE_PUSH_POLICY=always: the minimum only
         self._clock = clock
         self._round_trip: dict[str, _Average] = {}
-        # (source, prefilling) -> seconds per block of one push alone
-        self._per_block: dict[tuple[str, bool], _Rate] = {}
+        # (source, prefilling) -> a push's seconds beyond the round trip
+        self._pushes: dict[tuple[str, bool], _Line] = {}
         # length bucket -> (its prefills' mean length, seconds per token)
         self._per_token: dict[int, tuple[_Average, _Average]] = {}
         # landed pushes: the report to the first token, beyond their own tokens
@@ -190,7 +208,7 @@ class PushCostModel:
         if blocks <= 0:
             return
         self._failures.pop(source, None)
-        self._add_per_block(source, blocks, seconds, load)
+        self._add_push(source, blocks, seconds, load)
 
     def observe_shortfall(
         self,
@@ -210,7 +228,7 @@ class PushCostModel:
         if landed:
             self._failures.pop(source, None)
         rest = self.prefill_s((blocks - landed) * block_size) or 0.0
-        self._add_per_block(source, blocks, max(0.0, seconds) + rest, load)
+        self._add_push(source, blocks, max(0.0, seconds) + rest, load)
 
     def failed(self, source: str) -> int:
         """A push from ``source`` landed nothing, or is late: its failures in a row."""
@@ -228,24 +246,25 @@ class PushCostModel:
             and self._clock() - f.at < PROBE_AFTER_S
         )
 
-    def _add_per_block(
+    def _add_push(
         self, source: str, blocks: int, seconds: float, load: SourceLoad
     ) -> None:
         rtt = self._round_trip.get(source)
         fixed = rtt.value if rtt is not None else 0.0
-        # NOTE: weighed by blocks, not a mean of each push's time per block: a
-        # push's landing is reported at a step's end, which a short push's time
-        # is mostly (on the CPU backend pushes of 2-8 blocks took 12-1,010 ms,
-        # median 5.4 ms a block; of 40-192 blocks 26-1,006 ms, 1.6 ms a block);
-        # as a mean per block, one push of 4 blocks in 585 ms priced the next
-        # pushes of 44-48 blocks at 1.3-1.4 s against 0.66-0.80 s of prefill
-        self._per_block.setdefault((source, load.prefilling), _Rate()).add(
-            max(0.0, seconds - fixed) / load.sharing, blocks, self._clock()
+        # NOTE: a line, not a time per block: a push's landing is reported at the
+        # end of D's step, which is most of a short push's time (on the CPU backend
+        # pushes of 2-8 blocks took 12-1,010 ms, of 40-192 blocks 26-1,006 ms). As
+        # a mean per block, one push of 4 blocks in 585 ms priced pushes of 44-48
+        # at 1.3-1.4 s against 0.66-0.80 s of prefill; weighed by blocks, 4-8
+        # blocks were priced at a few ms and took 0.29-2.37 s against 0.16-1.72 s
+        # of the prefill they saved (19 of 81 pushes at 8-24 sessions a minute)
+        self._pushes.setdefault((source, load.prefilling), _Line()).add(
+            max(0.0, seconds - fixed), blocks * load.sharing, self._clock()
         )
 
-    def _block_time(self, source: str, load: SourceLoad) -> _Rate | None:
-        """A block's time alone from ``source`` in ``load``'s state, else in the other."""
-        return self._per_block.get((source, load.prefilling)) or self._per_block.get(
+    def _push_line(self, source: str, load: SourceLoad) -> _Line | None:
+        """A push's line from ``source`` in ``load``'s state, else in the other's."""
+        return self._pushes.get((source, load.prefilling)) or self._pushes.get(
             (source, not load.prefilling)
         )
 
@@ -290,10 +309,10 @@ class PushCostModel:
     # ---- estimates ---------------------------------------------------------------
     def write_s(self, source: str, blocks: int, load: SourceLoad) -> float | None:
         """Expected time from D's allocation to the worker's report."""
-        rtt, per_block = self._round_trip.get(source), self._block_time(source, load)
-        if rtt is None or per_block is None:
+        rtt, line = self._round_trip.get(source), self._push_line(source, load)
+        if rtt is None or line is None:
             return None
-        return rtt.value + blocks * per_block.value * load.sharing
+        return rtt.value + line.seconds(blocks * load.sharing)
 
     def transfer_s(
         self, source: str, blocks: int, load: SourceLoad = IDLE
@@ -424,11 +443,11 @@ class PushCostModel:
         prefill = self.local_cost_s(tokens, queued, start)
         if transfer is None or prefill is None or transfer < prefill:
             return Estimate(None, transfer, prefill)
-        per_block = self._block_time(source, load)
-        assert per_block is not None  # transfer_s had it
-        if self._clock() - per_block.at >= PROBE_AFTER_S:
+        line = self._push_line(source, load)
+        assert line is not None  # transfer_s had it
+        if self._clock() - line.at >= PROBE_AFTER_S:
             # measured long ago: push once more, which measures it again
-            per_block.at = self._clock()
+            line.at = self._clock()
             return Estimate(None, transfer, prefill)
         return Estimate(Decision.NOT_WORTH_IT, transfer, prefill)
 

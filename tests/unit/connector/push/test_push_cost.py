@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """D's judgement of whether a push pays (push/decode_cost.py): pure logic, a fake clock."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
     MAX_QUEUED,
@@ -141,23 +144,55 @@ def test_observations_are_a_moving_average_not_the_last_one():
 
 
 def test_a_short_push_held_by_its_step_does_not_price_out_long_ones():
-    """A block's time is weighed by the blocks each push wrote: a push of 4 blocks
-    whose landing waited 0.585 s for its step does not make the next 48 dearer
-    than their prefill (measured on the CPU backend: pushes of 44-96 blocks in
-    26-113 ms, one of 4 in 585 ms, then 48 judged 1.44 s against 0.80 s)."""
+    """A push's landing waits for the end of D's step: a push of 4 blocks whose
+    landing waited 0.585 s does not make the next 48 dearer than their prefill
+    (measured on the CPU backend: pushes of 44-96 blocks in 26-113 ms, one of 4
+    in 585 ms, then 48 judged 1.44 s against 0.80 s when a push's time was a
+    mean per block)."""
     m, _ = model()
     m.observe_round_trip(SRC, 0.005)
     m.observe_prefill(48 * 128, 0.8)
     for _ in range(5):
-        m.observe_push(SRC, 48, 0.065)  # 1.25 ms a block beyond the round trip
+        m.observe_push(SRC, 48, 0.065)
     m.observe_push(SRC, 4, 0.585)
     est = m.decide(SRC, 48, 128)
     assert est.decision is None
-    # seconds and blocks each a moving average: (0.8 x 0.06 + 0.2 x 0.58) / 39.2
-    assert est.transfer_s == pytest.approx(0.005 + 48 * 0.164 / 39.2)
-    # pushes of one size: a block's moving average, as before
-    m.observe_push(SRC, 4, 3.0)
-    assert m.write_s(SRC, 48, SourceLoad()) > 0.8
+    # the short push was no faster: no part per block, the moving average's time
+    assert est.transfer_s == pytest.approx(0.005 + 0.8 * 0.06 + 0.2 * 0.58)
+
+
+def test_a_short_push_costs_the_step_its_landing_waits_for():
+    """Pushes of every size take about one of D's steps to be reported (on the
+    CPU backend 2-8 blocks took 12-1,010 ms, 40-192 blocks 26-1,006 ms): a push of
+    4 blocks costs that step, not 4 blocks' share of a long push's time. Priced
+    per block, 4-8 blocks were judged at a few ms and took 0.29-2.37 s against
+    0.16-1.72 s of the prefill they saved."""
+    m, _ = model()
+    m.observe_round_trip(SRC, 0.01)
+    m.observe_prefill(512, 0.2)
+    m.observe_prefill(12288, 6.0)
+    for blocks in (96, 8, 64, 4, 128, 6):
+        m.observe_push(SRC, blocks, 0.51)
+    est = m.decide(SRC, 4, 128)
+    assert est.transfer_s == pytest.approx(0.51)
+    assert est.decision is Decision.NOT_WORTH_IT  # 0.51 s against 0.2 s
+    # and a long push is no dearer than the step either
+    assert m.decide(SRC, 96, 128).transfer_s == pytest.approx(0.51)
+
+
+def test_a_push_costs_a_fixed_part_and_a_part_per_block():
+    """Where longer pushes take longer (a link's bandwidth), the line through
+    them has both parts: 40 ms of step and 1 ms a block, found again from pushes
+    of 8 to 160 blocks, and a push of 4 costs 44 ms, not 4 blocks' share."""
+    m, _ = model()
+    m.observe_round_trip(SRC, 0.0)
+    for blocks in (8, 160, 32, 96, 16, 128, 64):
+        m.observe_push(SRC, blocks, 0.04 + 0.001 * blocks)
+    assert m.write_s(SRC, 4, SourceLoad()) == pytest.approx(0.044)
+    assert m.write_s(SRC, 400, SourceLoad()) == pytest.approx(0.44)
+    # 3 pushes in flight: 4 times the blocks on the link, the step once
+    shared = SourceLoad(pushes_in_flight=3, push_slots=8)
+    assert m.write_s(SRC, 100, shared) == pytest.approx(0.04 + 0.4)
 
 
 def test_pushes_of_one_size_average_a_blocks_time():
@@ -471,3 +506,22 @@ def test_a_push_after_tokens_d_holds_saves_what_they_would_cost_there():
     assert m.decide(SRC, 8, 128).decision is Decision.NOT_WORTH_IT
     est = m.decide(SRC, 8, 128, start=1024)
     assert est.decision is None and est.prefill_s == pytest.approx(0.3072)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 4096), st.floats(0.0, 60.0)), min_size=1, max_size=40
+    )
+)
+def test_a_pushs_expected_time_is_never_negative_and_grows_with_its_blocks(pushes):
+    m, _ = model()
+    m.observe_round_trip(SRC, 0.0)
+    for blocks, seconds in pushes:
+        m.observe_push(SRC, blocks, seconds)
+    times = [m.write_s(SRC, n, SourceLoad()) for n in (1, 2, 16, 256, 4096, 65536)]
+    assert all(t is not None and math.isfinite(t) and t >= 0 for t in times)
+    assert times == sorted(times)
+    longest = max(seconds for _, seconds in pushes)
+    # within what was measured, no more than the slowest push
+    assert m.write_s(SRC, min(b for b, _ in pushes), SourceLoad()) <= longest + 1e-9

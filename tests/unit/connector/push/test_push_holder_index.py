@@ -858,7 +858,7 @@ def test_a_probe_granted_before_the_match_is_not_refused_on_its_answer():
     s.cost.observe_prefill(4 * BS, 0.001)
     s._lanes.post = MatchStub(4)
     assert s.get_num_new_matched_tokens(auto_request("r1"), 0) == (0, False)
-    s.cost._per_block[SRC, False].at -= PROBE_AFTER_S  # measured long ago
+    s.cost._pushes[SRC, False].at -= PROBE_AFTER_S  # measured long ago
     assert asked(s, auto_request("r2")) == (4 * BS, True)
     assert decided(s) == {"not_worth_it": 1}
     s.shutdown()

@@ -16,6 +16,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.config imp
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.common.peer_client import (
     Answer,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_cost import (
+    SourceLoad,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.ext.push.decode_receiver import (
     PushReceiver,
 )
@@ -636,9 +639,9 @@ def test_a_push_is_measured_under_the_load_its_source_reported():
     assert (inf.load.pushes_in_flight, inf.load.backlog_tokens) == (1, 5000)
     inf.allocated -= 0.8  # it took 0.8 s
     s.on_worker_meta(PushOutcome({"r1": 4}))
-    busy = s.cost._per_block[SRC, True].value
-    assert busy == pytest.approx(0.8 / 4 / 2, rel=0.05)  # alone: half of it
-    assert (SRC, False) not in s.cost._per_block
+    alone = SourceLoad(backlog_tokens=5000)
+    assert s.cost.write_s(SRC, 4, alone) == pytest.approx(0.8 / 2, rel=0.05)
+    assert (SRC, False) not in s.cost._pushes  # measured while C prefilled
     s.shutdown()
 
 
