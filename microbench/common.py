@@ -50,6 +50,18 @@ def machine_info() -> dict:
     return info
 
 
+def provenance(machine: dict, code: dict, run_id: str) -> str:
+    """A figure's machine, commit and run (its date and time), for its title."""
+    isa = {True: "AVX-512", False: "no AVX-512"}.get(machine.get("avx512"), "")
+    cpu = ", ".join(
+        x
+        for x in (f"{machine.get('cores')}-core {machine.get('model_name', '?')}", isa)
+        if x
+    )
+    commit = code.get("commit", "?") + (" with changes" if code.get("changed") else "")
+    return f"{cpu}; commit {commit}; run {run_id}"
+
+
 def code_version() -> dict:
     """The project's commit the run used, and whether the checkout had changes."""
     try:

@@ -114,6 +114,7 @@ from microbench.common import (
     machine_info,
     model_facts,
     parser,
+    provenance,
     save_figure,
     stamp,
     target_line,
@@ -837,7 +838,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
         ax.tick_params(axis="x", labelrotation=30)
     c.set_ylim(0, 1.35 * max(bottom + [1.0]))
     c.legend(fontsize=8, loc="upper right")
-    return save_figure(fig, path, title)
+    return save_figure(fig, path, title, wrap=140)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1255,7 +1256,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.trace.name} (input median {shape['input_median']}), "
         f"{facts['layers']} layers, two kv_both instances"
         + (" (P/D: a kv_producer and a kv_consumer)" if pd else "")
-        + f" ({run_id})"
+        + f" ({provenance(result['machine'], code, run_id)})"
     )
     png = (
         plot_curve(ordered, slo, out.with_suffix(".png"), title)

@@ -315,3 +315,14 @@ def test_each_load_spaces_the_same_sessions_further_apart_or_closer():
     # the same prompts at every load: only the clock changes
     assert sorted(map(len, light["prompts"])) == sorted(map(len, heavy["prompts"]))
     assert light["sampled"] == {1} and light["unbounded"]["hit_tokens"] == 1024
+
+
+def test_a_figure_names_its_machine_commit_and_run():
+    from microbench.common import provenance
+
+    machine = {"cores": 2, "model_name": "AMD EPYC 7B13", "avx512": False}
+    assert provenance(machine, {"commit": "5c843bc", "changed": False}, "20261204") == (
+        "2-core AMD EPYC 7B13, no AVX-512; commit 5c843bc; run 20261204"
+    )
+    title = provenance({"cores": 2}, {"commit": "abc1234", "changed": True}, "r")
+    assert title == "2-core ?; commit abc1234 with changes; run r"
