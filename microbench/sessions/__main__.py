@@ -238,6 +238,12 @@ def cold_prefills(
     }
 
 
+def seconds_by_length(cold: dict[int, list[float]]) -> str:
+    return "; ".join(
+        f"{n} tokens {', '.join(f'{x:.2f}' for x in xs)} s" for n, xs in cold.items()
+    )
+
+
 def flush(insts, prompts: list[list[int]], model: str, fresh: PromptSource) -> None:
     """Empty the instances' prefix caches (vLLM's dev route; nothing is running),
     and wait until none holds a block of the replay's prompts (each instance's
@@ -1127,14 +1133,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             for length, xs in here.items():
                 cold.setdefault(length, xs)
-            start_cold = here[shape["input_median"]]
             print(
-                "[sessions] idle cold prefills: "
-                + "; ".join(
-                    f"{n} tokens {', '.join(f'{x:.2f}' for x in xs)} s"
-                    for n, xs in here.items()
-                ),
-                flush=True,
+                f"[sessions] idle cold prefills: {seconds_by_length(here)}", flush=True
             )
             for arm in arms:
                 if arm in PD_MODES:  # P/D's first transfer of the mode, off the clock
@@ -1164,7 +1164,6 @@ def main(argv: list[str] | None = None) -> int:
                             arm=arm,
                         )
                     row["arm"], row["load_per_min"] = arm, load
-                    row["start_cold_prefill_s"] = start_cold
                     add_reuse(row, w["unbounded"])
                     row.update(throughput(row["outcomes"]))
                     by_load[load][arm] = row
@@ -1172,14 +1171,13 @@ def main(argv: list[str] | None = None) -> int:
             after = cold_prefills(a.url, model, warm, {shape["input_median"]: 3})
             print(
                 "[sessions] idle cold prefills after the load: "
-                f"{shape['input_median']} tokens "
-                + ", ".join(f"{x:.2f}" for x in after[shape["input_median"]])
-                + " s",
+                + seconds_by_length(after),
                 flush=True,
             )
             for rows in by_load.values():
                 for arm in arms:
                     if arm in rows:
+                        rows[arm]["start_cold_prefill_s"] = here[shape["input_median"]]
                         rows[arm]["start_cold_after_s"] = after[shape["input_median"]]
     cold_s = statistics.median(cold[shape["input_median"]])
     starts = {
