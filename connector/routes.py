@@ -13,6 +13,7 @@ served without it, and a POST's signature is checked before its body is read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .common.auth import BODY_READ_DEADLINE_S, EndpointGuard, signed_target
 from .common.config import ExtConfig
-from .hashsync.feed_protocol import FEED_PATH, RESET_PATH, FeedRequest, ResetNotice
+from .hashsync.feed_protocol import (
+    FEED_PATH,
+    RESET_PATH,
+    FeedPage,
+    FeedRequest,
+    ResetNotice,
+)
 from .hashsync.worker_sync import WorkerHashSync
 from .layerwise.prefill_sender import LayerwiseSender
 from .metrics import CONTENT_TYPE, exposition
@@ -33,7 +40,7 @@ from .push.source_server import NO_PREFIX_CACHING, PROOF_MAX_BODY_BYTES, PushSer
 
 NOT_READY = "KV caches not registered yet; retry"
 MAX_SAMPLE = 256  # GET /hashsync?sample=N
-FEED_CHECK_S = 0.02  # a waiting feed request looks for changes this often
+FEED_CHECK_S = 0.02  # how often a waiting feed request looks while a step is sealed
 NO_MIRROR = (
     "no block-hash mirror on this instance (a decode-only instance, or prefix "
     "caching is off)"
@@ -252,16 +259,38 @@ def bootstrap_router(
         except ValueError as e:
             raise refusal(422, f"not a feed request: {str(e)[:300]}") from None
         end = clock() + req.wait_ms / 1000
-        while True:
-            # a snapshot (up to 65,536 keys) is encoded off the event loop
-            page = await asyncio.to_thread(sync.feed, req)
-            if page is None:
-                raise refusal(503, "no engine step has run yet; retry")
-            if page.reset or page.events or clock() >= end:
-                return JSONResponse(page.model_dump())
-            if await request.is_disconnected():  # the peer gave up: stop looking
-                return JSONResponse(page.model_dump())
-            await asyncio.sleep(min(FEED_CHECK_S, max(0.0, end - clock())))
+        loop = asyncio.get_running_loop()
+        moved = asyncio.Event()
+
+        def wake() -> None:  # the engine's thread, holding the table's lock
+            with contextlib.suppress(RuntimeError):  # the server's loop has closed
+                loop.call_soon_threadsafe(moved.set)
+
+        def look() -> tuple[FeedPage | None, bool]:
+            return sync.feed(req), sync.table.awaits_device()
+
+        sync.table.watch(wake)
+        try:
+            while True:
+                moved.clear()
+                # a snapshot (up to 65,536 keys) is encoded off the event loop
+                page, device = await asyncio.to_thread(look)
+                if page is None:
+                    raise refusal(503, "no engine step has run yet; retry")
+                if page.reset or page.events or clock() >= end:
+                    return JSONResponse(page.model_dump())
+                if await request.is_disconnected():  # the peer gave up: stop looking
+                    return JSONResponse(page.model_dump())
+                left = max(0.0, end - clock())
+                # an idle source wakes no one until its table moves; a step sealed on
+                # the device is published once its event completes, which nothing
+                # signals, so look again soon while one is
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        moved.wait(), min(FEED_CHECK_S, left) if device else left
+                    )
+        finally:
+            sync.table.unwatch(wake)
 
     @router.post(RESET_PATH)
     async def hashsync_reset(caller: Caller = Depends(authenticate)) -> JSONResponse:

@@ -7,13 +7,15 @@ may be held by several blocks, a block holds at most one. A block's generation
 is bumped whenever its cached identity changes: a push whose blocks' generations
 changed by the end of its write must be reported failed. Removals and resets act
 at once; with ``defer_stores`` a store is published only once its step completed.
-The feed (feed_protocol.py) logs published keys gained and lost, until a reset.
+The feed (feed_protocol.py) logs published keys gained and lost, until a reset;
+a feed reader waiting for a change is woken when the log moves (:meth:`watch`).
 """
 
 import itertools
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from vllm.logger import init_logger
@@ -51,12 +53,14 @@ class BlockHashTable:
         self._feed_first = 1
         self._feed: list[str] = []
         self._feed_max = feed_log_max
+        # feed readers waiting for a change; called under the lock: must not block
+        self._wakes: set[Callable[[], None]] = set()
 
     # ---- updates (worker thread) -------------------------------------------
     def apply(self, delta: HashDelta) -> None:
         """Apply a drained delta in order. Raises ``HashConfigMismatchError``
         if its hash configuration differs from the one seen before."""
-        with self._lock:
+        with self._changing():
             if delta.hash_config is not None:
                 if self.hash_config is None:
                     self.hash_config = delta.hash_config
@@ -84,7 +88,7 @@ class BlockHashTable:
 
     def clear(self, resets: int) -> None:
         """The scheduler's ``resets``-th prefix-cache reset: forget every block now."""
-        with self._lock:
+        with self._changing():
             if resets > self._resets:
                 self._resets = resets
                 self._clear()
@@ -92,7 +96,7 @@ class BlockHashTable:
     def clear_next(self, resets: int) -> int | None:
         """:meth:`clear` if ``resets`` is the next reset (one more than applied):
         None once cleared, else the resets applied (nothing changed)."""
-        with self._lock:
+        with self._changing():
             if resets != self._resets + 1:
                 return self._resets
             self._resets = resets
@@ -105,16 +109,18 @@ class BlockHashTable:
 
     def seal_pending(self, event: Any = None) -> None:
         """Forward launched; ``event.query()`` says when it completed (None: done)."""
-        with self._lock:
+        with self._changing():
             if self._pending:
                 self._sealed.append((event, self._pending))
                 self._pending = {}
+                if event is not None:  # readers look again until it completes
+                    self._wake()
 
     def commit_ready(self) -> int:
         """Publish the sealed steps whose event has completed, in order; returns how many
         stores became visible."""
         n = 0
-        with self._lock:
+        with self._changing():
             while self._sealed:
                 event, stores = self._sealed[0]
                 if event is not None and not event.query():
@@ -124,6 +130,37 @@ class BlockHashTable:
                     self._insert(key, block_id)
                 n += len(stores)
         return n
+
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The lock, and the watchers woken on leaving it if the feed moved."""
+        with self._lock:
+            seq = self._feed_seq
+            yield
+            if self._feed_seq != seq:
+                self._wake()
+
+    def _wake(self) -> None:
+        for wake in self._wakes:
+            wake()
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (from the thread that changes the table, holding its lock:
+        it must return at once) whenever the feed moves or a step is sealed whose
+        event must complete before it is published."""
+        with self._lock:
+            self._wakes.add(wake)
+
+    def unwatch(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            self._wakes.discard(wake)
+
+    def awaits_device(self) -> bool:
+        """A sealed step waits for its device event. Its stores are published by
+        the first :meth:`commit_ready` that finds the event complete, which no one
+        signals: a reader waiting for the feed must look again while this holds."""
+        with self._lock:
+            return any(event is not None for event, _ in self._sealed)
 
     def _unpublished(self, block_id: int) -> dict[int, bytes] | None:
         """The not yet published stores (current or sealed step) holding block_id."""

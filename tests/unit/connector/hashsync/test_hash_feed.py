@@ -380,6 +380,92 @@ def test_the_route_answers_a_snapshot_then_waits_for_the_next_change():
     assert 0.25 <= took < 1.2, f"answered after {took:.2f} s"
 
 
+def test_the_table_wakes_its_watchers_only_when_the_feed_moves():
+    t = table(defer=True)
+    woken: list[None] = []
+    t.watch(lambda: woken.append(None))  # under the table's lock: only note it
+    t.apply(delta((S, k(1), 10)))  # stored, not yet published
+    t.seal_pending()  # a step with nothing to wait for: no need to look again
+    assert len(woken) == 0 and not t.awaits_device()
+    assert t.commit_ready() == 1
+    assert len(woken) == 1 and t.feed_position() == 1
+    t.apply(delta((S, k(1), 11)))  # a second holder of a published key: no event
+    t.seal_pending()
+    t.commit_ready()
+    assert len(woken) == 1
+    ev = Event()
+    t.apply(delta((S, k(2), 12)))
+    t.seal_pending(ev)  # published only once ev completes, which no one signals
+    assert len(woken) == 2 and t.awaits_device()
+    assert t.commit_ready() == 0 and len(woken) == 2
+    ev.done = True
+    assert t.commit_ready() == 1 and len(woken) == 3
+    assert not t.awaits_device() and t.feed_position() == 2
+    t.clear(1)  # a reset: peers need a snapshot
+    assert len(woken) == 4
+    t.apply(delta((R, k(9), 99)))  # a stale removal changes nothing
+    assert len(woken) == 4
+
+
+def test_a_waiting_feed_request_looks_again_only_when_the_table_moves(monkeypatch):
+    sync = mirror_holding(1)
+    looks: list[float] = []
+    feed = sync.feed
+
+    def counted(req):
+        looks.append(time.monotonic())
+        return feed(req)
+
+    monkeypatch.setattr(sync, "feed", counted)
+    client = feed_client(sync)
+    began = time.monotonic()
+    r = post_feed(client, {"epoch": sync.table.feed_epoch, "since": 1, "wait_ms": 600})
+    took = time.monotonic() - began
+    page = FeedPage.model_validate_json(r.content)
+    assert (page.events, page.seq) == ([], 1)
+    assert 0.59 <= took < 2.0, f"answered after {took:.2f} s"
+    # an idle source is asked once when the request comes and once at its end
+    assert len(looks) <= 2, f"looked {len(looks)} times in {took:.2f} s"
+
+
+def page_when(sync: WorkerHashSync, since: int, act) -> tuple[FeedPage, float]:
+    """The page a feed request waiting from ``since`` gets when ``act`` runs 0.3 s
+    into its wait (of 3 s), and how long it took."""
+    client = feed_client(sync)
+    timer = threading.Timer(0.3, act)
+    began = time.monotonic()
+    timer.start()
+    try:
+        r = post_feed(
+            client, {"epoch": sync.table.feed_epoch, "since": since, "wait_ms": 3000}
+        )
+    finally:
+        timer.join()
+    assert r.status_code == 200, r.text
+    return FeedPage.model_validate_json(r.content), time.monotonic() - began
+
+
+def test_a_waiting_request_looks_while_a_step_waits_for_its_device_event():
+    sync = mirror_holding(1)
+    ev = Event()
+    sync.on_metadata(delta((S, k(2), 12)))
+    sync.after_step(ev)  # the forward launched; its event not yet complete
+
+    def complete() -> None:  # the device finishes: no call into the table
+        ev.done = True
+
+    page, took = page_when(sync, 1, complete)
+    assert (page.reset, page.events, page.seq) == (False, [plus(2)], 2)
+    assert 0.25 <= took < 1.5, f"answered after {took:.2f} s"
+
+
+def test_a_reset_wakes_a_waiting_request_with_a_snapshot():
+    sync = mirror_holding(1, 2)
+    page, took = page_when(sync, 2, lambda: sync.table.clear(1))
+    assert (page.reset, page.events) == (True, [])
+    assert 0.25 <= took < 1.5, f"answered after {took:.2f} s"
+
+
 def test_the_route_answers_an_empty_page_when_nothing_changed_in_the_wait():
     sync = mirror_holding(1)
     client = feed_client(sync)
