@@ -6,7 +6,8 @@ block id, the window's median prompt about 9k tokens and its longest 29k;
 microbench/sessions/trace.py holds the window and the scaling) is replayed on
 its own clock on two ``kv_both`` instances (core 0 and core 1), at a series of
 offered loads (--loads, sessions starting a minute; each load the same sessions,
-evenly spaced, each keeping its turns' gaps), in arms:
+evenly spaced, each keeping its turns' gaps, and no turn sent before the turn
+before it has answered: an agent's next call follows the answer), in arms:
 
   sticky            each session's turns sent straight to one instance: every
                     turn after the first finds its prefix in the local cache (the
@@ -164,6 +165,7 @@ POLICIES = {"rr": "round_robin", "p2c": "power_of_two", "cache_aware": "cache_aw
 DEFAULT_ARMS = ("sticky", "rr", "rr+push")
 LOADS = "8,16,24"  # sessions a minute
 REQUESTS = 120
+HELD_S = 0.01  # a turn held longer for its previous turn's answer counts as held
 PD_MODES = {"pd-layerwise": "layerwise", "pd-posthoc": "posthoc"}
 TTFT_VS_LOCAL = 1.5  # turn >= 2 TTFT p50 with push, against sticky's
 REUSE_OF_UNBOUNDED = 0.9
@@ -341,7 +343,17 @@ def layerwise_of(p, arm: str, before: dict) -> dict:
 
 
 def run_arm(
-    name, url_of, reqs, prompts, insts, model, sampled, deadline_s, pd=None, arm=None
+    name,
+    url_of,
+    reqs,
+    prompts,
+    insts,
+    model,
+    sampled,
+    deadline_s,
+    pd=None,
+    arm=None,
+    after=None,
 ):
     """One replay; its row (token counts and push figures from the instances,
     latencies from the client). ``pd``: (P, D) for the P/D arms; the prefill
@@ -377,6 +389,7 @@ def run_arm(
         deadline_s=deadline_s,
         progress=progress,
         prefill=pd_prefill(arm, tag, *pd) if pd else None,
+        after=after,
     )
     wall = time.monotonic() - t0
     errors = [o.error for o in outcomes if o.error]
@@ -448,6 +461,9 @@ def run_arm(
         "e2e_p90_s": quantile([o.e2e_s for o, _ in ok], 0.9),
         "tpot_p90_s": quantile([o.tpot_s for o, _ in ok], 0.9),
         "send_late_max_s": max(o.late_s for o in outcomes),
+        # later turns whose previous turn had not answered at their timestamp
+        "turns_held": sum(o.held_s > HELD_S for o in outcomes),
+        "held_p50_s": quantile([o.held_s for o in outcomes if o.held_s > HELD_S], 0.5),
         "tokens": diff["tokens"],
         "computed_by_instance": diff["computed_by_instance"],
         "decisions": diff["decisions"],
@@ -541,6 +557,7 @@ def workload(raw, load: float, args, builder: trace.PromptBuilder) -> dict:
         "prompts": [builder.prompt(r) for r in reqs],
         "sampled": set(later[::step][: args.samples]),
         "unbounded": trace.unbounded_reuse(reqs, args.id_tokens),
+        "after": trace.previous_turns(reqs),
     }
 
 
@@ -760,6 +777,7 @@ TABLE = [
     ("ttft_later_p50_ms", "turn>=2 p50", ".0f"),
     ("requests_per_s", "req/s", ".3f"),
     ("in_flight_mean", "in flight", ".1f"),
+    ("turns_held", "held", "d"),
     ("e2e_p50_ms", "e2e p50", ".0f"),
     ("e2e_p90_ms", "e2e p90", ".0f"),
     ("tpot_p90_ms", "TPOT p90", ".1f"),
@@ -801,6 +819,7 @@ def display(rows: list[dict], slo: float | None = None) -> list[dict]:
             "ttft_later_p50_ms": ms(r["ttft_later_p50_s"]),
             "requests_per_s": r.get("requests_per_s"),
             "in_flight_mean": r.get("in_flight_mean"),
+            "turns_held": r.get("turns_held", 0),
             "e2e_p50_ms": ms(r["e2e_p50_s"]),
             "e2e_p90_ms": ms(r["e2e_p90_s"]),
             "tpot_p90_ms": ms(r["tpot_p90_s"]),
@@ -1162,6 +1181,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.deadline_s,
                             pd=(a, b) if arm in PD_MODES else None,
                             arm=arm,
+                            after=w["after"],
                         )
                     row["arm"], row["load_per_min"] = arm, load
                     add_reuse(row, w["unbounded"])

@@ -2,6 +2,14 @@
 trace's clock: each request is sent at its timestamp (relative to the start) on a
 thread of its own, streamed, and timed as the client sees it.
 
+With ``after`` (a session's turns), a turn is sent no earlier than the end of the
+turn before it, as an agent sends its next call only once it has the answer: a
+turn sent earlier would find its session's prefix still being computed, which no
+cache can hold, and the open-loop clock sent a third of the later turns so at 4
+sessions a minute on a 2-core host. Sessions still arrive on the clock; only a
+session's own order holds its turns back, and each turn says how long
+(``held_s``).
+
 Per request: the time to the first token (the first streamed chunk that carries
 text), the end-to-end latency, the time per output token after the first, the
 prompt and output tokens vLLM reports (``stream_options.include_usage``), and
@@ -33,7 +41,9 @@ from microbench.sessions.trace import TraceRequest
 class Outcome:
     index: int
     sent_at_s: float  # from the replay's start
-    late_s: float  # how far behind its timestamp it was sent
+    late_s: (
+        float  # how far behind its timestamp (or its previous turn's end) it was sent
+    )
     prompt_len: int
     ttft_s: float | None = None
     e2e_s: float | None = None
@@ -42,6 +52,7 @@ class Outcome:
     output_tokens: int | None = None
     cached_tokens: int | None = None
     prefill_s: float | None = None  # P/D: P's answer, from the send
+    held_s: float = 0.0  # waiting for its previous turn's end, past its timestamp
     error: str | None = None
     sampled: Completion | None = field(default=None, repr=False)
 
@@ -137,9 +148,12 @@ def replay(
     deadline_s: float = 300.0,
     progress: Callable[[int, int, int], None] | None = None,
     prefill: Callable[[int], tuple[str, dict, dict]] | None = None,
+    after: Sequence[int | None] | None = None,
 ) -> list[Outcome]:
-    """Send request ``i`` (``prompts[i]``) to ``url_of(i)`` at its timestamp; wait
-    for all (each within ``deadline_s``); the outcomes in trace order.
+    """Send request ``i`` (``prompts[i]``) to ``url_of(i)`` at its timestamp, and
+    not before request ``after[i]`` (its previous turn) has ended, however it
+    ended; wait for all (each within ``deadline_s`` of its send); the outcomes in
+    trace order.
     ``sampled`` requests also ask for top-5 logprobs (the first ``check_tokens``
     are kept for the correctness check). ``prefill(i)``: P/D, ``(P's url, P's
     kv_transfer_params, D's kv_transfer_params)``; ``url_of(i)`` is then D's."""
@@ -147,9 +161,31 @@ def replay(
     lock = threading.Lock()
     done = [0, 0]  # finished, errors
     client = httpx.Client(limits=httpx.Limits(max_connections=len(reqs) + 4))
+    ended = [threading.Event() for _ in reqs]
+    depth = [0] * len(reqs)  # turns before this one in its session
+    for i, previous in enumerate(after or ()):
+        if previous is not None:
+            if not 0 <= previous < i:
+                raise ValueError(f"request {i} cannot follow request {previous}")
+            depth[i] = depth[previous] + 1
     start = time.perf_counter()
 
     def one(i: int, r: TraceRequest) -> None:
+        try:
+            send(i, r)
+        finally:
+            ended[i].set()
+
+    def send(i: int, r: TraceRequest) -> None:
+        previous = after[i] if after is not None else None
+        woke = time.perf_counter()
+        # each turn ends (an error too) within its deadline of its send, so the
+        # turns before this one end within theirs, one after another
+        if previous is None or ended[previous].wait(depth[i] * (deadline_s + 30)):
+            blocked = None
+        else:
+            blocked = f"its previous turn (request {previous}) did not end"
+        held = time.perf_counter() - woke if previous is not None else 0.0
         body = {
             "model": model,
             "prompt": prompts[i],
@@ -165,9 +201,12 @@ def replay(
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         sent = time.perf_counter() - start
-        out = Outcome(i, sent, max(0.0, sent - r.timestamp_ms / 1e3), len(prompts[i]))
+        late = max(0.0, sent - r.timestamp_ms / 1e3 - held)
+        out = Outcome(i, sent, late, len(prompts[i]), held_s=held)
         p_thread, p_error = None, []
         try:
+            if blocked:
+                raise TimeoutError(blocked)
             if prefill is not None:
                 p_url, p_params, d_params = prefill(i)
                 body["kv_transfer_params"] = d_params

@@ -183,6 +183,17 @@ def session_key(r: TraceRequest) -> tuple:
     return ("session", r.session) if r.session is not None else r.hash_ids[:2]
 
 
+def previous_turns(reqs: Sequence[TraceRequest]) -> list[int | None]:
+    """Per request the index of its session's turn before it (None: a first
+    turn), ``reqs`` in the order they are sent."""
+    last: dict[tuple, int] = {}
+    out: list[int | None] = []
+    for i, r in enumerate(reqs):
+        out.append(last.get(session_key(r)))
+        last[session_key(r)] = i
+    return out
+
+
 def sessions(reqs: Sequence[TraceRequest]) -> list[list[TraceRequest]]:
     """Requests grouped by their first two ids, each group in trace order, the
     groups in order of their first request."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -126,7 +127,7 @@ class Stub:
     """An OpenAI-style completion endpoint on 127.0.0.1 that records the bodies it
     gets; streams when asked; answers HTTP ``status``."""
 
-    def __init__(self, status=200):
+    def __init__(self, status=200, delay_s=0.0):
         self.bodies: list[dict] = []
         stub = self
 
@@ -137,6 +138,7 @@ class Stub:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 stub.bodies.append(body)
+                time.sleep(delay_s)
                 self.send_response(status)
                 self.end_headers()
                 if status != 200:
@@ -167,7 +169,7 @@ class Stub:
 @pytest.fixture
 def stubs():
     made: list[Stub] = []
-    yield lambda status=200: made.append(Stub(status)) or made[-1]
+    yield lambda status=200, delay_s=0.0: made.append(Stub(status, delay_s)) or made[-1]
     for s in made:
         s.close()
 
@@ -211,6 +213,63 @@ def test_a_pd_request_whose_p_fails_is_an_error_though_d_answered(stubs):
         prefill=lambda i: (p.url, {}, {}),
     )
     assert out[0].error and "P: HTTP 500" in out[0].error
+
+
+def test_a_turn_is_sent_only_once_its_previous_turn_has_answered(stubs):
+    slow, fast = stubs(delay_s=0.4), stubs()
+    reqs = [TraceRequest(ms, 3, 2, (i,)) for i, ms in enumerate((0.0, 50.0, 100.0))]
+    out = replay(
+        lambda i: slow.url if i == 0 else fast.url,
+        "m",
+        reqs,
+        [[1, 2, 3]] * 3,
+        deadline_s=10,
+        after=[None, None, 0],  # request 2 is request 0's next turn
+    )
+    assert [o.error for o in out] == [None, None, None]
+    first, other, next_turn = out
+    assert next_turn.sent_at_s >= first.sent_at_s + first.e2e_s
+    assert 0.2 < next_turn.held_s < 1.0 and next_turn.late_s < 0.1
+    assert other.held_s == 0.0 and other.sent_at_s < 0.2  # another session: on time
+
+
+def test_requests_of_no_session_are_sent_on_the_clock_alone(stubs):
+    slow = stubs(delay_s=0.4)
+    out = replay(
+        lambda i: slow.url,
+        "m",
+        [TraceRequest(0.0, 3, 2, ()) for _ in range(3)],  # a burst of forks
+        [[1, 2, 3]] * 3,
+        deadline_s=10,
+    )
+    assert [o.error for o in out] == [None, None, None]
+    assert max(o.sent_at_s for o in out) < 0.2 and all(o.held_s == 0 for o in out)
+
+
+def test_a_failed_turn_releases_the_next_one(stubs):
+    broken, fine = stubs(500, delay_s=0.2), stubs()
+    out = replay(
+        lambda i: broken.url if i == 0 else fine.url,
+        "m",
+        [TraceRequest(0.0, 3, 2, (1,)), TraceRequest(10.0, 3, 2, (1,))],
+        [[1, 2, 3]] * 2,
+        deadline_s=10,
+        after=[None, 0],
+    )
+    assert "HTTP 500" in out[0].error and out[1].error is None
+    assert out[1].held_s > 0.1
+
+
+def test_a_turn_cannot_follow_a_later_one():
+    with pytest.raises(ValueError, match="request 0 cannot follow request 1"):
+        replay(
+            lambda i: "http://127.0.0.1:9",
+            "m",
+            requests(2),
+            [[1], [2]],
+            deadline_s=1,
+            after=[1, None],
+        )
 
 
 def curve_row(p90, *, errors=0, reuse=1.0, spread=0.0):

@@ -297,3 +297,15 @@ def test_a_multi_turn_trace_keeps_its_sessions_through_spacing_and_writing(tmp_p
 def test_a_multi_turn_trace_with_a_bad_session_is_refused(tmp_path, lines):
     with pytest.raises(trace.TraceError):
         load_lines(tmp_path, lines)
+
+
+def test_each_turn_follows_its_sessions_turn_before_it():
+    reqs = [
+        TraceRequest(0.0, 4, 1, (1, 2, 3)),
+        TraceRequest(1.0, 4, 1, (5, 6)),
+        TraceRequest(2.0, 4, 1, (1, 2, 3, 4)),
+        TraceRequest(3.0, 4, 1, (7, 8), session="s"),
+        TraceRequest(4.0, 4, 1, (9,), session="s"),
+        TraceRequest(5.0, 4, 1, (1, 2, 3, 4, 9)),
+    ]
+    assert trace.previous_turns(reqs) == [None, None, 0, None, 3, 2]
