@@ -41,7 +41,8 @@ written before P's last layer. Per arm and load: TTFT p50/p90/p99
 tokens by source: local cache hits + tokens from the connector) against the
 reuse one instance with an unbounded cache would get on the same requests,
 prefill tokens computed and "recomputed" (computed beyond what the unbounded
-cache could not save), push decisions by reason and pushes by outcome, errors,
+cache could not save), the requests that hit less than the unbounded cache
+would have (vLLM's cached_tokens, local and from the connector), push decisions by reason and pushes by outcome, errors,
 a correctness check of sampled requests (first tokens' top-5 logprobs against a
 from-scratch reference), and the KV blocks still held after the run.
 
@@ -165,6 +166,7 @@ POLICIES = {"rr": "round_robin", "p2c": "power_of_two", "cache_aware": "cache_aw
 DEFAULT_ARMS = ("sticky", "rr", "rr+push")
 LOADS = "8,16,24"  # sessions a minute
 REQUESTS = 120
+SHORT_SHOWN = 10  # requests short of the unbounded cache's reuse named in a row
 HELD_S = 0.01  # a turn held longer for its previous turn's answer counts as held
 PD_MODES = {"pd-layerwise": "layerwise", "pd-posthoc": "posthoc"}
 TTFT_VS_LOCAL = 1.5  # turn >= 2 TTFT p50 with push, against sticky's
@@ -493,6 +495,22 @@ def add_reuse(row: dict, unbounded: dict) -> None:
     row["recomputed_tokens"] = max(
         0.0, t["local_compute"] - (prompt - unbounded["hit_tokens"])
     )
+    # where: the answered requests that vLLM says hit (local and from the
+    # connector) less than the unbounded cache would have, in trace order
+    per_request = unbounded.get("per_request") or ()
+    short = [
+        (o["index"], o.get("turn"), want - (o.get("cached_tokens") or 0))
+        for o, want in zip(row.get("outcomes", ()), per_request)
+        if not o.get("error") and (o.get("cached_tokens") or 0) < want
+    ]
+    row["short_of_unbounded"] = {
+        "requests": len(short),
+        "tokens": sum(x[2] for x in short),
+        "largest": [
+            {"index": i, "turn": turn, "tokens": n}
+            for i, turn, n in sorted(short, key=lambda x: -x[2])[:SHORT_SHOWN]
+        ],
+    }
 
 
 def where_the_time_goes(row: dict) -> str:
@@ -785,6 +803,7 @@ TABLE = [
     ("of_unbounded_pct", "of unbounded %", ".1f"),
     ("computed_tokens", "computed tok", ".0f"),
     ("recomputed_tokens", "recomputed", ".0f"),
+    ("short", "short of unbounded", ""),
     ("pushed", "pushed", ".0f"),
     ("transfers", "P->D transfers", ""),
     ("checked", "correct", ""),
@@ -798,6 +817,12 @@ def transfers_cell(pd: dict | None) -> str:
     share = t["share_before_prefill_end"]
     early = "" if share is None else f", {share:.0%} before P's end"
     return f"{t['completed']:.0f} ok, {t['failed']:.0f} failed{early}"
+
+
+def short_cell(short: dict | None) -> str:
+    if not short:
+        return "-"
+    return f"{short['requests']} req, {short['tokens']:,} tok"
 
 
 def display(rows: list[dict], slo: float | None = None) -> list[dict]:
@@ -829,6 +854,7 @@ def display(rows: list[dict], slo: float | None = None) -> list[dict]:
             else 100 * r["reuse_of_unbounded"],
             "computed_tokens": r["computed_tokens"],
             "recomputed_tokens": r["recomputed_tokens"],
+            "short": short_cell(r.get("short_of_unbounded")),
             "pushed": r["decisions"]["pushed"],
             "transfers": transfers_cell(r.get("pd")),
             "checked": f"{sum(c['ok'] for c in r['checks'])}/{len(r['checks'])}",

@@ -41,6 +41,38 @@ def test_reuse_is_cache_hits_and_connector_tokens_against_the_unbounded_cache():
     assert row["computed_tokens"] == 700
     # 600 tokens no cache could have saved; 100 more were computed
     assert row["recomputed_tokens"] == 100
+    assert row["short_of_unbounded"] == {"requests": 0, "tokens": 0, "largest": []}
+
+
+def test_the_requests_that_hit_less_than_the_unbounded_cache_are_named():
+    row = {
+        "tokens": {
+            "local_compute": 700.0,
+            "local_cache_hit": 200.0,
+            "external_kv_transfer": 100.0,
+        },
+        "outcomes": [
+            {"index": 0, "turn": 1, "cached_tokens": None},
+            {"index": 1, "turn": 2, "cached_tokens": 128},
+            {"index": 2, "turn": 3, "cached_tokens": 512},
+            {"index": 3, "turn": 2, "cached_tokens": 0, "error": "HTTP 500"},
+            {"index": 4, "turn": 2, "cached_tokens": 384},
+        ],
+    }
+    unbounded = {
+        "prompt_tokens": 1000,
+        "hit_tokens": 400,
+        "per_request": [0, 512, 384, 256, 512],
+    }
+    add_reuse(row, unbounded)
+    assert row["short_of_unbounded"] == {
+        "requests": 2,
+        "tokens": 512,
+        "largest": [
+            {"index": 1, "turn": 2, "tokens": 384},
+            {"index": 4, "turn": 2, "tokens": 128},
+        ],
+    }
 
 
 def snap(computed: float, hits: float = 0.0) -> dict:
