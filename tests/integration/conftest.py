@@ -283,9 +283,17 @@ SHARED_CLUSTERS: dict[str, SharedCluster] = {
                 },
                 "d": {
                     "extra_push_sources": [UNREACHABLE_SOURCE, source.url],
-                    # the hostile fake's pushes land nothing by design: D must
-                    # keep asking it to check each of its answers
-                    "env": {"MOONCAKE_FAULT_KEEP_ASKING_SOURCE": source.url},
+                    "env": {
+                        # the hostile fake's pushes land nothing by design: D must
+                        # keep asking it to check each of its answers
+                        "MOONCAKE_FAULT_KEEP_ASKING_SOURCE": source.url,
+                        # these tests push prompts of 2-5 blocks to check what a
+                        # push does, not whether it pays: on a 2-core Xeon with
+                        # AMX, after the earlier modules' pushes, D's gate judged 2
+                        # blocks at 80.7 ms against 72.2 ms of local prefill and
+                        # kept them local (the gate's choice is unit-tested)
+                        "MOONCAKE_PUSH_POLICY": "always",
+                    },
                 },
                 "x64": {"block_size": 64},
                 "d_faulty": {"env": {"MOONCAKE_FAULT_ZERO_RECV_BLOCK": "0"}},
