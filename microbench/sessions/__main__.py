@@ -42,9 +42,10 @@ tokens by source: local cache hits + tokens from the connector) against the
 reuse one instance with an unbounded cache would get on the same requests,
 prefill tokens computed and "recomputed" (computed beyond what the unbounded
 cache could not save), the requests that hit less than the unbounded cache
-would have (vLLM's cached_tokens, local and from the connector), push decisions by reason and pushes by outcome, errors,
-a correctness check of sampled requests (first tokens' top-5 logprobs against a
-from-scratch reference), and the KV blocks still held after the run.
+would have (vLLM's cached_tokens, local and from the connector), push decisions
+by reason and pushes by outcome, errors, a correctness check of sampled
+requests (first tokens' top-5 logprobs against a from-scratch reference), and
+the KV blocks still held after the run.
 
 The SLO is per request: a TTFT of at most three idle cold prefills of a prompt of
 its length (cold prefills of the median and of the longest prompt are measured at
@@ -217,12 +218,9 @@ def grown(before: dict, after: dict) -> dict:
 
 def turns_of(reqs: list[trace.TraceRequest]) -> list[int]:
     """Each request's turn in its session (1: the first)."""
-    seen: dict[tuple[int, ...], int] = {}
-    out = []
-    for r in reqs:
-        k = trace.session_key(r)
-        seen[k] = seen.get(k, 0) + 1
-        out.append(seen[k])
+    out: list[int] = []
+    for previous in trace.previous_turns(reqs):
+        out.append(1 if previous is None else out[previous] + 1)
     return out
 
 

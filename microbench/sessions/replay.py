@@ -41,9 +41,7 @@ from microbench.sessions.trace import TraceRequest
 class Outcome:
     index: int
     sent_at_s: float  # from the replay's start
-    late_s: (
-        float  # how far behind its timestamp (or its previous turn's end) it was sent
-    )
+    late_s: float  # how far behind its timestamp it was sent, less ``held_s``
     prompt_len: int
     ttft_s: float | None = None
     e2e_s: float | None = None
