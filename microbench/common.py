@@ -215,12 +215,22 @@ def figure(
 
 
 def save_figure(
-    fig: Any, path: Path, title: str, *, fontsize: float = 9, wrap: int | None = None
+    fig: Any,
+    path: Path,
+    title: str,
+    origin: str,
+    *,
+    fontsize: float = 9,
+    wrap: int | None = None,
 ) -> Path:
-    """Title ``fig`` (wrapped at ``wrap`` characters), write it to ``path``, close it."""
+    """Title ``fig`` with ``title`` and ``origin`` (machine, commit and run, as
+    :func:`provenance` gives them), wrapped at ``wrap`` characters; write it to
+    ``path`` and close it. ``origin`` has no default: no figure is written
+    without its machine, date and commit."""
     import matplotlib.pyplot as plt
 
-    fig.suptitle(textwrap.fill(title, wrap) if wrap else title, fontsize=fontsize)
+    full = f"{title} ({origin})"
+    fig.suptitle(textwrap.fill(full, wrap) if wrap else full, fontsize=fontsize)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

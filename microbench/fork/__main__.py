@@ -57,6 +57,7 @@ from microbench.common import (
     machine_info,
     model_facts,
     parser,
+    provenance,
     save_figure,
     stamp,
     target_line,
@@ -262,7 +263,7 @@ TABLE = [
 ]
 
 
-def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+def plot(rows: list[dict], path: Path, title: str, origin: str) -> Path | None:
     if (made := figure(1, 2, (10, 4))) is None:
         return None
     fig, (a, b) = made
@@ -278,7 +279,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     a.set_ylabel("TTFT of the forks (s)")
     b.bar(names, [r["contexts_computed_away"] for r in rows], color="tab:red")
     b.set_ylabel("contexts computed off the holder, a burst")
-    return save_figure(fig, path, title, fontsize=8, wrap=110)
+    return save_figure(fig, path, title, origin, fontsize=8, wrap=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         "targets": met,
         "summary": {"lines": lines},
     }
-    png = plot(ordered, out.with_suffix(".png"), lines[0] + f" ({run_id})")
+    png = plot(
+        ordered,
+        out.with_suffix(".png"),
+        lines[0],
+        provenance(result["machine"], code, run_id),
+    )
     return finish("fork", out, result, TABLE, lambda r: r["arm"], png)
 
 

@@ -53,11 +53,13 @@ from harness.pd_client import (
 from harness.prompts import PromptSource
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
+    code_version,
     config_of,
     finish,
     machine_info,
     model_facts,
     parser,
+    provenance,
     stamp,
 )
 from microbench.load import DecodeLoad
@@ -493,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = Phases()
     model_dir = args.model or ensure_model(ModelShape())
     facts = model_facts(Path(model_dir))
+    code = code_version()  # the code this process runs: edits made later do not
     run_id = stamp()
     out = args.out or DEFAULT_RESULTS_DIR / f"mb7-{run_id}.json"
     log_dir = out.parent / f"mb7-{run_id}-logs"
@@ -555,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "mb7",
         "machine": machine,
+        "code": code,
         "model": facts,
         "config": config_of(args),
         "one_layer_write": layer,
@@ -586,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines.append("[mb7] where the run's time went: " + phases.text())
     result["summary"] = {"lines": lines}
-    png = plot(rows, out.with_suffix(".png"), facts, mname)
+    png = plot(rows, out.with_suffix(".png"), facts, provenance(machine, code, run_id))
     return finish(
         "mb7",
         out,

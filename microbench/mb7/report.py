@@ -445,7 +445,7 @@ TABLE = [
 ]
 
 
-def plot(rows: list[dict], path: Path, facts: dict, machine: str) -> Path | None:
+def plot(rows: list[dict], path: Path, facts: dict, origin: str) -> Path | None:
     if (made := figure(1, 2, (12, 4.8), tag="mb7")) is None:
         return None
     fig, axes = made
@@ -507,6 +507,7 @@ def plot(rows: list[dict], path: Path, facts: dict, machine: str) -> Path | None
         fig,
         path,
         f"mb7: {facts['layers']}-layer model, {facts['kv_bytes_per_token'] // 1024} KiB "
-        f"KV/token; bars min-max over reps; {machine}",
+        "KV/token; bars min-max over reps",
+        origin,
         fontsize=10,
     )

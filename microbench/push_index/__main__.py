@@ -267,7 +267,7 @@ def machine(date: str) -> dict:
     }
 
 
-def plot(result: dict, path: Path, title: str) -> Path | None:
+def plot(result: dict, path: Path, title: str, origin: str) -> Path | None:
     if (made := figure(1, 3, (16, 5), tag=TAG)) is None:
         return None
     fig, (a, b, c) = made
@@ -371,7 +371,7 @@ def plot(result: dict, path: Path, title: str) -> Path | None:
     c2.set_ylim(bottom=0)
     c.grid(True, alpha=0.3)
     c.legend(fontsize=6, loc="lower left")
-    return save_figure(fig, path, title)
+    return save_figure(fig, path, title, origin)
 
 
 def markdown(result: dict, json_name: str, png_name: str | None) -> str:
@@ -572,9 +572,10 @@ def report(result: dict, out: Path) -> int:
     png = plot(
         result,
         out.with_suffix(".png"),
-        f"HolderIndex.best() on {m.get('cpu_model')} ({m['cores']} cores), vLLM "
-        f"{m['vllm']}, {m['commit']}{'+dirty' if m['dirty'] else ''}, {m['date']}; "
-        f"load avg {m.get('loadavg_start')} -> {m.get('loadavg_end')}",
+        f"HolderIndex.best(), vLLM {m['vllm']}; load avg "
+        f"{m.get('loadavg_start')} -> {m.get('loadavg_end')}",
+        f"{m['cores']}-core {m.get('cpu_model')}; commit {m['commit']}"
+        f"{' with changes' if m['dirty'] else ''}; {m['date']}",
     )
     write_json(out, result)
     md = out.with_suffix(".md")

@@ -32,12 +32,14 @@ from harness.prompts import PromptSource
 from harness.routers import upstream_proxy, vllm_router
 from microbench.common import (
     DEFAULT_RESULTS_DIR,
+    code_version,
     config_of,
     figure,
     finish,
     machine_info,
     model_facts,
     parser,
+    provenance,
     save_figure,
     stamp,
 )
@@ -175,7 +177,7 @@ def display(rows: list[dict]) -> list[dict]:
     ]
 
 
-def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+def plot(rows: list[dict], path: Path, title: str, origin: str) -> Path | None:
     if (made := figure(1, 3, (13, 4))) is None:
         return None
     fig, (a, t, b) = made
@@ -187,7 +189,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     b.boxplot([[x * 100 for x in r["shares_all"]] for r in rows], tick_labels=names)
     b.set_ylabel("layer-wise bytes written before P's prefill ended (%)")
     b.set_ylim(-5, 105)
-    return save_figure(fig, path, title)
+    return save_figure(fig, path, title, origin)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_out()
     args = ap.parse_args(argv)
     facts = model_facts(Path(ensure_model(ModelShape(num_layers=args.layers))))
+    code = code_version()  # the code this process runs: edits made later do not
     run_id = stamp()
     out = args.out or DEFAULT_RESULTS_DIR / f"routers-{run_id}.json"
     log_dir = out.parent / f"routers-{run_id}-logs"
@@ -245,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "routers",
         "machine": machine_info(),
+        "code": code,
         "model": facts,
         "config": config_of(args),
         "rows": rows,
@@ -254,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         out.with_suffix(".png"),
         f"layer-wise behind dispatchers: {args.requests} x {args.prompt_len} tokens, "
-        f"{facts['layers']} layers, one at a time ({run_id})",
+        f"{facts['layers']} layers, one at a time",
+        provenance(result["machine"], code, run_id),
     )
     return finish(
         "routers", out, result, TABLE, lambda r: r["dispatcher"], png, display

@@ -666,7 +666,9 @@ def curve_targets(
     return out, gp
 
 
-def plot_curve(rows: list[dict], slo: float, path: Path, title: str) -> Path | None:
+def plot_curve(
+    rows: list[dict], slo: float, path: Path, title: str, origin: str
+) -> Path | None:
     """TTFT p90 against offered load, a line per arm; beside it the p90 of TTFT
     in cold prefills of each request's own prompt, the SLO drawn, and the
     prefill tokens each arm computed."""
@@ -705,7 +707,7 @@ def plot_curve(rows: list[dict], slo: float, path: Path, title: str) -> Path | N
         ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(alpha=0.3)
     a.legend(fontsize=8)
-    return save_figure(fig, path, title, fontsize=8, wrap=140)
+    return save_figure(fig, path, title, origin, fontsize=8, wrap=140)
 
 
 def targets(rows: dict[str, dict]) -> list[dict]:
@@ -861,7 +863,7 @@ def display(rows: list[dict], slo: float | None = None) -> list[dict]:
     ]
 
 
-def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+def plot(rows: list[dict], path: Path, title: str, origin: str) -> Path | None:
     if (made := figure(1, 3, (13, 4))) is None:
         return None
     fig, (a, b, c) = made
@@ -887,7 +889,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
         ax.tick_params(axis="x", labelrotation=30)
     c.set_ylim(0, 1.35 * max(bottom + [1.0]))
     c.legend(fontsize=8, loc="upper right")
-    return save_figure(fig, path, title, wrap=140)
+    return save_figure(fig, path, title, origin, wrap=140)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1298,12 +1300,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.trace.name} (input median {shape['input_median']}), "
         f"{facts['layers']} layers, two kv_both instances"
         + (" (P/D: a kv_producer and a kv_consumer)" if pd else "")
-        + f" ({provenance(result['machine'], code, run_id)})"
     )
+    origin = provenance(result["machine"], code, run_id)
     png = (
-        plot_curve(ordered, slo, out.with_suffix(".png"), title)
+        plot_curve(ordered, slo, out.with_suffix(".png"), title, origin)
         if len(loads) > 1
-        else plot(ordered, out.with_suffix(".png"), title)
+        else plot(ordered, out.with_suffix(".png"), title, origin)
     )
     return finish(
         "sessions",

@@ -248,3 +248,37 @@ def test_p_slowdown_is_taken_on_ps_own_cpu_clock_not_moved_by_another_process():
     assert abs(lw["prefill_slowdown_wall"]["median"] - 0.4) < 1e-9
     slow = next(t for t in targets(rows) if "slowdown" in t["target"])
     assert slow["met"] is True and abs(slow["value"] - 0.01) < 1e-9
+
+
+def test_the_figure_names_its_machine_commit_and_run(tmp_path, monkeypatch):
+    """mb7's figure is the main job's: its title carries where it was made,
+    and no figure can be saved without that (``origin`` has no default)."""
+    import microbench.mb7.report as report
+    from microbench.common import provenance, save_figure
+
+    titled = []
+
+    def keep(fig, path, title, origin, **kw):
+        out = save_figure(fig, path, title, origin, **kw)
+        titled.append(fig._suptitle.get_text())
+        return out
+
+    monkeypatch.setattr(report, "save_figure", keep)
+    sizes = [512, 2048]
+    rows = build_rows(
+        samples_for(sizes, lambda n, r: 0.06, lambda n, r: 0.5),
+        dict.fromkeys(sizes, 0.001),
+        FACTS,
+    )
+    origin = provenance(
+        {"cores": 2, "model_name": "Intel Xeon", "avx512": True},
+        {"commit": "abc1234", "changed": False},
+        "20261205-101500",
+    )
+    png = report.plot(rows, tmp_path / "mb7.png", FACTS, origin)
+    assert png is not None and png.stat().st_size > 0
+    (title,) = titled
+    assert title.startswith("mb7: 4-layer model")
+    assert title.endswith(
+        "(2-core Intel Xeon, AVX-512; commit abc1234; run 20261205-101500)"
+    )
