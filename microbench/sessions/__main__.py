@@ -667,17 +667,22 @@ def curve_targets(
 
 
 def plot_curve(
-    rows: list[dict], slo: float, path: Path, title: str, origin: str
+    rows: list[dict],
+    slo: float,
+    path: Path,
+    title: str,
+    origin: str,
+    x: tuple[str, str] = ("load_per_min", "offered load (sessions a minute)"),
 ) -> Path | None:
-    """TTFT p90 against offered load, a line per arm; beside it the p90 of TTFT
-    in cold prefills of each request's own prompt, the SLO drawn, and the
-    prefill tokens each arm computed."""
+    """TTFT p90 against offered load (``x``: the rows' key and its axis label), a
+    line per arm; beside it the p90 of TTFT in cold prefills of each request's
+    own prompt, the SLO drawn, and the prefill tokens each arm computed."""
     if (made := figure(1, 3, (16, 4.5))) is None:
         return None
     fig, (a, c, b) = made
     for arm in dict.fromkeys(r["arm"] for r in rows):
         mine = [r for r in rows if r["arm"] == arm]
-        xs = [r["load_per_min"] for r in mine]
+        xs = [r[x[0]] for r in mine]
         style = "-" if arm.endswith("+push") else "--"
         a.plot(
             xs,
@@ -689,16 +694,16 @@ def plot_curve(
         c.plot(xs, [r["ttft_p90_cold"] for r in mine], style, marker="o", label=arm)
         b.plot(xs, [r["computed_tokens"] for r in mine], style, marker="o", label=arm)
     c.axhline(slo, color="black", linewidth=1, label=f"SLO ({slo:g})")
-    a.set_xlabel("offered load (sessions a minute)")
+    a.set_xlabel(x[1])
     a.set_ylabel("TTFT p90 (s)")
     a.set_ylim(bottom=0)
-    c.set_xlabel("offered load (sessions a minute)")
+    c.set_xlabel(x[1])
     c.set_ylabel("TTFT p90, in idle cold prefills of its prompt")
     c.set_ylim(bottom=0)
     c.legend(fontsize=8)
-    b.set_xlabel("offered load (sessions a minute)")
+    b.set_xlabel(x[1])
     b.set_ylabel("prefill tokens computed")
-    loads = sorted({r["load_per_min"] for r in rows})
+    loads = sorted({r[x[0]] for r in rows})
     from matplotlib.ticker import NullLocator
 
     for ax in (a, c, b):

@@ -31,10 +31,19 @@ so the answers are checked after each arm instead: the longest prompts
 left in its cache (its own blocks and pushed ones) and compared with the same
 prompt computed from scratch (first tokens' top-5 logprobs).
 
+Load is the benchmark's own knob: the conversations at once (``--clients``;
+closed-loop, each client sends its next turn when the last one answered). With
+several counts, each arm runs at each on instances started for it, and the
+report reads each (arm, clients) like a point of microbench.sessions' load
+series: TTFT p50/p90/p99, requests and tokens a second, requests in flight per
+instance, and TTFT p90 in idle cold prefills of each request's own prompt
+(measured at the first start, microbench/loadcurve.py). An arm's goodput is the
+most clients up to which it keeps that SLO.
+
 The benchmark needs pandas, which vLLM's virtualenvs do not have: it runs with
 the Python of ``.venv-aiperf`` (aiperf.py; made on first use).
 
-    python -m microbench.sessions.multiturn [--conversations 12] [--clients 3]
+    python -m microbench.sessions.multiturn [--conversations 12] [--clients 2,4,8]
                                             [--max-messages 8] [--seed N]
 """
 
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -62,16 +72,28 @@ from microbench.common import (
     machine_info,
     model_facts,
     parser,
+    provenance,
     stamp,
 )
-from microbench.loadcurve import quantile
+from microbench.loadcurve import (
+    SLO_COLD_PREFILLS,
+    ColdPrefill,
+    goodput,
+    parse_loads,
+    quantile,
+    throughput,
+    ttft_in_cold_prefills,
+)
 from microbench.sessions import aiperf
 from microbench.sessions.__main__ import (
     RECOMPUTE_CUT,
     REUSE_OF_UNBOUNDED,
     TOKEN,
     add_reuse,
+    cold_prefills,
     grown,
+    plot_curve,
+    seconds_by_length,
     snapshot,
     target_line,
     ttft_difference,
@@ -121,6 +143,11 @@ bench.generate_conversations = planned
 asyncio.run(bench.main())
 """
 ARMS = ("rr", "rr+push")
+CLIENTS = "2,4,8"  # conversations at once: the load series
+# idle cold prefills at the first start, the SLO's unit: the prompts run from a
+# first turn of about 1-2k tokens to a last of about 4-5k
+COLD_LENGTHS = {1024: 2, 4096: 2}
+INSTANCES = 2
 
 
 def write_text(path: Path, vocab_size: int, words: int, seed: int) -> Path:
@@ -164,6 +191,32 @@ def conversations_config(
         },
         "prompt_output": {"num_tokens": uniform(*output_tokens)},
     }
+
+
+def parse_clients(text: str) -> list[int]:
+    """``--clients``: conversations at once, comma-separated whole numbers, in
+    increasing order."""
+    counts = parse_loads(text)
+    if any(c != int(c) for c in counts):
+        raise ValueError(f"--clients {text!r}: give whole numbers of conversations")
+    return [int(c) for c in counts]
+
+
+def outcomes_of(metrics: list[dict]) -> list[dict]:
+    """The benchmark's per-request figures as microbench.loadcurve reads a
+    request: sent at, TTFT, end to end, prompt and output tokens."""
+    return [
+        {
+            "sent_at_s": m["start_time_ms"] / 1e3,
+            "ttft_s": m["ttft_ms"] / 1e3,
+            "e2e_s": m["latency_ms"] / 1e3,
+            "prompt_len": m["input_num_tokens"],
+            "prompt_tokens": m["input_num_tokens"],
+            "output_tokens": m["output_num_tokens"],
+            "error": None,
+        }
+        for m in metrics
+    ]
 
 
 def summarize(metrics: list[dict]) -> dict:
@@ -291,11 +344,13 @@ def row_of(
     diff: dict,
     held,
     unbounded: dict | None = None,
+    clients: int | None = None,
 ) -> dict:
     t = diff["tokens"]
     total = sum(t.values())
     row = {
         "arm": arm,
+        "clients": clients,
         **summarize(metrics),
         "expected_requests": expected,
         "not_ended": max(0, expected - len(metrics)),
@@ -322,6 +377,79 @@ def row_of(
         row["unbounded"] = {k: v for k, v in unbounded.items() if k != "per_request"}
         row["prompt_tokens_counted"] = total
     return row
+
+
+def add_load_point(row: dict, cold: ColdPrefill) -> None:
+    """Read ``row`` as a point of a load series: throughput and requests in
+    flight per instance (microbench.loadcurve.throughput over the benchmark's
+    own send times and latencies), TTFT p90 in seconds and in idle cold
+    prefills of each request's own prompt."""
+    outcomes = outcomes_of(row["metrics"])
+    served = throughput(outcomes)
+    row |= {
+        "requests_per_s": served["requests_per_s"],
+        "prompt_tokens_per_s": served["prompt_tokens_per_s"],
+        "output_tokens_per_s": served["output_tokens_per_s"],
+        "in_flight_per_instance": served["in_flight_mean"] / INSTANCES,
+        "ttft_p90_s": None if row["ttft_p90_ms"] is None else row["ttft_p90_ms"] / 1e3,
+        "ttft_p90_cold": ttft_in_cold_prefills(outcomes, cold),
+    }
+
+
+def series_targets(
+    by_clients: dict[int, dict[str, dict]], slo: float
+) -> tuple[list[dict], dict[str, int]]:
+    """The targets of each client count (:func:`targets`, named by the count),
+    rr+push's TTFT p90 against rr's at each, and each arm's goodput: the most
+    clients up to which every count kept the SLO (the p90 of TTFT in idle cold
+    prefills at most ``slo``, no request left unanswered)."""
+    out = []
+    for clients, rows in sorted(by_clients.items()):
+        for t in targets(rows):
+            out.append(t | {"target": f"at {clients} clients: {t['target']}"})
+        rr, push = rows.get("rr"), rows.get("rr+push")
+        if rr and push:
+            as_outcomes = lambda r: {  # noqa: E731
+                "outcomes": [{"ttft_s": m["ttft_ms"] / 1e3} for m in r["metrics"]]
+            }
+            d, lo, hi = ttft_difference(as_outcomes(push), as_outcomes(rr), 0.9)
+            out.append(
+                {
+                    "target": f"at {clients} clients: rr+push TTFT p90 not above "
+                    "rr's beyond the run's noise",
+                    "value": f"{push['ttft_p90_ms']:.0f} / {rr['ttft_p90_ms']:.0f} ms "
+                    f"(difference {d * 1e3:+.0f} ms, 95% interval {lo * 1e3:+.0f} to "
+                    f"{hi * 1e3:+.0f} ms)",
+                    "met": bool(lo <= 0),
+                    "why": "noise: 2,000 bootstrap resamples of each arm's requests",
+                }
+            )
+    gp = {
+        arm: int(
+            goodput(
+                [
+                    (c, rows[arm].get("ttft_p90_cold"), rows[arm]["not_ended"])
+                    for c, rows in by_clients.items()
+                    if arm in rows
+                ],
+                slo,
+            )
+        )
+        for arm in ARMS
+        if any(arm in rows for rows in by_clients.values())
+    }
+    if "rr" in gp and "rr+push" in gp and len(by_clients) > 1:
+        out.append(
+            {
+                "target": "rr+push's goodput >= rr's (the most clients keeping TTFT "
+                f"p90 within {slo:g} idle cold prefills)",
+                "value": f"{gp['rr+push']} / {gp['rr']} clients (of "
+                f"{', '.join(map(str, sorted(by_clients)))})",
+                "met": gp["rr+push"] >= gp["rr"],
+                "why": "",
+            }
+        )
+    return out, gp
 
 
 def targets(rows: dict[str, dict]) -> list[dict]:
@@ -393,10 +521,15 @@ def targets(rows: dict[str, dict]) -> list[dict]:
 
 TABLE = [
     ("arm", "arm", ""),
+    ("clients", "clients", "d"),
     ("requests", "requests", "d"),
     ("not_ended", "not ended", "d"),
     ("ttft_p50_ms", "TTFT p50", ".0f"),
     ("ttft_p90_ms", "p90", ".0f"),
+    ("ttft_p99_ms", "p99", ".0f"),
+    ("ttft_p90_cold", "p90 in cold", ".2f"),
+    ("requests_per_s", "req/s", ".2f"),
+    ("in_flight_per_instance", "in flight/inst", ".1f"),
     ("ttft_later_p50_ms", "turn>=2 p50", ".0f"),
     ("ttft_later_p90_ms", "turn>=2 p90", ".0f"),
     ("latency_p50_ms", "e2e p50", ".0f"),
@@ -423,10 +556,88 @@ def display(rows: list[dict]) -> list[dict]:
     ]
 
 
+def run_arm(
+    arm: str,
+    env: dict,
+    clients: int,
+    args,
+    facts: dict,
+    work: Path,
+    run: dict,
+    warm: PromptSource,
+) -> tuple[dict, dict[int, list[float]]]:
+    """One arm at one client count, on two instances started for it (empty
+    prefix caches): its row, and idle cold prefills measured on a before the
+    benchmark (the SLO's unit)."""
+    here = work / f"{arm}-{clients}"
+    here.mkdir(exist_ok=True)
+    specs = [
+        InstanceSpec(
+            name,
+            role="kv_both",
+            cores=core,
+            model=facts["path"],
+            kv_cache_gib=args.kv_cache_gib,
+            max_model_len=8192,
+            dtype=facts["dtype"],
+            env=env,
+            extra_args=[
+                "--enable-prompt-tokens-details",
+                "--chat-template",
+                str(run["template"]),
+            ],
+        )
+        for name, core in (("a", "0"), ("b", "1"))
+    ]
+    print(
+        f"[multiturn] {arm} at {clients} clients: starting a (core 0) and b (core 1)",
+        flush=True,
+    )
+    with Cluster(specs, here, token=TOKEN) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        served = model_name(a.url)
+        for inst in (a, b):
+            complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=served)
+        cold = cold_prefills(a.url, served, warm, COLD_LENGTHS)
+        print(
+            f"[multiturn] idle cold prefills on a: {seconds_by_length(cold)}",
+            flush=True,
+        )
+        with vllm_router_workers([a, b], here, "round_robin") as router:
+            before = snapshot([a, b])
+            metrics, expected, sent = run_benchmark(
+                run["python"],
+                run["tree"],
+                run["config_path"],
+                facts["path"],
+                served,
+                router.url,
+                clients,
+                args.seed,
+                work / f"{arm}-{clients}-requests.json",
+                work / f"{arm}-{clients}-benchmark.log",
+            )
+        time.sleep(2)  # vLLM counts a request's tokens just after it ends
+        diff = grown(before, snapshot([a, b]))
+        tokens = served_tokens(a.url, served, sent)
+        unbounded = unbounded_reuse_of_prompts(tokens, BLOCK)
+        checked = check_cached_answers([a, b], [p for p, _ in tokens], args.samples)
+        held = wait_no_blocks_in_use(a.url, b.url, timeout=120)
+        row = row_of(arm, metrics, expected, diff, held, unbounded, clients)
+        row["checked"] = checked
+        row["start_cold_prefill_s"] = {str(n): xs for n, xs in cold.items()}
+    return row, cold
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser("sessions.multiturn", __doc__)
     ap.add_argument("--conversations", type=int, default=12)
-    ap.add_argument("--clients", type=int, default=3, help="conversations at once")
+    ap.add_argument(
+        "--clients",
+        default=CLIENTS,
+        help="conversations at once, comma-separated: each arm runs at each "
+        f"(default {CLIENTS})",
+    )
     ap.add_argument(
         "--max-messages",
         type=int,
@@ -435,6 +646,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument(
+        "--slo-cold-prefills",
+        type=float,
+        default=SLO_COLD_PREFILLS,
+        help="the SLO: each request's TTFT at most this many idle cold prefills of "
+        "its own prompt, for 90%% of a count's requests (microbench/loadcurve.py "
+        "says why)",
+    )
     ap.add_kv_cache_gib()
     ap.add_seed()
     ap.add_argument(
@@ -445,12 +664,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_out()
     args = ap.parse_args(argv)
-    code = code_version()
+    try:
+        series = parse_clients(args.clients)
+    except ValueError as e:
+        ap.error(str(e))
+    code = code_version()  # the code this process runs: edits made later do not
     run_id = stamp()
     out = args.out or DEFAULT_RESULTS_DIR / f"sessions-multiturn-{run_id}.json"
     work = out.parent / f"sessions-multiturn-{run_id}-logs"
     work.mkdir(parents=True, exist_ok=True)
-    python = aiperf.ensure().parent / "python"
     facts = model_facts(Path(ensure_model(ModelShape(num_layers=args.layers))))
     text = write_text(work / "words.txt", facts["vocab_size"], 200_000, args.seed)
     config = conversations_config(
@@ -462,94 +684,78 @@ def main(argv: list[str] | None = None) -> int:
         (128, 512),
         (16, 64),
     )
-    config_path = work / "conversations.json"
-    config_path.write_text(json.dumps(config, indent=2))
-    template = work / "chat-template.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    tree = selected().tree
+    run = {
+        "python": aiperf.ensure().parent / "python",
+        "tree": selected().tree,
+        "config_path": work / "conversations.json",
+        "template": work / "chat-template.jinja",
+    }
+    run["config_path"].write_text(json.dumps(config, indent=2))
+    run["template"].write_text(CHAT_TEMPLATE)
     print(
         f"[multiturn] {args.conversations} conversations of up to "
-        f"{args.max_messages // 2} turns, {args.clients} at once, vLLM's "
-        f"benchmark from {tree}; logs in {work}",
+        f"{args.max_messages // 2} turns, {', '.join(map(str, series))} at once, "
+        f"vLLM's benchmark from {run['tree']}; logs in {work}",
         flush=True,
     )
     warm = PromptSource(facts["vocab_size"], seed=10_000 + args.seed)
-    rows: dict[str, dict] = {}
+    by_clients: dict[int, dict[str, dict]] = {}
+    colds: list[dict[int, list[float]]] = []
     t_start = time.monotonic()
-    for arm, env in (("rr", {}), ("rr+push", {"MOONCAKE_PUSH_AUTO": "1"})):
-        specs = [
-            InstanceSpec(
-                name,
-                role="kv_both",
-                cores=core,
-                model=facts["path"],
-                kv_cache_gib=args.kv_cache_gib,
-                max_model_len=8192,
-                dtype=facts["dtype"],
-                env=env,
-                extra_args=[
-                    "--enable-prompt-tokens-details",
-                    "--chat-template",
-                    str(template),
-                ],
+    for clients in series:  # both arms at one count, then the next
+        for arm, env in (("rr", {}), ("rr+push", {"MOONCAKE_PUSH_AUTO": "1"})):
+            row, cold = run_arm(arm, env, clients, args, facts, work, run, warm)
+            by_clients.setdefault(clients, {})[arm] = row
+            colds.append(cold)
+            print(
+                f"[multiturn] {arm} at {clients} clients: {row['requests']} "
+                f"requests answered; {time.monotonic() - t_start:.0f} s so far",
+                flush=True,
             )
-            for name, core in (("a", "0"), ("b", "1"))
-        ]
-        (work / arm).mkdir(exist_ok=True)
-        print(f"[multiturn] {arm}: starting a (core 0) and b (core 1)", flush=True)
-        with Cluster(specs, work / arm, token=TOKEN) as cluster:
-            a, b = cluster["a"], cluster["b"]
-            served = model_name(a.url)
-            for inst in (a, b):
-                complete(inst.url, warm(300), max_tokens=2, logprobs=None, model=served)
-            with vllm_router_workers([a, b], work / arm, "round_robin") as router:
-                before = snapshot([a, b])
-                metrics, expected, sent = run_benchmark(
-                    python,
-                    tree,
-                    config_path,
-                    facts["path"],
-                    served,
-                    router.url,
-                    args.clients,
-                    args.seed,
-                    work / f"{arm}-requests.json",
-                    work / f"{arm}-benchmark.log",
-                )
-            time.sleep(2)  # vLLM counts a request's tokens just after it ends
-            diff = grown(before, snapshot([a, b]))
-            tokens = served_tokens(a.url, served, sent)
-            unbounded = unbounded_reuse_of_prompts(tokens, BLOCK)
-            checked = check_cached_answers([a, b], [p for p, _ in tokens], args.samples)
-            held = wait_no_blocks_in_use(a.url, b.url, timeout=120)
-            rows[arm] = row_of(arm, metrics, expected, diff, held, unbounded)
-            rows[arm]["checked"] = checked
-        print(
-            f"[multiturn] {arm}: {len(metrics)} requests answered; "
-            f"{time.monotonic() - t_start:.0f} s so far",
-            flush=True,
-        )
-    met = targets(rows)
-    ordered = [rows[k] for k in ARMS if k in rows]
+    # the SLO's unit is the first start's cold prefills, for every arm and count
+    cold_model = ColdPrefill.fit(
+        [(n, statistics.median(xs)) for n, xs in colds[0].items()]
+    )
+    for rows in by_clients.values():
+        for row in rows.values():
+            add_load_point(row, cold_model)
+    slo = args.slo_cold_prefills
+    met, gp = series_targets(by_clients, slo)
+    ordered = [
+        by_clients[c][arm] for arm in ARMS for c in series if arm in by_clients[c]
+    ]
     result = {
         "benchmark": "sessions-multiturn",
         "machine": machine_info(),
         "code": code,
         "model": facts,
         "config": config_of(args) | {"conversations_config": config},
+        "slo": {
+            "cold_prefills": slo,
+            "quantile": 0.9,
+            "cold_model": {
+                "a_s_per_token": cold_model.a,
+                "b_s_per_token2": cold_model.b,
+            },
+            "cold_prefill_s": [{str(n): xs for n, xs in c.items()} for c in colds],
+        },
+        "goodput_clients": gp,
         "rows": ordered,
         "targets": met,
         "summary": {
             "lines": [
-                "each arm on instances started for it (empty prefix caches); driver: "
-                "vLLM's benchmarks/multi_turn/benchmark_serving_multi_turn.py, "
-                "closed-loop",
+                "each arm at each client count on instances started for it (empty "
+                "prefix caches); driver: vLLM's "
+                "benchmarks/multi_turn/benchmark_serving_multi_turn.py, closed-loop",
                 "answers: the longest prompts sent again to each instance after "
                 "the arm (served from the KV it left cached) against from-scratch",
+                f"SLO: TTFT p90 within {slo:g} idle cold prefills of each request's "
+                f"own prompt (first start: {seconds_by_length(colds[0])}); goodput "
+                + ", ".join(f"{arm} {n} clients" for arm, n in gp.items()),
             ]
             + [
-                f"{r['arm']}: an unbounded cache would reuse "
-                f"{r['unbounded']['fraction']:.1%} of the prompt tokens "
+                f"{r['arm']} at {r['clients']} clients: an unbounded cache would "
+                f"reuse {r['unbounded']['fraction']:.1%} of the prompt tokens "
                 f"({r['unbounded']['hit_tokens']:,} of "
                 f"{r['unbounded']['prompt_tokens']:,}; vLLM counted "
                 f"{r['prompt_tokens_counted']:,.0f} prompt tokens)"
@@ -559,8 +765,27 @@ def main(argv: list[str] | None = None) -> int:
             + [target_line(t) for t in met]
         },
     }
+    png = None
+    if len(series) > 1:
+        curve = [r | {"load": r["clients"]} for r in ordered]
+        png = plot_curve(
+            curve,
+            slo,
+            out.with_suffix(".png"),
+            f"vLLM's multi-turn benchmark, {args.conversations} conversations, "
+            f"{facts['layers']} layers, two kv_both instances behind vllm-router "
+            "round_robin",
+            provenance(result["machine"], code, run_id),
+            x=("load", "conversations at once (closed-loop clients)"),
+        )
     return finish(
-        "sessions-multiturn", out, result, TABLE, lambda r: r["arm"], None, display
+        "sessions-multiturn",
+        out,
+        result,
+        TABLE,
+        lambda r: (r["arm"], r["clients"]),
+        png,
+        display,
     )
 
 
