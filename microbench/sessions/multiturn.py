@@ -43,7 +43,7 @@ most clients up to which it keeps that SLO.
 The benchmark needs pandas, which vLLM's virtualenvs do not have: it runs with
 the Python of ``.venv-aiperf`` (aiperf.py; made on first use).
 
-    python -m microbench.sessions.multiturn [--conversations 12] [--clients 2,4,8]
+    python -m microbench.sessions.multiturn [--conversations 32] [--clients 4,8,16]
                                             [--max-messages 8] [--seed N]
 """
 
@@ -143,7 +143,10 @@ bench.generate_conversations = planned
 asyncio.run(bench.main())
 """
 ARMS = ("rr", "rr+push")
-CLIENTS = "2,4,8"  # conversations at once: the load series
+# the load series, conversations at once: on a 2-core host both arms keep the
+# SLO at 8 and lose it at 16 (about 9 minutes in all, 116 requests a point)
+CLIENTS = "4,8,16"
+CONVERSATIONS = 32  # twice the most clients: every count is held for most of a run
 # idle cold prefills at the first start, the SLO's unit: the prompts run from a
 # first turn of about 1-2k tokens to a last of about 4-5k
 COLD_LENGTHS = {1024: 2, 4096: 2}
@@ -631,7 +634,7 @@ def run_arm(
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser("sessions.multiturn", __doc__)
-    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--conversations", type=int, default=CONVERSATIONS)
     ap.add_argument(
         "--clients",
         default=CLIENTS,
