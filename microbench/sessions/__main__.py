@@ -79,6 +79,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -423,6 +424,8 @@ def run_arm(
             - before[dn]["tokens"]["local_compute"],
             "transfers": layerwise_of(p, tag, lw_before),
             "prefill_p50_s": quantile([o.prefill_s for o in outcomes], 0.5),
+            "after_p_answer_p50_s": quantile(after_p_answer(map(vars, outcomes)), 0.5),
+            "after_p_answer_p90_s": quantile(after_p_answer(map(vars, outcomes)), 0.9),
         }
     checks = []
     for i in sorted(sampled):
@@ -785,7 +788,35 @@ def targets(rows: dict[str, dict]) -> list[dict]:
             f"answer p50 {ms(lw['pd']['prefill_p50_s'])} layer-wise, "
             f"{ms(post['pd']['prefill_p50_s'])} post-hoc",
         )
+        # The part of TTFT the transfer mode decides: D's first token after P
+        # answered. Under load the rest is P's queue and prefill, whose spread
+        # between runs can hide a difference here.
+        after = lambda r: {  # noqa: E731
+            "outcomes": [{"ttft_s": x} for x in after_p_answer(r["outcomes"])]
+        }
+        if after(lw)["outcomes"] and after(post)["outcomes"]:
+            d, lo, hi = ttft_difference(after(lw), after(post), 0.5)
+            add(
+                "P/D: D's first token after P's answer, layer-wise p50 below post-hoc's",
+                f"{d * 1e3:+.0f} ms (95% interval {lo * 1e3:+.0f} to {hi * 1e3:+.0f} "
+                f"ms); p90 {ms(lw['pd'].get('after_p_answer_p90_s'))} layer-wise, "
+                f"{ms(post['pd'].get('after_p_answer_p90_s'))} post-hoc",
+                hi < 0,
+                "the part of TTFT the transfer mode decides; the rest is P's queue "
+                "and its prefill",
+            )
     return out + [clean_run_target(name, r) for name, r in rows.items()]
+
+
+def after_p_answer(outcomes: Iterable[dict]) -> list[float]:
+    """P/D: each answered request's first token from D after P's own answer
+    (seconds, both on the client's clock): the part of its TTFT the KV transfer
+    decides."""
+    return [
+        o["ttft_s"] - o["prefill_s"]
+        for o in outcomes
+        if o.get("ttft_s") is not None and o.get("prefill_s") is not None
+    ]
 
 
 TABLE = [

@@ -112,7 +112,7 @@ def test_latencies_all_a_second_longer_are_outside_it():
     assert d == pytest.approx(1.0) and lo > 0
 
 
-def pd_row(name, ttfts, share=0.8):
+def pd_row(name, ttfts, share=0.8, prefill=None):
     return {
         "arm": name,
         "requests": len(ttfts),
@@ -121,7 +121,10 @@ def pd_row(name, ttfts, share=0.8):
         "correct": True,
         "blocks_held_after": [0, 0],
         "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
-        "outcomes": [{"ttft_s": t} for t in ttfts],
+        "outcomes": [
+            {"ttft_s": t, "prefill_s": None if prefill is None else prefill[i]}
+            for i, t in enumerate(ttfts)
+        ],
         "pd": {
             "transfers": {
                 "share_before_prefill_end": share,
@@ -153,6 +156,30 @@ def test_pd_layerwise_is_below_posthoc_only_when_the_whole_interval_is():
         }
     )
     assert not same["met"]
+
+
+def test_pd_the_transfers_part_of_ttft_is_told_apart_from_ps_queue():
+    """Under load P's queue spreads TTFT over seconds: layer-wise's shorter wait
+    after P's answer is judged on that wait alone."""
+    queue = [1.0 * (i % 40) for i in range(40)]  # P's answers 0-39 s after the send
+    behind = list(reversed(queue))
+
+    def judged(lw_after, post_after):
+        rows = {
+            "pd-layerwise": pd_row(
+                "pd-layerwise", [p + lw_after for p in queue], prefill=queue
+            ),
+            "pd-posthoc": pd_row(
+                "pd-posthoc", [p + post_after for p in behind], prefill=behind
+            ),
+        }
+        return {t["target"]: t for t in targets(rows)}
+
+    after = "P/D: D's first token after P's answer, layer-wise p50 below post-hoc's"
+    got = judged(0.05, 0.8)
+    assert not got["P/D layer-wise TTFT p50 below post-hoc's"]["met"]  # the queue
+    assert got[after]["met"] and got[after]["value"].startswith("-750 ms")
+    assert not judged(0.8, 0.8)[after]["met"]
 
 
 class Stub:
