@@ -147,8 +147,8 @@ ARMS = ("rr", "rr+push")
 # SLO at 8 and lose it at 16 (about 9 minutes in all, 116 requests a point)
 CLIENTS = "4,8,16"
 CONVERSATIONS = 32  # twice the most clients: every count is held for most of a run
-# idle cold prefills at the first start, the SLO's unit: the prompts run from a
-# first turn of about 1-2k tokens to a last of about 4-5k
+# idle cold prefills at the first start, the SLO's unit, at lengths that bracket
+# the prompts (a first turn of about 1-2k tokens, a last of under 3k here)
 COLD_LENGTHS = {1024: 2, 4096: 2}
 INSTANCES = 2
 
