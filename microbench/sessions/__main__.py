@@ -415,6 +415,7 @@ def run_arm(
             {p.spec.name: before[p.spec.name]}, {p.spec.name: after[p.spec.name]}
         )
         dn = d.spec.name
+        after_p = after_p_answer(map(vars, outcomes))
         pd_row = {
             "transferred_tokens": after[dn]["tokens"]["external_kv_transfer"]
             - before[dn]["tokens"]["external_kv_transfer"],
@@ -424,8 +425,8 @@ def run_arm(
             - before[dn]["tokens"]["local_compute"],
             "transfers": layerwise_of(p, tag, lw_before),
             "prefill_p50_s": quantile([o.prefill_s for o in outcomes], 0.5),
-            "after_p_answer_p50_s": quantile(after_p_answer(map(vars, outcomes)), 0.5),
-            "after_p_answer_p90_s": quantile(after_p_answer(map(vars, outcomes)), 0.9),
+            "after_p_answer_p50_s": quantile(after_p, 0.5),
+            "after_p_answer_p90_s": quantile(after_p, 0.9),
         }
     checks = []
     for i in sorted(sampled):
@@ -791,11 +792,12 @@ def targets(rows: dict[str, dict]) -> list[dict]:
         # The part of TTFT the transfer mode decides: D's first token after P
         # answered. Under load the rest is P's queue and prefill, whose spread
         # between runs can hide a difference here.
-        after = lambda r: {  # noqa: E731
-            "outcomes": [{"ttft_s": x} for x in after_p_answer(r["outcomes"])]
-        }
-        if after(lw)["outcomes"] and after(post)["outcomes"]:
-            d, lo, hi = ttft_difference(after(lw), after(post), 0.5)
+        lw_after, post_after = (
+            {"outcomes": [{"ttft_s": x} for x in after_p_answer(r["outcomes"])]}
+            for r in (lw, post)
+        )
+        if lw_after["outcomes"] and post_after["outcomes"]:
+            d, lo, hi = ttft_difference(lw_after, post_after, 0.5)
             add(
                 "P/D: D's first token after P's answer, layer-wise p50 below post-hoc's",
                 f"{d * 1e3:+.0f} ms (95% interval {lo * 1e3:+.0f} to {hi * 1e3:+.0f} "

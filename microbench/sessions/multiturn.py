@@ -412,10 +412,11 @@ def series_targets(
             out.append(t | {"target": f"at {clients} clients: {t['target']}"})
         rr, push = rows.get("rr"), rows.get("rr+push")
         if rr and push:
-            as_outcomes = lambda r: {  # noqa: E731
-                "outcomes": [{"ttft_s": m["ttft_ms"] / 1e3} for m in r["metrics"]]
-            }
-            d, lo, hi = ttft_difference(as_outcomes(push), as_outcomes(rr), 0.9)
+            d, lo, hi = ttft_difference(
+                {"outcomes": outcomes_of(push["metrics"])},
+                {"outcomes": outcomes_of(rr["metrics"])},
+                0.9,
+            )
             out.append(
                 {
                     "target": f"at {clients} clients: rr+push TTFT p90 not above "
